@@ -1,0 +1,22 @@
+"""depthrewrite: rewrite the PreNorm residual stream of a decoder-only transformer into
+depth-routing graphs (Attention Residuals, MHAR, WAV, DAR and their baselines).
+
+    model = depthrewrite.rewrite(model, scheme="attnres")
+    print(depthrewrite.inspect(model))
+"""
+
+from .analysis import ResidualStream, Site
+from .errors import (
+    AlreadyRewrittenError, CaptureError, DepthRewriteError, NoResidualStreamError, NotPreNormError,
+    RuntimeOrderError,
+)
+from .passes import SCHEMES
+from .rewrite import inspect, rewrite
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "rewrite", "inspect", "SCHEMES", "ResidualStream", "Site",
+    "DepthRewriteError", "CaptureError", "NotPreNormError", "NoResidualStreamError",
+    "AlreadyRewrittenError", "RuntimeOrderError",
+]

@@ -1,0 +1,141 @@
+"""Per-block torch.fx tracing with every child module kept as a leaf.
+
+A block is traced exactly as the model calls it: tensors and other objects (caches,
+tuples of RoPE tensors) become placeholders; ``None``, booleans, numbers and strings are
+baked in as constants, because block code branches on them (``if use_cache:``). The
+constants and the train/eval mode form the block's :class:`CallSpec`; a call with a
+different spec is traced again (the rewritten block keeps one graph per spec).
+
+Tracing goes through a throwaway root module that shares the block's module, parameter
+and buffer dictionaries, so node targets are the block's own attribute paths and the
+generated code runs with the block itself as ``self``.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..errors import CaptureError
+
+_CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """The shape of one block call: which arguments are traced inputs and which constants."""
+
+    positional: tuple  # per position: ("input", type name) or ("const", value)
+    keywords: tuple  # sorted (name, ("input", type name) | ("const", value))
+    training: bool
+
+    def input_names(self, param_names: list[str]) -> list[str]:
+        names = []
+        for i, (mode, _) in enumerate(self.positional):
+            if mode == "input":
+                names.append(param_names[i] if i < len(param_names) else f"arg{i}")
+        names += [k for k, (mode, _) in self.keywords if mode == "input"]
+        return [_identifier(n) for n in names]
+
+    def input_values(self, args: tuple, kwargs: dict) -> list:
+        vals = [a for a, (mode, _) in zip(args, self.positional) if mode == "input"]
+        vals += [kwargs[k] for k, (mode, _) in self.keywords if mode == "input"]
+        return vals
+
+
+def _classify(value: Any) -> tuple:
+    if isinstance(value, _CONSTANT_TYPES):
+        return ("const", value)
+    return ("input", type(value).__name__)
+
+
+def call_spec(args: tuple, kwargs: dict, training: bool) -> CallSpec:
+    return CallSpec(
+        positional=tuple(_classify(a) for a in args),
+        keywords=tuple(sorted((k, _classify(v)) for k, v in kwargs.items())),
+        training=training,
+    )
+
+
+def _identifier(name: str) -> str:
+    name = re.sub(r"\W", "_", name)
+    if not name or name[0].isdigit() or keyword.iskeyword(name):
+        name = "_" + name
+    return name
+
+
+def forward_param_names(fn: Callable) -> list[str]:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+class _LeafChildrenTracer(fx.Tracer):
+    """Every module call inside the block is a leaf: the analysis reads the block's own code."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+class _TraceRoot(nn.Module):
+    """Shares the block's dictionaries so that paths and parameters resolve to the block's."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_modules", block._modules)
+        object.__setattr__(self, "_parameters", block._parameters)
+        object.__setattr__(self, "_buffers", block._buffers)
+
+
+@dataclass
+class TracedBlock:
+    graph: fx.Graph
+    spec: CallSpec
+    input_names: list[str]
+    gm: fx.GraphModule  # for running the original graph (analysis probes)
+
+
+def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, training: bool) -> TracedBlock:
+    """Trace ``forward(block, *args, **kwargs)`` with the given call's constants baked in."""
+    spec = call_spec(args, kwargs, training)
+    names = spec.input_names(forward_param_names(forward))
+    if len(set(names)) != len(names):
+        raise CaptureError(f"block {type(block).__name__}: argument names collide after sanitising: {names}")
+
+    def rebuild_and_call(*inputs):
+        it = iter(inputs)
+        call_args = [next(it) if mode == "input" else value for mode, value in spec.positional]
+        call_kwargs = {k: (next(it) if mode == "input" else value) for k, (mode, value) in spec.keywords}
+        return forward(block, *call_args, **call_kwargs)
+
+    root = _TraceRoot(block)
+    src = f"def forward(self, {', '.join(names)}):\n    return self._call({', '.join(names)})\n"
+    scope: dict[str, Any] = {}
+    exec(compile(src, f"<depthrewrite trace of {type(block).__name__}>", "exec"), scope)
+    object.__setattr__(root, "_call", rebuild_and_call)
+    root_cls = type(f"TraceOf{type(block).__name__}", (_TraceRoot,), {"forward": scope["forward"]})
+    root.__class__ = root_cls
+    was_training = block.training
+    block.train(training)
+    try:
+        with torch.no_grad():
+            graph = _LeafChildrenTracer().trace(root)
+    except Exception as exc:
+        raise CaptureError(
+            f"torch.fx could not trace block {type(block).__name__} with its children as leaves: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        block.train(was_training)
+    gm = fx.GraphModule(root, graph, class_name=f"Traced{type(block).__name__}")
+    return TracedBlock(graph=graph, spec=spec, input_names=names, gm=gm)

@@ -1,0 +1,28 @@
+"""Exceptions raised by depthrewrite. Each message names the module or argument, what was
+expected and what was found, so that a user can act on it without reading the rewriter."""
+
+from __future__ import annotations
+
+
+class DepthRewriteError(Exception):
+    """Base class for every error raised by depthrewrite."""
+
+
+class CaptureError(DepthRewriteError):
+    """The model could not be run or traced to find its residual stream."""
+
+
+class NotPreNormError(DepthRewriteError):
+    """A residual site was found but its shape is not PreNorm (SPEC section 1)."""
+
+
+class NoResidualStreamError(DepthRewriteError):
+    """The model has no stack of blocks that carry a residual stream."""
+
+
+class AlreadyRewrittenError(DepthRewriteError):
+    """The model was already rewritten by depthrewrite."""
+
+
+class RuntimeOrderError(DepthRewriteError):
+    """A rewritten model ran its blocks in an order the rewrite did not see at capture."""

@@ -1,0 +1,347 @@
+"""Depth routing (Attention Residuals, MHAR) as ``depthrewrite::`` custom ops.
+
+For N sources ``v_i`` of shape ``(*batch, d)`` (SPEC sections 2-4)::
+
+    k_i   = keys[i] if keys else v_i          (both times source_scale[i], if given)
+    khat  = RMSNorm_g(k_i)                    statistic over the FULL width d
+    z[i,h] = sum_{c in head h} query[c] * khat_i[c]  (+ logit_bias[i])
+    a[:,h] = softmax over the N sources of z[:,h], per token
+    out[c] = sum_i a[i, head(c)] * v_i[c]
+
+``route`` is the user-facing wrapper: it checks its inputs and calls
+``torch.ops.depthrewrite.route``. The op has a pure-PyTorch implementation here
+(explicit backward in ``depthrewrite::route_backward``); a fused kernel may
+replace the implementation later with the same schema. ``route_reference`` is
+the same computation written with ordinary differentiable torch ops, kept as
+the test oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["route", "route_reference"]
+
+ROUTE_SCHEMA = (
+    "(Tensor[] values, Tensor[]? keys, Tensor query, Tensor key_norm_weight, "
+    "Tensor? logit_bias, Tensor? source_scale, int heads, float eps) -> Tensor"
+)
+ROUTE_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor[] values, Tensor[]? keys, Tensor query, "
+    "Tensor key_norm_weight, Tensor? logit_bias, Tensor? source_scale, int heads, "
+    "float eps) -> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_query, "
+    "Tensor grad_key_norm_weight, Tensor grad_logit_bias)"
+)
+
+
+# --------------------------------------------------------------------------- math
+
+
+def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    # float32 arithmetic for half/bf16 activations, float64 as soon as anything is float64.
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+@dataclass
+class _Parts:
+    """Forward quantities, recomputed by the backward instead of being saved."""
+
+    src: Tensor  # (N, *batch, d) scaled values, compute dtype
+    norm: Tensor  # (N, *batch, d) keys * r, before the norm weight
+    rstd: Tensor  # (N, *batch, 1)
+    weights: Tensor  # (N, *batch, H) softmax over the sources
+    dtype: torch.dtype
+
+
+def _scaled_stack(tensors: Sequence[Tensor], scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    stacked = torch.stack(list(tensors)).to(dtype)
+    if scale is None:
+        return stacked
+    return stacked * scale.to(dtype).unsqueeze(-1)
+
+
+def _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps) -> _Parts:
+    dtype = _compute_dtype(values[0], keys[0] if keys else None, query, key_norm_weight, logit_bias)
+    src = _scaled_stack(values, source_scale, dtype)
+    key = src if keys is None else _scaled_stack(keys, source_scale, dtype)
+    rstd = torch.rsqrt(key.square().mean(-1, keepdim=True) + eps)
+    norm = key * rstd
+    if len(values) == 1:
+        # softmax over one source is exactly 1, whatever the logit
+        weights = src.new_ones(src.shape[:-1] + (heads,))
+    else:
+        khat = norm * key_norm_weight.to(dtype)
+        logits = (khat * query.to(dtype)).unflatten(-1, (heads, -1)).sum(-1)
+        if logit_bias is not None:
+            logits = logits + logit_bias.to(dtype).reshape((-1,) + (1,) * (logits.dim() - 1))
+        weights = torch.softmax(logits, dim=0)
+    return _Parts(src, norm, rstd, weights, dtype)
+
+
+def _mix(weights: Tensor, src: Tensor, heads: int) -> Tensor:
+    return (weights.unsqueeze(-1) * src.unflatten(-1, (heads, -1))).sum(0).flatten(-2)
+
+
+def _all_but_last(t: Tensor) -> tuple[int, ...]:
+    return tuple(range(t.dim() - 1))
+
+
+def _split_fresh(stacked: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    # custom-op outputs may not alias each other, so no views of one stacked buffer
+    return [t.to(dtype, copy=True) for t in stacked.unbind(0)]
+
+
+# ---------------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("depthrewrite::route", mutates_args=(), schema=ROUTE_SCHEMA)
+def _route_op(
+    values: list[Tensor],
+    keys: list[Tensor] | None,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    logit_bias: Tensor | None,
+    source_scale: Tensor | None,
+    heads: int,
+    eps: float,
+) -> Tensor:
+    out_dtype = values[0].dtype
+    if len(values) == 1:
+        # bit-identical to the single source: no stack, no reduction, just one multiply
+        src = values[0].to(_compute_dtype(values[0], query, key_norm_weight, logit_bias))
+        if source_scale is not None:
+            src = src * source_scale[0].to(src.dtype).unsqueeze(-1)
+        return (src * 1.0).to(out_dtype)
+    parts = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    return _mix(parts.weights, parts.src, heads).to(out_dtype)
+
+
+@_route_op.register_fake
+def _route_fake(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
+    return torch.empty_like(values[0])
+
+
+@torch.library.custom_op("depthrewrite::route_backward", mutates_args=(), schema=ROUTE_BACKWARD_SCHEMA)
+def _route_backward_op(
+    grad_out: Tensor,
+    values: list[Tensor],
+    keys: list[Tensor] | None,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    logit_bias: Tensor | None,
+    source_scale: Tensor | None,
+    heads: int,
+    eps: float,
+) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
+    p = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    g = grad_out.to(p.dtype).unflatten(-1, (heads, -1))  # (*batch, H, d/H)
+    a = p.weights  # (N, *batch, H)
+
+    d_src = (a.unsqueeze(-1) * g).flatten(-2)
+    d_a = (p.src.unflatten(-1, (heads, -1)) * g).sum(-1)
+    d_z = a * (d_a - (a * d_a).sum(0, keepdim=True))  # softmax backward over sources
+
+    w = key_norm_weight.to(p.dtype)
+    khat = (p.norm * w).unflatten(-1, (heads, -1))
+    d_query = (d_z.unsqueeze(-1) * khat).sum(_all_but_last(d_z)).flatten()
+    d_khat = (d_z.unsqueeze(-1) * query.to(p.dtype).unflatten(-1, (heads, -1))).flatten(-2)
+    d_weight = (d_khat * p.norm).sum(_all_but_last(d_khat))
+    d_norm = d_khat * w
+    # RMSNorm backward: the statistic couples all d channels of a key
+    d_key = p.rstd * (d_norm - p.norm * (d_norm * p.norm).mean(-1, keepdim=True))
+
+    if keys is None:
+        d_src = d_src + d_key
+    if source_scale is not None:
+        scale = source_scale.to(p.dtype).unsqueeze(-1)
+        d_src = d_src * scale
+        d_key = d_key * scale
+
+    grad_values = _split_fresh(d_src, values[0].dtype)
+    grad_keys = [] if keys is None else _split_fresh(d_key, keys[0].dtype)
+    if logit_bias is None:
+        grad_bias = query.new_empty((0,))
+    else:
+        grad_bias = d_z.sum(tuple(range(1, d_z.dim()))).to(logit_bias.dtype)
+    return (
+        grad_values,
+        grad_keys,
+        d_query.to(query.dtype),
+        d_weight.to(key_norm_weight.dtype),
+        grad_bias,
+    )
+
+
+@_route_backward_op.register_fake
+def _route_backward_fake(grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
+    return (
+        [torch.empty_like(v) for v in values],
+        [] if keys is None else [torch.empty_like(k) for k in keys],
+        torch.empty_like(query),
+        torch.empty_like(key_norm_weight),
+        query.new_empty((0,)) if logit_bias is None else torch.empty_like(logit_bias),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps = inputs
+    ctx.num_sources = len(values)
+    ctx.has_keys = keys is not None
+    ctx.heads = heads
+    ctx.eps = eps
+    # save_for_backward takes a flat sequence (None allowed), so lists are spliced in
+    ctx.save_for_backward(*values, *(keys or ()), query, key_norm_weight, logit_bias, source_scale)
+
+
+def _backward(ctx, grad_out):
+    saved = ctx.saved_tensors
+    n = ctx.num_sources
+    values = list(saved[:n])
+    keys = list(saved[n : 2 * n]) if ctx.has_keys else None
+    query, key_norm_weight, logit_bias, source_scale = saved[(2 if ctx.has_keys else 1) * n :]
+    grad_values, grad_keys, grad_query, grad_weight, grad_bias = _route_backward_op(
+        grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, ctx.heads, ctx.eps
+    )
+    return (
+        grad_values,
+        grad_keys if ctx.has_keys else None,
+        grad_query,
+        grad_weight,
+        grad_bias if logit_bias is not None else None,
+        None,  # source_scale is a constant of the routing (SPEC 5: detached RMS matching)
+        None,
+        None,
+    )
+
+
+_route_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def _fail(arg: str, expected: str, found: object) -> ValueError:
+    return ValueError(f"route: `{arg}` must be {expected}; found {found}")
+
+
+def _describe(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | None) -> list[Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise _fail(arg, "a list or tuple of tensors", type(tensors).__name__)
+    if count is not None and len(tensors) != count:
+        raise _fail(arg, f"{count} tensors (one per source in `values`)", f"{len(tensors)}")
+    if not tensors:
+        raise _fail(arg, "a non-empty list of tensors", "an empty sequence")
+    first = tensors[0] if like is None else like
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise _fail(f"{arg}[{i}]", "a tensor", type(t).__name__)
+        if not t.is_floating_point() or t.dim() == 0:
+            raise _fail(f"{arg}[{i}]", "a floating-point tensor of shape (*batch, d)", _describe(t))
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise _fail(f"{arg}[{i}]", f"like values[0] ({_describe(first)})", _describe(t))
+    return list(tensors)
+
+
+def _check_param(arg: str, t: object, shape: tuple[int, ...], device: torch.device, optional: bool) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, Tensor):
+        raise _fail(arg, f"a tensor of shape {shape}", type(t).__name__)
+    if not t.is_floating_point() or tuple(t.shape) != shape or t.device != device:
+        raise _fail(arg, f"a floating-point tensor of shape {shape} on {device}", _describe(t))
+
+
+def _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps) -> None:
+    values = _check_sources("values", values, None, None)
+    if keys is not None:
+        _check_sources("keys", keys, len(values), values[0])
+    n, batch, d = len(values), tuple(values[0].shape[:-1]), values[0].shape[-1]
+    device = values[0].device
+    _check_param("query", query, (d,), device, optional=False)
+    _check_param("key_norm_weight", key_norm_weight, (d,), device, optional=False)
+    _check_param("logit_bias", logit_bias, (n,), device, optional=True)
+    _check_param("source_scale", source_scale, (n, *batch), device, optional=True)
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads != 0:
+        raise _fail("heads", f"a positive int dividing the width d={d}", repr(heads))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+        raise _fail("eps", "a finite non-negative float", repr(eps))
+
+
+# ------------------------------------------------------------------- public API
+
+
+def route(
+    values: Sequence[Tensor],
+    keys: Sequence[Tensor] | None = None,
+    *,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    logit_bias: Tensor | None = None,
+    source_scale: Tensor | None = None,
+    heads: int = 1,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Softmax-over-depth mix of ``values`` (N tensors of shape ``(*batch, d)``).
+
+    ``keys`` (same count and shape) default to the values; ``query`` and
+    ``key_norm_weight`` have shape ``(d,)``, ``logit_bias`` ``(N,)``,
+    ``source_scale`` ``(N, *batch)`` (a per-token multiplier of each source,
+    keys included, that receives no gradient). ``heads`` splits the width into
+    that many softmaxes (MHAR); the key RMS statistic is over the full width.
+    Returns a tensor shaped and typed like the values.
+    """
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    return torch.ops.depthrewrite.route(
+        list(values),
+        None if keys is None else list(keys),
+        query,
+        key_norm_weight,
+        logit_bias,
+        source_scale,
+        heads,
+        float(eps),
+    )
+
+
+def route_reference(
+    values: Sequence[Tensor],
+    keys: Sequence[Tensor] | None = None,
+    *,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    logit_bias: Tensor | None = None,
+    source_scale: Tensor | None = None,
+    heads: int = 1,
+    eps: float = 1e-6,
+) -> Tensor:
+    """``route`` written with plain differentiable torch ops (the test oracle)."""
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    dtype = _compute_dtype(values[0], query, key_norm_weight, logit_bias)
+    d = values[0].shape[-1]
+    src = torch.stack([v.to(dtype) for v in values])
+    key = src if keys is None else torch.stack([k.to(dtype) for k in keys])
+    if source_scale is not None:
+        scale = source_scale.detach().to(dtype).unsqueeze(-1)
+        src, key = src * scale, key * scale
+    khat = F.rms_norm(key, (d,), weight=key_norm_weight.to(dtype), eps=float(eps))
+    per_head = query.to(dtype).reshape(heads, d // heads)
+    logits = torch.einsum("n...hc,hc->n...h", khat.unflatten(-1, (heads, -1)), per_head)
+    if logit_bias is not None:
+        logits = logits + logit_bias.to(dtype).reshape((-1,) + (1,) * (logits.dim() - 1))
+    weights = torch.softmax(logits, dim=0)
+    out = torch.einsum("n...h,n...hc->...hc", weights, src.unflatten(-1, (heads, -1)))
+    return out.flatten(-2).to(values[0].dtype)

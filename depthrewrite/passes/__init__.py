@@ -1,0 +1,46 @@
+"""Rewrite passes: one scheme family a module, all reading the same analysis result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .attnres import AttnResScheme, BlockAttnResScheme, ResidualScheme
+from .base import Scheme, SchemeOptions
+
+#: every scheme ``depthrewrite.rewrite`` accepts, by name
+SCHEMES: dict[str, type[Scheme]] = {
+    cls.name: cls for cls in (ResidualScheme, AttnResScheme, BlockAttnResScheme)
+}
+
+
+def scheme_class(name: str) -> type[Scheme]:
+    if not isinstance(name, str) or name not in SCHEMES:
+        raise ValueError(f"unknown scheme {name!r}; valid schemes: {', '.join(sorted(SCHEMES))}")
+    return SCHEMES[name]
+
+
+def scheme_options(cls: type[Scheme], options: dict) -> SchemeOptions:
+    """Build the scheme's options dataclass; unknown names are a ValueError listing the valid ones."""
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"scheme {cls.name!r} has no option {', '.join(map(repr, unknown))}; valid options: "
+            f"{', '.join(sorted(fields))}"
+        )
+    opts = cls.Options(**options)
+    _check_types(cls.name, opts)
+    return opts
+
+
+def _check_types(scheme: str, opts: SchemeOptions) -> None:
+    if not isinstance(opts.preserve_identity, bool):
+        raise ValueError(f"{scheme}: preserve_identity must be True or False, found {opts.preserve_identity!r}")
+    if opts.gate not in ("scalar", "channel"):
+        raise ValueError(f"{scheme}: gate must be 'scalar' or 'channel', found {opts.gate!r}")
+    eps = getattr(opts, "eps", None)
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0):
+        raise ValueError(f"{scheme}: eps must be a positive number, found {eps!r}")
+
+
+__all__ = ["SCHEMES", "Scheme", "SchemeOptions", "scheme_class", "scheme_options"]

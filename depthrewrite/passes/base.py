@@ -1,0 +1,132 @@
+"""The contract between the rewriter and a routing scheme.
+
+A scheme never sees the FX graph. It gets the analysis result (:class:`ResidualStream`)
+and provides:
+
+- ``init_state(e)``: the depth state after the embedding, a pytree of tensors (tuples);
+- ``site_router(site)``: a module with ``read(state, h) -> x`` (what the branch reads
+  instead of ``h``) and ``write(state, u, x, h) -> state`` (record the branch's update).
+  Its class attribute ``keeps_stream`` says whether the residual stream survives: if
+  true, the block's residual adds stay ``h + u`` (``h + scale_update(u)`` where
+  ``scales_update`` is true) and ``h`` is passed in; if false, ``h`` is ``None`` and the
+  block's adds become ``x + u``, a stream-like value that only the block's caller sees;
+- ``readout_router()``: a module with ``read(state, h) -> x`` for the final norm.
+
+State is functional: routers return new tuples and never mutate the old ones, so a block
+is a pure function of (inputs, state) and gradient checkpointing can replay it.
+
+With ``preserve_identity=True`` every router is wrapped in :class:`DeltaSite` /
+:class:`DeltaReadout` (SPEC section 7): the residual stream is kept and the branch reads
+``h + g * route(state)`` with a gate ``g`` initialised to zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..analysis import ResidualStream, Site
+
+State = Any  # a pytree (nested tuples) of tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemeOptions:
+    """Options every scheme takes."""
+
+    preserve_identity: bool = False
+    gate: str = "scalar"  # preserve_identity gate: 'scalar' or 'channel' (per-channel)
+
+
+class Scheme:
+    """Base class of the rewrite passes. Subclasses set ``name``, ``Options`` and
+    ``delta_applies`` and implement the three factory methods."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type] = SchemeOptions
+    #: whether SPEC section 7's identity-preserving form applies (it does not for the
+    #: identity rewrite itself)
+    delta_applies: ClassVar[bool] = True
+
+    def __init__(self, options: SchemeOptions, stream: ResidualStream, dtype: torch.dtype, device: torch.device):
+        self.options, self.stream = options, stream
+        self.dtype, self.device = dtype, device
+        self.d = stream.d_model
+
+    @property
+    def delta(self) -> bool:
+        return self.options.preserve_identity and self.delta_applies
+
+    # -- to implement -------------------------------------------------------------------
+    def init_state(self, e: torch.Tensor) -> State:
+        raise NotImplementedError
+
+    def site_router(self, site: Site) -> nn.Module:
+        raise NotImplementedError
+
+    def readout_router(self) -> nn.Module:
+        raise NotImplementedError
+
+    # -- used by the rewriter -----------------------------------------------------------
+    def make_site_router(self, site: Site) -> nn.Module:
+        router = self.site_router(site)
+        return DeltaSite(router, self._gate()) if self.delta else router
+
+    def make_readout_router(self) -> nn.Module:
+        router = self.readout_router()
+        return DeltaReadout(router, self._gate()) if self.delta else router
+
+    def param(self, *shape: int, fill: float) -> nn.Parameter:
+        return nn.Parameter(torch.full(shape, fill, dtype=self.dtype, device=self.device))
+
+    def _gate(self) -> nn.Parameter:
+        shape = (self.d,) if self.options.gate == "channel" else (1,)
+        return self.param(*shape, fill=0.0)
+
+    def describe(self) -> dict:
+        return {"scheme": self.name, **dataclasses.asdict(self.options)}
+
+
+class DeltaSite(nn.Module):
+    """``x = h + gate * route(state)``; the residual stream itself is kept (SPEC 7)."""
+
+    keeps_stream = True
+
+    def __init__(self, inner: nn.Module, gate: nn.Parameter):
+        super().__init__()
+        self.inner = inner
+        self.gate = gate
+
+    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * self.inner.read(state, h)
+
+    def write(self, state: State, u: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> State:
+        return self.inner.write(state, u, x, h)
+
+
+class DeltaReadout(nn.Module):
+    def __init__(self, inner: nn.Module, gate: nn.Parameter):
+        super().__init__()
+        self.inner = inner
+        self.gate = gate
+
+    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * self.inner.read(state, h)
+
+
+def site_read(router: nn.Module, state: State, h: torch.Tensor) -> torch.Tensor:
+    """Called from rewritten block graphs: what the branch reads instead of the stream."""
+    return router.read(state, h)
+
+
+def site_scale(router: nn.Module, u: torch.Tensor) -> torch.Tensor:
+    """Called from rewritten block graphs of stream-keeping schemes that scale the update."""
+    return router.scale_update(u)
+
+
+def site_write(router: nn.Module, state: State, u: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> State:
+    """Called from rewritten block graphs: the state after the branch's update ``u``."""
+    return router.write(state, u, x, h)

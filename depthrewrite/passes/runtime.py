@@ -1,0 +1,199 @@
+"""How a rewritten model runs.
+
+The rewrite keeps every module object where it was (so parameter names, HF attributes such
+as ``attention_type`` and ``isinstance`` checks survive) and swaps the class of each block
+and of the final norm for a subclass made here:
+
+- :class:`RoutedBlock` runs the block's rewritten graph. The depth state travels from
+  block to block through a :class:`DepthRuntime` shared by the model's routed modules: the
+  first block starts it from its stream input ``e``, every block reads it and returns a new
+  one, and the final norm reads the final readout from it. Inside ``__call__`` the state
+  tensors are passed to ``forward`` as extra positional arguments and come back as extra
+  outputs, so ``forward`` is a pure function that gradient checkpointing (Hugging Face's,
+  which wraps ``forward``, re-entrant or not) can replay.
+- :class:`RoutedReadout` routes the final norm's input.
+
+One rewritten graph is kept per call spec (constants and train/eval mode, see
+``analysis.trace``); a new spec (a KV cache appears during ``generate()``) is traced and
+rewritten on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..analysis import BlockPlan, analyze_block_call
+from ..analysis.trace import call_spec
+from ..capture import Capture
+from ..errors import RuntimeOrderError
+from .base import Scheme
+from .route_graph import route_block_graph_pass
+
+log = logging.getLogger(__name__)
+
+ROUTER_ATTR = "depth_route"
+
+
+@dataclass
+class DepthRuntime:
+    """Per-model run-time state shared by the routed blocks and the final norm."""
+
+    scheme: Scheme
+    capture: Capture = field(repr=False)
+    n_blocks: int = 0
+    state: Any = None
+    next_block: int = 0
+    analysis: Any = field(default=None, repr=False)  # the ResidualStream, for inspect()
+    report: dict = field(default_factory=dict)
+
+    def begin(self, e: torch.Tensor) -> None:
+        self.state = self.scheme.init_state(e)
+        self.next_block = 0
+
+
+@dataclass
+class BlockProgram:
+    """A block's rewritten graph, compiled to Python, for one call spec."""
+
+    code: Any  # forward(self, *inputs, depth_state) -> (output, state)
+    spec: Any
+    sites: int
+
+
+class RoutedBlock:
+    """Mixin placed in front of a block's own class. See the module docstring."""
+
+    _depth_runtime: DepthRuntime
+    _depth_index: int
+
+    def __call__(self, *args, **kwargs):
+        rt = self._depth_runtime
+        if self._depth_index == 0:
+            rt.begin(rt.capture.stream_arg.get(args, kwargs))
+        elif rt.next_block != self._depth_index:
+            raise RuntimeOrderError(
+                f"block {self._depth_path!r} ran as block {rt.next_block} of the stack, but the rewrite "
+                f"captured it as block {self._depth_index}; depthrewrite needs every block to run "
+                "once per forward, in order (layer dropping or reordering is not supported)"
+            )
+        leaves, self._depth_state_spec = pytree.tree_flatten(rt.state)
+        result = super().__call__(*args, *leaves, _depth_nstate=len(leaves), **kwargs)
+        out, new_leaves = self._depth_unpack(result)
+        rt.state = pytree.tree_unflatten(new_leaves, self._depth_out_spec)
+        rt.next_block = self._depth_index + 1
+        return out
+
+    def forward(self, *args, _depth_nstate: int, **kwargs):
+        split = len(args) - _depth_nstate
+        args, leaves = args[:split], args[split:]
+        state = pytree.tree_unflatten(list(leaves), self._depth_state_spec)
+        program = self._depth_program(args, kwargs)
+        out, new_state = program.code(self, *program.spec.input_values(args, kwargs), state)
+        new_leaves, self._depth_out_spec = pytree.tree_flatten(new_state)
+        # the block's own output first, so that hooks reading output[0] still see the stream
+        if isinstance(out, tuple):
+            self._depth_out_len = len(out)
+            return out + tuple(new_leaves)
+        self._depth_out_len = None
+        return (out, *new_leaves)
+
+    def _depth_unpack(self, result):
+        n = self._depth_out_len
+        if n is None:
+            return result[0], list(result[1:])
+        return tuple(result[:n]), list(result[n:])
+
+    def _depth_program(self, args: tuple, kwargs: dict) -> BlockProgram:
+        spec = call_spec(args, kwargs, self.training)
+        program = self._depth_programs.get(spec)
+        if program is None:
+            program = build_program(self, args, kwargs, self.training)
+            self._depth_programs[spec] = program
+        return program
+
+
+class RoutedReadout:
+    """Mixin placed in front of the final norm's class: routes its input."""
+
+    _depth_runtime: DepthRuntime
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        rt = self._depth_runtime
+        if rt.next_block != rt.n_blocks or rt.state is None:
+            raise RuntimeOrderError(
+                f"the final norm {self._depth_path!r} ran after {rt.next_block} of {rt.n_blocks} "
+                "blocks; depthrewrite routes the final readout only after the whole stack ran"
+            )
+        x = getattr(self, ROUTER_ATTR)["readout"].read(rt.state, hidden_states)
+        rt.state, rt.next_block = None, 0  # release the sources as soon as they are read
+        return super().__call__(x, *args, **kwargs)
+
+
+_ROUTED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def routed_class(mixin: type, cls: type) -> type:
+    """One subclass per original class, so that ``isinstance`` and class attributes hold."""
+    key = (mixin, cls)
+    if key not in _ROUTED_CLASSES:
+        _ROUTED_CLASSES[key] = type(f"Routed{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    return _ROUTED_CLASSES[key]
+
+
+def is_routed(module: nn.Module) -> bool:
+    return isinstance(module, (RoutedBlock, RoutedReadout))
+
+
+def original_class(module: nn.Module) -> type:
+    return type(module).__mro__[2] if is_routed(module) else type(module)
+
+
+def build_program(block: nn.Module, args: tuple, kwargs: dict, training: bool,
+                  plan: BlockPlan | None = None) -> BlockProgram:
+    """Trace (unless a plan for this exact call is given), rewrite and compile one block."""
+    rt = block._depth_runtime
+    if plan is None:
+        log.info("tracing block %r for a new call spec", block._depth_path)
+        plan = analyze_block_call(rt.capture, block._depth_index, block, block._depth_forward,
+                                  args, kwargs, training, {}, probe=False)
+    routers = getattr(block, ROUTER_ATTR)
+    if len(plan.sites) != len(routers):
+        raise RuntimeOrderError(
+            f"block {block._depth_path!r} shows {len(plan.sites)} residual sites for this call but "
+            f"{len(routers)} at capture; its structure depends on its arguments"
+        )
+    targets = {f"{ROUTER_ATTR}.{name}": module for name, module in routers.items()}
+    graph = plan.traced.graph
+    graph.owning_module = None  # it belonged to the trace root, which has no routers
+    result = route_block_graph_pass(graph, plan.sites, targets)
+    # the block is the root: the generated code reads ``self.<child>`` and runs with the block as self
+    gm = fx.GraphModule(block, result.graph, class_name=f"Routed{original_class(block).__name__}Graph")
+    gm.graph.lint()
+    return BlockProgram(code=type(gm).forward, spec=plan.traced.spec, sites=result.sites_rewritten)
+
+
+def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, routers: dict) -> None:
+    block.add_module(ROUTER_ATTR, nn.ModuleDict(routers))
+    block._depth_runtime = runtime
+    block._depth_index = plan.index
+    block._depth_path = plan.path
+    block._depth_forward = plan.forward
+    block._depth_programs = {}
+    block._depth_state_spec = None
+    block._depth_out_spec = None
+    block._depth_out_len = None
+    block.__class__ = routed_class(RoutedBlock, type(block))
+
+
+def install_readout(norm: nn.Module, path: str, runtime: DepthRuntime, router: nn.Module) -> None:
+    norm.add_module(ROUTER_ATTR, nn.ModuleDict({"readout": router}))
+    norm._depth_runtime = runtime
+    norm._depth_path = path
+    norm.__class__ = routed_class(RoutedReadout, type(norm))

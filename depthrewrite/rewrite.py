@@ -1,0 +1,135 @@
+"""``depthrewrite.rewrite``: capture -> analyze -> rewrite -> verify.
+
+The model is rewritten **in place** and returned (as ``model.to()`` does): its blocks and
+final norm stay the same objects, gain routing parameters under ``<block>.depth_route``
+and ``<final norm>.depth_route``, and change class to a routed subclass of their own class.
+Pass ``inplace=False`` to rewrite a deep copy and leave the original untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .analysis import Analysis, ResidualStream, analyze
+from .capture import eval_mode, first_tensor, normalize_example_inputs, default_example_inputs
+from .errors import AlreadyRewrittenError, DepthRewriteError
+from .passes import scheme_class, scheme_options
+from .passes.runtime import (
+    ROUTER_ATTR, DepthRuntime, build_program, install_block, install_readout, is_routed,
+)
+from .analysis.trace import call_spec
+
+log = logging.getLogger(__name__)
+
+
+def find_runtime(model: nn.Module) -> DepthRuntime | None:
+    for m in model.modules():
+        if is_routed(m):
+            return m._depth_runtime
+    return None
+
+
+def inspect(model: nn.Module, example_inputs: Any = None) -> ResidualStream:
+    """The residual stream of ``model`` as data (print it for a table). For a rewritten
+    model, the analysis the rewrite was made from."""
+    runtime = find_runtime(model)
+    if runtime is not None:
+        return runtime.analysis
+    return analyze(model, example_inputs).stream
+
+
+def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplace: bool = True,
+            verify: bool = True, **options) -> nn.Module:
+    """Rewrite the PreNorm residual stream of ``model`` into ``scheme``.
+
+    ``example_inputs``: what to call the model with once to capture it (a tuple of
+    positional arguments, a dict of keyword arguments, or ``(args, kwargs)``); models with
+    ``config.vocab_size`` get a small batch of token ids by default. ``verify`` runs the
+    rewritten model once on the example and, for the identity rewrite and
+    ``preserve_identity=True``, checks that its output equals the original's bit for bit.
+    Other keyword arguments are the scheme's options (see ``depthrewrite.SCHEMES``).
+    """
+    cls = scheme_class(scheme)
+    opts = scheme_options(cls, options)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"rewrite: model must be a torch.nn.Module, found {type(model).__name__}")
+    if find_runtime(model) is not None:
+        raise AlreadyRewrittenError(
+            f"{type(model).__name__} was already rewritten with scheme "
+            f"{find_runtime(model).scheme.name!r}; rewrite the original model instead"
+        )
+    if not inplace:
+        model = copy.deepcopy(model)
+    start = time.perf_counter()
+    analysis = analyze(model, example_inputs)
+    stream_dtype, device = analysis.capture.embedding.dtype, analysis.capture.embedding.device
+    scheme_obj = cls(opts, analysis.stream, _param_dtype(model, stream_dtype), device)
+    runtime = _install(model, analysis, scheme_obj)
+    runtime.report["seconds"] = time.perf_counter() - start
+    log.info("rewrote %s with %s: %s", type(model).__name__, scheme, runtime.report)
+    if verify:
+        _verify(model, analysis, scheme_obj, example_inputs)
+    return model
+
+
+def _param_dtype(model: nn.Module, fallback: torch.dtype) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return fallback
+
+
+def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
+    cap = analysis.capture
+    runtime = DepthRuntime(scheme=scheme, capture=cap, n_blocks=len(analysis.blocks), analysis=analysis.stream)
+    sites = iter(analysis.stream.sites)
+    for plan in analysis.blocks:
+        routers = {}
+        for site in (next(sites) for _ in plan.sites):
+            routers[_router_name(site, routers)] = scheme.make_site_router(site)
+        call = cap.block_calls[plan.index]
+        install_block(plan.module, plan, runtime, routers)
+        block = plan.module
+        # one program for each mode, so train() / eval() never trace inside a compiled region
+        for training in (False, True):
+            own_plan = plan if not training else None
+            program = build_program(block, call.args, call.kwargs, training, plan=own_plan)
+            block._depth_programs[call_spec(call.args, call.kwargs, training)] = program
+    install_readout(cap.final_norm, cap.final_norm_path, runtime, scheme.make_readout_router())
+    new_params = sum(p.numel() for m in model.modules() if is_routed(m)
+                     for p in getattr(m, ROUTER_ATTR).parameters())
+    runtime.report.update(scheme.describe())
+    runtime.report.update(sites_rewritten=analysis.stream.num_sites, blocks=len(analysis.blocks),
+                          new_parameters=new_params)
+    return runtime
+
+
+def _router_name(site, taken: dict) -> str:
+    name = site.kind
+    return name if name not in taken else f"{site.kind}_{site.position}"
+
+
+@torch.no_grad()
+def _verify(model: nn.Module, analysis: Analysis, scheme, example_inputs: Any) -> None:
+    """Run the rewritten model on the capture input; identity schemes must match exactly."""
+    cap = analysis.capture
+    args, kwargs = (default_example_inputs(model) if example_inputs is None
+                    else normalize_example_inputs(example_inputs))
+    with eval_mode(model):
+        out = first_tensor(model(*args, **kwargs))
+    if not torch.isfinite(out).all():
+        raise DepthRewriteError(f"verification: the rewritten {type(model).__name__} produced non-finite output")
+    identity = scheme.name == "residual" or scheme.delta
+    reference = first_tensor(cap.model_output) if cap.model_output is not None else None
+    if identity and reference is not None and not torch.equal(out, reference):
+        diff = (out.double() - reference.double()).abs().max().item()
+        raise DepthRewriteError(
+            f"verification: {scheme.name} with preserve_identity must reproduce the original "
+            f"output exactly, but differs by up to {diff:.3g}; please report this as a bug"
+        )

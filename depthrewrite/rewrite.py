@@ -21,9 +21,8 @@ from .capture import eval_mode, first_tensor, normalize_example_inputs, default_
 from .errors import AlreadyRewrittenError, DepthRewriteError
 from .passes import scheme_class, scheme_options
 from .passes.runtime import (
-    ROUTER_ATTR, DepthRuntime, build_program, install_block, install_readout, is_routed,
+    ROUTER_ATTR, DepthRuntime, install_block, install_readout, is_routed, prepare_programs,
 )
-from .analysis.trace import call_spec
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +92,8 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
         routers = {}
         for site in (next(sites) for _ in plan.sites):
             routers[_router_name(site, routers)] = scheme.make_site_router(site)
-        call = cap.block_calls[plan.index]
         install_block(plan.module, plan, runtime, routers)
-        block = plan.module
-        # one program for each mode, so train() / eval() never trace inside a compiled region
-        for training in (False, True):
-            own_plan = plan if not training else None
-            program = build_program(block, call.args, call.kwargs, training, plan=own_plan)
-            block._depth_programs[call_spec(call.args, call.kwargs, training)] = program
+        prepare_programs(plan.module, plan.traced.spec, plan)
     install_readout(cap.final_norm, cap.final_norm_path, runtime, scheme.make_readout_router())
     new_params = sum(p.numel() for m in model.modules() if is_routed(m)
                      for p in getattr(m, ROUTER_ATTR).parameters())

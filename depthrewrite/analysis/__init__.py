@@ -15,7 +15,7 @@ from ..capture import Capture, capture, eval_mode
 from ..errors import NotPreNormError
 from .probes import norm_eps, norm_type
 from .residual import BlockSiteFinder, SiteGraph, branch_modules, classify_parts, norm_info
-from .trace import TracedBlock, trace_block
+from .trace import CallSpec, TracedBlock, call_spec, trace_block
 
 log = logging.getLogger(__name__)
 
@@ -97,27 +97,26 @@ class Analysis:
     blocks: list[BlockPlan] = field(default_factory=list)
 
 
-def _stream_placeholder(traced: TracedBlock, capture_: Capture, args: tuple, kwargs: dict) -> fx.Node:
-    stream_value = capture_.stream_arg.get(args, kwargs)
-    values = traced.spec.input_values(args, kwargs)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, values):
-        if value is stream_value:
-            return node
-    raise NotPreNormError(f"the stream argument ({capture_.stream_arg.describe()}) is not a traced input")
+def _stream_placeholder(traced: TracedBlock, capture_: Capture) -> fx.Node:
+    arg = capture_.stream_arg
+    try:
+        index = traced.spec.input_index(arg.position, arg.keyword)
+    except ValueError:
+        raise NotPreNormError(f"the stream argument ({arg.describe()}) is not a traced tensor input") from None
+    return [n for n in traced.graph.nodes if n.op == "placeholder"][index]
 
 
-def analyze_block_call(cap: Capture, index: int, block: nn.Module, forward, args: tuple, kwargs: dict,
-                       training: bool, norm_cache: dict, probe: bool) -> BlockPlan:
-    """Trace one call of a block and find its sites. ``probe`` runs the token-mixing probe
-    (needs real argument values; skipped when re-tracing a known block for a new call spec)."""
+def analyze_block_call(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec,
+                       norm_cache: dict, probe_values: list | None = None) -> BlockPlan:
+    """Trace one call spec of a block and find its sites. With ``probe_values`` (the traced
+    inputs of a real call) the token-mixing probe labels each site's kind."""
     path = cap.block_paths[index]
-    traced = trace_block(block, forward, args, kwargs, training)
-    stream = _stream_placeholder(traced, cap, args, kwargs)
+    traced = trace_block(block, forward, spec)
+    stream = _stream_placeholder(traced, cap)
     finder = BlockSiteFinder(traced.gm, block, path, stream, cap.d_model, norm_cache)
     sites = finder.find()
-    if probe:
-        classify_parts(traced.gm, traced.spec.input_values(args, kwargs), sites)
+    if probe_values is not None:
+        classify_parts(traced.gm, probe_values, sites)
     plan = BlockPlan(index=index, path=path, module=block, traced=traced, stream_placeholder=stream,
                      sites=sites, forward=forward)
     plan.finder = finder
@@ -136,8 +135,9 @@ def _analyze(model: nn.Module, example_inputs: Any) -> Analysis:
     norm_cache: dict = {}
     plans, sites = [], []
     for i, (block, call) in enumerate(zip(cap.blocks, cap.block_calls)):
-        plan = analyze_block_call(cap, i, block, type(block).forward, call.args, call.kwargs,
-                                  False, norm_cache, probe=True)
+        spec = call_spec(call.args, call.kwargs, training=False)
+        plan = analyze_block_call(cap, i, block, type(block).forward, spec, norm_cache,
+                                  probe_values=spec.input_values(call.args, call.kwargs))
         plans.append(plan)
         for pos, sg in enumerate(plan.sites, start=1):
             sites.append(_public_site(plan, sg, len(sites) + 1, pos))

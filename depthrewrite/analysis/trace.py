@@ -43,6 +43,30 @@ class CallSpec:
         names += [k for k, (mode, _) in self.keywords if mode == "input"]
         return [_identifier(n) for n in names]
 
+    @property
+    def key(self) -> tuple:
+        """A plain-tuple key (cheap to hash, and traceable by torch.compile)."""
+        return (self.positional, self.keywords, self.training)
+
+    def input_index(self, position: int | None, keyword: str | None) -> int:
+        """Index among the traced inputs of a positional or keyword argument."""
+        entries = [("pos", i) for i, (m, _) in enumerate(self.positional) if m == "input"]
+        entries += [("kw", k) for k, (m, _) in self.keywords if m == "input"]
+        return entries.index(("kw", keyword) if keyword is not None else ("pos", position))
+
+    def with_tensor_for(self, names: set) -> "CallSpec":
+        """This spec with the ``None`` keyword arguments in ``names`` passed as tensors
+        instead (e.g. an attention mask that HF builds only under torch.compile)."""
+        keywords = tuple((k, ("input", "Tensor") if k in names and v == ("const", None) else v)
+                         for k, v in self.keywords)
+        return CallSpec(self.positional, keywords, self.training)
+
+    def with_training(self, training: bool) -> "CallSpec":
+        return CallSpec(self.positional, self.keywords, training)
+
+    def none_keywords(self) -> list[str]:
+        return [k for k, v in self.keywords if v == ("const", None)]
+
     def input_values(self, args: tuple, kwargs: dict) -> list:
         vals = [a for a, (mode, _) in zip(args, self.positional) if mode == "input"]
         vals += [kwargs[k] for k, (mode, _) in self.keywords if mode == "input"]
@@ -105,9 +129,10 @@ class TracedBlock:
     gm: fx.GraphModule  # for running the original graph (analysis probes)
 
 
-def trace_block(block: nn.Module, forward: Callable, args: tuple, kwargs: dict, training: bool) -> TracedBlock:
-    """Trace ``forward(block, *args, **kwargs)`` with the given call's constants baked in."""
-    spec = call_spec(args, kwargs, training)
+def trace_block(block: nn.Module, forward: Callable, spec: CallSpec) -> TracedBlock:
+    """Trace ``forward(block, *args, **kwargs)`` for calls of the given spec: its constants
+    baked in, its inputs as placeholders. No argument values are needed."""
+    training = spec.training
     names = spec.input_names(forward_param_names(forward))
     if len(set(names)) != len(names):
         raise CaptureError(f"block {type(block).__name__}: argument names collide after sanitising: {names}")

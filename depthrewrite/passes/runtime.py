@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from ..analysis import BlockPlan, analyze_block_call
 from ..analysis.trace import call_spec
 from ..capture import Capture
-from ..errors import RuntimeOrderError
+from ..errors import DepthRewriteError, RuntimeOrderError
 from .base import Scheme
 from .route_graph import route_block_graph_pass
 
@@ -112,10 +112,16 @@ class RoutedBlock:
 
     def _depth_program(self, args: tuple, kwargs: dict) -> BlockProgram:
         spec = call_spec(args, kwargs, self.training)
-        program = self._depth_programs.get(spec)
+        program = self._depth_programs.get(spec.key)
         if program is None:
-            program = build_program(self, args, kwargs, self.training)
-            self._depth_programs[spec] = program
+            if torch.compiler.is_compiling():
+                raise DepthRewriteError(
+                    f"block {self._depth_path!r} is called inside torch.compile with arguments it was "
+                    f"not prepared for ({_describe_spec(spec)}); run the model once eagerly with the "
+                    "same arguments before compiling"
+                )
+            program = build_program(self, spec)
+            self._depth_programs[spec.key] = program
         return program
 
 
@@ -155,14 +161,32 @@ def original_class(module: nn.Module) -> type:
     return type(module).__mro__[2] if is_routed(module) else type(module)
 
 
-def build_program(block: nn.Module, args: tuple, kwargs: dict, training: bool,
-                  plan: BlockPlan | None = None) -> BlockProgram:
-    """Trace (unless a plan for this exact call is given), rewrite and compile one block."""
+def _describe_spec(spec) -> str:
+    parts = [f"{k}={v[1]!r}" if v[0] == "const" else f"{k}: {v[1]}" for k, v in spec.keywords]
+    return ", ".join(parts + [f"training={spec.training}"])
+
+
+def prepare_programs(block: nn.Module, spec, plan: BlockPlan | None = None) -> None:
+    """Build the programs a block is likely to meet, so that none is traced inside a
+    compiled region: both train and eval mode, and each ``None`` keyword argument also as a
+    tensor (HF builds an explicit attention mask only under torch.compile)."""
+    variants = [spec] + [spec.with_tensor_for({k}) for k in spec.none_keywords()]
+    if len(spec.none_keywords()) > 1:
+        variants.append(spec.with_tensor_for(set(spec.none_keywords())))
+    for variant in variants:
+        for training in (False, True):
+            v = variant.with_training(training)
+            if v.key not in block._depth_programs:
+                own = plan if plan is not None and v == plan.traced.spec else None
+                block._depth_programs[v.key] = build_program(block, v, plan=own)
+
+
+def build_program(block: nn.Module, spec, plan: BlockPlan | None = None) -> BlockProgram:
+    """Trace (unless the plan for this spec is given), rewrite and compile one block."""
     rt = block._depth_runtime
     if plan is None:
-        log.info("tracing block %r for a new call spec", block._depth_path)
-        plan = analyze_block_call(rt.capture, block._depth_index, block, block._depth_forward,
-                                  args, kwargs, training, {}, probe=False)
+        log.debug("tracing block %r for call spec %s", block._depth_path, _describe_spec(spec))
+        plan = analyze_block_call(rt.capture, block._depth_index, block, block._depth_forward, spec, {})
     routers = getattr(block, ROUTER_ATTR)
     if len(plan.sites) != len(routers):
         raise RuntimeOrderError(

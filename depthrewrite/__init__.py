@@ -11,12 +11,13 @@ from .errors import (
     RuntimeOrderError,
 )
 from .passes import SCHEMES
+from .hf import from_pretrained
 from .rewrite import inspect, rewrite
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "rewrite", "inspect", "SCHEMES", "ResidualStream", "Site",
+    "rewrite", "inspect", "from_pretrained", "SCHEMES", "ResidualStream", "Site",
     "DepthRewriteError", "CaptureError", "NotPreNormError", "NoResidualStreamError",
     "AlreadyRewrittenError", "RuntimeOrderError",
 ]

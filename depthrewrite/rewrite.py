@@ -19,6 +19,7 @@ from torch import nn
 from .analysis import Analysis, ResidualStream, analyze
 from .capture import eval_mode, first_tensor, normalize_example_inputs, default_example_inputs
 from .errors import AlreadyRewrittenError, DepthRewriteError
+from .hf import record_recipe
 from .passes import scheme_class, scheme_options
 from .passes.runtime import (
     ROUTER_ATTR, DepthRuntime, install_block, install_readout, is_routed, prepare_programs,
@@ -70,6 +71,7 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     stream_dtype, device = analysis.capture.embedding.dtype, analysis.capture.embedding.device
     scheme_obj = cls(opts, analysis.stream, _param_dtype(model, stream_dtype), device)
     runtime = _install(model, analysis, scheme_obj)
+    record_recipe(model, scheme, options)
     runtime.report["seconds"] = time.perf_counter() - start
     log.info("rewrote %s with %s: %s", type(model).__name__, scheme, runtime.report)
     if verify:
@@ -89,9 +91,9 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
     runtime = DepthRuntime(scheme=scheme, capture=cap, n_blocks=len(analysis.blocks), analysis=analysis.stream)
     sites = iter(analysis.stream.sites)
     for plan in analysis.blocks:
-        routers = {}
-        for site in (next(sites) for _ in plan.sites):
-            routers[_router_name(site, routers)] = scheme.make_site_router(site)
+        # named by position, not by kind: HF checkpoint converters rename keys such as '.mlp.'
+        routers = {f"site{site.position}": scheme.make_site_router(site)
+                   for site in (next(sites) for _ in plan.sites)}
         install_block(plan.module, plan, runtime, routers)
         prepare_programs(plan.module, plan.traced.spec, plan)
     install_readout(cap.final_norm, cap.final_norm_path, runtime, scheme.make_readout_router())
@@ -101,11 +103,6 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
     runtime.report.update(sites_rewritten=analysis.stream.num_sites, blocks=len(analysis.blocks),
                           new_parameters=new_params)
     return runtime
-
-
-def _router_name(site, taken: dict) -> str:
-    name = site.kind
-    return name if name not in taken else f"{site.kind}_{site.position}"
 
 
 @torch.no_grad()

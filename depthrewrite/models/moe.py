@@ -126,12 +126,15 @@ class Experts(nn.Module):
     """E SwiGLU experts stored as stacked weights in nn.Linear layout (out, in) per expert,
     so that one grouped matmul runs them all."""
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int):
+    def __init__(self, n_experts: int, d_model: int, hidden: int, init_std: float = 0.02):
         super().__init__()
         self.n_experts = n_experts
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        # Initialised here (torch.empty is garbage) so that the module works on its own;
+        # GPT.init_weights re-initialises it with the depth-scaled output std.
+        self.reset_parameters(init_std, init_std)
         # None: torch._grouped_mm where grouped_mm_supported() says so, else the loop.
         # True/False force one path (tests, or torch builds with _grouped_mm on other devices).
         self.use_grouped_mm: bool | None = None
@@ -183,7 +186,7 @@ class MoEFeedForward(nn.Module):
         self.n_experts = config.n_experts
         self.top_k = config.top_k
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
-        self.experts = Experts(config.n_experts, config.d_model, config.expert_hidden)
+        self.experts = Experts(config.n_experts, config.d_model, config.expert_hidden, config.init_std)
         self.shared_expert = SwiGLU(config.d_model, config.expert_hidden) if config.shared_expert else None
         self.drop = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None

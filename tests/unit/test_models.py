@@ -203,9 +203,11 @@ def test_moe_matches_dense_reference(name, use_grouped_mm):
     ref_grads = torch.autograd.grad(ref, [x, *moe.parameters()], grad_out)
 
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    # Gradients sum over tokens in another order (per expert vs all at once) and reach
+    # O(10) with these weights: a relative tolerance too.
     names = ["x"] + [n for n, _ in moe.named_parameters()]
     for n, g, r in zip(names, grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=0, atol=1e-5, msg=lambda m, n=n: f"grad of {n}: {m}")
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"grad of {n}: {m}")
 
 
 def test_moe_expert_with_no_tokens():
@@ -216,6 +218,7 @@ def test_moe_expert_with_no_tokens():
         moe.router.weight.zero_()
         moe.router.weight[2].fill_(1.0)
     x = torch.rand(2, 5, cfg.d_model) + 0.1
+    assert torch.isfinite(moe(x)).all()
     _, _, idx = route(moe.router(x.reshape(-1, cfg.d_model)), cfg.top_k)
     assert (idx == 2).all()
     torch.testing.assert_close(moe(x), naive_moe(moe, x), rtol=0, atol=1e-5)

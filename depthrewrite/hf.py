@@ -1,0 +1,74 @@
+"""Saving and loading rewritten Hugging Face models.
+
+``rewrite()`` records its recipe in ``model.config.depthrewrite`` (scheme and options), so
+``model.save_pretrained(path)`` stores it in ``config.json`` next to the weights, routing
+parameters included. :func:`from_pretrained` loads the original architecture with
+transformers' own loader (which also converts checkpoint layouts, e.g. Mixtral's experts),
+applies the same rewrite, and loads the routing parameters back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import DepthRewriteError
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "depthrewrite"
+ROUTING_KEY_PART = ".depth_route."
+
+
+def record_recipe(model: nn.Module, scheme: str, options: dict) -> None:
+    """Store the rewrite recipe in an HF config, if the model has one."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        setattr(config, CONFIG_KEY, {"scheme": scheme, "options": dict(options)})
+
+
+def _routing_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DepthRewriteError(f"from_pretrained: no .safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update({k: v for k, v in load_file(str(f)).items() if ROUTING_KEY_PART in k})
+    return tensors
+
+
+def from_pretrained(path: str | pathlib.Path, auto_class: Any = None, **kwargs) -> nn.Module:
+    """Load a model saved with ``save_pretrained`` after a rewrite.
+
+    ``auto_class`` defaults to ``transformers.AutoModelForCausalLM``; ``kwargs`` go to its
+    ``from_pretrained`` (``torch_dtype``, ...). The saved recipe is applied again and every
+    routing parameter must be found in the checkpoint.
+    """
+    from .rewrite import rewrite
+
+    path = pathlib.Path(path)
+    recipe = json.loads((path / "config.json").read_text()).get(CONFIG_KEY)
+    if recipe is None:
+        raise DepthRewriteError(
+            f"from_pretrained: {path / 'config.json'} has no '{CONFIG_KEY}' entry; it was not saved "
+            "from a rewritten model (load it with transformers and call depthrewrite.rewrite)"
+        )
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    model = auto_class.from_pretrained(str(path), **kwargs)
+    model = rewrite(model, recipe["scheme"], **recipe["options"])
+    routing = _routing_tensors(path)
+    expected = {n for n, _ in model.named_parameters() if ROUTING_KEY_PART in n}
+    missing = sorted(expected - set(routing))
+    if missing:
+        raise DepthRewriteError(f"from_pretrained: routing parameters missing from {path}: {missing[:5]}")
+    model.load_state_dict(routing, strict=False)
+    log.info("loaded %s rewritten with %s", type(model).__name__, recipe["scheme"])
+    return model

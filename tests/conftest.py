@@ -1,0 +1,51 @@
+"""Shared test fixtures: small Hugging Face models (random weights, no download) and the
+real text corpora of ../shared/data."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+DATA_DIR = pathlib.Path(os.environ.get("DEPTHREWRITE_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+#: the seven families of the core issue, each with the config fields that make it small
+HF_FAMILIES = {
+    "llama": {},
+    "qwen3": {"head_dim": 8},
+    "mistral": {},
+    "gpt2": None,  # built separately: different field names
+    "gemma3_text": {"head_dim": 8},
+    "gpt_neox": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def hf_model(family: str, layers: int = 2, seed: int = 0, **overrides):
+    """A small causal LM of the given transformers family, with random weights."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=layers, n_head=4,
+                                      bos_token_id=0, eos_token_id=0, **overrides)
+    else:
+        fields = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)
+        fields.update(HF_FAMILIES.get(family) or {})
+        fields.update(overrides)
+        cfg = transformers.CONFIG_MAPPING[family](**fields)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.float().eval()
+
+
+def corpus_bytes(name: str = "tinyshakespeare.txt", limit: int | None = None) -> bytes:
+    path = DATA_DIR / name
+    if not path.exists():
+        if os.environ.get("CI"):  # CI always has ../shared/data: a missing corpus is a failure there
+            raise FileNotFoundError(f"corpus {path} not found")
+        pytest.skip(f"corpus {path} not found (set DEPTHREWRITE_DATA)")
+    data = path.read_bytes()
+    return data[:limit] if limit else data

@@ -1,0 +1,127 @@
+"""Rewritten Hugging Face models keep their interface: identity at init, generate() with
+the KV cache, save/load, gradient checkpointing, train/eval, hidden states."""
+
+import pytest
+import torch
+
+import depthrewrite
+from tests.conftest import HF_FAMILIES, hf_model
+
+transformers = pytest.importorskip("transformers")
+FAMILIES = list(HF_FAMILIES)
+IDS = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model, ids=IDS, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+def perturb_routing(model, scale=0.5, seed=0):
+    """Move the routing parameters off their init so that tests see real routing."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "depth_route" in name:
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_residual_rewrite_is_bit_identical(family):
+    model = hf_model(family)
+    ref = logits(model)
+    depthrewrite.rewrite(model, "residual")
+    assert torch.equal(logits(model), ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme", ["attnres", "block_attnres"])
+def test_preserve_identity_is_bit_identical_at_init(family, scheme):
+    model = hf_model(family)
+    ref = logits(model)
+    depthrewrite.rewrite(model, scheme, preserve_identity=True)
+    assert torch.equal(logits(model), ref)
+    perturb_routing(model)  # and the gate really routes once it moves
+    assert not torch.allclose(logits(model), ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_cache_equals_generate_without(family):
+    model = depthrewrite.rewrite(hf_model(family), "block_attnres", block_size=2)
+    perturb_routing(model)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(IDS, use_cache=True, **kw)
+    without = model.generate(IDS, use_cache=False, **kw)
+    assert with_cache.shape == (2, 13)
+    assert torch.equal(with_cache, without)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_save_pretrained_and_load_back_is_bit_identical(family, tmp_path):
+    model = depthrewrite.rewrite(hf_model(family, seed=3), "block_attnres", block_size=2, preserve_identity=True)
+    perturb_routing(model)
+    ref = logits(model)
+    model.save_pretrained(tmp_path)
+    loaded = depthrewrite.from_pretrained(tmp_path).eval()
+    assert depthrewrite.inspect(loaded).num_sites == depthrewrite.inspect(model).num_sites
+    assert torch.equal(logits(loaded), ref)
+
+
+def test_state_dict_round_trip_is_bit_identical():
+    model = depthrewrite.rewrite(hf_model("qwen3", seed=3), "attnres")
+    perturb_routing(model)
+    fresh = depthrewrite.rewrite(hf_model("qwen3", seed=4), "attnres")
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(logits(fresh), logits(model))
+
+
+def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
+    hf_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(depthrewrite.DepthRewriteError, match="no 'depthrewrite' entry"):
+        depthrewrite.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
+    model = depthrewrite.rewrite(hf_model("llama", layers=3), "block_attnres", block_size=2)
+    perturb_routing(model)
+    model.train()
+
+    def grads():
+        model.zero_grad()
+        model(IDS, labels=IDS).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed = grads()
+    assert plain.keys() == checkpointed.keys()
+    assert any("depth_route" in n for n in plain)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_train_and_eval_switch_dropout_in_rewritten_blocks():
+    model = depthrewrite.rewrite(hf_model("gpt2", resid_pdrop=0.5, embd_pdrop=0.0, attn_pdrop=0.0), "attnres")
+    model.train()
+    torch.manual_seed(0)
+    a = model(IDS).logits
+    b = model(IDS).logits
+    assert not torch.equal(a, b)  # dropout on the branch outputs is active in train mode
+    model.eval()
+    assert torch.equal(logits(model), logits(model))
+
+
+def test_hidden_states_are_reported_per_layer():
+    model = depthrewrite.rewrite(hf_model("llama", layers=3), "attnres")
+    out = model(IDS, output_hidden_states=True)
+    assert len(out.hidden_states) == 4
+    assert all(h.shape == (2, 7, 32) for h in out.hidden_states)
+
+
+def test_preserve_identity_hidden_states_equal_the_original():
+    model = hf_model("qwen3", layers=3)
+    ref = model(IDS, output_hidden_states=True).hidden_states
+    depthrewrite.rewrite(model, "attnres", preserve_identity=True)
+    out = model(IDS, output_hidden_states=True).hidden_states
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))

@@ -19,7 +19,8 @@ from .base import Scheme, SchemeOptions, State
 
 # --------------------------------------------------------------------------- residual
 class _IdentityRouter(nn.Module):
-    keeps_stream = True
+    reads_stream = True
+    replaces_stream = False
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
         return h
@@ -55,7 +56,8 @@ class DepthQuery(nn.Module):
     """A site's routing parameters: pseudo-query ``w`` (zeros: uniform weights at start)
     and the key RMSNorm weight ``g`` (ones)."""
 
-    keeps_stream = False
+    reads_stream = False
+    replaces_stream = True
 
     def __init__(self, scheme: Scheme):
         super().__init__()

@@ -6,10 +6,10 @@ and provides:
 - ``init_state(e)``: the depth state after the embedding, a pytree of tensors (tuples);
 - ``site_router(site)``: a module with ``read(state, h) -> x`` (what the branch reads
   instead of ``h``) and ``write(state, u, x, h) -> state`` (record the branch's update).
-  Its class attribute ``keeps_stream`` says whether the residual stream survives: if
-  true, the block's residual adds stay ``h + u`` (``h + scale_update(u)`` where
-  ``scales_update`` is true) and ``h`` is passed in; if false, ``h`` is ``None`` and the
-  block's adds become ``x + u``, a stream-like value that only the block's caller sees;
+  Two class attributes say how the block's residual adds change (see route_graph.py):
+  ``reads_stream`` (``h`` is passed to read/write; else ``None``) and ``replaces_stream``
+  (the add continues from the routed ``x``: ``x + u``; else it stays ``h + u``, or
+  ``h + scale_update(u)`` where ``scales_update`` is true);
 - ``readout_router()``: a module with ``read(state, h) -> x`` for the final norm.
 
 State is functional: routers return new tuples and never mutate the old ones, so a block
@@ -93,7 +93,8 @@ class Scheme:
 class DeltaSite(nn.Module):
     """``x = h + gate * route(state)``; the residual stream itself is kept (SPEC 7)."""
 
-    keeps_stream = True
+    reads_stream = True
+    replaces_stream = False
 
     def __init__(self, inner: nn.Module, gate: nn.Parameter):
         super().__init__()
@@ -127,6 +128,11 @@ def site_scale(router: nn.Module, u: torch.Tensor) -> torch.Tensor:
     return router.scale_update(u)
 
 
-def site_write(router: nn.Module, state: State, u: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> State:
-    """Called from rewritten block graphs: the state after the branch's update ``u``."""
+def site_write(router: nn.Module, state: State, u: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
+               parts: tuple | None = None) -> State:
+    """Called from rewritten block graphs: the state after the branch's update ``u``.
+    ``parts`` (attention part, MLP part) is passed only to routers with ``wants_parts`` and
+    only for parallel blocks whose graph adds the two parts separately."""
+    if parts is not None:
+        return router.write(state, u, x, h, parts=parts)
     return router.write(state, u, x, h)

@@ -5,16 +5,16 @@ Before (one site)::
 
     n = norm(s); u = branch(n); s2 = s + u
 
-After, for a router that replaces the stream (``router.keeps_stream`` false)::
+After::
 
-    x = site_read(router, state, None); n = norm(x); u = branch(n)
-    state = site_write(router, state, u, x, None)
-    s2 = x + u          # the block still returns a stream-like tensor
+    x = site_read(router, state, s_or_None); n = norm(x); u = branch(n)
+    state = site_write(router, state, u, x, s_or_None)
+    s2 = x + u      # router.replaces_stream: routed schemes, DenseFormer
+    s2 = s + u      # otherwise: preserve_identity, the identity and scaling baselines
 
-and for one that keeps it (``preserve_identity``, the identity and scaling baselines)::
-
-    x = site_read(router, state, s); ...
-    s2 = s + site_scale(router, u)      # site_scale only where ``router.scales_update``
+``s`` is passed to the router only where ``router.reads_stream`` (a routed scheme that
+does not read it lets the old residual adds die), and ``u`` becomes
+``site_scale(router, u)`` where ``router.scales_update`` (ReZero, LayerScale).
 
 The graph gains a ``depth_state`` placeholder and returns ``(original output, state)``.
 """
@@ -76,8 +76,7 @@ def route_block_graph_pass(graph: fx.Graph, sites: list[SiteGraph], routers: dic
 
 
 def _rewrite_site(graph: fx.Graph, site: SiteGraph, target: str, router_module, state: fx.Node) -> fx.Node:
-    keeps_stream = router_module.keeps_stream
-    h = site.stream if keeps_stream else None
+    h = site.stream if router_module.reads_stream else None
     with graph.inserting_before(_first_in_order(graph, site.norms)):
         router = graph.get_attr(target)
         x = graph.call_function(site_read, (router, state, h))
@@ -88,11 +87,13 @@ def _rewrite_site(graph: fx.Graph, site: SiteGraph, target: str, router_module, 
     else:  # a parallel block written as two adds: its update is the sum of both parts
         with graph.inserting_after(_last_in_order(graph, site.parts)):
             u = graph.call_function(operator.add, tuple(site.parts))
+    # routers that weigh the two parts of a parallel block differently (WAV) get them too
+    parts = tuple(site.parts) if getattr(router_module, "wants_parts", False) and len(site.parts) > 1 else None
     with graph.inserting_after(u):
-        new_state = graph.call_function(site_write, (router, state, u, x, h))
+        new_state = graph.call_function(site_write, (router, state, u, x, h), {"parts": parts} if parts else {})
     if getattr(router_module, "scales_update", False):
         _scale_update(graph, site, router, u)
-    if not keeps_stream:
+    if router_module.replaces_stream:
         site.adds[0].replace_input_with(site.stream, x)
         for add in site.adds:
             _out_of_place(add)

@@ -69,7 +69,7 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     start = time.perf_counter()
     analysis = analyze(model, example_inputs)
     stream_dtype, device = analysis.capture.embedding.dtype, analysis.capture.embedding.device
-    scheme_obj = cls(opts, analysis.stream, _param_dtype(model, stream_dtype), device)
+    scheme_obj = cls(opts, analysis.stream, _param_dtype(model, stream_dtype), device, hints=model_hints(model))
     runtime = _install(model, analysis, scheme_obj)
     record_recipe(model, scheme, options)
     runtime.report["seconds"] = time.perf_counter() - start
@@ -77,6 +77,26 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     if verify:
         _verify(model, analysis, scheme_obj, example_inputs)
     return model
+
+
+#: config attributes naming the key/value head count, newest convention first
+_KV_HEAD_FIELDS = ("num_key_value_heads", "n_kv_head", "num_kv_heads", "n_kv_heads")
+_HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+
+
+def model_hints(model: nn.Module) -> dict:
+    """Facts a scheme may default to that the graph does not show: ``kv_heads`` (from
+    ``model.config`` when it has one; the MHAR paper's default head count)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    hints = {}
+    for fields in (_KV_HEAD_FIELDS, _HEAD_FIELDS):
+        value = next((getattr(config, f) for f in fields if isinstance(getattr(config, f, None), int)), None)
+        if value is not None:
+            hints["kv_heads"] = value
+            break
+    return hints
 
 
 def _param_dtype(model: nn.Module, fallback: torch.dtype) -> torch.dtype:

@@ -6,10 +6,17 @@ import dataclasses
 
 from .attnres import AttnResScheme, BlockAttnResScheme, ResidualScheme
 from .base import Scheme, SchemeOptions
+from .baselines import DenseFormerScheme, LayerScaleScheme, ReZeroScheme
+from .hyperconn import HyperConnScheme, MHCScheme
+from .dar import DarScheme
+from .mhar import MharScheme
+from .wav import WavScheme
 
 #: every scheme ``depthrewrite.rewrite`` accepts, by name
 SCHEMES: dict[str, type[Scheme]] = {
-    cls.name: cls for cls in (ResidualScheme, AttnResScheme, BlockAttnResScheme)
+    cls.name: cls for cls in (ResidualScheme, AttnResScheme, BlockAttnResScheme,
+                     DenseFormerScheme, ReZeroScheme, LayerScaleScheme, HyperConnScheme, MHCScheme,
+                     MharScheme, WavScheme, DarScheme)
 }
 
 

@@ -146,8 +146,8 @@ class BlockAttnResScheme(Scheme):
     name = "block_attnres"
     Options = BlockAttnResOptions
 
-    def __init__(self, options, stream, dtype, device):
-        super().__init__(options, stream, dtype, device)
+    def __init__(self, options, stream, dtype, device, hints=None):
+        super().__init__(options, stream, dtype, device, hints)
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")

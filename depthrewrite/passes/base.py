@@ -51,10 +51,14 @@ class Scheme:
     #: identity rewrite itself)
     delta_applies: ClassVar[bool] = True
 
-    def __init__(self, options: SchemeOptions, stream: ResidualStream, dtype: torch.dtype, device: torch.device):
+    def __init__(self, options: SchemeOptions, stream: ResidualStream, dtype: torch.dtype, device: torch.device,
+                 hints: dict | None = None):
         self.options, self.stream = options, stream
         self.dtype, self.device = dtype, device
         self.d = stream.d_model
+        #: facts about the model that the graph does not show, read from its config by
+        #: ``rewrite.model_hints`` (e.g. ``kv_heads``, the default MHAR head count); may be empty
+        self.hints = dict(hints or {})
 
     @property
     def delta(self) -> bool:

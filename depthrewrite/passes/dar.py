@@ -1,0 +1,144 @@
+"""Dual Attention Residuals (SPEC section 6).
+
+Two depth streams j = 0, 1, each a history of completed entries ``H^j`` (``H^j_0 = e``) and
+a partial entry ``P^j``. A site routes each stream (keys and values taken from the streams
+the variant names), mixes the two results with a learned gate, and writes its update into
+both partial entries through a doubly stochastic transport. Blocks are counted in layers
+(blocks of the stack): a DAR block ends after the last site of every K-th layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..analysis import Site
+from ..ops import route
+from .attnres import AttnResOptions
+from .base import Scheme, State
+
+#: for each variant and target stream j: (stream giving the values, stream giving the keys)
+VARIANTS = {
+    "dar": lambda j: (j, 1 - j),
+    "selfkv": lambda j: (j, j),
+    "crossv": lambda j: (1 - j, j),
+    "fixedkv": lambda j: (1, 0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DarOptions(AttnResOptions):
+    variant: str = "dar"  # 'dar', 'selfkv', 'crossv' or 'fixedkv' (see VARIANTS)
+    layers_per_block: int = 1  # K: layers per DAR block; 1 is full DAR
+    # beta^j starts at beta_init[0] where (site index + j) is even, else beta_init[1]: the
+    # streams must start different or they stay identical (SPEC 6, our choice)
+    beta_init: tuple[float, float] = (1.0, 0.5)
+    transport_init: float = 2.0  # c; rho = sigmoid(c) is the share a stream keeps of itself
+
+
+class DualRoute(nn.Module):
+    """Route both streams and mix them: ``x = s r^0 + (1 - s) r^1``, ``s = sigmoid(mix)``.
+    ``query`` and ``key_norm_weight`` hold one row per target stream."""
+
+    reads_stream = False
+    replaces_stream = True
+
+    def __init__(self, scheme: "DarScheme"):
+        super().__init__()
+        self.query = scheme.param(2, scheme.d, fill=0.0)
+        self.key_norm_weight = scheme.param(2, scheme.d, fill=1.0)
+        self.mix = scheme.param(1, fill=0.0)
+        self.eps = scheme.options.eps
+        self.variant = scheme.options.variant
+
+    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
+        history, partial = state
+        streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
+        r0, r1 = (self._route(streams, j) for j in (0, 1))
+        s = torch.sigmoid(self.mix)
+        return s * r0 + (1 - s) * r1
+
+    def _route(self, streams, j: int) -> torch.Tensor:
+        value_stream, key_stream = VARIANTS[self.variant](j)
+        keys = None if key_stream == value_stream else streams[key_stream]
+        return route(streams[value_stream], keys, query=self.query[j], key_norm_weight=self.key_norm_weight[j],
+                     eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant}"
+
+
+class DarRouter(DualRoute):
+    """A DAR site: routing as :class:`DualRoute`, plus the gated write with transport
+    ``[P^0, P^1] <- M(sigmoid(transport)) [P^0, P^1] + beta u``."""
+
+    def __init__(self, scheme: "DarScheme", site: Site, closes_block: bool):
+        super().__init__(scheme)
+        self.transport = scheme.param(1, fill=float(scheme.options.transport_init))
+        even, odd = scheme.options.beta_init
+        self.beta = nn.Parameter(torch.tensor(
+            [even if (site.index + j) % 2 == 0 else odd for j in (0, 1)], dtype=scheme.dtype, device=scheme.device))
+        self.closes_block = closes_block
+
+    def write(self, state: State, u, x, h) -> State:
+        history, partial = state
+        if partial is None:  # a fresh block: nothing to transport yet
+            p0, p1 = self.beta[0] * u, self.beta[1] * u
+        else:
+            rho = torch.sigmoid(self.transport)
+            q0, q1 = partial
+            p0 = rho * q0 + (1 - rho) * q1 + self.beta[0] * u
+            p1 = (1 - rho) * q0 + rho * q1 + self.beta[1] * u
+        if self.closes_block:
+            return (history[0] + (p0,), history[1] + (p1,)), None
+        return history, (p0, p1)
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant}, closes_block={self.closes_block}"
+
+
+class DarScheme(Scheme):
+    """``dar``: Dual Attention Residuals. Two streams of depth entries; each site reads
+    ``s r^0 + (1 - s) r^1`` where ``r^j`` routes stream j's entries (keys and values from
+    the streams the variant names: ``dar`` keys 1-j / values j, ``selfkv`` j / j,
+    ``crossv`` j / 1-j, ``fixedkv`` 0 / 1), then writes ``beta^j u`` into both partial
+    entries after mixing them with ``[[rho, 1-rho], [1-rho, rho]]``, ``rho = sigmoid(c)``.
+    The final readout routes and mixes with its own parameters.
+
+    Options: ``variant`` ('dar'), ``layers_per_block`` K (1: full DAR, one entry per
+    layer), ``beta_init`` ((1.0, 0.5): the value where site index + j is even / odd),
+    ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6). Init: queries 0, key norm
+    weights 1, mixing gate a = 0. New parameters: ``(4 d + 4) L + 4 d + 1``.
+    """
+
+    name = "dar"
+    Options = DarOptions
+
+    def __init__(self, options, stream, dtype, device, hints=None):
+        super().__init__(options, stream, dtype, device, hints=hints)
+        if options.variant not in VARIANTS:
+            raise ValueError(f"dar: variant must be one of {', '.join(VARIANTS)}, found {options.variant!r}")
+        k = options.layers_per_block
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"dar: layers_per_block must be a positive int, found {k!r}")
+        beta = options.beta_init
+        if not (isinstance(beta, (tuple, list)) and len(beta) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in beta)):
+            raise ValueError(f"dar: beta_init must be a pair of numbers, found {beta!r}")
+        if isinstance(options.transport_init, bool) or not isinstance(options.transport_init, (int, float)):
+            raise ValueError(f"dar: transport_init must be a number, found {options.transport_init!r}")
+        self.layers_per_block = k
+        self._sites_per_layer = stream.sites_per_block()
+
+    def init_state(self, e):
+        return ((e,), (e,)), None
+
+    def site_router(self, site: Site) -> nn.Module:
+        last_of_layer = site.position == self._sites_per_layer[site.block]
+        closes = last_of_layer and (site.block + 1) % self.layers_per_block == 0
+        return DarRouter(self, site, closes_block=closes)
+
+    def readout_router(self) -> nn.Module:
+        return DualRoute(self)

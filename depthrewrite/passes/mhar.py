@@ -1,0 +1,103 @@
+"""Multi-Head Attention Residuals (SPEC section 4).
+
+AttnRes (full or block) with the pseudo-query split into H heads, each with its own
+softmax over depth. The key RMS statistic stays over the full width (normalise, then
+slice), which the route op does when given ``heads``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..analysis import Site
+from ..ops import route
+from .attnres import AttnResOptions, BlockRouter, FullRouter
+from .base import Scheme
+
+
+@dataclasses.dataclass(frozen=True)
+class MharOptions(AttnResOptions):
+    heads: int | None = None  # None: the model's key/value head count (``hints['kv_heads']``)
+    block_size: int | None = None  # None: full routing; an int: Block AttnRes blocks of that many sites
+
+
+class _MultiHead:
+    """Mixin over the AttnRes routers: the same parameters, routed with ``heads`` softmaxes."""
+
+    heads: int
+
+    def route(self, sources):
+        return route(sources, query=self.query, key_norm_weight=self.key_norm_weight, heads=self.heads, eps=self.eps)
+
+
+class MharFullRouter(_MultiHead, FullRouter):
+    def __init__(self, scheme: "MharScheme"):
+        super().__init__(scheme)
+        self.heads = scheme.heads
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}"
+
+
+class MharBlockRouter(_MultiHead, BlockRouter):
+    def __init__(self, scheme: "MharScheme", closes_block: bool):
+        super().__init__(scheme, closes_block)
+        self.heads = scheme.heads
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, closes_block={self.closes_block}"
+
+
+class MharScheme(Scheme):
+    """``mhar``: Multi-Head Attention Residuals. Each site (and the final readout) routes
+    over depth like AttnRes, but its query ``w`` (d,) is read as H heads of d/H channels,
+    each head with its own softmax over the sources and mixing only its own channels.
+
+    Options: ``heads`` (default: the model's key/value head count from its config; a
+    ValueError asks for ``heads=`` when the model has none; must divide d),
+    ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
+    S sites), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
+    with the same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
+    """
+
+    name = "mhar"
+    Options = MharOptions
+
+    def __init__(self, options, stream, dtype, device, hints=None):
+        super().__init__(options, stream, dtype, device, hints=hints)
+        self.heads = self._resolve_heads(options.heads)
+        size = options.block_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
+        self.block_size = size
+
+    def _resolve_heads(self, heads) -> int:
+        if heads is None:
+            heads = self.hints.get("kv_heads")
+            if heads is None:
+                raise ValueError(
+                    "mhar: heads was not given and the model has no config naming its key/value head "
+                    "count; pass heads=<int dividing the width "
+                    f"{self.d}>"
+                )
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"mhar: heads must be a positive int, found {heads!r}")
+        if self.d % heads != 0:
+            raise ValueError(f"mhar: heads must divide the model width, found width d={self.d} and heads={heads}")
+        return heads
+
+    def init_state(self, e):
+        return (e,) if self.block_size is None else ((e,), None)
+
+    def site_router(self, site: Site):
+        if self.block_size is None:
+            return MharFullRouter(self)
+        return MharBlockRouter(self, closes_block=site.index % self.block_size == 0)
+
+    def readout_router(self):
+        if self.block_size is None:
+            return MharFullRouter(self)
+        return MharBlockRouter(self, closes_block=False)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "heads": self.heads}

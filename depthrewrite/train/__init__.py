@@ -1,0 +1,10 @@
+"""Training validation: train the bundled models, plain and rewritten, on byte-level text
+and compare schemes (``depthrewrite train`` / ``depthrewrite compare``)."""
+
+from .data import DataConfig, Splits, batch_at, load_documents, load_splits, split_documents
+from .loop import TrainConfig, TrainResult, evaluate, read_metrics, train
+
+__all__ = [
+    "TrainConfig", "TrainResult", "train", "evaluate", "read_metrics",
+    "DataConfig", "Splits", "load_documents", "load_splits", "split_documents", "batch_at",
+]

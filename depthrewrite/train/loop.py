@@ -1,0 +1,301 @@
+"""``train(config) -> TrainResult``: the training loop the CLI and ``compare`` run.
+
+AdamW (weight decay on matrices and embeddings only: norms and routing vectors keep their
+init scale), linear warmup then cosine decay to ``min_lr_ratio * lr``, gradient clipping,
+optional bf16 autocast and torch.compile, periodic evaluation on the validation split,
+a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
+
+Reported numbers: ``final_train_loss`` is the mean training loss of the last
+``min(10, steps run)`` steps (one step's loss is noisy); ``final_val_loss`` is measured at
+the end on ``eval_batches`` fixed validation batches; ``tokens_per_s`` counts global
+training tokens over training time, evaluation and the first step of the run (compilation,
+allocator warm-up) excluded when more than one step ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint, distributed
+from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
+from .model import build_model
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16")
+METRICS_FILE = "metrics.jsonl"
+#: config fields that must match a checkpoint for ``resume`` (steps may grow)
+_RESUME_MUST_MATCH = ("model", "layers", "d_model", "model_options", "scheme", "options", "batch_size",
+                      "seq_len", "seed", "data")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "gpt:tiny"
+    layers: int | None = None  # overrides n_layer
+    d_model: int | None = None
+    model_options: dict = field(default_factory=dict)  # other config fields, e.g. {"dropout": 0.1}
+    scheme: str = "residual"  # a depthrewrite scheme, or 'none' for no rewrite at all
+    options: dict = field(default_factory=dict)  # the scheme's options
+    data: DataConfig = field(default_factory=DataConfig)
+    steps: int = 200  # length of the LR schedule and of the run
+    stop_after: int | None = None  # end this invocation after this many total steps (schedule unchanged)
+    batch_size: int = 16  # global: split across ranks
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables
+    precision: str = "fp32"
+    compile: bool = False
+    backend: str = "inductor"
+    seed: int = 0
+    device: str = "cpu"
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8
+    out: str | None = None  # metrics.jsonl and checkpoints/ go here
+    save_every: int = 0  # 0: only at the end of the run (when out is set)
+    keep_checkpoints: int = 2  # 0 keeps all
+    resume: bool = False
+    distributed: str = "none"
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_batches"):
+            _positive_int(name, getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "save_every", "keep_checkpoints"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, found {value!r}")
+        if self.stop_after is not None and not (isinstance(self.stop_after, int) and 0 < self.stop_after <= self.steps):
+            raise ValueError(f"stop_after must be an int in [1, steps={self.steps}], found {self.stop_after!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, found {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, found {self.precision!r}")
+        if self.resume and self.out is None:
+            raise ValueError("resume needs out: the directory whose checkpoints to continue from")
+        self.data.validate()
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, found {value!r}")
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    steps: list[int]  # the steps run by this invocation (1-based)
+    losses: list[float]  # training loss of each of those steps (mean over the global batch)
+    val: list[tuple[int, float]]  # (step, validation loss)
+    final_train_loss: float
+    final_val_loss: float
+    tokens_per_s: float
+    params: int
+    new_params: int
+    seconds: float
+    metrics_path: pathlib.Path | None
+    model: nn.Module = field(repr=False)  # the trained model, unwrapped (no DDP / compile wrapper)
+    splits: Splits = field(repr=False)
+
+
+# ------------------------------------------------------------------ optimisation
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Multiplier of ``lr`` for 0-based ``step``: linear warmup, then cosine to ``min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+
+
+def _autocast(config: TrainConfig, device: torch.device):
+    if config.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------ metrics
+class Metrics:
+    """The JSONL metrics file (rank 0 only): one record per step and per evaluation."""
+
+    def __init__(self, out: str | None, enabled: bool, resume_step: int | None):
+        self.path = pathlib.Path(out) / METRICS_FILE if out is not None else None
+        self.enabled = enabled and self.path is not None
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            # drop what a killed run logged after its last checkpoint: those steps run again
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line]
+
+
+# --------------------------------------------------------------------------- loop
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: torch.Tensor, config: TrainConfig, info: distributed.DistInfo,
+             device: torch.device) -> float:
+    """Mean loss over ``eval_batches`` fixed validation batches (the same at every evaluation)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for i in range(config.eval_batches):
+        x, y = batch_at(tokens, seed=config.seed, step=i, batch_size=config.batch_size, seq_len=config.seq_len,
+                        rank=info.rank, world_size=info.world_size, stream=VAL_STREAM)
+        with _autocast(config, device):
+            _, loss = model(x.to(device), y.to(device))
+        total += loss.float()
+    model.train(was_training)
+    return distributed.mean_across_ranks(total / config.eval_batches, info).item()
+
+
+def _check_resume(payload: dict, config: TrainConfig) -> None:
+    saved, now = payload["config"], dataclasses.asdict(config)
+    for name in _RESUME_MUST_MATCH:
+        if saved[name] != now[name]:
+            raise ValueError(f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}")
+
+
+def train(config: TrainConfig, splits: Splits | None = None) -> TrainResult:
+    """Train as ``config`` says; ``splits`` reuses already loaded data (``compare`` does)."""
+    config.validate()
+    import torch.distributed as dist
+
+    owns_group = config.distributed != "none" and not dist.is_initialized()
+    info = distributed.setup(config.distributed, config.device)
+    try:
+        return _train(config, splits, info)
+    finally:
+        if owns_group:
+            distributed.teardown(info)
+
+
+def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInfo) -> TrainResult:
+    start_time = time.perf_counter()
+    device = distributed.rank_device(config.device, info)
+    if splits is None:
+        splits = load_splits(config.data, config.seed)
+    overrides = dict(config.model_options)
+    overrides.update({k: v for k, v in (("n_layer", config.layers), ("d_model", config.d_model)) if v is not None})
+    built = build_model(config.model, overrides, config.scheme, config.options, config.seq_len, config.seed, device)
+    model = built.model
+    model.train()
+    if info.mode == "fsdp2":
+        distributed.wrap(model, info, device)  # shards in place, before the optimizer sees the parameters
+    optimizer = make_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+
+    step = 0
+    if config.resume:
+        path = checkpoint.latest_checkpoint(config.out)
+        if path is None:
+            raise ValueError(f"resume: no checkpoint under {checkpoint.checkpoint_dir(config.out)}")
+        payload = checkpoint.load(path, model, optimizer, scheduler, info)
+        _check_resume(payload, config)
+        step = payload["step"]
+    metrics = Metrics(config.out, info.is_main, step if config.resume else None)
+
+    runner = model if info.mode != "ddp" else distributed.wrap(model, info, device)
+    if config.compile:
+        runner = torch.compile(runner, backend=config.backend)
+
+    end = config.stop_after if config.stop_after is not None else config.steps
+    tokens_per_step = config.batch_size * config.seq_len
+    steps, losses, val = [], [], []
+    train_time, timed_steps = 0.0, 0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and info.is_main),
+               desc=f"{config.scheme}", unit="step", dynamic_ncols=True)
+    while step < end:
+        t0 = time.perf_counter()
+        loss = _train_step(runner, optimizer, scheduler, splits.train, step, config, info, device)
+        dt = time.perf_counter() - t0
+        step += 1
+        if steps or step == end:  # the run's first step is warm-up, unless it is the only one
+            train_time, timed_steps = train_time + dt, timed_steps + 1
+        steps.append(step)
+        losses.append(loss)
+        metrics.write({"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                       "tokens_per_s": tokens_per_step / dt})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if config.eval_every and step % config.eval_every == 0 and step < end:
+            val.append((step, evaluate(runner, splits.val, config, info, device)))
+            metrics.write({"step": step, "val_loss": val[-1][1]})
+        if config.out is not None and config.save_every and step % config.save_every == 0 and step < end:
+            _save(config, step, model, optimizer, scheduler, info)
+    bar.close()
+
+    final_val = evaluate(runner, splits.val, config, info, device)
+    if not val or val[-1][0] != step:
+        val.append((step, final_val))
+        metrics.write({"step": step, "val_loss": final_val})
+    if config.out is not None:
+        _save(config, step, model, optimizer, scheduler, info)
+    tail = losses[-10:]
+    result = TrainResult(
+        config=config, steps=steps, losses=losses, val=val,
+        final_train_loss=sum(tail) / len(tail) if tail else float("nan"),
+        final_val_loss=final_val,
+        tokens_per_s=timed_steps * tokens_per_step / train_time if train_time > 0 else float("nan"),
+        params=built.params, new_params=built.new_params, seconds=time.perf_counter() - start_time,
+        metrics_path=metrics.path if metrics.enabled else None, model=model, splits=splits,
+    )
+    log.info("trained %s/%s for %d steps: train loss %.4f, val loss %.4f, %.0f tokens/s",
+             config.model, config.scheme, len(steps), result.final_train_loss, final_val, result.tokens_per_s)
+    return result
+
+
+def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, step: int, config: TrainConfig,
+                info: distributed.DistInfo, device: torch.device) -> float:
+    x, y = batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size, seq_len=config.seq_len,
+                    rank=info.rank, world_size=info.world_size, stream=TRAIN_STREAM)
+    with _autocast(config, device):
+        _, loss = runner(x.to(device), y.to(device))
+    loss.backward()
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(runner.parameters(), config.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return distributed.mean_across_ranks(loss.detach().float(), info).item()
+
+
+def _save(config: TrainConfig, step: int, model: nn.Module, optimizer, scheduler, info) -> None:
+    checkpoint.save(config.out, step, model, optimizer, scheduler, info,
+                    extra={"config": dataclasses.asdict(config)}, keep=config.keep_checkpoints)

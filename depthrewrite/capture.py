@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, NoResidualStreamError
 
@@ -172,21 +173,7 @@ def eval_mode(model: nn.Module):
 
 def first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor in a (possibly nested) output, in pytree order."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            t = first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(value, dict):
-        for v in value.values():
-            t = first_tensor(v)
-            if t is not None:
-                return t
-    if hasattr(value, "to_tuple"):  # HF ModelOutput
-        return first_tensor(value.to_tuple())
-    return None
+    return next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)
 
 
 def find_stream_arg(call: ModuleCall, stream: torch.Tensor) -> StreamArg | None:

@@ -18,6 +18,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..errors import NotPreNormError, NoResidualStreamError
 from .probes import mixes_tokens, norm_eps, norm_type, run_block_graph
@@ -176,19 +177,7 @@ class BlockSiteFinder:
 
 
 def _first_node(value):
-    if isinstance(value, fx.Node):
-        return value
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            n = _first_node(v)
-            if n is not None:
-                return n
-    if isinstance(value, dict):
-        for v in value.values():
-            n = _first_node(v)
-            if n is not None:
-                return n
-    return None
+    return next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, fx.Node)), None)
 
 
 def classify_parts(gm: fx.GraphModule, inputs: list, sites: list[SiteGraph]) -> None:

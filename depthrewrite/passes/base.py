@@ -94,32 +94,31 @@ class Scheme:
         return {"scheme": self.name, **dataclasses.asdict(self.options)}
 
 
-class DeltaSite(nn.Module):
+class DeltaReadout(nn.Module):
     """``x = h + gate * route(state)``; the residual stream itself is kept (SPEC 7)."""
+
+    def __init__(self, inner: nn.Module, gate: nn.Parameter):
+        super().__init__()
+        self.inner = inner
+        self.gate = gate
+
+    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * self.inner.read(state, h)
+
+
+class DeltaSite(DeltaReadout):
+    """A site of the identity-preserving form: reads as :class:`DeltaReadout`, records the
+    update as the wrapped router does, and leaves the block's residual adds alone."""
 
     reads_stream = True
     replaces_stream = False
 
     def __init__(self, inner: nn.Module, gate: nn.Parameter):
-        super().__init__()
-        self.inner = inner
-        self.gate = gate
+        super().__init__(inner, gate)
+        self.wants_parts = getattr(inner, "wants_parts", False)  # WAV still needs a parallel site's parts
 
-    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        return h + self.gate * self.inner.read(state, h)
-
-    def write(self, state: State, u: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> State:
-        return self.inner.write(state, u, x, h)
-
-
-class DeltaReadout(nn.Module):
-    def __init__(self, inner: nn.Module, gate: nn.Parameter):
-        super().__init__()
-        self.inner = inner
-        self.gate = gate
-
-    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        return h + self.gate * self.inner.read(state, h)
+    def write(self, state: State, u: torch.Tensor, x: torch.Tensor, h: torch.Tensor, **kw) -> State:
+        return self.inner.write(state, u, x, h, **kw)
 
 
 def site_read(router: nn.Module, state: State, h: torch.Tensor) -> torch.Tensor:

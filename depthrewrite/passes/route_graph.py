@@ -101,12 +101,13 @@ def _rewrite_site(graph: fx.Graph, site: SiteGraph, target: str, router_module, 
 
 
 def _scale_update(graph: fx.Graph, site: SiteGraph, router: fx.Node, u: fx.Node) -> None:
-    """``s + u`` becomes ``s + router.scale_update(u)`` (ReZero, LayerScale)."""
-    if len(site.parts) != 1:
-        raise ValueError("scaling the update of a two-add parallel site is not supported")
-    with graph.inserting_before(site.adds[0]):
-        scaled = graph.call_function(site_scale, (router, u))
-    site.adds[0].replace_input_with(u, scaled)
+    """``s + u`` becomes ``s + router.scale_update(u)`` (ReZero, LayerScale). A two-add
+    parallel site scales each part at its own add: the scalings are linear, so this is the
+    scaling of their sum."""
+    for add, part in zip(site.adds, site.parts):
+        with graph.inserting_before(add):
+            scaled = graph.call_function(site_scale, (router, part))
+        add.replace_input_with(part, scaled)
 
 
 def _erase_dead_adds(graph: fx.Graph, sites: list[SiteGraph]) -> int:

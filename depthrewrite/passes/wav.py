@@ -24,7 +24,7 @@ from torch import nn
 from ..analysis import Site
 from ..ops import route
 from .attnres import AttnResOptions, BlockReadout, BlockRouter, DepthQuery, default_block_size
-from .base import DeltaSite, Scheme, State
+from .base import Scheme, State
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,15 +122,6 @@ class WavReadout(DepthQuery):
         return self.route(sources)
 
 
-class _DeltaPartsSite(DeltaSite):
-    """``preserve_identity`` wrapper that still hands a parallel site's parts to WAV."""
-
-    wants_parts = True
-
-    def write(self, state: State, u, x, h, parts: tuple | None = None) -> State:
-        return self.inner.write(state, u, x, h, parts=parts)
-
-
 class WavScheme(Scheme):
     """``wav``: WAV v1. Block AttnRes whose sites also route over two RMS-matched detail
     bases per block (attention-minus-MLP and first-half-minus-second-half), each with a
@@ -169,13 +160,6 @@ class WavScheme(Scheme):
 
     def readout_router(self) -> nn.Module:
         return WavReadout(self) if self.options.details else BlockReadout(self)
-
-    def make_site_router(self, site: Site) -> nn.Module:
-        router = self.site_router(site)
-        if not self.delta:
-            return router
-        wrapper = _DeltaPartsSite if getattr(router, "wants_parts", False) else DeltaSite
-        return wrapper(router, self._gate())
 
     def describe(self) -> dict:
         return {**super().describe(), "block_size": self.block_size}

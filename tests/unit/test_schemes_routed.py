@@ -1,0 +1,322 @@
+"""The routed schemes of SPEC sections 4-6 (mhar, wav, dar): their equivalences, identity
+mode, hand-written oracles, and training."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import depthrewrite
+from depthrewrite.models import gpt_from_preset
+from tests.conftest import corpus_bytes, hf_model
+from tests.unit.scheme_oracles import DAR_ROLES, Params, dar_logits, mhar_logits, wav_logits
+
+FEW = settings(max_examples=3, deadline=None, derandomize=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: a second intra-op thread only adds contention (10x slower on a
+    busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return gpt_from_preset("tiny", **{"n_layer": 3, **overrides}).eval()
+
+
+def ids_for(seed=1, batch=2, length=12):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def randomize_routing(model, seed=0):
+    """Non-zero routing parameters, so that every weight of every softmax matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "depth_route" not in name:
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+            centre = {"key_norm_weight": 1.0, "detail_bias": -1.0, "transport": 2.0, "beta": 0.75}
+            p.copy_(centre.get(name.rsplit(".", 1)[-1], 0.0) + 0.5 * noise)
+
+
+def routing_names(model):
+    return sorted(n for n, _ in model.named_parameters() if "depth_route" in n)
+
+
+def rewrite(model, scheme, **options):
+    # verify=False: every test here checks the outputs itself (and the identity tests keep it)
+    return depthrewrite.rewrite(model, scheme, **{"verify": False, **options})
+
+
+models = st.builds(
+    dict,
+    n_layer=st.integers(1, 3),
+    parallel_block=st.booleans(),
+    d_model=st.sampled_from([32, 64]),
+    seed=st.integers(0, 100),
+)
+
+
+# ---------------------------------------------------------------- equivalences
+@FEW
+@given(cfg=models, block_size=st.sampled_from([None, 1, 2, 3]))
+def test_mhar_one_head_equals_attnres(cfg, block_size):
+    seed = cfg.pop("seed")
+    base = "attnres" if block_size is None else "block_attnres"
+    options = {} if block_size is None else {"block_size": block_size}
+    reference = rewrite(tiny(seed, **cfg), base, **options)
+    model = rewrite(tiny(seed, **cfg), "mhar", heads=1, **options)
+    randomize_routing(reference)
+    model.load_state_dict(reference.state_dict())  # strict: the same parameter names, none added
+    ids = ids_for(seed)
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+
+
+@FEW
+@given(cfg=models, block_size=st.sampled_from([1, 2, 3]))
+def test_wav_without_details_equals_block_attnres(cfg, block_size):
+    seed = cfg.pop("seed")
+    reference = rewrite(tiny(seed, **cfg), "block_attnres", block_size=block_size)
+    model = rewrite(tiny(seed, **cfg), "wav", block_size=block_size, details=False)
+    randomize_routing(reference)
+    model.load_state_dict(reference.state_dict())
+    ids = ids_for(seed)
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+
+
+def test_wav_with_detail_biases_at_minus_infinity_equals_block_attnres():
+    reference = rewrite(tiny(), "block_attnres", block_size=2)
+    model = rewrite(tiny(), "wav", block_size=2, detail_bias_init=float("-inf"))
+    randomize_routing(reference)
+    model.load_state_dict(reference.state_dict(), strict=False)
+    missing = set(routing_names(model)) - set(routing_names(reference))
+    assert missing and all(n.endswith("detail_bias") for n in missing)
+    ids = ids_for()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids), rtol=1e-6, atol=1e-6)
+        finite = rewrite(tiny(), "wav", block_size=2)
+        finite.load_state_dict(reference.state_dict(), strict=False)  # details at bias -2: routed in
+        assert not torch.allclose(finite(ids), reference(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_mhar_block_size_one_equals_full(heads):
+    reference = rewrite(tiny(), "mhar", heads=heads)
+    model = rewrite(tiny(), "mhar", heads=heads, block_size=1)
+    randomize_routing(reference)
+    model.load_state_dict(reference.state_dict())
+    ids = ids_for()
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+
+
+def test_mhar_heads_default_to_the_models_kv_heads_and_are_checked():
+    model = rewrite(tiny(n_head=4, n_kv_head=2), "mhar")
+    router = model.blocks[0].depth_route["site1"]
+    assert router.heads == 2
+    llama = rewrite(hf_model("llama", num_attention_heads=4, num_key_value_heads=2), "mhar")
+    assert llama.model.layers[0].depth_route["site1"].heads == 2
+    with pytest.raises(ValueError, match=r"d=64.*heads=3"):
+        rewrite(tiny(), "mhar", heads=3)
+
+
+def test_mhar_without_a_config_asks_for_heads():
+    from tests.toy_models import ToyLM
+
+    with pytest.raises(ValueError, match="heads="):
+        rewrite(ToyLM(), "mhar", example_inputs=(torch.randint(0, 50, (2, 8)),))
+
+
+@pytest.mark.parametrize("scheme, options, message", [
+    ("mhar", {"heads": 0}, "heads must be a positive int"),
+    ("mhar", {"heads": 2, "block_size": 0}, "block_size"),
+    ("wav", {"rho": 0.0}, "rho must be a positive number"),
+    ("wav", {"details": 1}, "details must be True or False"),
+    ("dar", {"variant": "dual"}, "variant must be one of dar, selfkv, crossv, fixedkv, found 'dual'"),
+    ("dar", {"layers_per_block": 0}, "layers_per_block must be a positive int"),
+    ("dar", {"beta_init": (1.0,)}, "beta_init must be a pair"),
+])
+def test_bad_options_are_value_errors_naming_them(scheme, options, message):
+    with pytest.raises(ValueError, match=message):
+        rewrite(tiny(n_layer=1), scheme, **options)
+
+
+@pytest.mark.parametrize("scheme, options", [
+    ("mhar", {}), ("mhar", {"block_size": 2, "heads": 2}), ("wav", {"block_size": 2}),
+    ("dar", {}), ("dar", {"variant": "fixedkv", "layers_per_block": 2}),
+])
+@pytest.mark.parametrize("parallel, dtype", [(False, torch.float32), (True, torch.float64)])
+def test_preserve_identity_is_bit_identical_at_init(scheme, options, parallel, dtype):
+    original = tiny(parallel_block=parallel).to(dtype)
+    ids = ids_for(7, length=20)  # not the capture input
+    with torch.no_grad():
+        want = original(ids)
+        model = rewrite(original, scheme, inplace=False, verify=True, preserve_identity=True, **options)
+        assert torch.equal(model(ids), want)
+
+
+# ---------------------------------------------------------------- oracles
+def oracle_case(scheme, parallel, seed=0, **options):
+    model = rewrite(tiny(parallel_block=parallel), scheme, **options)
+    randomize_routing(model, seed)
+    return model, ids_for()
+
+
+def close(a, b):
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("heads, block_size", [(4, None), (2, 2), (4, 3)])
+def test_mhar_matches_hand_written_oracle(parallel, heads, block_size):
+    model, ids = oracle_case("mhar", parallel, heads=heads, block_size=block_size)
+    params = Params(model)
+    with torch.no_grad():
+        got = model(ids)
+        torch.testing.assert_close(got, mhar_logits(model, params, ids, heads, block_size), rtol=1e-5, atol=1e-5)
+        assert not close(got, mhar_logits(model, params, ids, 1, block_size))  # the oracle sees the heads
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("block_size, rho", [(1, 2.0), (3, 0.5)])
+def test_wav_matches_hand_written_oracle(parallel, block_size, rho):
+    model, ids = oracle_case("wav", parallel, block_size=block_size, rho=rho)
+    params = Params(model)
+    with torch.no_grad():
+        got = model(ids)
+        torch.testing.assert_close(got, wav_logits(model, params, ids, block_size, rho=rho), rtol=1e-5, atol=1e-5)
+        assert not close(got, wav_logits(model, params, ids, block_size, rho=2.5 - rho))  # the cap matters
+        if parallel:  # the parts of a parallel site reach the phase basis
+            assert not close(got, wav_logits(model, params, ids, block_size, phase_of_parts=False))
+
+
+@pytest.mark.parametrize("scheme, options, oracle", [
+    ("wav", {"block_size": 2}, lambda m, p, ids: wav_logits(m, p, ids, 2)),
+    ("dar", {"layers_per_block": 2}, lambda m, p, ids: dar_logits(m, p, ids, "dar", 2)),
+    ("mhar", {"heads": 2}, lambda m, p, ids: mhar_logits(m, p, ids, 2)),
+])
+def test_preserve_identity_matches_oracle_once_the_gates_open(scheme, options, oracle):
+    """Delta mode on parallel blocks: WAV must still see the parts through the wrapper."""
+    model, ids = oracle_case(scheme, True, preserve_identity=True, **options)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), oracle(model, Params(model, delta=True), ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parallel, layers_per_block", [(False, 1), (True, 2)])
+def test_dar_variants_route_the_streams_spec_names(parallel, layers_per_block):
+    """Each variant matches its oracle and no other: a wrong key/value assignment shows."""
+    torch.manual_seed(0)
+    for variant in DAR_ROLES:
+        model, ids = oracle_case("dar", parallel, variant=variant, layers_per_block=layers_per_block)
+        params = Params(model)
+        with torch.no_grad():
+            got = model(ids)
+            want = dar_logits(model, params, ids, variant, layers_per_block)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for other in DAR_ROLES:
+                if other != variant:
+                    assert not close(got, dar_logits(model, params, ids, other, layers_per_block)), other
+            # the block boundaries matter too
+            assert not close(got, dar_logits(model, params, ids, variant, layers_per_block + 1))
+
+
+def test_dar_streams_differ_after_one_forward_at_init():
+    model = rewrite(tiny(), "dar")
+    readout = model.norm_final.depth_route["readout"]
+    seen = []
+    inner_read = readout.read
+    readout.read = lambda state, h: (seen.append(state), inner_read(state, h))[1]
+    ids = ids_for()
+    with torch.no_grad():
+        got = model(ids)
+        (h0, h1), partial = seen[0]
+        assert partial is None and len(h0) == len(h1) == 4  # e + one entry per layer
+        assert torch.equal(h0[0], h1[0])  # both start from e
+        for a, b in zip(h0[1:], h1[1:]):
+            assert not torch.allclose(a, b, rtol=1e-3, atol=1e-3)
+        recorded = []
+        torch.testing.assert_close(got, dar_logits(model, Params(model), ids, record=recorded), rtol=1e-5, atol=1e-5)
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(recorded[0] + recorded[1], h0 + h1))
+
+
+def test_dar_beta_breaks_the_symmetry_as_spec_says():
+    model = rewrite(tiny(), "dar")
+    betas = [r.beta.tolist() for b in model.blocks for r in b.depth_route.values()]
+    assert betas == [[0.5, 1.0], [1.0, 0.5]] * 3  # 1 where site index + j is even, else 0.5
+    site = model.blocks[0].depth_route["site1"]
+    assert site.mix.item() == 0.0 and site.transport.item() == 2.0
+
+
+# ---------------------------------------------------------------- training
+def new_parameter_count(model):
+    return sum(p.numel() for n, p in model.named_parameters() if "depth_route" in n)
+
+
+def structurally_dead(scheme, options):
+    """Parameters whose gradient is exactly zero by construction: site 1 routes over the
+    single source ``e`` (softmax over one source; DAR mixes e with e), and a DAR site that
+    opens a block has no partial entry to transport."""
+    dead = {"blocks.0.depth_route.site1.query", "blocks.0.depth_route.site1.key_norm_weight"}
+    if scheme == "wav":
+        dead.add("blocks.0.depth_route.site1.detail_bias")
+    if scheme == "dar":
+        dead.add("blocks.0.depth_route.site1.mix")
+        k = options.get("layers_per_block", 1)
+        dead |= {f"blocks.{b}.depth_route.site1.transport" for b in range(0, 3, k)}
+    return dead
+
+
+@pytest.mark.parametrize("scheme, options, count", [
+    ("mhar", {"heads": 2}, 2 * 64 * 7),
+    ("wav", {"block_size": 2}, 2 * 64 * 7 + 2 * 6),
+    ("dar", {"layers_per_block": 2}, (4 * 64 + 4) * 6 + 4 * 64 + 1),
+])
+def test_scheme_trains_and_round_trips(scheme, options, count):
+    torch.manual_seed(0)
+    model = rewrite(tiny(), scheme, **options).train()
+    assert new_parameter_count(model) == count
+    data = torch.frombuffer(bytearray(corpus_bytes("tinyshakespeare.txt", limit=200_000)), dtype=torch.uint8).long()
+    gen = torch.Generator().manual_seed(0)
+
+    def batch():
+        start = torch.randint(0, len(data) - 65, (8,), generator=gen)
+        chunk = torch.stack([data[s:s + 65] for s in start.tolist()])
+        return chunk[:, :-1], chunk[:, 1:]
+
+    fixed = batch()
+    with torch.no_grad():
+        before = model(*fixed)[1].item()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(40):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*batch())[1]
+        loss.backward()
+        if step == 1:  # at step 0 the zero queries hide the key norms (and DAR's transports)
+            grads = {n: p.grad for n, p in model.named_parameters() if "depth_route" in n}
+            zero = {n for n, g in grads.items() if g is None or not g.abs().sum() > 0}
+            assert zero == structurally_dead(scheme, options)
+        opt.step()
+    with torch.no_grad():
+        after = model(*fixed)[1].item()
+    assert after < before - 2.0, (before, after)  # 5.57 -> about 2.65 for each scheme
+
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = rewrite(tiny(seed=5), scheme, **options).eval()
+    loaded.load_state_dict(torch.load(buffer))
+    model.eval()
+    ids = ids_for()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))

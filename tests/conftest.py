@@ -9,6 +9,10 @@ import pathlib
 import pytest
 import torch
 
+# The test models are tiny: one thread is faster than two (and two stall badly when the
+# 2-core CI machine is busy).
+torch.set_num_threads(1)
+
 DATA_DIR = pathlib.Path(os.environ.get("DEPTHREWRITE_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 #: the seven families of the core issue, each with the config fields that make it small

@@ -11,15 +11,12 @@ rewritten model compute exactly what the original computed (see each class), and
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 from torch import nn
 
 from ..analysis import Site
 from .base import Scheme, SchemeOptions, State
-
-log = logging.getLogger(__name__)
 
 #: CaiT's LayerScale rule (Touvron et al. 2021): 0.1 up to this many layers, small beyond
 LAYERSCALE_SHALLOW_LAYERS = 18

@@ -30,10 +30,14 @@ from .base import Scheme, SchemeOptions, State
 READOUTS = ("learned", "sum")
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim without a weight (the projections that read it
-    have their own scale), statistics in float32."""
-    xf = x.float()
+    have their own scale), statistics in float32 at least."""
+    xf = _at_least_float32(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -41,7 +45,7 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits)`` onto doubly stochastic matrices (last
     two dims): ``iters`` rounds of row then column normalisation, in float32 at least.
     Subtracting the max first changes nothing in the result and keeps ``exp`` finite."""
-    lf = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    lf = _at_least_float32(logits)
     m = torch.exp(lf - lf.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
         m = m / m.sum(dim=-1, keepdim=True)
@@ -91,7 +95,12 @@ class HyperConnOptions(SchemeOptions):
 @dataclasses.dataclass(frozen=True)
 class MHCOptions(HyperConnOptions):
     sinkhorn_iters: int = 20
-    res_offdiag: float = -4.0  # initial off-diagonal logit of H_res (diagonal 0): near identity
+    #: initial off-diagonal logit of H_res (diagonal 0). Sinkhorn converges at a rate set by
+    #: the matrix's cross-ratio (e^(-2 res_offdiag) for n = 2): at -2, 20 rounds shrink a row
+    #: imbalance about 5e4-fold; at -4 only about 4-fold, which left a trained mHC-2's row
+    #: sums off by 5e-3 (measured). -2 gives a diagonal of 0.88 (n = 2) or 0.71 (n = 4).
+    res_offdiag: float = -2.0
+    pre_init: float = 0.9  # initial H_pre weight of the site's own stream; the others share the rest
 
 
 def _check_options(name: str, opts: HyperConnOptions, min_streams: int) -> None:
@@ -119,16 +128,32 @@ class _StreamScheme(Scheme):
         return StreamReadout(self, self.n, learned=self.options.readout == "learned")
 
 
+class _StreamRouter(nn.Module):
+    """A site of a multi-stream scheme: the branch reads ``sum_j pre_j H_j``; the streams
+    become ``mix @ H + post u``. Subclasses give ``read_weights`` and ``write_weights``
+    (each computed where it is used, so that Sinkhorn runs once per site)."""
+
+    reads_stream = False
+    replaces_stream = True
+
+    def read(self, state: State, h) -> torch.Tensor:
+        hs = torch.stack(state, dim=-2)
+        return _combine(self.read_weights(hs), hs)
+
+    def write(self, state: State, u, x, h) -> State:
+        hs = torch.stack(state, dim=-2)
+        mix, post = self.write_weights(hs)
+        new = mix @ hs + post.unsqueeze(-1) * u.unsqueeze(-2)
+        return tuple(new.unbind(dim=-2))
+
+
 # --------------------------------------------------------------------- Hyper-Connections
-class HyperConnRouter(nn.Module):
+class HyperConnRouter(_StreamRouter):
     """One site of Hyper-Connections. Static: ``pre`` (A_m, one-hot on stream
     ``(index - 1) mod n``), ``mix`` (A_r^T, identity), ``post`` (B, ones). Dynamic (zeros
     at init, so the static values are exact there): from the per-stream RMS-normalised
     streams ``N_j``, ``pre_j += s_a tanh(N_j . w_pre)``, ``A_r[j, :] += s_a tanh(N_j W_res)``,
     ``post_j += s_b tanh(N_j . w_post)``, with ``s_a = s_b = 0.01`` at init."""
-
-    reads_stream = False
-    replaces_stream = True
 
     def __init__(self, scheme: Scheme, site: Site):
         super().__init__()
@@ -146,29 +171,23 @@ class HyperConnRouter(nn.Module):
             self.scale_pre_res = scheme.param(1, fill=0.01)  # s_alpha
             self.scale_post = scheme.param(1, fill=0.01)  # s_beta
 
-    def coefficients(self, hs: torch.Tensor):
-        """``(pre (..., n), mix (..., n, n), post (..., n))`` for streams ``(..., n, d)``;
-        ``mix[i, j]`` is the weight of stream ``j`` in the new stream ``i``."""
+    def read_weights(self, hs: torch.Tensor) -> torch.Tensor:
+        """``pre`` (``(n,)``, or ``(..., n)`` when dynamic) for streams ``(..., n, d)``."""
         if not self.dynamic:
-            return self.pre, self.res.transpose(-1, -2), self.post
+            return self.pre
+        alpha = torch.tanh(rms_normalize(hs, self.eps) @ self.dynamic_pre_res[:, 0])  # (..., n)
+        return self.pre + self.scale_pre_res * alpha
+
+    def write_weights(self, hs: torch.Tensor):
+        """``(mix (..., n, n), post (..., n))``; ``mix[i, j]`` is the weight of stream ``j`` in
+        the new stream ``i`` (``A_r`` transposed)."""
+        if not self.dynamic:
+            return self.res.transpose(-1, -2), self.post
         normed = rms_normalize(hs, self.eps)
-        alpha = torch.tanh(normed @ self.dynamic_pre_res)  # (..., n, n + 1), row j from stream j
-        beta = torch.tanh(normed @ self.dynamic_post)  # (..., n)
-        pre = self.pre + self.scale_pre_res * alpha[..., 0]
-        res = self.res + self.scale_pre_res * alpha[..., 1:]
-        post = self.post + self.scale_post * beta
-        return pre, res.transpose(-1, -2), post
-
-    def read(self, state: State, h) -> torch.Tensor:
-        hs = torch.stack(state, dim=-2)
-        pre, _, _ = self.coefficients(hs)
-        return _combine(pre, hs)
-
-    def write(self, state: State, u, x, h) -> State:
-        hs = torch.stack(state, dim=-2)
-        _, mix, post = self.coefficients(hs)
-        new = mix @ hs + post.unsqueeze(-1) * u.unsqueeze(-2)
-        return tuple(new.unbind(dim=-2))
+        alpha = torch.tanh(normed @ self.dynamic_pre_res[:, 1:])  # (..., n, n), row j from stream j
+        res = self.res + self.scale_pre_res * alpha
+        post = self.post + self.scale_post * torch.tanh(normed @ self.dynamic_post)
+        return res.transpose(-1, -2), post
 
 
 class HyperConnScheme(_StreamScheme):
@@ -190,22 +209,27 @@ class HyperConnScheme(_StreamScheme):
 
 
 # --------------------------------------------------------------------- mHC
-class MHCRouter(nn.Module):
+class MHCRouter(_StreamRouter):
     """One site of mHC. Coefficients from static logits plus ``alpha * (N phi)``, with
     ``N`` the RMS-normalised flattened streams (width ``n d``, no weight; our choice) and
     ``phi`` zeros at init (alphas 0.01): ``H_pre = sigmoid``, ``H_post = 2 sigmoid``,
-    ``H_res = sinkhorn(.)``. Static init (our choice): ``H_pre = 1/n`` each (the branch reads
-    the mean of the streams), ``H_post = 1``, ``H_res`` logits 0 on the diagonal and
-    ``res_offdiag`` elsewhere (a doubly stochastic matrix near the identity)."""
+    ``H_res = sinkhorn(.)``. Static init (our choice): ``H_pre`` is ``pre_init`` (0.9) on
+    stream ``(index - 1) mod n`` and ``(1 - pre_init) / (n - 1)`` on each other stream (sum
+    1, and the stream symmetry is broken as by HC's one-hot ``A_m``), ``H_post = 1``,
+    ``H_res`` logits 0 on the diagonal and ``res_offdiag`` elsewhere (a doubly stochastic
+    matrix near the identity)."""
 
-    reads_stream = False
-    replaces_stream = True
-
-    def __init__(self, scheme: Scheme):
+    def __init__(self, scheme: Scheme, site: Site):
         super().__init__()
         n, d, opts = scheme.n, scheme.d, scheme.options
         self.n, self.eps, self.iters = n, opts.eps, opts.sinkhorn_iters
-        self.pre = scheme.param(n, fill=-math.log(n - 1))  # sigmoid(-log(n-1)) = 1/n
+        # weights summing to 1 (equal streams are read back exactly, up to rounding), the
+        # largest on a stream that rotates with the site: with all streams weighted alike
+        # every gradient would be symmetric too and the n streams would stay copies forever
+        own, rest = opts.pre_init, (1.0 - opts.pre_init) / (n - 1)
+        self.pre = scheme.param(n, fill=math.log(rest / (1.0 - rest)))
+        with torch.no_grad():
+            self.pre[(site.index - 1) % n] = math.log(own / (1.0 - own))
         self.post = scheme.param(n, fill=0.0)  # 2 sigmoid(0) = 1
         res = torch.full((n, n), float(opts.res_offdiag), dtype=scheme.dtype, device=scheme.device)
         self.res = nn.Parameter(res.fill_diagonal_(0.0))
@@ -216,27 +240,26 @@ class MHCRouter(nn.Module):
             self.alpha_post = scheme.param(1, fill=0.01)
             self.alpha_res = scheme.param(1, fill=0.01)
 
-    def coefficients(self, hs: torch.Tensor):
-        """``(H_pre (..., n), H_res (..., n, n), H_post (..., n))`` for streams ``(..., n, d)``."""
-        n = self.n
-        pre, post, res = self.pre, self.post, self.res
+    def _dynamic(self, hs: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of ``RMSNorm(flatten(H)) @ phi``."""
+        return rms_normalize(hs.flatten(-2), self.eps) @ self.phi[:, start:stop]
+
+    def read_weights(self, hs: torch.Tensor) -> torch.Tensor:
+        """``H_pre``: ``(n,)``, or ``(..., n)`` when dynamic."""
+        pre = self.pre
         if self.dynamic:
-            dyn = rms_normalize(hs.flatten(-2), self.eps) @ self.phi
-            pre = pre + self.alpha_pre * dyn[..., :n]
-            post = post + self.alpha_post * dyn[..., n:2 * n]
-            res = res + self.alpha_res * dyn[..., 2 * n:].unflatten(-1, (n, n))
-        return torch.sigmoid(pre), sinkhorn(res, self.iters), 2.0 * torch.sigmoid(post)
+            pre = pre + self.alpha_pre * self._dynamic(hs, 0, self.n)
+        return torch.sigmoid(pre)
 
-    def read(self, state: State, h) -> torch.Tensor:
-        hs = torch.stack(state, dim=-2)
-        pre, _, _ = self.coefficients(hs)
-        return _combine(pre, hs)
-
-    def write(self, state: State, u, x, h) -> State:
-        hs = torch.stack(state, dim=-2)
-        _, mix, post = self.coefficients(hs)
-        new = mix @ hs + post.unsqueeze(-1) * u.unsqueeze(-2)
-        return tuple(new.unbind(dim=-2))
+    def write_weights(self, hs: torch.Tensor):
+        """``(H_res (..., n, n), H_post (..., n))``; the new stream ``i`` is
+        ``sum_j H_res[i, j] H_j + H_post[i] u``."""
+        n, post, res = self.n, self.post, self.res
+        if self.dynamic:
+            dyn = self._dynamic(hs, n, 2 * n + n * n)
+            post = post + self.alpha_post * dyn[..., :n]
+            res = res + self.alpha_res * dyn[..., n:].unflatten(-1, (n, n))
+        return sinkhorn(res, self.iters), 2.0 * torch.sigmoid(post)
 
 
 class MHCScheme(_StreamScheme):
@@ -244,14 +267,17 @@ class MHCScheme(_StreamScheme):
     ``x_{l+1} = H_res x_l + H_post^T f(H_pre x_l)`` with ``H_res`` doubly stochastic
     (Sinkhorn-Knopp, ``sinkhorn_iters`` rounds, default 20). Streams start as copies of
     ``e``; since a doubly stochastic ``H_res`` keeps equal streams equal, the model starts
-    close to the original (up to rounding). Options: ``streams`` (4, at least 2),
-    ``dynamic`` (True), ``sinkhorn_iters`` (20), ``res_offdiag`` (-4.0), ``readout``
-    ('learned' or 'sum'), ``eps``. New parameters: ``L (n^2 + 2n)`` static, plus
-    ``L (n d (n^2 + 2n) + 3)`` dynamic, plus ``n`` for the learned readout."""
+    close to the original (up to rounding). Sinkhorn converges at a rate set by the spread
+    of the logits: 20 rounds give row sums within 1e-3 for trained tiny models, but logits
+    spread over +-2 or more can need ~100 (raise ``sinkhorn_iters``). Options: ``streams``
+    (4, at least 2), ``dynamic`` (True), ``sinkhorn_iters`` (20), ``res_offdiag`` (-2.0),
+    ``pre_init`` (0.9), ``readout`` ('learned' or 'sum'), ``eps``. New parameters:
+    ``L (n^2 + 2n)`` static, plus ``L (n d (n^2 + 2n) + 3)`` dynamic, plus ``n`` for the
+    learned readout."""
 
     name = "mhc"
     Options = MHCOptions
-    min_streams = 2  # H_pre = 1/n at init needs a finite logit
+    min_streams = 2  # the other streams share 1 - pre_init of H_pre at init
 
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints=hints)
@@ -261,9 +287,12 @@ class MHCScheme(_StreamScheme):
         off = options.res_offdiag
         if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
             raise ValueError(f"mhc: res_offdiag must be a finite number, found {off!r}")
+        own = options.pre_init
+        if isinstance(own, bool) or not isinstance(own, (int, float)) or not 0.0 < own < 1.0:
+            raise ValueError(f"mhc: pre_init must be a number strictly between 0 and 1, found {own!r}")
 
     def site_router(self, site: Site):
-        return MHCRouter(self)
+        return MHCRouter(self, site)
 
 
 __all__ = ["HyperConnScheme", "MHCScheme", "sinkhorn", "pairwise_sum"]

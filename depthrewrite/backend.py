@@ -1,0 +1,199 @@
+"""The ``depthrewrite`` torch.compile backend.
+
+    model = torch.compile(model, backend="depthrewrite")      # after pip install
+
+The backend counts the routing ops (``torch.ops.depthrewrite.route*``) in the graph that
+Dynamo hands it, records which implementation each will run ('triton': the fused kernels
+of :mod:`depthrewrite.kernels`, registered as the ops' CUDA kernels; 'reference': the
+pure-PyTorch implementation, on CPU or for float64), and hands the graph to Inductor.
+Inductor calls the custom ops through the dispatcher, so on CUDA the compiled graph runs
+the fused kernels for the routing and Inductor's own kernels for everything else.
+
+Options (``torch.compile(..., options={...})``): ``inner`` picks the compiler behind the
+backend, ``"inductor"`` (default) or ``"aot_eager"`` (AOTAutograd with no code generation:
+same graphs, no C++/Triton build; used by the CPU tests to keep them fast); every other
+key is an Inductor config patch applied to this compilation only (``config_patches``,
+never a global assignment). ``mode=`` takes Inductor's modes ("max-autotune", ...).
+
+``last_report()`` returns the :class:`LoweringReport` of the most recent compilation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+
+from .kernels import implementation_for
+
+__all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports"]
+
+log = logging.getLogger(__name__)
+
+_INNER = ("inductor", "aot_eager")
+
+
+@dataclasses.dataclass
+class LoweringReport:
+    """What the backend saw and chose for one compiled graph.
+
+    ``ops``: routing op name (``"depthrewrite::route"``) -> number of calls in the graph
+    Dynamo handed over. ``implementation``: op name -> ``'triton'`` or ``'reference'``
+    (``'triton+reference'`` if calls differ). ``aot_graphs``: the same counts per graph
+    after AOTAutograd split forward and backward ('forward', 'backward', 'inference'),
+    filled in as each is compiled (the backward at the first backward call); a graph
+    served from Inductor's caches without recompiling does not appear here.
+    """
+
+    device: str
+    inner: str
+    ops: dict[str, int]
+    implementation: dict[str, str]
+    aot_graphs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    config_patches: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_routing_ops(self) -> int:
+        return sum(self.ops.values())
+
+
+_REPORTS: list[LoweringReport] = []
+
+
+def last_report() -> LoweringReport | None:
+    """The report of the most recent graph compiled by the backend (None before any)."""
+    return _REPORTS[-1] if _REPORTS else None
+
+
+def reports() -> list[LoweringReport]:
+    """Reports of every graph compiled since the last :func:`clear_reports`, oldest first."""
+    return list(_REPORTS)
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()
+
+
+# ------------------------------------------------------------------ graph reading
+
+
+def _routing_op_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    name = schema.name if schema is not None else getattr(target, "_qualified_op_name", None)
+    if isinstance(name, str) and name.startswith("depthrewrite::route"):
+        return name
+    return None
+
+
+def _meta_value(arg: Any):
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val", arg.meta.get("example_value"))
+    return arg
+
+
+def _node_implementation(node: fx.Node) -> str:
+    """Device and dtypes of a routing call, read from the fake values Dynamo/AOT recorded."""
+    tensors = []
+    for arg in node.args:
+        items = arg if isinstance(arg, (list, tuple)) else [arg]
+        tensors += [v for v in map(_meta_value, items) if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return "reference"
+    # source_scale is cast to fp32 by the kernel, so every tensor's dtype matters alike
+    return implementation_for(tensors[0].device, *(t.dtype for t in tensors))
+
+
+def count_routing_ops(graph: fx.Graph) -> tuple[dict[str, int], dict[str, str]]:
+    """Routing op name -> count and -> implementation, for one graph."""
+    counts: dict[str, int] = collections.Counter()
+    impls: dict[str, set[str]] = collections.defaultdict(set)
+    for node in graph.nodes:
+        name = _routing_op_name(node)
+        if name is not None:
+            counts[name] += 1
+            impls[name].add(_node_implementation(node))
+    return dict(counts), {k: "+".join(sorted(v, reverse=True)) for k, v in impls.items()}
+
+
+def _graph_device(example_inputs) -> str:
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    return "cuda" if "cuda" in devices else (devices.pop() if len(devices) == 1 else "cpu")
+
+
+# ------------------------------------------------------------------ the backend
+
+
+def _counting(compile_fn, report: LoweringReport):
+    """Wrap an inner compiler so that each AOT graph's routing ops land in ``report``."""
+
+    def inner(gm: fx.GraphModule, example_inputs, *args, **kwargs):
+        if kwargs.get("is_backward"):
+            kind = "backward"
+        elif kwargs.get("is_inference"):
+            kind = "inference"
+        else:
+            kind = "forward"
+        report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
+        return compile_fn(gm, example_inputs, *args, **kwargs)
+
+    return inner
+
+
+def _aot_eager(gm, example_inputs, report: LoweringReport):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(g, _inputs):
+        report.aot_graphs["forward"] = count_routing_ops(g.graph)[0]
+        return make_boxed_func(g.forward)
+
+    def bw(g, _inputs):
+        report.aot_graphs["backward"] = count_routing_ops(g.graph)[0]
+        return make_boxed_func(g.forward)
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
+
+
+def _config_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    patches.update(options)
+    return patches
+
+
+def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
+                         options: dict[str, Any] | None = None, **kwargs):
+    """torch.compile backend: report the routing ops, then compile with Inductor."""
+    if kwargs:
+        raise ValueError(f"depthrewrite_backend: unexpected arguments {sorted(kwargs)}; "
+                         "pass settings as torch.compile(..., options={...})")
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    if inner not in _INNER:
+        raise ValueError(f"depthrewrite_backend: options['inner'] must be one of {_INNER}; found {inner!r}")
+    ops, impls = count_routing_ops(gm.graph)
+    patches = _config_patches(mode, options)
+    if patches.get("triton.cudagraphs"):
+        # under CUDA-graph capture the fused kernels defer to the reference (kernels/__init__)
+        impls = {name: "reference" for name in impls}
+    report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches)
+    _REPORTS.append(report)
+    log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
+             report.num_routing_ops, ops, impls, inner)
+    if inner == "aot_eager":
+        return _aot_eager(gm, example_inputs, report)
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    # config_patches: Inductor applies them for this compilation only
+    return compile_fx(gm, example_inputs, inner_compile=_counting(compile_fx_inner, report),
+                      config_patches=patches)

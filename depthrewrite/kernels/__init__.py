@@ -1,0 +1,93 @@
+"""Fused Triton kernels for the ``depthrewrite::`` ops, registered as their CUDA kernels.
+
+Importing this package registers ``depthrewrite::route`` and ``depthrewrite::route_backward``
+for the "cuda" device with ``torch.library.register_kernel``; the CPU (and any other
+device) keeps the pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA
+calls and compiled graphs (Inductor calls custom ops through the dispatcher) both reach the
+kernels. Triton itself is imported on the first CUDA call, so importing the package costs
+nothing on machines without a GPU.
+
+float64 (any input) is not a kernel dtype: such calls run the reference implementation;
+so do calls made while a CUDA graph is being captured (``mode="reduce-overhead"``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from ..ops.route import _route_backward_op, _route_op
+
+__all__ = ["triton_available", "implementation_for", "set_fused_enabled", "FUSED_DTYPES"]
+
+log = logging.getLogger(__name__)
+
+#: dtypes the fused kernels take (fp32 accumulation for all of them)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_enabled = True
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def set_fused_enabled(enabled: bool) -> bool:
+    """Turn the fused CUDA kernels on or off (off: the reference runs on CUDA too, for A/B
+    timing). Returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def _fused_dtypes(*tensors) -> bool:
+    return all(t is None or t.dtype in FUSED_DTYPES for t in tensors)
+
+
+def implementation_for(device: torch.device | str, *dtypes: torch.dtype) -> str:
+    """'triton' where a route call on ``device`` with these dtypes runs the fused kernels,
+    else 'reference'."""
+    device = torch.device(device)
+    fused = device.type == "cuda" and _enabled and triton_available()
+    return "triton" if fused and all(dt in FUSED_DTYPES for dt in dtypes) else "reference"
+
+
+def _use_fused(values, keys, query, key_norm_weight, logit_bias) -> bool:
+    keys0 = keys[0] if keys else None
+    if torch.cuda.is_current_stream_capturing():
+        # the kernels upload a table of source pointers from pinned host memory at each
+        # call; a captured CUDA graph would replay that copy from a host block the caching
+        # allocator may have reused since. The reference ops are capture-safe.
+        return False
+    return _enabled and _fused_dtypes(values[0], keys0, query, key_norm_weight, logit_bias)
+
+
+def _route_cuda(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
+    if not _use_fused(values, keys, query, key_norm_weight, logit_bias):
+        return _route_op._init_fn(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    from .route_triton import route_forward
+
+    return route_forward(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+
+
+def _route_backward_cuda(grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
+    if not _use_fused(values, keys, query, key_norm_weight, logit_bias):
+        return _route_backward_op._init_fn(
+            grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps
+        )
+    from .route_triton import route_backward
+
+    return route_backward(grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+
+
+def _register() -> None:
+    if not triton_available():
+        log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")
+        return
+    torch.library.register_kernel("depthrewrite::route", "cuda", _route_cuda)
+    torch.library.register_kernel("depthrewrite::route_backward", "cuda", _route_backward_cuda)
+
+
+_register()

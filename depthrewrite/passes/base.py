@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..analysis import ResidualStream, Site
 
@@ -121,6 +122,11 @@ class DeltaSite(DeltaReadout):
         return self.inner.write(state, u, x, h, **kw)
 
 
+def _state_dtype(state: State) -> torch.dtype | None:
+    leaf = next((t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)), None)
+    return leaf.dtype if leaf is not None else None
+
+
 def site_read(router: nn.Module, state: State, h: torch.Tensor) -> torch.Tensor:
     """Called from rewritten block graphs: what the branch reads instead of the stream."""
     return router.read(state, h)
@@ -136,6 +142,12 @@ def site_write(router: nn.Module, state: State, u: torch.Tensor, x: torch.Tensor
     """Called from rewritten block graphs: the state after the branch's update ``u``.
     ``parts`` (attention part, MLP part) is passed only to routers with ``wants_parts`` and
     only for parallel blocks whose graph adds the two parts separately."""
+    # Sources are kept in one dtype, the embedding's (the autocast dtype under autocast):
+    # a branch may return another (an MoE combining in float32), and routing reads them all.
+    dtype = _state_dtype(state)
+    if dtype is not None and u.dtype != dtype:
+        u = u.to(dtype)
+        parts = tuple(p.to(dtype) for p in parts) if parts is not None else None
     if parts is not None:
         return router.write(state, u, x, h, parts=parts)
     return router.write(state, u, x, h)

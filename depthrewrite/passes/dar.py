@@ -91,6 +91,9 @@ class DarRouter(DualRoute):
             q0, q1 = partial
             p0 = rho * q0 + (1 - rho) * q1 + self.beta[0] * u
             p1 = (1 - rho) * q0 + rho * q1 + self.beta[1] * u
+        # the scalars are float32 parameters: keep the streams in the sources' dtype (bf16
+        # under autocast), as routing reads all sources in one dtype
+        p0, p1 = p0.to(u.dtype), p1.to(u.dtype)
         if self.closes_block:
             return (history[0] + (p0,), history[1] + (p1,)), None
         return history, (p0, p1)

@@ -54,6 +54,12 @@ class DepthRuntime:
     report: dict = field(default_factory=dict)
 
     def begin(self, e: torch.Tensor) -> None:
+        # Under autocast the embedding stays float32 while every branch returns the autocast
+        # dtype: store the sources in that dtype, so that routing reads one dtype (and moves
+        # half the bytes). The original model's float32 stream is kept by preserve_identity.
+        device_type = e.device.type
+        if torch.is_autocast_enabled(device_type) and e.is_floating_point():
+            e = e.to(torch.get_autocast_dtype(device_type))
         self.state = self.scheme.init_state(e)
         self.next_block = 0
 

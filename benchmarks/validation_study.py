@@ -119,14 +119,16 @@ def main() -> None:
         queue.put(None)
     for p in procs:
         p.start()
-    records = [results.get() for _ in jobs]
-    for p in procs:
-        p.join()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpus=[torch.cuda.get_device_name(i) for i in range(gpus)], torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"), args=vars(args))
-    (out / "study.json").write_text(json.dumps(dict(meta=meta, runs=records), indent=1))
+                date=time.strftime("%Y-%m-%d"), args=vars(args), jobs=len(jobs))
+    records = []
+    for _ in jobs:  # written after every run: a study cut short by a time limit keeps what ran
+        records.append(results.get())
+        (out / "study.json").write_text(json.dumps(dict(meta=meta, runs=records), indent=1))
+    for p in procs:
+        p.join()
     print(f"{'model':10s} {'L':>3s} {'corpus':22s} {'seed':>4s} {'scheme':14s} {'val':>7s} {'tok/s':>9s}")
     for r in sorted(records, key=lambda r: (r["model"], r["layers"], r["corpus"], r["seed"], r["scheme"])):
         val = f"{r['final_val_loss']:.4f}" if "error" not in r else "ERROR"

@@ -16,7 +16,7 @@ nvidia-smi -L | tee -a "$LOG"
 case "$1" in
 study)
   timeout "${STUDY_SECONDS:-480}" python3 benchmarks/validation_study.py --data-dir .devdata --out "$OUT" \
-      --steps "${STUDY_STEPS:-400}" --workers-per-gpu "${WORKERS:-10}" --extra-seeds 1 > "$OUT/study.txt" 2>&1
+      --steps "${STUDY_STEPS:-400}" --workers-per-gpu "${WORKERS:-10}" --extra-seeds 1 ${STUDY_ARGS:-} > "$OUT/study.txt" 2>&1
   tail -70 "$OUT/study.txt"
   ;;
 e2e)

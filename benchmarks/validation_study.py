@@ -46,9 +46,18 @@ def grid(args) -> list[dict]:
     for seed in range(1, args.extra_seeds + 1):
         for scheme in SCHEMES:
             jobs.append(dict(model="gpt:small", layers=12, scheme=scheme, corpus=CORPORA[0], seed=seed))
-    # the longest (24 layers, full AttnRes) first so that the tail of the run stays short
-    jobs.sort(key=lambda j: (-j["layers"], j["scheme"] != "attnres"))
+    if args.skip_done:  # a study continued in a second call: leave out the runs already made
+        done = {_key(r) for r in json.loads(pathlib.Path(args.skip_done).read_text())["runs"] if "error" not in r}
+        jobs = [j for j in jobs if _key(j) not in done]
+    if args.short_first:  # when the time left may not cover everything, the cheap runs first
+        jobs.sort(key=lambda j: (j["layers"], j["seed"]))
+    else:  # the longest (24 layers, full AttnRes) first so that the tail of the run stays short
+        jobs.sort(key=lambda j: (-j["layers"], j["scheme"] != "attnres"))
     return jobs
+
+
+def _key(job: dict) -> tuple:
+    return (job["model"], job["layers"], job["scheme"], job["corpus"], job["seed"])
 
 
 def run_job(job: dict, args, gpu: int) -> dict:
@@ -101,6 +110,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 24])
     parser.add_argument("--extra-seeds", type=int, default=2)
     parser.add_argument("--workers-per-gpu", type=int, default=6)
+    parser.add_argument("--skip-done", help="study.json of an earlier call: skip the runs it holds")
+    parser.add_argument("--short-first", action="store_true", help="run the cheapest runs first")
     args = parser.parse_args()
 
     import torch

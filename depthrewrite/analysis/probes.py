@@ -101,7 +101,7 @@ def mixes_tokens(gm: fx.GraphModule, inputs: list, stream: fx.Node, outputs: lis
     delta = torch.zeros_like(ref)
     gen = torch.Generator().manual_seed(4321)
     noise = torch.randn(delta[..., :1, :].shape, generator=gen, dtype=torch.float32)
-    delta[..., :1, :] = (noise * (ref.float().std() + 1.0)).to(ref.dtype)
+    delta[..., :1, :] = (noise.to(ref.device) * (ref.float().std() + 1.0)).to(ref.dtype)
     env = run_block_graph(gm, inputs, perturb=stream, delta=delta)
     result = []
     for node in outputs:

@@ -16,6 +16,7 @@ import logging
 import os
 import pathlib
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -91,9 +92,13 @@ def save(out: str | os.PathLike, step: int, model: nn.Module, optimizer, schedul
     return path
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, info: DistInfo) -> dict:
-    """Restore everything :func:`save` wrote; returns the payload (``step``, ``config``, ...)."""
+def load(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, info: DistInfo,
+         check: Callable[[dict], None] | None = None) -> dict:
+    """Restore everything :func:`save` wrote; returns the payload (``step``, ``config``, ...).
+    ``check(payload)`` runs before anything is restored (to refuse a mismatched run)."""
     payload = torch.load(path, map_location="cpu", weights_only=False)
+    if check is not None:
+        check(payload)
     if info.mode == "fsdp2":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 

@@ -24,6 +24,7 @@ see exactly the batch one process sees.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -44,11 +45,17 @@ _NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
 # ------------------------------------------------------------------------- sources
 def stdlib_files() -> list[pathlib.Path]:
     """The standard library's ``.py`` files, sorted by their path relative to the stdlib root."""
+    return list(_stdlib_files())
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[pathlib.Path, ...]:
+    # walking ~2000 files takes seconds on a cold disk; the stdlib does not change under a process
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise FileNotFoundError(f"stdlib corpus: sysconfig's stdlib path {root} is not a directory")
     files = [p for p in root.rglob("*.py") if p.is_file() and not _NOT_STDLIB & set(p.relative_to(root).parts)]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def stdlib_documents(max_bytes: int) -> list[bytes]:

@@ -70,7 +70,9 @@ def wrap(model: nn.Module, info: DistInfo, device: torch.device) -> nn.Module:
 
         blocks = getattr(model, "blocks", None)
         if blocks is None:
-            raise ValueError(f"fsdp2: expected a model with a .blocks stack (bundled GPT/MoE), found {type(model).__name__}")
+            raise ValueError(
+                f"fsdp2: expected a model with a .blocks stack (bundled GPT/MoE), found {type(model).__name__}"
+            )
         for block in blocks:
             fully_shard(block)
         fully_shard(model)

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from . import checkpoint, distributed
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
-from .model import build_model
+from .model import build_model, parse_model_name
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class TrainConfig:
     backend: str = "inductor"
     seed: int = 0
     device: str = "cpu"
+    threads: int | None = None  # torch intra-op CPU threads for this run (None: leave torch's setting)
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8
     out: str | None = None  # metrics.jsonl and checkpoints/ go here
@@ -81,12 +83,20 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a non-negative int, found {value!r}")
         if self.stop_after is not None and not (isinstance(self.stop_after, int) and 0 < self.stop_after <= self.steps):
             raise ValueError(f"stop_after must be an int in [1, steps={self.steps}], found {self.stop_after!r}")
+        if self.threads is not None:
+            _positive_int("threads", self.threads)
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, found {getattr(self, name)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, found {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, found {self.precision!r}")
+        parse_model_name(self.model)
+        if self.distributed not in distributed.MODES:
+            raise ValueError(f"distributed must be one of {distributed.MODES}, found {self.distributed!r}")
         if self.resume and self.out is None:
             raise ValueError("resume needs out: the directory whose checkpoints to continue from")
         self.data.validate()
@@ -110,6 +120,7 @@ class TrainResult:
     new_params: int
     seconds: float
     metrics_path: pathlib.Path | None
+    rank: int  # this process's rank (0 when not distributed): the CLI prints on rank 0 only
     model: nn.Module = field(repr=False)  # the trained model, unwrapped (no DDP / compile wrapper)
     splits: Splits = field(repr=False)
 
@@ -187,7 +198,9 @@ def _check_resume(payload: dict, config: TrainConfig) -> None:
     saved, now = payload["config"], dataclasses.asdict(config)
     for name in _RESUME_MUST_MATCH:
         if saved[name] != now[name]:
-            raise ValueError(f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}")
+            raise ValueError(
+                f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}"
+            )
 
 
 def train(config: TrainConfig, splits: Splits | None = None) -> TrainResult:
@@ -196,12 +209,32 @@ def train(config: TrainConfig, splits: Splits | None = None) -> TrainResult:
     import torch.distributed as dist
 
     owns_group = config.distributed != "none" and not dist.is_initialized()
+    threads_before = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     info = distributed.setup(config.distributed, config.device)
     try:
         return _train(config, splits, info)
     finally:
+        torch.set_num_threads(threads_before)
         if owns_group:
             distributed.teardown(info)
+
+
+@dataclass
+class _Run:
+    """What one invocation of ``train`` works with."""
+
+    config: TrainConfig
+    info: distributed.DistInfo
+    device: torch.device
+    splits: Splits
+    model: nn.Module  # unwrapped: what is saved and returned
+    runner: nn.Module  # what is called: the model, DDP's wrapper and/or torch.compile's
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    metrics: Metrics
+    step: int  # steps completed so far, this invocation and earlier ones
 
 
 def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInfo) -> TrainResult:
@@ -209,76 +242,95 @@ def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInf
     device = distributed.rank_device(config.device, info)
     if splits is None:
         splits = load_splits(config.data, config.seed)
+    built = _build(config, info, device)
+    run = _prepare(config, info, device, splits, built.model)
+    steps, losses, val, tokens_per_s = _run_steps(run)
+    final_val = evaluate(run.runner, splits.val, config, info, device)
+    if not val or val[-1][0] != run.step:
+        val.append((run.step, final_val))
+        run.metrics.write({"step": run.step, "val_loss": final_val})
+    if config.out is not None:
+        _save(run)
+    tail = losses[-10:]
+    result = TrainResult(
+        config=config, steps=steps, losses=losses, val=val,
+        final_train_loss=sum(tail) / len(tail) if tail else float("nan"), final_val_loss=final_val,
+        tokens_per_s=tokens_per_s, params=built.params, new_params=built.new_params,
+        seconds=time.perf_counter() - start_time, metrics_path=run.metrics.path if run.metrics.enabled else None,
+        rank=info.rank, model=run.model, splits=splits,
+    )
+    log.info("trained %s/%s for %d steps: train loss %.4f, val loss %.4f, %.0f tokens/s",
+             config.model, config.scheme, len(steps), result.final_train_loss, final_val, result.tokens_per_s)
+    return result
+
+
+def _build(config: TrainConfig, info: distributed.DistInfo, device: torch.device):
     overrides = dict(config.model_options)
     overrides.update({k: v for k, v in (("n_layer", config.layers), ("d_model", config.d_model)) if v is not None})
     built = build_model(config.model, overrides, config.scheme, config.options, config.seq_len, config.seed, device)
-    model = built.model
-    model.train()
+    built.model.train()
     if info.mode == "fsdp2":
-        distributed.wrap(model, info, device)  # shards in place, before the optimizer sees the parameters
+        distributed.wrap(built.model, info, device)  # shards in place, before the optimizer sees the parameters
+    return built
+
+
+def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.device, splits: Splits,
+             model: nn.Module) -> _Run:
+    """Optimizer and schedule, restored from the newest checkpoint with ``resume``; then the
+    DDP wrapper and torch.compile (after loading, so that the state is the unwrapped model's)."""
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
-
     step = 0
     if config.resume:
         path = checkpoint.latest_checkpoint(config.out)
         if path is None:
             raise ValueError(f"resume: no checkpoint under {checkpoint.checkpoint_dir(config.out)}")
-        payload = checkpoint.load(path, model, optimizer, scheduler, info)
-        _check_resume(payload, config)
+        payload = checkpoint.load(path, model, optimizer, scheduler, info, check=lambda p: _check_resume(p, config))
         step = payload["step"]
     metrics = Metrics(config.out, info.is_main, step if config.resume else None)
-
-    runner = model if info.mode != "ddp" else distributed.wrap(model, info, device)
+    runner = distributed.wrap(model, info, device) if info.mode == "ddp" else model
     if config.compile:
         runner = torch.compile(runner, backend=config.backend)
+    return _Run(config, info, device, splits, model, runner, optimizer, scheduler, metrics, step)
 
+
+def _run_steps(run: _Run) -> tuple[list[int], list[float], list[tuple[int, float]], float]:
+    """Train until ``stop_after`` or ``steps``; returns the steps, their losses, the periodic
+    validation losses and the throughput (the invocation's first step left out as warm-up,
+    unless it is the only one)."""
+    config, info = run.config, run.info
     end = config.stop_after if config.stop_after is not None else config.steps
     tokens_per_step = config.batch_size * config.seq_len
     steps, losses, val = [], [], []
     train_time, timed_steps = 0.0, 0
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=config.steps, initial=step, disable=not (config.progress and info.is_main),
-               desc=f"{config.scheme}", unit="step", dynamic_ncols=True)
-    while step < end:
+    bar = tqdm(total=config.steps, initial=run.step, disable=not (config.progress and info.is_main),
+               desc=config.scheme, unit="step", dynamic_ncols=True)
+    while run.step < end:
         t0 = time.perf_counter()
-        loss = _train_step(runner, optimizer, scheduler, splits.train, step, config, info, device)
+        loss = _train_step(run.runner, run.optimizer, run.scheduler, run.splits.train, run.step, config, info,
+                           run.device)
         dt = time.perf_counter() - t0
-        step += 1
-        if steps or step == end:  # the run's first step is warm-up, unless it is the only one
+        run.step += 1
+        if steps or run.step == end:
             train_time, timed_steps = train_time + dt, timed_steps + 1
-        steps.append(step)
+        steps.append(run.step)
         losses.append(loss)
-        metrics.write({"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
-                       "tokens_per_s": tokens_per_step / dt})
+        run.metrics.write({"step": run.step, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
+                           "tokens_per_s": tokens_per_step / dt})
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-        if config.eval_every and step % config.eval_every == 0 and step < end:
-            val.append((step, evaluate(runner, splits.val, config, info, device)))
-            metrics.write({"step": step, "val_loss": val[-1][1]})
-        if config.out is not None and config.save_every and step % config.save_every == 0 and step < end:
-            _save(config, step, model, optimizer, scheduler, info)
+        if run.step < end and _every(config.eval_every, run.step):
+            val.append((run.step, evaluate(run.runner, run.splits.val, config, info, run.device)))
+            run.metrics.write({"step": run.step, "val_loss": val[-1][1]})
+        if run.step < end and config.out is not None and _every(config.save_every, run.step):
+            _save(run)
     bar.close()
+    tokens_per_s = timed_steps * tokens_per_step / train_time if train_time > 0 else float("nan")
+    return steps, losses, val, tokens_per_s
 
-    final_val = evaluate(runner, splits.val, config, info, device)
-    if not val or val[-1][0] != step:
-        val.append((step, final_val))
-        metrics.write({"step": step, "val_loss": final_val})
-    if config.out is not None:
-        _save(config, step, model, optimizer, scheduler, info)
-    tail = losses[-10:]
-    result = TrainResult(
-        config=config, steps=steps, losses=losses, val=val,
-        final_train_loss=sum(tail) / len(tail) if tail else float("nan"),
-        final_val_loss=final_val,
-        tokens_per_s=timed_steps * tokens_per_step / train_time if train_time > 0 else float("nan"),
-        params=built.params, new_params=built.new_params, seconds=time.perf_counter() - start_time,
-        metrics_path=metrics.path if metrics.enabled else None, model=model, splits=splits,
-    )
-    log.info("trained %s/%s for %d steps: train loss %.4f, val loss %.4f, %.0f tokens/s",
-             config.model, config.scheme, len(steps), result.final_train_loss, final_val, result.tokens_per_s)
-    return result
+
+def _every(period: int, step: int) -> bool:
+    return period > 0 and step % period == 0
 
 
 def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, step: int, config: TrainConfig,
@@ -296,6 +348,6 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
     return distributed.mean_across_ranks(loss.detach().float(), info).item()
 
 
-def _save(config: TrainConfig, step: int, model: nn.Module, optimizer, scheduler, info) -> None:
-    checkpoint.save(config.out, step, model, optimizer, scheduler, info,
-                    extra={"config": dataclasses.asdict(config)}, keep=config.keep_checkpoints)
+def _save(run: _Run) -> None:
+    checkpoint.save(run.config.out, run.step, run.model, run.optimizer, run.scheduler, run.info,
+                    extra={"config": dataclasses.asdict(run.config)}, keep=run.config.keep_checkpoints)

@@ -1,0 +1,243 @@
+"""Training harness: data split by document, stdlib corpus, deterministic batches, exact
+resume, loss going down on real text, routing-weight recording, and ``depthrewrite compare``
+writing its table and figures."""
+
+from __future__ import annotations
+
+import collections
+import math
+import pathlib
+import struct
+
+import pytest
+import torch
+
+from depthrewrite.cli import main, parse_value
+from depthrewrite.models import gpt_from_preset
+from depthrewrite.train import DataConfig, TrainConfig, batch_at, load_documents, read_metrics, split_documents, train
+from depthrewrite.train.data import EOT_MARKER, split_text, stdlib_documents, stdlib_files, to_tokens
+from depthrewrite.train.routing_weights import record_routing_weights, softmax_weights, token_weights
+from tests.conftest import corpus_bytes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny matmuls: OpenMP hand-offs cost more than they save on a shared 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
+    path.write_bytes(corpus_bytes("tinyshakespeare.txt"))
+    return path
+
+
+def _tiny(**kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, steps=8, batch_size=4, seq_len=32, warmup_steps=2, eval_every=0,
+                eval_batches=2, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ----------------------------------------------------------------------------- data
+def test_split_is_by_document_and_deterministic(tmp_path):
+    docs = [f"story {i:03d}: ".encode() + bytes([65 + i % 26]) * (50 + i) for i in range(40)]
+    path = tmp_path / "stories.txt"
+    path.write_bytes(EOT_MARKER.join(docs))
+    loaded = load_documents(DataConfig(source=str(path)))
+    assert loaded == docs  # the marker separates documents and is dropped
+
+    train_idx, val_idx = split_documents(loaded, 0.25, seed=3)
+    assert sorted(train_idx + val_idx) == list(range(40)) and not set(train_idx) & set(val_idx)
+    assert len(val_idx) == 10
+    val_text = bytes(to_tokens(loaded, val_idx).tolist())
+    train_text = bytes(to_tokens(loaded, train_idx).tolist())
+    for i in range(40):  # every document lies whole in exactly one split
+        tag = f"story {i:03d}:".encode()
+        assert (tag in val_text) == (i in val_idx) and (tag in train_text) == (i in train_idx)
+        assert (docs[i] in val_text) == (i in val_idx)
+    assert split_documents(loaded, 0.25, seed=3) == (train_idx, val_idx)
+    assert split_documents(loaded, 0.25, seed=4) != (train_idx, val_idx)
+
+
+def test_plain_text_documents_end_at_blank_lines():
+    text = b"".join(f"para {i}\nline two of {i}\n\n".encode() for i in range(200))
+    docs = split_text(text, doc_bytes=100)
+    assert b"".join(docs) == text  # nothing lost or reordered
+    for d in docs[:-1]:
+        assert d.endswith(b"\n\n") and len(d) >= 100
+    # no blank line and no newline at all (text8): fixed-size cuts
+    flat = bytes(range(97, 123)) * 40
+    cuts = split_text(flat, doc_bytes=64)
+    assert b"".join(cuts) == flat and {len(c) for c in cuts[:-1]} == {64}
+
+
+def test_stdlib_corpus_loads_sorted_and_capped():
+    files = stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    docs = stdlib_documents(300_000)
+    assert sum(map(len, docs)) == 300_000
+    assert docs[0] == files[0].read_bytes()[:300_000]
+    assert docs == stdlib_documents(300_000)
+    assert b"def " in b"".join(docs) and b"import " in b"".join(docs)
+
+
+def test_batches_are_a_function_of_seed_and_step_and_ranks_partition_them():
+    tokens = torch.arange(1000, dtype=torch.int64) % 256
+    tokens = tokens.to(torch.uint8)
+    x, y = batch_at(tokens, seed=1, step=7, batch_size=8, seq_len=16)
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
+    x2, _ = batch_at(tokens, seed=1, step=7, batch_size=8, seq_len=16)
+    assert torch.equal(x, x2)
+    assert not torch.equal(x, batch_at(tokens, seed=1, step=8, batch_size=8, seq_len=16)[0])
+    parts = [batch_at(tokens, seed=1, step=7, batch_size=8, seq_len=16, rank=r, world_size=4)[0] for r in range(4)]
+    assert torch.equal(torch.cat(parts), x)
+    with pytest.raises(ValueError, match="divisible"):
+        batch_at(tokens, seed=1, step=0, batch_size=6, seq_len=16, world_size=4)
+
+
+def test_hf_dataset_from_a_local_text_file(tmp_path):
+    pytest.importorskip("datasets")
+    path = tmp_path / "rows.txt"
+    path.write_text("".join(f"row number {i} of the file\n" for i in range(30)))
+    docs = load_documents(DataConfig(hf_dataset=str(path), hf_split="train", hf_text_field="text"))
+    assert docs == [f"row number {i} of the file".encode() for i in range(30)]
+
+
+# ---------------------------------------------------------------------------- train
+def test_resume_continues_bit_exactly(tmp_path, shakespeare):
+    # dropout makes the losses depend on the RNG state too, so it must be restored
+    common = dict(scheme="attnres", model_options={"dropout": 0.1}, data=DataConfig(source=str(shakespeare)),
+                  steps=8, eval_every=3)
+    straight = train(_tiny(**common, out=str(tmp_path / "a")))
+    first = train(_tiny(**common, out=str(tmp_path / "b"), stop_after=4))
+    second = train(_tiny(**common, out=str(tmp_path / "b"), resume=True))
+    assert first.steps == [1, 2, 3, 4] and second.steps == [5, 6, 7, 8]
+    assert torch.equal(torch.tensor(straight.losses), torch.tensor(first.losses + second.losses))
+    for (name, p), q in zip(straight.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    logged = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r]
+    assert torch.equal(torch.tensor(logged), torch.tensor(straight.losses))  # each step logged once
+    with pytest.raises(ValueError, match="seed differs"):
+        train(_tiny(**common, out=str(tmp_path / "b"), resume=True, seed=1))
+
+
+def test_loss_goes_down_on_real_text(shakespeare):
+    data = shakespeare.read_bytes()
+    counts, n = collections.Counter(data), len(data)
+    unigram = -sum(c / n * math.log(c / n) for c in counts.values())  # ~3.31 nats: byte frequencies alone
+    result = train(_tiny(scheme="attnres", data=DataConfig(source=str(shakespeare)), steps=80, batch_size=16,
+                         seq_len=64, lr=3e-3, warmup_steps=10, eval_every=40, eval_batches=4))
+    first, last = result.losses[0], result.final_train_loss
+    assert abs(first - math.log(256)) < 0.1  # starts at chance
+    assert last < first - 2.0
+    assert result.val[-1][1] < unigram - 0.3  # held-out text: more than byte frequencies were learned
+    assert result.val[-1][1] < result.val[0][1]
+
+
+# --------------------------------------------------------------------- routing weights
+def test_recorded_weights_are_the_ones_the_router_mixes_with():
+    import depthrewrite
+
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "attnres")
+    weights = record_routing_weights(model, torch.randint(0, 256, (2, 16)), "attnres")
+    # at init the queries are zero: uniform over the l sources of site l, and L+1 at the readout
+    assert weights.labels == ["1", "2", "3", "4", "F"]
+    for k, w in enumerate(weights.weights):
+        assert torch.allclose(w, torch.full((k + 1,), 1.0 / (k + 1)))
+    router = model.blocks[1].depth_route["site2"]
+    with torch.no_grad():
+        router.query.normal_()
+        router.key_norm_weight.uniform_(0.5, 1.5)
+        sources = [torch.randn(1, 64) * (i + 1) for i in range(4)]
+        a = softmax_weights(router, sources)  # one token: the mean is that token's weights
+        mixed = sum(a[i] * sources[i] for i in range(4))
+        assert torch.allclose(mixed, router.route(sources), atol=1e-5)
+        assert not torch.allclose(a, torch.full((4,), 0.25), atol=1e-3)
+
+
+def test_mhar_weights_are_per_head_softmaxes_of_the_router():
+    import depthrewrite
+
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "mhar", heads=4)
+    router = model.blocks[1].depth_route["site2"]
+    assert router.heads == 4
+    with torch.no_grad():
+        router.query.normal_()
+        sources = [torch.randn(3, 64) for _ in range(4)]
+        a = token_weights(router, sources)  # (sources, tokens, heads)
+        assert a.shape == (4, 3, 4)
+        mixed = (a.unsqueeze(-1) * torch.stack(sources).unflatten(-1, (4, 16))).sum(0).flatten(-2)
+        assert torch.allclose(mixed, router.route(sources), atol=1e-5)
+    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)), "mhar")
+    assert weights is not None and len(weights.labels) == 5
+
+
+def test_block_attnres_weights_name_blocks_and_partial_and_unknown_schemes_are_skipped():
+    import depthrewrite
+
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "block_attnres", block_size=2)
+    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)), "block_attnres")
+    assert weights.source_labels == [["b0"], ["b0", "partial"], ["b0", "b1"], ["b0", "b1", "partial"],
+                                     ["b0", "b1", "b2"]]
+    assert weights.columns() == ["b0", "b1", "b2", "partial"]
+    assert torch.isnan(weights.matrix()[0, 1:]).all()
+    plain = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "residual")
+    assert record_routing_weights(plain, torch.randint(0, 256, (1, 8)), "residual") is None
+
+
+# --------------------------------------------------------------------------------- CLI
+def _png_size(path: pathlib.Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_compare_writes_table_and_figures(tmp_path, shakespeare, capsys):
+    out = tmp_path / "cmp"
+    code = main(["compare", "--schemes", "residual,attnres,block_attnres", "--data", str(shakespeare),
+                 "--layers", "2", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-every", "2",
+                 "--eval-batches", "1", "--option", "block_attnres:block_size=2", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    table = (out / "results.md").read_text()
+    for scheme, new in (("residual", "0"), ("attnres", "640"), ("block_attnres", "640")):  # 2 d (L+1) = 2*64*5
+        row = next(line for line in table.splitlines() if line.startswith(f"| {scheme} |"))
+        assert row.split("|")[3].strip() == new
+        assert row in printed
+    for name in ("loss_curves.png", "routing_attnres.png", "routing_block_attnres.png"):
+        width, height = _png_size(out / name)
+        assert width >= 300 and height >= 200 and (out / name).stat().st_size > 5_000
+    assert not (out / "routing_residual.png").exists()
+    assert str(out / "loss_curves.png") in printed
+    assert len([r for r in read_metrics(out / "attnres" / "metrics.jsonl") if "loss" in r]) == 4
+
+
+def test_cli_train_stop_and_resume(tmp_path, shakespeare, capsys):
+    args = ["train", "--scheme", "block_attnres", "--option", "block_size=2", "--layers", "2", "--data",
+            str(shakespeare), "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0",
+            "--eval-batches", "1", "--out", str(tmp_path), "--no-progress"]
+    assert main(args + ["--stop-after", "2"]) == 0
+    assert "2 steps" in capsys.readouterr().out
+    assert main(args + ["--resume"]) == 0
+    assert "2 steps" in capsys.readouterr().out  # steps 3 and 4
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert main(args + ["--resume", "--option", "block_size=4"]) == 2  # a different model than the checkpoint's
+    assert "options differs" in capsys.readouterr().err
+
+
+def test_cli_values_and_errors(capsys):
+    assert [parse_value(v) for v in ("3", "0.5", "true", "False", "none", "x")] == [3, 0.5, True, False, None, "x"]
+    assert main(["train", "--model", "gpt:nope", "--no-progress"]) == 2
+    assert "gpt:tiny" in capsys.readouterr().err
+    assert main(["train", "--option", "block_size", "--no-progress"]) == 2
+    assert "key=value" in capsys.readouterr().err

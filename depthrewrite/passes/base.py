@@ -95,6 +95,20 @@ class Scheme:
         return {"scheme": self.name, **dataclasses.asdict(self.options)}
 
 
+class PassThrough(nn.Module):
+    """A router that keeps the plain residual stream and records nothing (the identity
+    rewrite; the sites of baselines that only act elsewhere)."""
+
+    reads_stream = True
+    replaces_stream = False
+
+    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def write(self, state: State, u, x, h) -> State:
+        return state
+
+
 class DeltaReadout(nn.Module):
     """``x = h + gate * route(state)``; the residual stream itself is kept (SPEC 7)."""
 

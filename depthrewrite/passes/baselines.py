@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..analysis import Site
-from .base import Scheme, SchemeOptions, State
+from .base import PassThrough, Scheme, SchemeOptions, State
 
 #: CaiT's LayerScale rule (Touvron et al. 2021): 0.1 up to this many layers, small beyond
 LAYERSCALE_SHALLOW_LAYERS = 18
@@ -32,21 +32,8 @@ class _IdentityPreservingByInit(Scheme):
         return self.readout_router()
 
 
-class _PassThrough(nn.Module):
-    """A site that keeps the plain residual stream and records nothing."""
-
-    reads_stream = True
-    replaces_stream = False
-
-    def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        return h
-
-    def write(self, state: State, u, x, h) -> State:
-        return state
-
-
 # ------------------------------------------------------------------------ DenseFormer
-class _RecordBlockInput(_PassThrough):
+class _RecordBlockInput(PassThrough):
     """First site of the first block: its stream input ``e`` is the first DWA source."""
 
     def write(self, state: State, u, x, h) -> State:
@@ -99,7 +86,7 @@ class DenseFormerScheme(_IdentityPreservingByInit):
 
     def site_router(self, site: Site):
         if site.position != 1:
-            return _PassThrough()
+            return PassThrough()
         if site.block == 0:
             return _RecordBlockInput()
         return DepthWeightedAverage(self, sources=site.block + 1)
@@ -109,7 +96,7 @@ class DenseFormerScheme(_IdentityPreservingByInit):
 
 
 # --------------------------------------------------------------- ReZero, LayerScale
-class UpdateScale(_PassThrough):
+class UpdateScale(PassThrough):
     """``h + scale * u``: a scalar (ReZero) or per-channel (LayerScale) scale."""
 
     scales_update = True
@@ -156,7 +143,7 @@ class _ScaleScheme(_IdentityPreservingByInit):
         return ()
 
     def readout_router(self):
-        return _PassThrough()
+        return PassThrough()
 
     def describe(self) -> dict:
         return {**super().describe(), "init": self.init}

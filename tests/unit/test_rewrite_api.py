@@ -114,3 +114,20 @@ def test_blocks_out_of_order_is_a_clear_error():
     model.blocks = torch.nn.ModuleList([model.blocks[0], model.blocks[2], model.blocks[1]])
     with pytest.raises(depthrewrite.RuntimeOrderError, match="in order"):
         model(IDS)
+
+
+@pytest.mark.parametrize("scheme", sorted(depthrewrite.SCHEMES))
+def test_every_scheme_trains_under_bf16_autocast(scheme):
+    """Under autocast the embedding is float32 and the branches bf16 (an MoE may even give
+    float32): routing must still see one dtype and the loss must backpropagate."""
+    from depthrewrite.models import moe_from_preset
+
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(moe_from_preset("tiny", n_layer=2), scheme)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(ids, ids)
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "depth_route" in n and p.grad is not None]
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    assert grads or scheme == "residual"

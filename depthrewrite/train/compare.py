@@ -1,6 +1,7 @@
 """``compare(config) -> CompareResult``: train several schemes on the same data, seed and
 budget, and write ``results.md`` (the table), ``loss_curves.png`` and, per routed scheme,
-``routing_<scheme>.png`` (token-averaged depth-routing weights on a validation batch).
+``routing_<scheme>.png`` (token-averaged depth-routing weights on a validation batch) and,
+per DAR scheme, ``streams_<scheme>.png`` (cross-stream CKA of its two histories, SPEC 6).
 
 Every scheme starts from the same base weights (the model is seeded before the rewrite)
 and sees the same batches (batches are a function of ``(seed, step)``).
@@ -13,10 +14,13 @@ import logging
 import pathlib
 from dataclasses import dataclass, field
 
+import torch
+
 from .data import VAL_STREAM, batch_at, load_splits
 from .loop import TrainConfig, TrainResult, train
 from .plots import loss_curves, routing_heatmap
 from .routing_weights import record_routing_weights
+from .stream_similarity import stream_similarity, stream_similarity_plot
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class CompareRow:
     final_val_loss: float
     tokens_per_s: float
     heatmap: pathlib.Path | None
+    streams: pathlib.Path | None = None  # DAR only: the cross-stream CKA figure
+    stream_cka: float | None = None  # DAR only: mean cross-stream CKA over the written entries
 
 
 @dataclass
@@ -89,9 +95,9 @@ def compare(config: CompareConfig) -> CompareResult:
         result = train(run_config, splits=splits)
         runs[scheme] = result
         heatmap = _heatmap(result, out / f"routing_{scheme}.png")
+        streams, stream_cka = _stream_similarity(result, out / f"streams_{scheme}.png")
         rows.append(CompareRow(scheme, result.params, result.new_params, result.final_train_loss,
-                               result.final_val_loss, result.tokens_per_s, heatmap))
-        _stream_similarity(result, out / f"streams_{scheme}.png")
+                               result.final_val_loss, result.tokens_per_s, heatmap, streams, stream_cka))
     curves = loss_curves({s: (r.steps, r.losses, r.val) for s, r in runs.items()}, out / "loss_curves.png")
     table = results_table(rows)
     results = out / "results.md"
@@ -99,24 +105,26 @@ def compare(config: CompareConfig) -> CompareResult:
     return CompareResult(rows, table, results, curves, runs)
 
 
-def _heatmap(result: TrainResult, path: pathlib.Path) -> pathlib.Path | None:
+def _val_batch(result: TrainResult) -> torch.Tensor:
+    """The first validation batch of the run, on the model's device."""
     config = result.config
     x, _ = batch_at(result.splits.val, seed=config.seed, step=0, batch_size=config.batch_size,
                     seq_len=config.seq_len, stream=VAL_STREAM)
-    device = next(result.model.parameters()).device
-    weights = record_routing_weights(result.model, x.to(device), config.scheme)
+    return x.to(next(result.model.parameters()).device)
+
+
+def _heatmap(result: TrainResult, path: pathlib.Path) -> pathlib.Path | None:
+    weights = record_routing_weights(result.model, _val_batch(result), result.config.scheme)
     return None if weights is None else routing_heatmap(weights, path)
 
 
-def _stream_similarity(result: TrainResult, path: pathlib.Path) -> pathlib.Path | None:
-    """TODO(DAR): the cross-stream CKA of DAR's two streams (SPEC 6) per site, drawn to
-    ``path``: record the streams' states with a recorder like ``routing_weights._recording``
-    keyed on ``passes/dar.py``'s router classes, then linear CKA between stream 0 and
-    stream 1 over the tokens of a validation batch. Until then: a logged note, no file."""
-    if result.config.scheme.startswith("dar"):
-        log.info("compare: cross-stream CKA for %s is not implemented yet (TODO in compare._stream_similarity)",
-                 result.config.scheme)
-    return None
+def _stream_similarity(result: TrainResult, path: pathlib.Path) -> tuple[pathlib.Path | None, float | None]:
+    """DAR's cross-stream CKA per history entry (SPEC 6) on the validation batch, drawn to
+    ``path``, and its mean over the written entries; ``(None, None)`` for other schemes."""
+    similarity = stream_similarity(result.model, _val_batch(result), result.config.scheme)
+    if similarity is None:
+        return None, None
+    return stream_similarity_plot(similarity, path), similarity.mean_written()
 
 
 def results_table(rows: list[CompareRow]) -> str:
@@ -145,4 +153,17 @@ def _results_markdown(config: CompareConfig, table: str, rows: list[CompareRow])
     for r in rows:
         if r.heatmap is not None:
             lines += [f"![{r.scheme} routing weights]({r.heatmap.name})", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _streams_markdown(rows))
+
+
+def _streams_markdown(rows: list[CompareRow]) -> list[str]:
+    """The DAR schemes' cross-stream CKA: 1 means the two streams carry the same features."""
+    dar = [r for r in rows if r.streams is not None]
+    if not dar:
+        return []
+    lines = ["Cross-stream linear CKA of DAR's two histories, CKA(H0_i, H1_i) over the tokens of the first "
+             "validation batch, mean over the entries the blocks wrote (H_0 = e is shared):", ""]
+    for r in dar:
+        mean = "n/a (no completed block)" if r.stream_cka is None else f"{r.stream_cka:.4f}"
+        lines += [f"- {r.scheme}: mean cross-stream CKA {mean}", "", f"![{r.scheme} stream CKA]({r.streams.name})", ""]
+    return lines

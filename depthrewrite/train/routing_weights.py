@@ -15,12 +15,8 @@ and averages it over the tokens. The forward pass itself is unchanged.
 
 Schemes whose routers are not known here (``residual``, ``none``, the scaling baselines,
 and until they are added DAR, WAV, Hyper-Connections, DenseFormer) are skipped with a
-logged note: :func:`record_routing_weights` returns ``None``.
-
-TODO(DAR): DAR's cross-stream CKA (``compare._stream_similarity``, a stub that logs a
-note) belongs next to this as another recorder, keyed on ``passes/dar.py``'s router
-classes (``DualRoute``/``DarRouter``, which now exist), shadowing their ``read``/``write``
-the same way to capture the two streams' states.
+logged note: :func:`record_routing_weights` returns ``None``. DAR's two streams are
+recorded by ``stream_similarity`` instead (cross-stream CKA, shadowing the readout's ``read``).
 """
 
 from __future__ import annotations

@@ -400,7 +400,7 @@ TRAIN = {
 }
 
 
-def batches(seq=64, batch=8, steps=40, seed=0):
+def batches(seq=64, batch=8, steps=50, seed=0):
     data = torch.frombuffer(bytearray(corpus_bytes("tinyshakespeare.txt", limit=200_000)), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -298,7 +298,7 @@ def test_scheme_trains_and_round_trips(scheme, options, count):
     with torch.no_grad():
         before = model(*fixed)[1].item()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(40):
+    for step in range(50):
         opt.zero_grad(set_to_none=True)
         loss = model(*batch())[1]
         loss.backward()

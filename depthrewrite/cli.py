@@ -143,6 +143,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for row in result.rows:
         where = row.heatmap or "(no heatmap: routing weights are recorded for attnres, block_attnres and mhar only)"
         print(f"routing weights {row.scheme}: {where}")
+        if row.streams:
+            print(f"cross-stream CKA {row.scheme}: mean {row.stream_cka:.4f}, {row.streams}")
     return 0
 
 

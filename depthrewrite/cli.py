@@ -144,7 +144,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         where = row.heatmap or "(no heatmap: routing weights are recorded for attnres, block_attnres and mhar only)"
         print(f"routing weights {row.scheme}: {where}")
         if row.streams:
-            print(f"cross-stream CKA {row.scheme}: mean {row.stream_cka:.4f}, {row.streams}")
+            mean = "n/a" if row.stream_cka is None else f"{row.stream_cka:.4f}"
+            print(f"cross-stream CKA {row.scheme}: mean {mean}, {row.streams}")
     return 0
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import sys
 
+from .errors import DepthRewriteError
 from .train.compare import DEFAULT_SCHEMES, CompareConfig, compare, default_compare_train_config
 from .train.distributed import MODES
 from .train.loop import PRECISIONS, TrainConfig, train
@@ -167,7 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--schemes", help=f"comma-separated (default {','.join(DEFAULT_SCHEMES)})")
     _add_common(p_cmp)
     p_cmp.set_defaults(func=_cmd_compare)
+    p_ins = sub.add_parser("inspect", help="print the residual-stream table of a model")
+    p_ins.add_argument("model", help="a bundled preset (gpt:tiny, moe:small, ...), a Hugging Face config.json, "
+                       "a folder holding one, or a model id in the local cache (random weights, no download)")
+    p_ins.add_argument("--layers", type=int, help="build the model with this many layers")
+    p_ins.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p_ins.set_defaults(func=_cmd_inspect)
     return parser
+
+
+def _cmd_inspect(args) -> int:
+    import depthrewrite
+    from depthrewrite.hf import model_from_config
+    from depthrewrite.train.model import FAMILIES
+
+    family, _, size = args.model.partition(":")
+    if family in FAMILIES and size:
+        presets, factory = FAMILIES[family]
+        if size not in presets:
+            raise ValueError(f"unknown {family} preset {size!r}; presets: {', '.join(presets)}")
+        model = factory(size, **({"n_layer": args.layers} if args.layers else {}))
+    else:
+        model = model_from_config(args.model, args.layers)
+    print(depthrewrite.inspect(model))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, FileNotFoundError, ImportError, DepthRewriteError) as exc:
         print(f"depthrewrite {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -44,6 +44,26 @@ def _routing_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def model_from_config(path_or_id: str | pathlib.Path, layers: int | None = None) -> nn.Module:
+    """A causal LM built with random weights from a local config: a ``config.json``, a folder
+    holding one, or a model id in the local Hugging Face cache (nothing is downloaded).
+    ``layers`` shrinks the stack (for inspecting large models cheaply)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = pathlib.Path(path_or_id)
+    source = str(path.parent if path.name == "config.json" else path_or_id)
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except OSError as exc:
+        raise DepthRewriteError(f"no local config for {str(path_or_id)!r}: {exc}") from exc
+    if layers is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if not hasattr(text, "num_hidden_layers"):
+            raise DepthRewriteError(f"{type(config).__name__} has no num_hidden_layers to set to {layers}")
+        text.num_hidden_layers = layers
+    return AutoModelForCausalLM.from_config(config)
+
+
 def from_pretrained(path: str | pathlib.Path, auto_class: Any = None, **kwargs) -> nn.Module:
     """Load a model saved with ``save_pretrained`` after a rewrite.
 

@@ -1,0 +1,29 @@
+"""``depthrewrite inspect MODEL`` prints the residual-stream table of a bundled preset or of
+a local Hugging Face config, and fails with a clear message otherwise."""
+
+import pytest
+
+from depthrewrite.cli import main
+
+
+def test_inspect_bundled_preset(capsys):
+    assert main(["inspect", "gpt:tiny", "--layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "through 3 blocks of 'blocks'" in out and "6 sites" in out
+    assert "blocks.2.norm_mlp" in out
+
+
+def test_inspect_hf_config_path(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4).save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path / "config.json"), "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GPTNeoXForCausalLM" in out and "2 sites" in out and "parallel" in out
+
+
+@pytest.mark.parametrize("model, message", [("gpt:huge", "unknown gpt preset 'huge'"),
+                                            ("/no/such/folder", "no local config")])
+def test_inspect_errors_are_clear(model, message, capsys):
+    assert main(["inspect", model]) == 2
+    assert message in capsys.readouterr().err

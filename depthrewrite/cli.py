@@ -152,8 +152,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="depthrewrite", description="Train and compare depth-routing rewrites of the bundled GPT/MoE on "
-        "byte-level text.", epilog="example: depthrewrite compare   (residual vs attnres vs block_attnres, ~2-3 min "
+        prog="depthrewrite", description="Inspect residual streams; train and compare depth-routing rewrites of "
+        "the bundled GPT/MoE on byte-level text.", epilog="example: depthrewrite compare   (residual vs attnres vs block_attnres, ~2-3 min "
         "on a 2-core CPU)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train one model (optionally rewritten) on byte-level text")

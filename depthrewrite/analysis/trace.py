@@ -54,11 +54,16 @@ class CallSpec:
         entries += [("kw", k) for k, (m, _) in self.keywords if m == "input"]
         return entries.index(("kw", keyword) if keyword is not None else ("pos", position))
 
-    def with_tensor_for(self, names: set) -> "CallSpec":
-        """This spec with the ``None`` keyword arguments in ``names`` passed as tensors
-        instead (e.g. an attention mask that HF builds only under torch.compile)."""
-        keywords = tuple((k, ("input", "Tensor") if k in names and v == ("const", None) else v)
-                         for k, v in self.keywords)
+    def with_changes(self, as_input: set, flipped: set) -> "CallSpec":
+        """This spec with the ``None`` keywords in ``as_input`` passed as objects instead (an
+        attention mask, a KV cache) and the boolean keywords in ``flipped`` negated."""
+        def change(k, v):
+            if k in as_input and v == ("const", None):
+                return INPUT
+            if k in flipped and v[0] == "const" and isinstance(v[1], bool):
+                return ("const", not v[1])
+            return v
+        keywords = tuple((k, change(k, v)) for k, v in self.keywords)
         return CallSpec(self.positional, keywords, self.training)
 
     def with_training(self, training: bool) -> "CallSpec":
@@ -67,16 +72,24 @@ class CallSpec:
     def none_keywords(self) -> list[str]:
         return [k for k, v in self.keywords if v == ("const", None)]
 
+    def bool_keywords(self) -> list[str]:
+        return [k for k, v in self.keywords if v[0] == "const" and isinstance(v[1], bool)]
+
     def input_values(self, args: tuple, kwargs: dict) -> list:
         vals = [a for a, (mode, _) in zip(args, self.positional) if mode == "input"]
         vals += [kwargs[k] for k, (mode, _) in self.keywords if mode == "input"]
         return vals
 
 
+#: every traced input is one opaque placeholder whatever its type (a tensor, a tuple of
+#: tensors, a KV cache object): child modules are leaves, so the graph does not depend on it
+INPUT = ("input", "any")
+
+
 def _classify(value: Any) -> tuple:
     if isinstance(value, _CONSTANT_TYPES):
         return ("const", value)
-    return ("input", type(value).__name__)
+    return INPUT
 
 
 def call_spec(args: tuple, kwargs: dict, training: bool) -> CallSpec:

@@ -168,23 +168,36 @@ def original_class(module: nn.Module) -> type:
 
 
 def _describe_spec(spec) -> str:
-    parts = [f"{k}={v[1]!r}" if v[0] == "const" else f"{k}: {v[1]}" for k, v in spec.keywords]
+    parts = [f"{k}={v[1]!r}" if v[0] == "const" else f"{k}: an object" for k, v in spec.keywords]
     return ", ".join(parts + [f"training={spec.training}"])
+
+
+#: up to this many optional keywords (``None`` or boolean at capture), every combination
+#: of them is prepared; past it, each one alone and all at once
+_ALL_COMBINATIONS_UP_TO = 4
 
 
 def prepare_programs(block: nn.Module, spec, plan: BlockPlan | None = None) -> None:
     """Build the programs a block is likely to meet, so that none is traced inside a
-    compiled region: both train and eval mode, and each ``None`` keyword argument also as a
-    tensor (HF builds an explicit attention mask only under torch.compile)."""
-    variants = [spec] + [spec.with_tensor_for({k}) for k in spec.none_keywords()]
-    if len(spec.none_keywords()) > 1:
-        variants.append(spec.with_tensor_for(set(spec.none_keywords())))
-    for variant in variants:
+    compiled region: train and eval mode, times the ``None`` keywords passed as objects and
+    the boolean keywords flipped (HF builds an explicit attention mask only under
+    torch.compile, and passes a KV cache with ``use_cache=True`` in training mode)."""
+    for variant in _variants(spec):
         for training in (False, True):
             v = variant.with_training(training)
             if v.key not in block._depth_programs:
                 own = plan if plan is not None and v == plan.traced.spec else None
                 block._depth_programs[v.key] = build_program(block, v, plan=own)
+
+
+def _variants(spec) -> list:
+    optional = [(k, "none") for k in spec.none_keywords()] + [(k, "bool") for k in spec.bool_keywords()]
+    if len(optional) <= _ALL_COMBINATIONS_UP_TO:
+        subsets = [[o for i, o in enumerate(optional) if mask >> i & 1] for mask in range(2 ** len(optional))]
+    else:
+        subsets = [[]] + [[o] for o in optional] + [optional]
+    return [spec.with_changes({k for k, t in sub if t == "none"}, {k for k, t in sub if t == "bool"})
+            for sub in subsets]
 
 
 def build_program(block: nn.Module, spec, plan: BlockPlan | None = None) -> BlockProgram:

@@ -130,3 +130,21 @@ def test_every_scheme_compiles_fullgraph_and_matches_eager(scheme):
     assert grads.keys() == eager_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_hf_model_compiles_fullgraph_as_called_by_users(mode):
+    """A rewritten HF model called with a KV cache (``use_cache=True``, also HF's default in
+    some configurations) and, under compile, an explicit attention mask, needs no call spec
+    traced inside the compiled region: the rewrite prepared them."""
+    from tests.conftest import hf_model
+
+    model = depthrewrite.rewrite(hf_model("llama", layers=2, vocab_size=128), "block_attnres")
+    model.train(mode == "train")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+    loss = compiled(input_ids=ids, use_cache=True).logits  # first: nothing traced eagerly before
+    eager = model(input_ids=ids, use_cache=True).logits
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+    assert backend.last_report().ops.get(ROUTE) == 5  # 4 sites and the readout

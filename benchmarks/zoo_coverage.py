@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
-import datetime
 import json
 import os
 import platform
@@ -304,7 +303,7 @@ def markdown(results: list[Result], command: str) -> str:
         f"Regenerate: `{command}`",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU ({platform.system()})",
-        f"- date: 2026-11-29",
+        "- date: 2026-11-29",
         f"- transformers {transformers.__version__}, torch {torch.__version__}",
         f"- families: every key of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({len(results)}), each built "
         "from its default config shrunk to hidden 64, 2 layers, 4 heads (2 kv), head_dim 16, "

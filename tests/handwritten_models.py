@@ -4,7 +4,6 @@ in a ModuleDict, complex RoPE frequencies passed to every block)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

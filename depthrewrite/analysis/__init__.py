@@ -13,7 +13,7 @@ from torch import nn
 
 from ..capture import Capture, capture, eval_mode
 from ..errors import NotPreNormError
-from .probes import norm_eps, norm_type
+from .probes import norm_type
 from .residual import BlockSiteFinder, SiteGraph, branch_modules, classify_parts, norm_info
 from .trace import CallSpec, TracedBlock, call_spec, trace_block
 

@@ -19,12 +19,6 @@ from depthrewrite.train.stream_similarity import linear_cka, record_dar_streams,
 from tests.conftest import corpus_bytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------- linear CKA

@@ -20,13 +20,6 @@ from depthrewrite.train.routing_weights import record_routing_weights, softmax_w
 from tests.conftest import corpus_bytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny matmuls: OpenMP hand-offs cost more than they save on a shared 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,6 @@ from depthrewrite.models import (
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: OpenMP's thread handoff costs more than the matmuls, and on
-    # a shared 2-core machine a descheduled worker stalls every barrier (~16 ms per mm).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 SMALL = dict(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=32)

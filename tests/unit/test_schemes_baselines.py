@@ -409,17 +409,10 @@ def batches(seq=64, batch=8, steps=50, seed=0):
         yield chunk[:, :-1], chunk[:, 1:]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls run faster on one thread than split over two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("scheme", list(TRAIN))
-def test_scheme_trains_and_round_trips_through_state_dict(scheme, one_thread):
+def test_scheme_trains_and_round_trips_through_state_dict(scheme):
     model = rewrite(tiny(), scheme, **TRAIN[scheme]).train()
     held_out = next(batches(steps=1, seed=123))
     with torch.no_grad():

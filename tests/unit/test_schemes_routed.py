@@ -17,14 +17,6 @@ from tests.unit.scheme_oracles import DAR_ROLES, Params, dar_logits, mhar_logits
 FEW = settings(max_examples=3, deadline=None, derandomize=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: a second intra-op thread only adds contention (10x slower on a
-    busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(seed=0, **overrides):

@@ -76,6 +76,7 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     log.info("rewrote %s with %s: %s", type(model).__name__, scheme, runtime.report)
     if verify:
         _verify(model, analysis, scheme_obj, example_inputs)
+    analysis.capture.model_output = None  # only verification needed it; the runtime keeps the capture
     return model
 
 

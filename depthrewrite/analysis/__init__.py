@@ -14,7 +14,7 @@ from torch import nn
 from ..capture import Capture, capture, eval_mode
 from ..errors import NotPreNormError
 from .probes import norm_type
-from .residual import BlockSiteFinder, SiteGraph, branch_modules, classify_parts, norm_info
+from .residual import BlockSiteFinder, SiteGraph
 from .trace import CallSpec, TracedBlock, call_spec, trace_block
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class BlockPlan:
     stream_placeholder: fx.Node
     sites: list[SiteGraph]
     forward: Any  # the block's original (unbound) forward
+    finder: BlockSiteFinder  # the graph queries the sites were found with
 
 
 @dataclass
@@ -116,11 +117,9 @@ def analyze_block_call(cap: Capture, index: int, block: nn.Module, forward, spec
     finder = BlockSiteFinder(traced.gm, block, path, stream, cap.d_model, norm_cache)
     sites = finder.find()
     if probe_values is not None:
-        classify_parts(traced.gm, probe_values, sites)
-    plan = BlockPlan(index=index, path=path, module=block, traced=traced, stream_placeholder=stream,
-                     sites=sites, forward=forward)
-    plan.finder = finder
-    return plan
+        finder.classify_parts(probe_values, sites)
+    return BlockPlan(index=index, path=path, module=block, traced=traced, stream_placeholder=stream,
+                     sites=sites, forward=forward, finder=finder)
 
 
 def analyze(model: nn.Module, example_inputs: Any = None) -> Analysis:
@@ -163,7 +162,7 @@ def _analyze(model: nn.Module, example_inputs: Any) -> Analysis:
 
 
 def _public_site(plan: BlockPlan, sg: SiteGraph, index: int, position: int) -> Site:
-    ntype, eps = norm_info(plan.finder, sg)
+    ntype, eps = plan.finder.norm_info(sg)
     parts = tuple("attention" if m else "mlp" for m in sg.part_mixes) if sg.kind == "parallel" and len(sg.parts) > 1 else ()
     return Site(
         index=index,
@@ -173,6 +172,6 @@ def _public_site(plan: BlockPlan, sg: SiteGraph, index: int, position: int) -> S
         norm_type=ntype,
         norm_eps=eps,
         norm_paths=tuple(f"{plan.path}.{n.target}" for n in sg.norms),
-        branch_paths=tuple(f"{plan.path}.{t}" for t in branch_modules(plan.traced.gm, sg)),
+        branch_paths=tuple(f"{plan.path}.{t}" for t in plan.finder.branch_modules(sg)),
         parts=parts,
     )

@@ -108,6 +108,7 @@ class BlockSiteFinder:
                 )
             site = self._site(stream, adds[0])
             self._join_parallel_half(site)
+            site.sum_of_branches = self._sum_of_two_branches(site)
             sites.append(site)
             stream = site.out
         if not sites:
@@ -164,6 +165,34 @@ class BlockSiteFinder:
         site.adds.append(nxt[0])
         site.norms = list(dict.fromkeys(site.norms + norms))
 
+    def _sum_of_two_branches(self, site: SiteGraph) -> bool:
+        """A single add of ``a + m`` where both terms come from the normed stream (GPT-NeoX)."""
+        u = site.parts[0]
+        return len(site.parts) == 1 and is_add(u) and all(
+            isinstance(t, fx.Node) and nx.has_path(self.nx, site.stream, t) for t in u.args[:2])
+
+    def classify_parts(self, inputs: list, sites: list[SiteGraph]) -> None:
+        """Label every part of every site as token-mixing or not (one probe run per site)."""
+        baseline = run_block_graph(self.gm, inputs)
+        for site in sites:
+            site.part_mixes = mixes_tokens(self.gm, inputs, site.stream, site.parts, baseline)
+
+    def branch_modules(self, site: SiteGraph) -> list[str]:
+        """Module call targets on the branch: reachable from a norm, reaching a part."""
+        on_branch = []
+        for node in self.gm.graph.nodes:
+            if node.op != "call_module" or node in site.norms:
+                continue
+            if any(nx.has_path(self.nx, n, node) for n in site.norms) and any(
+                    node is p or nx.has_path(self.nx, node, p) for p in site.parts):
+                on_branch.append(node.target)
+        return on_branch
+
+    def norm_info(self, site: SiteGraph) -> tuple[str, float | None]:
+        kinds = {self.norm_of(n) for n in site.norms}
+        eps = {norm_eps(self.gm.get_submodule(n.target)) for n in site.norms}
+        return "/".join(sorted(k for k in kinds if k)), next(iter(eps)) if len(eps) == 1 else None
+
     def _check_returned(self, stream: fx.Node) -> None:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         first = _first_node(out.args[0])
@@ -178,38 +207,3 @@ class BlockSiteFinder:
 
 def _first_node(value):
     return next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, fx.Node)), None)
-
-
-def classify_parts(gm: fx.GraphModule, inputs: list, sites: list[SiteGraph]) -> None:
-    """Label every part of every site as token-mixing or not (one probe run per site)."""
-    baseline = run_block_graph(gm, inputs)
-    for site in sites:
-        site.part_mixes = mixes_tokens(gm, inputs, site.stream, site.parts, baseline)
-        site.sum_of_branches = len(site.parts) == 1 and _sum_of_two_branches(gm, site)
-
-
-def _sum_of_two_branches(gm: fx.GraphModule, site: SiteGraph) -> bool:
-    """A single add of ``a + m`` where both terms come from the normed stream (GPT-NeoX)."""
-    u = site.parts[0]
-    if not is_add(u):
-        return False
-    g = to_networkx(gm.graph)
-    return all(isinstance(t, fx.Node) and nx.has_path(g, site.stream, t) for t in u.args[:2])
-
-
-def branch_modules(gm: fx.GraphModule, site: SiteGraph) -> list[str]:
-    """Module call targets on the branch: reachable from a norm, reaching a part."""
-    g = to_networkx(gm.graph)
-    on_branch = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or node in site.norms:
-            continue
-        if any(nx.has_path(g, n, node) for n in site.norms) and any(nx.has_path(g, node, p) or node is p for p in site.parts):
-            on_branch.append(node.target)
-    return on_branch
-
-
-def norm_info(finder: BlockSiteFinder, site: SiteGraph) -> tuple[str, float | None]:
-    kinds = {finder.norm_of(n) for n in site.norms}
-    eps = {norm_eps(finder.gm.get_submodule(n.target)) for n in site.norms}
-    return "/".join(sorted(k for k in kinds if k)), next(iter(eps)) if len(eps) == 1 else None

@@ -74,6 +74,7 @@ class Capture:
     final_norm_call: ModuleCall
     embedding: torch.Tensor  # h_0: the stream as the first block receives it
     d_model: int
+    example: tuple | None = field(repr=False, default=None)  # (args, kwargs) the capture ran with
     model_output: Any = field(repr=False, default=None)  # the model's own output on the example
     named_modules: dict[nn.Module, str] = field(repr=False, default_factory=dict)
 
@@ -294,6 +295,7 @@ def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
         final_norm_call=final_call,
         embedding=embedding,
         d_model=int(embedding.shape[-1]),
+        example=(args, kwargs),
         model_output=next((c.output for c in calls if c.module is model), None),
         named_modules=names,
     )

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .analysis import Analysis, ResidualStream, analyze
-from .capture import eval_mode, first_tensor, normalize_example_inputs, default_example_inputs
+from .capture import eval_mode, first_tensor
 from .errors import AlreadyRewrittenError, DepthRewriteError
 from .hf import record_recipe
 from .passes import scheme_class, scheme_options
@@ -75,8 +75,9 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     runtime.report["seconds"] = time.perf_counter() - start
     log.info("rewrote %s with %s: %s", type(model).__name__, scheme, runtime.report)
     if verify:
-        _verify(model, analysis, scheme_obj, example_inputs)
-    analysis.capture.model_output = None  # only verification needed it; the runtime keeps the capture
+        _verify(model, analysis, scheme_obj)
+    # only verification needed these; the runtime keeps the rest of the capture
+    analysis.capture.example = analysis.capture.model_output = None
     return model
 
 
@@ -127,11 +128,10 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
 
 
 @torch.no_grad()
-def _verify(model: nn.Module, analysis: Analysis, scheme, example_inputs: Any) -> None:
+def _verify(model: nn.Module, analysis: Analysis, scheme) -> None:
     """Run the rewritten model on the capture input; identity schemes must match exactly."""
     cap = analysis.capture
-    args, kwargs = (default_example_inputs(model) if example_inputs is None
-                    else normalize_example_inputs(example_inputs))
+    args, kwargs = cap.example
     with eval_mode(model):
         out = first_tensor(model(*args, **kwargs))
     if not torch.isfinite(out).all():

@@ -46,6 +46,9 @@ def grid(args) -> list[dict]:
     for seed in range(1, args.extra_seeds + 1):
         for scheme in SCHEMES:
             jobs.append(dict(model="gpt:small", layers=12, scheme=scheme, corpus=CORPORA[0], seed=seed))
+    for layers in args.deep_layers:  # the depth claims (WAV), on the first corpus only
+        for scheme in args.deep_schemes:
+            jobs.append(dict(model="gpt:small", layers=layers, scheme=scheme, corpus=CORPORA[0], seed=0))
     if args.skip_done:  # a study continued in a second call: leave out the runs already made
         done = {_key(r) for r in json.loads(pathlib.Path(args.skip_done).read_text())["runs"] if "error" not in r}
         jobs = [j for j in jobs if _key(j) not in done]
@@ -109,6 +112,9 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 24])
     parser.add_argument("--extra-seeds", type=int, default=2)
+    parser.add_argument("--deep-layers", type=int, nargs="*", default=[],
+                        help="deeper GPTs (e.g. 48), trained on the first corpus only")
+    parser.add_argument("--deep-schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     parser.add_argument("--workers-per-gpu", type=int, default=6)
     parser.add_argument("--skip-done", help="study.json of an earlier call: skip the runs it holds")
     parser.add_argument("--short-first", action="store_true", help="run the cheapest runs first")

@@ -3,7 +3,8 @@
 # the 10-minute limit of a call). Data: the corpora of ../shared/data copied into .devdata/
 # (carried to the device).
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
-#   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU throughput: Inductor baseline vs schemes
+#   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, every scheme compiled vs eager, op timings
+#   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -19,12 +20,21 @@ study)
       --steps "${STUDY_STEPS:-400}" --workers-per-gpu "${WORKERS:-10}" --extra-seeds 1 ${STUDY_ARGS:-} > "$OUT/study.txt" 2>&1
   tail -70 "$OUT/study.txt"
   ;;
+kernels)
+  # the FLA wheel (pip download fla-core==0.6.0 --no-deps -d .whl) is carried in .whl/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 75 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/kernels 2>&1 | tail -2 | tee -a "$LOG"
+  # op checks and timings, every scheme compiled against eager; a table last
+  timeout "${SUITE_SECONDS:-375}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 360 --no-e2e --scheme-check \
+      > "$OUT/suite_log.txt" 2>&1
+  grep "scheme-check" "$OUT/suite_log.txt" | cut -c1-150; tail -16 "$OUT/suite_log.txt"
+  ;;
 e2e)
-  for s in "none --backend inductor" "block_attnres" "dar --option layers_per_block=2"; do
-    name=${s%% *}
-    timeout 280 python3 $RUN --scheme $s --data $DATA --json $OUT/$name-1gpu.json >> "$LOG" 2>&1
-  done
-  grep -E "world=|Error|error" "$LOG" | tail -20
+  # training throughput and peak memory: the models compile in parallel, then are timed one at a time
+  export PYTHONPATH=$PWD
+  timeout "${E2E_SECONDS:-540}" python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only > "$OUT/e2e_log.txt" 2>&1
+  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -30
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -1,7 +1,8 @@
 """Check and time the fused routing kernels on the GPU, in one call.
 
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
-                                    [--quick] [--e2e-only] [--e2e-schemes baseline,block_attnres,attnres]
+                                    [--quick] [--e2e-only] [--scheme-check]
+                                    [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
 ``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl;
@@ -10,13 +11,20 @@ export PYTHONPATH=/tmp/site:$PWD`` (docs/benchmarks.md has the exact commands).
 1. correctness of the Triton kernels against the reference (fp32 arithmetic on the same
    bf16/fp16/fp32 inputs) at the DESIGN.md shapes and awkward ones: output and every
    gradient, max relative L2 error per call; the registered CUDA kernel is what
-   ``torch.ops.depthrewrite.route`` runs;
+   ``torch.ops.depthrewrite.route`` runs. The one-pass backward takes ``sum_j a_j da_j``
+   from the output saved in the activation dtype (documented rounding, route_triton's
+   docstring): pass/fail compares the gradients with the fp32 reference given that same
+   saved output; the error against the exact reference is logged too (``exact``);
 2. timing (median, triton.testing.do_bench, fresh random data per shape) of the routing op
    forward and forward+backward, bf16: eager reference, torch.compile of the reference,
-   ours (launch variants too), FLA's fused_attnres if importable, and the HBM floor;
-3. if time is left: training-step throughput and peak memory of the bundled GPT
-   (d=1024, 24 layers, seq 2048, bf16): baseline with Inductor vs the rewritten model with
-   the depthrewrite backend.
+   ours (launch variants too), FLA's fused_attnres if importable, and the HBM floor; the
+   fused output norm (``norm_fused``) against the op followed by an RMSNorm (``norm_unfused``);
+3. ``--scheme-check``: every scheme compiled with the backend against eager on the GPU
+   (benchmarks/gpu_scheme_check.py);
+4. unless ``--no-e2e``: training-step throughput and peak memory of the bundled GPT
+   (d=1024, 24 layers, seq 2048, bf16): baseline with Inductor vs each scheme with the
+   depthrewrite backend (benchmarks/e2e_throughput.py: compiled in parallel, timed one at
+   a time).
 
 Writes results.json and log lines under --out (default $OUT); prints a short table last.
 """
@@ -34,13 +42,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # e2e_throughput, gpu_scheme_check
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import depthrewrite  # noqa: E402,F401
 from depthrewrite.kernels import route_triton  # noqa: E402
-from depthrewrite.ops.route import route_reference  # noqa: E402
+from depthrewrite.ops.route import route_logits_reference, route_reference  # noqa: E402
 
 HBM_BPS = 4.3e12  # measured device-to-device copy rate on this machine kind (KINDS.md)
 DESIGN_SHAPES = [(16384, 2048, 9), (16384, 2048, 33), (16384, 4096, 9), (8192, 4096, 65)]
@@ -108,13 +117,36 @@ def rebuild(inp, leaves):
 
 
 def op_call(inp):
-    return torch.ops.depthrewrite.route(inp["values"], inp["keys"], inp["query"], inp["key_norm_weight"],
-                                        inp["logit_bias"], inp["source_scale"], inp["heads"], 1e-6)
+    out, _lse, _normed = torch.ops.depthrewrite.route(inp["values"], inp["keys"], inp["query"], inp["key_norm_weight"],
+                                                      inp["logit_bias"], inp["source_scale"], inp["heads"], 1e-6)
+    return out
+
+
+def ref_kwargs(inp):
+    return dict(query=inp["query"], key_norm_weight=inp["key_norm_weight"], logit_bias=inp["logit_bias"],
+                source_scale=inp["source_scale"], heads=inp["heads"])
 
 
 def ref_call(inp):
-    return route_reference(inp["values"], inp["keys"], query=inp["query"], key_norm_weight=inp["key_norm_weight"],
-                           logit_bias=inp["logit_bias"], source_scale=inp["source_scale"], heads=inp["heads"])
+    return route_reference(inp["values"], inp["keys"], **ref_kwargs(inp))
+
+
+def reference_grads(inp, grad_out, saved_out):
+    """fp32 reference output and gradients, exact and given ``saved_out``: the one-pass
+    backward takes sum_j a_j da_j as <g, saved_out>, i.e. shifts each logit gradient by
+    -a_i <g, saved_out - out>; the constant-weighted term below has exactly that gradient."""
+    leaves = [t.detach().float().requires_grad_() for t in leaves_of(inp)]
+    ref_inp = rebuild(inp, leaves)
+    out = ref_call(ref_inp)
+    g = grad_out.float()
+    exact = torch.autograd.grad(out, leaves, g, retain_graph=len(inp["values"]) > 1)
+    if len(inp["values"]) == 1:
+        return out.detach(), exact, exact
+    z = route_logits_reference(ref_inp["values"], ref_inp["keys"], **ref_kwargs(ref_inp))
+    delta = ((saved_out.float() - out.detach()) * g).unflatten(-1, (inp["heads"], -1)).sum(-1)
+    shift = torch.autograd.grad(-(torch.softmax(z.detach(), 0) * delta * z).sum(), leaves, allow_unused=True)
+    given = [e if s is None else e + s for e, s in zip(exact, shift)]
+    return out.detach(), exact, given
 
 
 # ---------------------------------------------------------------------- correctness
@@ -123,36 +155,40 @@ def ref_call(inp):
 def check_case(name, n, tokens, d, dtype, **kw):
     inp = make(n, tokens, d, dtype, **kw)
     grad_out = torch.randn(tokens, d, device="cuda").to(dtype)
-    # reference: fp32 arithmetic on the same (rounded) inputs
-    ref_leaves = [t.detach().float().requires_grad_() for t in leaves_of(inp)]
-    ref_inp = rebuild(inp, ref_leaves)
-    ref_out = ref_call(ref_inp)
-    ref_grads = torch.autograd.grad(ref_out, ref_leaves, grad_out.float())
     ours_leaves = [t.detach().requires_grad_() for t in leaves_of(inp)]
     ours_inp = rebuild(inp, ours_leaves)
     out = op_call(ours_inp)  # the dispatcher: must reach the Triton kernel
     grads = torch.autograd.grad(out, ours_leaves, grad_out)
-    direct = route_triton.route_forward(inp["values"], inp["keys"], inp["query"], inp["key_norm_weight"],
-                                        inp["logit_bias"], inp["source_scale"], inp["heads"], 1e-6)
+    # reference: fp32 arithmetic on the same (rounded) inputs, exact and given our saved output
+    ref_out, exact_grads, ref_grads = reference_grads(inp, grad_out, out.detach())
+    direct, _lse, _normed = route_triton.route_forward(inp["values"], inp["keys"], inp["query"], inp["key_norm_weight"],
+                                                       inp["logit_bias"], inp["source_scale"], inp["heads"], 1e-6)
     dispatched = torch.equal(direct, out.detach())
     names = ([f"v{i}" for i in range(n)] + ([f"k{i}" for i in range(n)] if kw.get("keys") else [])
              + ["query", "key_norm_weight"] + (["logit_bias"] if kw.get("bias") else []))
     errs = {nm: rel(g, r) for nm, g, r in zip(names, grads, ref_grads)}
+    exact_errs = {nm: rel(g, r) for nm, g, r in zip(names, grads, exact_grads)}
     finite = all(torch.isfinite(g).all().item() for g in grads) and torch.isfinite(out).all().item()
     worst = max(errs, key=errs.get)
+    exact_worst = max(exact_errs, key=exact_errs.get)
     tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
     out_err = rel(out, ref_out)
-    ok = finite and dispatched and out_err < tol and errs[worst] < max(tol, 1e-4 if dtype == torch.float32 else tol)
+    ok = finite and dispatched and out_err < tol and errs[worst] < tol
+    if dtype == torch.float32:  # the saved output's rounding is negligible in fp32: exact too
+        ok = ok and exact_errs[exact_worst] < tol
     # determinism: the backward twice, bit for bit
     again = torch.autograd.grad(op_call(ours_inp), ours_leaves, grad_out)
     deterministic = all(torch.equal(a, b) for a, b in zip(grads, again))
     ok = ok and deterministic
     res = dict(name=name, n=n, tokens=tokens, d=d, dtype=str(dtype), out_err=out_err, worst_grad=worst,
                worst_grad_err=errs[worst], q_err=errs["query"], w_err=errs["key_norm_weight"],
+               exact_worst_grad=exact_worst, exact_worst_grad_err=exact_errs[exact_worst],
+               exact_q_err=exact_errs["query"], exact_w_err=exact_errs["key_norm_weight"],
                dispatched=dispatched, deterministic=deterministic, finite=finite, ok=ok, **{k: v for k, v in kw.items()})
     say(f"check {name:34s} out {out_err:.1e} grad max {errs[worst]:.1e} ({worst}) q {errs['query']:.1e} "
-        f"w {errs['key_norm_weight']:.1e} dispatched={dispatched} det={deterministic} -> {'OK' if ok else 'FAIL'}")
-    del inp, ref_leaves, ours_leaves, grads, again
+        f"w {errs['key_norm_weight']:.1e} exact: grad max {exact_errs[exact_worst]:.1e} ({exact_worst}) "
+        f"q {exact_errs['query']:.1e} dispatched={dispatched} det={deterministic} -> {'OK' if ok else 'FAIL'}")
+    del inp, ours_leaves, grads, again, exact_grads, ref_grads
     torch.cuda.empty_cache()
     return res
 
@@ -221,7 +257,7 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
 
         impls = {
             "eager": lambda: route_reference(vals, query=q, key_norm_weight=w),
-            "ours": lambda: torch.ops.depthrewrite.route(vals, None, q, w, None, None, 1, 1e-6),
+            "ours": lambda: torch.ops.depthrewrite.route(vals, None, q, w, None, None, 1, 1e-6)[0],
         }
         if compiled_ref is not None and time.time() - T0 < budget_s * 0.6:
             impls["compile"] = lambda: compiled_ref(vals, query=q, key_norm_weight=w)
@@ -229,9 +265,15 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
             impls["fla"] = lambda: fla(q, vals, w)
         if quick:  # ours and FLA only; eager and torch.compile were timed by the full run
             impls.pop("eager")
+        if not quick:  # the fused output norm against route followed by a separate RMSNorm (fp32 math)
+            impls["norm_fused"] = lambda: torch.ops.depthrewrite.route(vals, None, q, w, None, None, 1, 1e-6, w, 1e-6)[2]
+            impls["norm_unfused"] = lambda: torch.nn.functional.rms_norm(
+                torch.ops.depthrewrite.route(vals, None, q, w, None, None, 1, 1e-6)[0].float(), (d,), weight=w,
+                eps=1e-6).to(torch.bfloat16)
         for variant, cfg in () if quick else (("ours_t1_nopf", dict(block_t=1, prefetch=False)), ("ours_t1_pf", dict(block_t=1)),
                              ("ours_t4_pf", dict(block_t=4)), ("ours_nopf", dict(prefetch=False))):
-            impls[variant] = (lambda cfg=cfg: route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6, config=cfg))
+            impls[variant] = (lambda cfg=cfg: route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6,
+                                                                         config=cfg)[0])
 
         for mode in ("fwd", "fwdbwd"):
             fl = floor_ms(tokens, d, n, mode)
@@ -252,22 +294,32 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
                     row[name] = None
                 torch.cuda.empty_cache()
             if mode == "fwdbwd":
-                variants = (("ours_bwd_only", {}), ("bwd_pf", dict(prefetch=True)),
-                            ("bwd_pf_ps8", dict(prefetch=True, per_sm=8)), ("bwd_t2", dict(block_t=2)),
-                            ("bwd_ps8", dict(per_sm=8)), ("bwd_ps2", dict(per_sm=2)))
+                # the backward alone, from the forward's saved output and lse (prefetch is the default)
+                variants = (("ours_bwd_only", {}), ("bwd_nopf", dict(prefetch=False)),
+                            ("bwd_ps8", dict(per_sm=8)), ("bwd_nopf_ps8", dict(prefetch=False, per_sm=8)),
+                            ("bwd_t2", dict(block_t=2)), ("bwd_ps2", dict(per_sm=2)))
                 if quick:
                     variants = variants[:3]
+                with torch.no_grad():
+                    fwd_out, fwd_lse, _ = route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6)
+
+                def kernels_fwd_bwd():  # what a compiled graph runs: the two kernels, no autograd engine
+                    o, l, _ = route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6)
+                    return route_triton.route_backward(grad_out, o, l, vals, None, q, w, None, None, 1, 1e-6)
+
+                with torch.no_grad():
+                    row["ours_kernels"] = bench(kernels_fwd_bwd)
                 for variant, cfg in variants:
                     try:
                         with torch.no_grad():
                             row[variant] = bench(lambda cfg=cfg: route_triton.route_backward(
-                                grad_out, vals, None, q, w, None, None, 1, 1e-6, config=cfg))
+                                grad_out, fwd_out, fwd_lse, vals, None, q, w, None, None, 1, 1e-6, config=cfg))
                     except Exception as exc:
                         say(f"time bwd variant {variant}: ERROR {exc!r}")
                         row[variant] = None
             say("time " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
             rows.append(row)
-        del inp, leaves, lin, vals, grad_out
+        del inp, leaves, lin, vals, grad_out, fwd_out, fwd_lse
         torch.cuda.empty_cache()
     return rows
 
@@ -284,70 +336,18 @@ def copy_bandwidth():
 # ------------------------------------------------------------------------- end to end
 
 
-def e2e(budget_s: float, schemes):
-    from depthrewrite.models.gpt import gpt_from_preset
+def e2e(schemes: list[str]) -> list[dict]:
+    """Training throughput and peak memory, one process per model (benchmarks/e2e_throughput.py)."""
+    import e2e_throughput
 
-    rows = []
-    batch, seq = 8, 2048
-    for scheme in schemes:
-        if time.time() - T0 > budget_s - 120:  # a 24-layer compile plus 13 steps takes a minute or two
-            say(f"e2e {scheme}: skipped (time budget)")
-            rows.append(dict(scheme=scheme, skipped=True))
-            continue
-        try:
-            torch.manual_seed(0)
-            model = gpt_from_preset("medium", max_seq_len=seq)
-            backend = "inductor"
-            if scheme != "baseline":
-                from depthrewrite.backend import depthrewrite_backend
+    return e2e_throughput.run(schemes, wave=4, steps=10, trials=3, timeout_s=230, say=say)
 
-                model = depthrewrite.rewrite(model, scheme)
-                backend = depthrewrite_backend  # the callable: no pip install (entry point) there
-            model = model.cuda().to(torch.bfloat16).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            compiled = torch.compile(model, backend=backend)
-            x = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
 
-            def step():
-                opt.zero_grad(set_to_none=True)
-                _, loss = compiled(x, x)
-                loss.backward()
-                opt.step()
-                return loss
+def scheme_check() -> list[dict]:
+    """Every scheme compiled with the backend against eager (benchmarks/gpu_scheme_check.py)."""
+    import gpu_scheme_check
 
-            t = time.time()
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            compile_s = time.time() - t
-            torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            steps = 10
-            start.record()
-            for _ in range(steps):
-                loss = step()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / steps
-            report = None
-            if scheme != "baseline":
-                from depthrewrite.backend import last_report
-
-                rep = last_report()
-                report = dict(ops=rep.ops, implementation=rep.implementation, aot=rep.aot_graphs) if rep else None
-            row = dict(scheme=scheme, step_ms=ms, tokens_per_s=batch * seq / (ms * 1e-3),
-                       peak_gib=torch.cuda.max_memory_allocated() / 2**30, compile_s=compile_s,
-                       loss=float(loss), report=report)
-            say("e2e " + json.dumps(row))
-            rows.append(row)
-            del model, opt, compiled
-        except Exception as exc:
-            say(f"e2e {scheme}: ERROR {exc!r}")
-            LOG.append(traceback.format_exc())
-            rows.append(dict(scheme=scheme, error=repr(exc)))
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-    return rows
+    return gpu_scheme_check.run(sorted(depthrewrite.SCHEMES), "cuda", say=say)
 
 
 # ---------------------------------------------------------------------------- table
@@ -360,7 +360,10 @@ def table(checks, rows, e2e_rows, bw):
     lines.append(f"correctness: {len(checks) - len(bad)}/{len(checks)} OK; failing: {bad or 'none'}; "
                  f"worst (out, grad) rel err {worst}")
     lines.append("")
-    lines.append("mode   tokens  d    N  | eager  compile  FLA    ours   floor | ours/floor ours/FLA compile/ours")
+    lines.append("ours: the op through the dispatcher (fwdbwd: torch.autograd.grad, as eager training runs it); "
+                 "kern: the forward and backward kernels called directly (fwdbwd only), as a compiled graph runs them")
+    lines.append("mode   tokens  d    N  | eager  compile  FLA    ours   kern   floor | ours/floor ours/FLA kern/FLA "
+                 "kern/floor compile/ours")
     for r in rows:
         def f(k):
             v = r.get(k)
@@ -370,14 +373,13 @@ def table(checks, rows, e2e_rows, bw):
         ratio = lambda x, y: f"{x / y:5.2f}" if isinstance(x, float) and isinstance(y, float) else "  -  "
         comp_ref = comp if isinstance(comp, float) else (a[1] if a else None)
         lines.append(f"{r['mode']:6s} {r['tokens']:6d} {r['d']:4d} {r['n']:3d} | {f('eager')} {f('compile')} {f('fla')} "
-                     f"{f('ours')} {r['floor']:6.3f} | {ratio(ours, r['floor'])}      {ratio(ours, fla)}    "
-                     f"{ratio(comp_ref, ours)}")
-    for r in e2e_rows:
-        if "step_ms" in r:
-            lines.append(f"e2e {r['scheme']:14s} {r['step_ms']:8.1f} ms/step {r['tokens_per_s']:10.0f} tok/s "
-                         f"peak {r['peak_gib']:.1f} GiB (compile+3 steps {r['compile_s']:.0f}s)")
-        else:
-            lines.append(f"e2e {r['scheme']:14s} {r.get('error', 'skipped')}")
+                     f"{f('ours')} {f('ours_kernels')} {r['floor']:6.3f} | {ratio(ours, r['floor'])}      "
+                     f"{ratio(ours, fla)}    {ratio(r.get('ours_kernels'), fla)}    "
+                     f"{ratio(r.get('ours_kernels'), r['floor'])}      {ratio(comp_ref, ours)}")
+    if e2e_rows:
+        import e2e_throughput
+
+        lines += ["", e2e_throughput.table(e2e_rows)]
     return "\n".join(lines)
 
 
@@ -387,7 +389,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=520.0, help="skip optional parts past this many seconds")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--no-compile-ref", action="store_true")
-    ap.add_argument("--e2e-schemes", default="baseline,block_attnres,attnres")
+    ap.add_argument("--e2e-schemes", default="baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar")
+    ap.add_argument("--scheme-check", action="store_true", help="also compile every scheme against eager")
     ap.add_argument("--e2e-only", action="store_true", help="skip the op checks and timings")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no e2e (a short re-run after a kernel change)")
@@ -411,7 +414,10 @@ def main() -> int:
         results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick)
         dump()
     skip_e2e = args.no_e2e or args.quick
-    results["e2e"] = e2e_rows = [] if skip_e2e else e2e(args.budget_s, args.e2e_schemes.split(","))
+    if args.scheme_check:
+        results["scheme_check"] = scheme_check()
+        dump()
+    results["e2e"] = e2e_rows = [] if skip_e2e else e2e(args.e2e_schemes.split(","))
     summary = table(checks, rows, e2e_rows, bw)
     dump(summary)
     print("\n" + summary)

@@ -1,11 +1,12 @@
 """Fused Triton kernels for the ``depthrewrite::`` ops, registered as their CUDA kernels.
 
-Importing this package registers ``depthrewrite::route`` and ``depthrewrite::route_backward``
-for the "cuda" device with ``torch.library.register_kernel``; the CPU (and any other
-device) keeps the pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA
-calls and compiled graphs (Inductor calls custom ops through the dispatcher) both reach the
-kernels. Triton itself is imported on the first CUDA call, so importing the package costs
-nothing on machines without a GPU.
+Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, normed)``)
+and ``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back) for the "cuda" device
+with ``torch.library.register_kernel``; the CPU (and any other device) keeps the
+pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
+compiled graphs (Inductor calls custom ops through the dispatcher) both reach the kernels.
+Triton itself is imported on the first CUDA call, so importing the package costs nothing
+on machines without a GPU.
 
 float64 (any input) is not a kernel dtype: such calls run the reference implementation;
 so do calls made while a CUDA graph is being captured (``mode="reduce-overhead"``).
@@ -54,32 +55,40 @@ def implementation_for(device: torch.device | str, *dtypes: torch.dtype) -> str:
     return "triton" if fused and all(dt in FUSED_DTYPES for dt in dtypes) else "reference"
 
 
-def _use_fused(values, keys, query, key_norm_weight, logit_bias) -> bool:
+def _use_fused(values, keys, query, key_norm_weight, logit_bias, out_norm_weight=None) -> bool:
     keys0 = keys[0] if keys else None
     if torch.cuda.is_current_stream_capturing():
         # the kernels upload a table of source pointers from pinned host memory at each
         # call; a captured CUDA graph would replay that copy from a host block the caching
         # allocator may have reused since. The reference ops are capture-safe.
         return False
-    return _enabled and _fused_dtypes(values[0], keys0, query, key_norm_weight, logit_bias)
+    return _enabled and _fused_dtypes(values[0], keys0, query, key_norm_weight, logit_bias, out_norm_weight)
 
 
-def _route_cuda(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
-    if not _use_fused(values, keys, query, key_norm_weight, logit_bias):
-        return _route_op._init_fn(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+def _route_cuda(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+                out_norm_weight=None, out_norm_eps=1e-6):
+    if not _use_fused(values, keys, query, key_norm_weight, logit_bias, out_norm_weight):
+        return _route_op._init_fn(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+                                  out_norm_weight, out_norm_eps)
     from .route_triton import route_forward
 
-    return route_forward(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    return route_forward(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+                         out_norm_weight, out_norm_eps)
 
 
-def _route_backward_cuda(grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
-    if not _use_fused(values, keys, query, key_norm_weight, logit_bias):
+def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
+                         heads, eps, grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6):
+    if not _use_fused(values, keys, query, key_norm_weight, logit_bias, out_norm_weight):
         return _route_backward_op._init_fn(
-            grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps
+            grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+            grad_normed, out_norm_weight, out_norm_eps,
         )
     from .route_triton import route_backward
 
-    return route_backward(grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    # out and lse may come from the reference forward (a call made during CUDA-graph
+    # capture): it computes the same lse, so the one-pass backward still applies
+    return route_backward(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
+                          heads, eps, grad_normed, out_norm_weight, out_norm_eps)
 
 
 def _register() -> None:

@@ -7,19 +7,68 @@ casts entry ``i`` back to a pointer, so any N works without a copy of the source
 Forward (one program per block of tokens): an online softmax over the sources, as in
 flash attention, so each source row is read from memory exactly once. Per source it
 computes the RMS statistic over the full width, the per-head logits, rescales the running
-fp32 accumulator and adds the weighted source.
+fp32 accumulator and adds the weighted source. It also writes the per-token, per-head
+log-sum-exp ``lse = m + log(l)`` (fp32, ``(tokens, H)``; 0 for one source), which the op's
+autograd saves with the output.
 
-Backward (a persistent grid; each program walks a fixed, strided set of token blocks, so
-the work order, and with it every rounding, is fixed): pass 1 reads every source once and
-keeps, per token and head, the online-softmax max, normaliser and ``sum_j e^{z_j} da_j``
-(``da_j = <src_j, g>``), which give ``sum_j a_j da_j`` without storing the N logits;
-pass 2 reads each key again, recomputes its logit, and writes the source gradients (with
-separate keys, ``da_j`` goes through a small (N, tokens, H) fp32 scratch instead, so the
-values are not read a third time). Parameter gradients: ``d query`` and
-``d key_norm_weight`` share one accumulator, ``sum_{t,i} dz * norm_i`` times ``w`` or ``q``,
-reduced per program into a (programs, d) fp32 buffer; the bias gradient goes per source and
-token into an (N, tokens) buffer; fixed-order torch sums finish both: deterministic, no
-atomics.
+Backward, ONE pass over the sources (a persistent grid; each program walks a fixed,
+strided set of token blocks, so the work order, and with it every rounding, is fixed).
+Per token block it loads ``g``, the saved output ``out`` and ``lse`` and forms
+``gout[t, h] = sum_{c in head h} g * out``, which equals ``sum_j a_j da_j``
+(``da_j = <src_j, g>`` per head). Then per source i it loads the source (and its key, if
+keys are separate; the next source is prefetched by default, ``config["prefetch"]``),
+recomputes the RMS statistic and the logit ``z_i``, takes ``a_i = exp(z_i - lse)``,
+``dz_i = a_i (da_i - gout)``, and writes the source (and key) gradient. Bytes: N sources
+(2N with separate keys) + ``out`` + ``g`` read, ``lse`` read (4H bytes a token), N (2N)
+gradients written; nothing of size (N, tokens, H) is kept. Measured on H200 (bf16, the
+backward alone, tokens x d x N = 16384x2048x9, 16384x2048x33, 16384x4096x9, 8192x4096x65,
+ms): 0.436 / 1.392 / 0.882 / 2.746 with the next source prefetched (the default),
+0.532 / 1.766 / 1.102 / 3.640 without; the two-pass backward it replaces took
+0.754 / 2.995 / 1.680 / not measured. Parameter gradients: ``d query``
+and ``d key_norm_weight`` share one accumulator, ``sum_{t,i} dz * norm_i`` times ``w`` or
+``q``, reduced per program into a (programs, d) fp32 buffer; the bias gradient goes per
+source and token into an (N, tokens) buffer; fixed-order torch sums finish both:
+deterministic, no atomics.
+
+Precision of the one-pass backward: ``out`` is saved in the activation dtype, so ``gout``
+carries its rounding (flash attention's ``rowsum(dO * O)`` does the same); the two-pass
+backward it replaces rebuilt ``sum_j a_j da_j`` in fp32 from the sources. In fp32 nothing
+changes measurably. In bf16/fp16 the parameter gradients (fp32 sums over tokens of ``dz``)
+now carry an error of the order of the output's rounding, relative L2 error against
+float64 at the test shapes (tests/kernels/test_route_triton.py, worst of 9 shapes, N=1..65,
+Triton interpreter), two-pass backward -> one-pass backward:
+
+    gradient of        bf16                 fp16
+    output (forward)   4.2e-3 -> 4.2e-3     2.2e-4 -> 2.2e-4
+    values             5.5e-3 -> 8.2e-3     3.2e-4 -> 7.9e-4
+    keys               5.7e-3 -> 2.5e-2     3.3e-4 -> 1.1e-3
+    query              5.2e-7 -> 1.0e-2     4.9e-7 -> 1.0e-3
+    key_norm_weight    8.3e-7 -> 9.3e-3     5.7e-7 -> 1.0e-3
+    logit_bias         4.8e-7 -> 6.8e-3     2.7e-7 -> 1.2e-3
+    (fp32 inputs: every gradient <= 1.6e-6 before, <= 2.2e-6 after)
+
+The interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest: a float64 simulation
+of the one-pass backward with round-to-nearest gives about half the bf16 figures (keys
+1.3e-2, query 6.9e-3). Separate keys show the largest change because their gradient is
+``dz`` alone, where a value's gradient is dominated by ``a_i g``, which is unchanged. Against a float64 oracle that uses the
+kernel's saved output the same way, every parameter gradient is within 1.4e-6 in every
+dtype and every activation gradient within its own dtype's rounding: the rounding of
+``out`` is the only new error.
+
+Optional output norm (``out_norm_weight``: ``normed = rms_norm(out) * w`` of the output as
+stored, fp32 math). Two implementations, both tested, chosen by ``config["fuse_norm"]``:
+inside the routing kernels (the forward normalises the row it holds before storing it;
+the backward adds the norm's gradient to ``g`` in fp32 before the sources, and sums the
+weight's gradient per program), or as passes of their own (a forward pass reading ``out``
+and writing ``normed``; a backward pass writing the fp32 total gradient of ``out`` that the
+routing backward then reads, plus the same per-program weight-gradient partials). The
+separate passes are the default, by measurement (H200, bf16, tokens x d x N = 16384x2048x9,
+16384x2048x33, 16384x4096x9, 8192x4096x65, ms): forward 0.239 / 0.677 / 0.484 / 1.287
+separate vs 0.253 / 0.766 / 0.541 / 1.584 fused (route alone 0.205 / 0.643 / 0.415 /
+1.252); backward 0.590 / 1.547 / 1.179 / 2.914 separate vs 0.729 / 2.145 / 1.463 / 4.101
+fused (route alone 0.436 / 1.394 / 0.881 / 2.745). Fusing raises the backward kernel from
+127 to 168 (4 warps) or 194 (8 warps) registers, so fewer programs stay resident per SM
+(4 -> 3, 2 -> 1), and the latency-bound source loop slows by 30-50 %.
 
 Limits (checked, ValueError): the padded row ``next_pow2(H) * next_pow2(d / H)`` must be
 at most ``MAX_ROW`` elements (a program holds a row on chip). Any number of sources.
@@ -40,6 +89,9 @@ __all__ = ["route_forward", "route_backward", "MAX_ROW", "SUPPORTED_DTYPES"]
 MAX_ROW = 32768
 #: dtypes the kernels take; float64 goes to the reference implementation
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: default of ``config["fuse_norm"]``: the output norm inside the routing kernels (True) or
+#: as passes of their own (False, measured faster on H200: module docstring)
+FUSE_NORM = False
 
 
 # ------------------------------------------------------------------------ kernels
@@ -63,11 +115,11 @@ def _row64(tok, i, T):
 
 @triton.jit
 def _route_fwd_kernel(
-    vtab, ktab, q_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
-    T, N, D, C, H, eps,
+    vtab, ktab, q_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, lse_ptr, onw_ptr, normed_ptr,
+    T, N, D, C, H, eps, out_norm_eps,
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ptr_ty = tl.pointer_type(out_ptr.dtype.element_ty)
@@ -128,23 +180,36 @@ def _route_fwd_kernel(
             l = l * alpha + p
             acc = acc * alpha[:, :, None] + p[:, :, None] * v
             m = m_new
-    if not ONE_SOURCE:
+    if ONE_SOURCE:
+        lse = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)  # defined as 0: the weight exp(0 - 0) is 1
+    else:
         acc = acc / l[:, :, None]
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        lse = m + tl.log(l)
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, out, mask=mask)
+    tl.store(lse_ptr + tok[:, None] * H + hh[None, :], lse, mask=tmask[:, None] & (hh[None, :] < H))
+    if HAS_NORM:
+        # the branch's PreNorm of the output as stored (rounded), while the row is on chip
+        xo = out.to(tl.float32)
+        onw = tl.load(onw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        rs = tl.rsqrt(tl.sum(tl.sum(xo * xo, 2), 1) / D + out_norm_eps)
+        normed = xo * rs[:, None, None] * onw[None, :, :]
+        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _route_bwd_kernel(
-    g_ptr, vtab, ktab, gvtab, gktab, q_ptr, w_ptr, bias_ptr, scale_ptr,
-    da_ptr, part_r_ptr, part_b_ptr,
-    T, N, D, C, H, eps, num_blocks,
+    g_ptr, out_ptr, lse_ptr, vtab, ktab, gvtab, gktab, q_ptr, w_ptr, bias_ptr, scale_ptr,
+    part_r_ptr, part_b_ptr, gn_ptr, onw_ptr, part_n_ptr,
+    T, N, D, C, H, eps, num_blocks, out_norm_eps,
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    ALIGNED: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    ptr_ty = tl.pointer_type(g_ptr.dtype.element_ty)
+    # the activation dtype is out's (g may be the fp32 gradient of a separate norm pass)
+    ptr_ty = tl.pointer_type(out_ptr.dtype.element_ty)
     hh = tl.arange(0, BLOCK_H)
     cc = tl.arange(0, BLOCK_C)
     col = hh[:, None] * C + cc[None, :]
@@ -153,27 +218,47 @@ def _route_bwd_kernel(
     w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     qw = q * w
     r_acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)  # sum_{t,i} dz * norm, this program's share
+    n_acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)  # sum_t grad_normed * rms_norm(out): d out_norm_weight
+    if HAS_NORM:
+        onw = tl.load(onw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
 
     for blk in range(pid, num_blocks, nprog):
         tok = blk * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # int64: tok * D below
         tmask = tok < T
         offs = tok[:, None, None] * D + col[None, :, :]
         mask = tmask[:, None, None] & cmask[None, :, :]
-        # the per-source scratch for d a (separate keys only) is (N, tokens, H)
-        da_mask = tmask[:, None] & (hh[None, :] < H)
+        hmask = tmask[:, None] & (hh[None, :] < H)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-        # pass 1, online over the sources: max m, normaliser l and sum_j exp(z_j - m) da_j
-        m = tl.full((BLOCK_T, BLOCK_H), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-        sad = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+        if HAS_NORM or not ONE_SOURCE:
+            o = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # the fused output norm's backward first: its gradient joins g (in fp32)
+            gn = tl.load(gn_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            rs = tl.rsqrt(tl.sum(tl.sum(o * o, 2), 1) / D + out_norm_eps)
+            on = o * rs[:, None, None]
+            # padded tokens may carry NaN (out_norm_eps = 0 on a zero row): keep them out of the sum
+            n_acc += tl.sum(tl.where(mask, gn * on, 0.0), 0)
+            dn = gn * onw[None, :, :]
+            mn = tl.sum(tl.sum(dn * on, 2), 1) / D
+            g = g + rs[:, None, None] * (dn - on * mn[:, None, None])
         if not ONE_SOURCE:
+            # the softmax statistics come from the forward, no pass over the sources:
+            # a_i = exp(z_i - lse), and sum_j a_j da_j = sum_j a_j <v_j, g> = <out, g> per head
+            s_ada = tl.sum(g * o, 2)
+            lse = tl.load(lse_ptr + tok[:, None] * H + hh[None, :], mask=hmask, other=0.0)
             if PREFETCH:
                 v_nx = tl.load(_src_ptr(vtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
                 k_nx = v_nx
                 if HAS_KEYS:
                     k_nx = tl.load(_src_ptr(ktab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-            for i in range(N):
+
+        # one pass: each source (and key) is read once, each gradient written once
+        for i in range(N):
+            if HAS_SCALE:
+                s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
+            if ONE_SOURCE:
+                d_src = g
+            else:
                 if PREFETCH:
                     v_cur = v_nx
                     k_cur = k_nx
@@ -190,7 +275,6 @@ def _route_bwd_kernel(
                         k_cur = tl.load(_src_ptr(ktab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
                 v = v_cur.to(tl.float32)
                 if HAS_SCALE:
-                    s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
                     v = v * s[:, None, None]
                 if HAS_KEYS:
                     k = k_cur.to(tl.float32)
@@ -199,60 +283,15 @@ def _route_bwd_kernel(
                 else:
                     k = v
                 rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
-                z = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
-                if HAS_BIAS:
-                    z = z + tl.load(bias_ptr + i).to(tl.float32)
-                da = tl.sum(v * g, 2)
-                if HAS_KEYS:
-                    # pass 2 reads the keys, not the values: keep d a for it
-                    tl.store(da_ptr + _row64(tok, i, T)[:, None] * H + hh[None, :], da, mask=da_mask)
-                m_new = tl.maximum(m, z)
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(z - m_new)
-                l = l * alpha + p
-                sad = sad * alpha + p * da
-                m = m_new
-        s_ada = sad / l  # sum_j a_j da_j per token and head
-        if HAS_KEYS:
-            tl.debug_barrier()  # the d a scratch written above is read by other threads below
-
-        # pass 2: recompute the logits from the (re)loaded key, then every gradient
-        # (the key of source i is the value itself unless keys are separate)
-        if HAS_KEYS:
-            ksrc = ktab
-        else:
-            ksrc = vtab
-        if PREFETCH and not ONE_SOURCE:
-            k_nx = tl.load(_src_ptr(ksrc, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-        for i in range(N):
-            if HAS_SCALE:
-                s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
-            if ONE_SOURCE:
-                d_src = g
-            else:
-                if PREFETCH:
-                    k_cur = k_nx
-                    nxt = tl.minimum(i + 1, N - 1)
-                    more = mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None]
-                    k_nx = tl.load(_src_ptr(ksrc, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
-                else:
-                    k_cur = tl.load(_src_ptr(ksrc, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-                k = k_cur.to(tl.float32)
-                if HAS_SCALE:
-                    k = k * s[:, None, None]
-                rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
                 zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
                 z = zr
                 if HAS_BIAS:
                     z = z + tl.load(bias_ptr + i).to(tl.float32)
-                a = tl.exp(z - m) / l
-                if HAS_KEYS:
-                    da = tl.load(da_ptr + _row64(tok, i, T)[:, None] * H + hh[None, :], mask=da_mask, other=0.0)
-                else:
-                    da = tl.sum(k * g, 2)  # k is the scaled value here
+                a = tl.exp(z - lse)
+                da = tl.sum(v * g, 2)
                 dz = a * (da - s_ada)
                 # padded tokens/heads may carry NaN (eps = 0 on a zero row): keep them out of the sums
-                dz = tl.where(tmask[:, None] & (hh[None, :] < H), dz, 0.0)
+                dz = tl.where(hmask, dz, 0.0)
                 tl.store(part_b_ptr + _row64(tok, i, T), tl.sum(dz, 1), mask=tmask)
                 mt = tl.sum(dz * zr, 1) / D  # mean_c(d_norm * norm) of the RMSNorm backward
                 norm = k * rstd[:, None, None]
@@ -263,15 +302,56 @@ def _route_bwd_kernel(
                     if HAS_SCALE:
                         d_key = d_key * s[:, None, None]
                     gk_ptr = _src_ptr(gktab, i, ptr_ty, ALIGNED)
-                    tl.store(gk_ptr + offs, d_key.to(g_ptr.dtype.element_ty), mask=mask)
+                    tl.store(gk_ptr + offs, d_key.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
                     d_src = d_src + d_key
             if HAS_SCALE:
                 d_src = d_src * s[:, None, None]
             gv_ptr = _src_ptr(gvtab, i, ptr_ty, ALIGNED)
-            tl.store(gv_ptr + offs, d_src.to(g_ptr.dtype.element_ty), mask=mask)
+            tl.store(gv_ptr + offs, d_src.to(out_ptr.dtype.element_ty), mask=mask)
 
     tl.store(part_r_ptr + pid.to(tl.int64) * D + col, r_acc, mask=cmask)
+    if HAS_NORM:
+        tl.store(part_n_ptr + pid.to(tl.int64) * D + col, n_acc, mask=cmask)
+
+
+@triton.jit
+def _out_norm_fwd_kernel(out_ptr, w_ptr, normed_ptr, T, D, eps, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``normed = rms_norm(out) * w`` as a pass of its own (``config["fuse_norm"] = False``)."""
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    cc = tl.arange(0, BLOCK_D)
+    mask = (tok < T)[:, None] & (cc < D)[None, :]
+    offs = tok[:, None] * D + cc[None, :]
+    x = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rs = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + offs, (x * rs[:, None] * w[None, :]).to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _out_norm_bwd_kernel(g_ptr, out_ptr, gn_ptr, w_ptr, gt_ptr, part_n_ptr, T, D, eps, num_blocks,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output norm's backward as a pass of its own: ``gt = g + d rms_norm`` in fp32 for
+    the routing backward, and per-program partial sums of the weight's gradient (a
+    persistent grid with a fixed token order, as the routing backward)."""
+    pid = tl.program_id(0)
+    cc = tl.arange(0, BLOCK_D)
+    w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+    n_acc = tl.zeros((BLOCK_D,), tl.float32)
+    for blk in range(pid, num_blocks, tl.num_programs(0)):
+        tok = blk * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (tok < T)[:, None] & (cc < D)[None, :]
+        offs = tok[:, None] * D + cc[None, :]
+        o = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        gn = tl.load(gn_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rs = tl.rsqrt(tl.sum(o * o, 1) / D + eps)
+        # padded tokens may carry NaN (eps = 0 on a zero row): keep them out of the sum
+        n_acc += tl.sum(tl.where(mask, gn * o * rs[:, None], 0.0), 0)
+        dn = gn * w[None, :]
+        mn = tl.sum(dn * o, 1) * (rs * rs) / D  # mean(d_normed * normed) / rs
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(gt_ptr + offs, g + rs[:, None] * (dn - o * mn[:, None]), mask=mask)
+    tl.store(part_n_ptr + pid.to(tl.int64) * D + cc, n_acc, mask=cc < D)
 
 
 # ------------------------------------------------------------------------ launchers
@@ -334,18 +414,30 @@ def _scale_table(source_scale: Tensor | None, n: int, tokens: int) -> Tensor | N
 def route_forward(
     values: Sequence[Tensor], keys: Sequence[Tensor] | None, query: Tensor, key_norm_weight: Tensor,
     logit_bias: Tensor | None, source_scale: Tensor | None, heads: int, eps: float,
-    config: dict | None = None,
-) -> Tensor:
-    """Fused forward; inputs as checked by ``depthrewrite.ops.route``. ``config`` overrides
-    the launch choices (``block_t``, ``num_warps``, ``prefetch``) for tuning runs."""
-    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias))
+    out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6, config: dict | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused forward; inputs as checked by ``depthrewrite.ops.route``. Returns what
+    ``depthrewrite::route`` returns: ``out``, the float32 log-sum-exp ``lse`` of shape
+    ``(*batch, heads)`` (0 for one source) and ``normed = rms_norm(out) * out_norm_weight``
+    (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
+    (``block_t``, ``num_warps``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
+                     ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     flat_v = _flat(values, d)
     tokens = flat_v[0].shape[0]
     out = torch.empty_like(flat_v[0])
+    lse = torch.empty((tokens, heads), dtype=torch.float32, device=out.device)
+    has_norm = out_norm_weight is not None
+    normed = torch.empty_like(out) if has_norm else out.new_empty((0,))
+    lse_shape = values[0].shape[:-1] + (heads,)
+
+    def result():
+        return out.reshape(values[0].shape), lse.reshape(lse_shape), normed.reshape(values[0].shape) if has_norm else normed
+
     if tokens == 0:
-        return out.reshape(values[0].shape)
+        return result()
     flat_k = _flat(keys, d) if keys is not None else None
     device = flat_v[0].device
     vtab = _pointer_table(flat_v, device)
@@ -353,19 +445,28 @@ def route_forward(
     scale = _scale_table(source_scale, n, tokens)
     row = block_h * block_c
     # one token per program from d = 2048 up (measured on H200: docs/benchmarks.md)
-    cfg = {"block_t": max(1, min(64, 2048 // row)), "prefetch": True, **(config or {})}
+    cfg = {"block_t": max(1, min(64, 2048 // row)), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     grid = (triton.cdiv(tokens, block_t),)
+    fused_norm = has_norm and cfg["fuse_norm"]
     _route_fwd_kernel[grid](
         vtab, ktab, query.contiguous(), key_norm_weight.contiguous(),
-        logit_bias if logit_bias is not None else query, scale if scale is not None else query, out,
-        tokens, n, d, d // heads, heads, float(eps),
+        logit_bias if logit_bias is not None else query, scale if scale is not None else query, out, lse,
+        out_norm_weight.contiguous() if fused_norm else query, normed if fused_norm else out,
+        tokens, n, d, d // heads, heads, float(eps), float(out_norm_eps),
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-        ALIGNED=_aligned(flat_v, flat_k),
+        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm,
         num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
     )
-    return out.reshape(values[0].shape)
+    if has_norm and not fused_norm:
+        block_d = _next_pow2(d)
+        norm_t = max(1, min(64, 2048 // block_d))
+        _out_norm_fwd_kernel[(triton.cdiv(tokens, norm_t),)](
+            out, out_norm_weight.contiguous(), normed, tokens, d, float(out_norm_eps),
+            BLOCK_T=norm_t, BLOCK_D=block_d, num_warps=_num_warps(norm_t * block_d),
+        )
+    return result()
 
 
 def _backward_programs(device: torch.device, num_blocks: int, per_sm: int) -> int:
@@ -375,15 +476,44 @@ def _backward_programs(device: torch.device, num_blocks: int, per_sm: int) -> in
     return max(1, min(num_blocks, 4))  # the interpreter: few programs, same code path
 
 
+def _norm_backward_pass(g, out, gn, weight, eps, part_n, tokens, d) -> Tensor:
+    block_d = _next_pow2(d)
+    block_t = max(1, min(64, 2048 // block_d))
+    num_blocks = triton.cdiv(tokens, block_t)
+    total = torch.empty((tokens, d), dtype=torch.float32, device=g.device)
+    _out_norm_bwd_kernel[(part_n.shape[0],)](
+        g, out, gn, weight.contiguous(), total, part_n, tokens, d, float(eps), num_blocks,
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(block_t * block_d),
+    )
+    return total
+
+
+def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int) -> None:
+    # out and lse must be what the forward returned for these values: a mismatch would be
+    # read out of bounds by the kernel, not caught by it
+    lse_shape = tuple(values[0].shape[:-1]) + (heads,)
+    if tuple(out.shape) != tuple(values[0].shape) or out.device != values[0].device:
+        raise ValueError(f"route (Triton): `out` must be the forward output, shaped like values[0] "
+                         f"{tuple(values[0].shape)} on {values[0].device}; found {tuple(out.shape)} on {out.device}")
+    if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or lse.device != values[0].device:
+        raise ValueError(f"route (Triton): `lse` must be the forward's float32 log-sum-exp of shape {lse_shape} "
+                         f"on {values[0].device}; found shape {tuple(lse.shape)}, dtype {lse.dtype}, device {lse.device}")
+
+
 def route_backward(
-    grad_out: Tensor, values: Sequence[Tensor], keys: Sequence[Tensor] | None, query: Tensor,
-    key_norm_weight: Tensor, logit_bias: Tensor | None, source_scale: Tensor | None, heads: int, eps: float,
+    grad_out: Tensor, out: Tensor, lse: Tensor, values: Sequence[Tensor], keys: Sequence[Tensor] | None,
+    query: Tensor, key_norm_weight: Tensor, logit_bias: Tensor | None, source_scale: Tensor | None, heads: int,
+    eps: float, grad_normed: Tensor | None = None, out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6,
     config: dict | None = None,
-) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
-    """Fused backward; returns what ``depthrewrite::route_backward`` returns. ``config``
-    overrides the launch choices (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``) for
-    tuning runs."""
-    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias))
+) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor]:
+    """Fused one-pass backward; ``out`` and ``lse`` are what :func:`route_forward` (or the
+    reference op) returned for these inputs; ``grad_normed`` is the gradient of the fused
+    output norm's result (None: that result was not used). Returns what
+    ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
+    (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
+                     ("out_norm_weight", out_norm_weight))
+    _check_saved(out, lse, values, heads)
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     shape = values[0].shape
@@ -392,21 +522,30 @@ def route_backward(
     tokens = flat_v[0].shape[0]
     device = flat_v[0].device
     g = grad_out.to(values[0].dtype).contiguous().reshape(-1, d)
+    flat_out = out.contiguous().reshape(-1, d)
+    flat_lse = lse.contiguous().reshape(-1, heads)
     grad_v = [torch.empty_like(flat_v[0]) for _ in range(n)]
     # one source: the weight is the constant 1, so the keys get exactly zero gradient
     new_k = torch.zeros_like if n == 1 else torch.empty_like
     grad_k = [new_k(flat_k[0]) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
-    # prefetch off by default: not yet timed on the GPU for the backward (docs/benchmarks.md)
-    cfg = {"block_t": max(1, min(64, 2048 // row)), "per_sm": 4, "prefetch": False, **(config or {})}
+    # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
+    cfg = {"block_t": max(1, min(64, 2048 // row)), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
+           **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, cfg["per_sm"])
     part_r = torch.zeros((programs, d), dtype=torch.float32, device=device)
     # per source and token: sum over heads of d z (the bias gradient before the token sum)
     part_b = torch.zeros((n, tokens), dtype=torch.float32, device=device)
-    # d a of each source for pass 2, needed only when pass 2 reads keys instead of values
-    scratch = torch.empty((n, tokens, heads) if keys is not None and n > 1 else (1,), dtype=torch.float32, device=device)
+    has_norm = out_norm_weight is not None and grad_normed is not None
+    # per program: sum over its tokens of grad_normed * rms_norm(out) (the norm weight's gradient)
+    part_n = torch.zeros((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
+    gn = grad_normed.to(values[0].dtype).contiguous().reshape(-1, d) if has_norm else g
+    fused_norm = has_norm and cfg["fuse_norm"]
+    if has_norm and not fused_norm and tokens > 0:
+        # the norm's backward as a pass of its own: g becomes the fp32 total gradient of out
+        g = _norm_backward_pass(g, flat_out, gn, out_norm_weight, out_norm_eps, part_n, tokens, d)
     if tokens > 0:
         vtab = _pointer_table(flat_v, device)
         gvtab = _pointer_table(grad_v, device)
@@ -414,13 +553,13 @@ def route_backward(
         gktab = _pointer_table(grad_k, device) if flat_k is not None else gvtab
         scale = _scale_table(source_scale, n, tokens)
         _route_bwd_kernel[(programs,)](
-            g, vtab, ktab, gvtab, gktab, query.contiguous(), key_norm_weight.contiguous(),
+            g, flat_out, flat_lse, vtab, ktab, gvtab, gktab, query.contiguous(), key_norm_weight.contiguous(),
             logit_bias if logit_bias is not None else query, scale if scale is not None else query,
-            scratch, part_r, part_b,
-            tokens, n, d, d // heads, heads, float(eps), num_blocks,
+            part_r, part_b, gn, out_norm_weight.contiguous() if fused_norm else query, part_n,
+            tokens, n, d, d // heads, heads, float(eps), num_blocks, float(out_norm_eps),
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
-            ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k), PREFETCH=cfg["prefetch"],
+            ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k), PREFETCH=cfg["prefetch"], HAS_NORM=fused_norm,
             num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
@@ -431,6 +570,12 @@ def route_backward(
         grad_bias = query.new_empty((0,))
     else:
         grad_bias = part_b.sum(1).to(logit_bias.dtype)
+    if out_norm_weight is None:
+        grad_norm_weight = query.new_empty((0,))
+    elif has_norm:
+        grad_norm_weight = part_n.sum(0).to(out_norm_weight.dtype)
+    else:  # normed was not used
+        grad_norm_weight = torch.zeros_like(out_norm_weight)
     grad_values = [t.reshape(shape) for t in grad_v]
     grad_keys = [t.reshape(shape) for t in grad_k]
-    return grad_values, grad_keys, grad_query, grad_weight, grad_bias
+    return grad_values, grad_keys, grad_query, grad_weight, grad_bias, grad_norm_weight

@@ -8,12 +8,32 @@ For N sources ``v_i`` of shape ``(*batch, d)`` (SPEC sections 2-4)::
     a[:,h] = softmax over the N sources of z[:,h], per token
     out[c] = sum_i a[i, head(c)] * v_i[c]
 
-``route`` is the user-facing wrapper: it checks its inputs and calls
-``torch.ops.depthrewrite.route``. The op has a pure-PyTorch implementation here
-(explicit backward in ``depthrewrite::route_backward``); a fused kernel may
-replace the implementation later with the same schema. ``route_reference`` is
-the same computation written with ordinary differentiable torch ops, kept as
-the test oracle.
+The op ``depthrewrite::route`` returns ``(out, lse, normed)``: ``lse[..., h]`` is the
+log-sum-exp over the sources of ``z[:, ..., h]`` (float32, shape ``(*batch, H)``), so that
+``a[i, h] = exp(z[i, h] - lse[h])``. With one source the softmax weight is exactly 1
+whatever the logit, and ``lse`` is defined as 0 (no logit is computed; the backward then
+needs none). ``lse`` is not differentiable (marked so; a gradient flowing into it is
+ignored). Autograd saves the inputs, ``out`` and ``lse``: the fused CUDA backward
+(:mod:`depthrewrite.kernels.route_triton`) reads each source once and gets the softmax
+weights from ``lse`` and ``sum_j a_j da_j`` from ``<g, out>`` instead of recomputing the
+forward statistics. ``depthrewrite::route_backward`` takes ``out`` and ``lse`` for that
+reason; the pure-PyTorch implementation registered here (CPU, float64, and CUDA when the
+kernels are off) ignores them and recomputes everything, so it stays an independent check
+of the fused kernels.
+
+Optional fused output norm (the branch's own PreNorm): given ``out_norm_weight`` (shape
+``(d,)``) and ``out_norm_eps``, the op's third output is
+``normed = rms_norm(out) * out_norm_weight`` of the output as returned (statistic over the
+full width, fp32 math, cast to the values' dtype), and its backward adds the norm's
+gradient to ``grad_out`` before the routing backward and returns the weight's gradient.
+Without a weight the third output is an empty tensor (custom-op outputs cannot be None)
+and receives no gradient. When only ``normed`` is used (the usual case: the branch reads
+it), ``out`` is still saved for the backward; an unfused RMSNorm would have saved it too.
+
+``route`` is the user-facing wrapper: it checks its inputs, calls
+``torch.ops.depthrewrite.route`` and returns ``out`` alone; ``route_and_norm`` returns
+``(out, normed)``. ``route_reference`` and ``route_and_norm_reference`` are the same
+computations written with ordinary differentiable torch ops, kept as test oracles.
 """
 
 from __future__ import annotations
@@ -26,17 +46,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["route", "route_reference"]
+__all__ = ["route", "route_and_norm", "route_reference", "route_and_norm_reference", "route_logits_reference"]
 
 ROUTE_SCHEMA = (
     "(Tensor[] values, Tensor[]? keys, Tensor query, Tensor key_norm_weight, "
-    "Tensor? logit_bias, Tensor? source_scale, int heads, float eps) -> Tensor"
+    "Tensor? logit_bias, Tensor? source_scale, int heads, float eps, "
+    "Tensor? out_norm_weight=None, float out_norm_eps=1e-06) -> (Tensor out, Tensor lse, Tensor normed)"
 )
 ROUTE_BACKWARD_SCHEMA = (
-    "(Tensor grad_out, Tensor[] values, Tensor[]? keys, Tensor query, "
+    "(Tensor grad_out, Tensor out, Tensor lse, Tensor[] values, Tensor[]? keys, Tensor query, "
     "Tensor key_norm_weight, Tensor? logit_bias, Tensor? source_scale, int heads, "
-    "float eps) -> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_query, "
-    "Tensor grad_key_norm_weight, Tensor grad_logit_bias)"
+    "float eps, Tensor? grad_normed=None, Tensor? out_norm_weight=None, float out_norm_eps=1e-06) "
+    "-> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_query, "
+    "Tensor grad_key_norm_weight, Tensor grad_logit_bias, Tensor grad_out_norm_weight)"
 )
 
 
@@ -60,6 +82,7 @@ class _Parts:
     norm: Tensor  # (N, *batch, d) keys * r, before the norm weight
     rstd: Tensor  # (N, *batch, 1)
     weights: Tensor  # (N, *batch, H) softmax over the sources
+    lse: Tensor  # (*batch, H) log-sum-exp of the logits over the sources (0 for one source)
     dtype: torch.dtype
 
 
@@ -79,13 +102,20 @@ def _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scal
     if len(values) == 1:
         # softmax over one source is exactly 1, whatever the logit
         weights = src.new_ones(src.shape[:-1] + (heads,))
+        lse = _one_source_lse(values[0], heads)
     else:
         khat = norm * key_norm_weight.to(dtype)
         logits = (khat * query.to(dtype)).unflatten(-1, (heads, -1)).sum(-1)
         if logit_bias is not None:
             logits = logits + logit_bias.to(dtype).reshape((-1,) + (1,) * (logits.dim() - 1))
         weights = torch.softmax(logits, dim=0)
-    return _Parts(src, norm, rstd, weights, dtype)
+        lse = torch.logsumexp(logits, dim=0).to(torch.float32)
+    return _Parts(src, norm, rstd, weights, lse, dtype)
+
+
+def _one_source_lse(value: Tensor, heads: int) -> Tensor:
+    # defined as 0: exp(z - lse) must be the weight 1, and no logit is computed for one source
+    return value.new_zeros(value.shape[:-1] + (heads,), dtype=torch.float32)
 
 
 def _mix(weights: Tensor, src: Tensor, heads: int) -> Tensor:
@@ -114,26 +144,44 @@ def _route_op(
     source_scale: Tensor | None,
     heads: int,
     eps: float,
-) -> Tensor:
+    out_norm_weight: Tensor | None = None,
+    out_norm_eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor]:
     out_dtype = values[0].dtype
     if len(values) == 1:
         # bit-identical to the single source: no stack, no reduction, just one multiply
         src = values[0].to(_compute_dtype(values[0], query, key_norm_weight, logit_bias))
         if source_scale is not None:
             src = src * source_scale[0].to(src.dtype).unsqueeze(-1)
-        return (src * 1.0).to(out_dtype)
-    parts = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
-    return _mix(parts.weights, parts.src, heads).to(out_dtype)
+        out, lse = (src * 1.0).to(out_dtype), _one_source_lse(values[0], heads)
+    else:
+        parts = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+        out, lse = _mix(parts.weights, parts.src, heads).to(out_dtype), parts.lse
+    return out, lse, _out_norm(out, out_norm_weight, out_norm_eps)
+
+
+def _out_norm(out: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """``rms_norm(out) * weight`` of the op's (rounded) output, fp32 math, in out's dtype;
+    an empty tensor without a weight (custom-op outputs cannot be None)."""
+    if weight is None:
+        return out.new_empty((0,))
+    dtype = _compute_dtype(out, weight)
+    return F.rms_norm(out.to(dtype), (out.shape[-1],), weight=weight.to(dtype), eps=float(eps)).to(out.dtype)
 
 
 @_route_op.register_fake
-def _route_fake(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
-    return torch.empty_like(values[0])
+def _route_fake(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+                out_norm_weight=None, out_norm_eps=1e-6):
+    lse = values[0].new_empty(values[0].shape[:-1] + (heads,), dtype=torch.float32)
+    normed = values[0].new_empty((0,)) if out_norm_weight is None else torch.empty_like(values[0])
+    return torch.empty_like(values[0]), lse, normed
 
 
 @torch.library.custom_op("depthrewrite::route_backward", mutates_args=(), schema=ROUTE_BACKWARD_SCHEMA)
 def _route_backward_op(
     grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
     values: list[Tensor],
     keys: list[Tensor] | None,
     query: Tensor,
@@ -142,10 +190,22 @@ def _route_backward_op(
     source_scale: Tensor | None,
     heads: int,
     eps: float,
-) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
+    grad_normed: Tensor | None = None,
+    out_norm_weight: Tensor | None = None,
+    out_norm_eps: float = 1e-6,
+) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor]:
+    # the reference recomputes everything and ignores out and lse (the fused kernel's
+    # shortcut), so that it stays an independent check of the kernel
     p = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
-    g = grad_out.to(p.dtype).unflatten(-1, (heads, -1))  # (*batch, H, d/H)
     a = p.weights  # (N, *batch, H)
+    g = grad_out.to(p.dtype)
+    grad_norm_weight = query.new_empty((0,))
+    if out_norm_weight is not None:
+        # the output as the forward returned it (rounded to its dtype), then its norm
+        routed = _mix(a, p.src, heads).to(values[0].dtype)
+        d_routed, grad_norm_weight = _out_norm_backward(routed, grad_normed, out_norm_weight, out_norm_eps, p.dtype)
+        g = g + d_routed
+    g = g.unflatten(-1, (heads, -1))  # (*batch, H, d/H)
 
     d_src = (a.unsqueeze(-1) * g).flatten(-2)
     d_a = (p.src.unflatten(-1, (heads, -1)) * g).sum(-1)
@@ -179,40 +239,67 @@ def _route_backward_op(
         d_query.to(query.dtype),
         d_weight.to(key_norm_weight.dtype),
         grad_bias,
+        grad_norm_weight,
     )
 
 
+def _out_norm_backward(routed: Tensor, grad_normed: Tensor | None, weight: Tensor, eps: float, dtype: torch.dtype):
+    """Gradient of ``rms_norm(routed) * weight`` w.r.t. ``routed`` and ``weight``."""
+    x = routed.to(dtype)
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    norm = x * rstd
+    if grad_normed is None:  # normed unused: no gradient through it
+        return torch.zeros_like(x), torch.zeros_like(weight)
+    gn = grad_normed.to(dtype)
+    d_norm = gn * weight.to(dtype)
+    d_x = rstd * (d_norm - norm * (d_norm * norm).mean(-1, keepdim=True))
+    # reshape, not sum over all-but-last dims: with no batch dims that tuple is empty, and
+    # sum(()) would reduce everything
+    return d_x, (gn * norm).reshape(-1, norm.shape[-1]).sum(0).to(weight.dtype)
+
+
 @_route_backward_op.register_fake
-def _route_backward_fake(grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
+def _route_backward_fake(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+                         grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6):
     return (
         [torch.empty_like(v) for v in values],
         [] if keys is None else [torch.empty_like(k) for k in keys],
         torch.empty_like(query),
         torch.empty_like(key_norm_weight),
         query.new_empty((0,)) if logit_bias is None else torch.empty_like(logit_bias),
+        query.new_empty((0,)) if out_norm_weight is None else torch.empty_like(out_norm_weight),
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps = inputs
+    values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, out_norm_weight, out_norm_eps = inputs
+    out, lse, normed = output
     ctx.num_sources = len(values)
     ctx.has_keys = keys is not None
     ctx.heads = heads
     ctx.eps = eps
-    # save_for_backward takes a flat sequence (None allowed), so lists are spliced in
-    ctx.save_for_backward(*values, *(keys or ()), query, key_norm_weight, logit_bias, source_scale)
+    ctx.out_norm_eps = out_norm_eps
+    # one call: a second mark_non_differentiable replaces the first's set
+    ctx.mark_non_differentiable(*((lse,) if out_norm_weight is not None else (lse, normed)))  # normed: empty placeholder
+    # save_for_backward takes a flat sequence (None allowed), so lists are spliced in. out
+    # costs no extra memory in practice: the branch's norm that reads it (or, fused, whose
+    # backward needs it) would keep it alive anyway.
+    ctx.save_for_backward(out, lse, out_norm_weight, *values, *(keys or ()), query, key_norm_weight, logit_bias,
+                          source_scale)
 
 
-def _backward(ctx, grad_out):
-    saved = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_lse, grad_normed):
+    # _grad_lse is ignored: lse is marked non-differentiable (an output for the backward only)
+    out, lse, out_norm_weight, *saved = ctx.saved_tensors
     n = ctx.num_sources
     values = list(saved[:n])
     keys = list(saved[n : 2 * n]) if ctx.has_keys else None
     query, key_norm_weight, logit_bias, source_scale = saved[(2 if ctx.has_keys else 1) * n :]
-    grad_values, grad_keys, grad_query, grad_weight, grad_bias = _route_backward_op(
-        grad_out, values, keys, query, key_norm_weight, logit_bias, source_scale, ctx.heads, ctx.eps
+    grad_values, grad_keys, grad_query, grad_weight, grad_bias, grad_norm_weight = _route_backward_op(
+        grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, ctx.heads, ctx.eps,
+        grad_normed if out_norm_weight is not None else None, out_norm_weight, ctx.out_norm_eps,
     )
-    return (
+    grads = (
         grad_values,
         grad_keys if ctx.has_keys else None,
         grad_query,
@@ -221,7 +308,12 @@ def _backward(ctx, grad_out):
         None,  # source_scale is a constant of the routing (SPEC 5: detached RMS matching)
         None,
         None,
+        grad_norm_weight if out_norm_weight is not None else None,
+        None,
     )
+    # one gradient per argument the caller passed: the trailing defaulted norm arguments
+    # may have been left out (ctx.needs_input_grad has the caller's structure)
+    return grads[: len(ctx.needs_input_grad)]
 
 
 _route_op.register_autograd(_backward, setup_context=_setup_context)
@@ -265,6 +357,17 @@ def _check_param(arg: str, t: object, shape: tuple[int, ...], device: torch.devi
         raise _fail(arg, f"a floating-point tensor of shape {shape} on {device}", _describe(t))
 
 
+def _check_eps(arg: str, eps: object) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+        raise _fail(arg, "a finite non-negative float", repr(eps))
+
+
+def _check_out_norm(values, out_norm_weight, out_norm_eps) -> None:
+    d = values[0].shape[-1]
+    _check_param("out_norm_weight", out_norm_weight, (d,), values[0].device, optional=False)
+    _check_eps("out_norm_eps", out_norm_eps)
+
+
 def _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps) -> None:
     values = _check_sources("values", values, None, None)
     if keys is not None:
@@ -277,8 +380,7 @@ def _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale
     _check_param("source_scale", source_scale, (n, *batch), device, optional=True)
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads != 0:
         raise _fail("heads", f"a positive int dividing the width d={d}", repr(heads))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-        raise _fail("eps", "a finite non-negative float", repr(eps))
+    _check_eps("eps", eps)
 
 
 # ------------------------------------------------------------------- public API
@@ -302,10 +404,11 @@ def route(
     ``source_scale`` ``(N, *batch)`` (a per-token multiplier of each source,
     keys included, that receives no gradient). ``heads`` splits the width into
     that many softmaxes (MHAR); the key RMS statistic is over the full width.
-    Returns a tensor shaped and typed like the values.
+    Returns a tensor shaped and typed like the values (the op's ``lse`` output is only for
+    its backward).
     """
     _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
-    return torch.ops.depthrewrite.route(
+    out, _lse, _normed = torch.ops.depthrewrite.route(
         list(values),
         None if keys is None else list(keys),
         query,
@@ -315,6 +418,64 @@ def route(
         heads,
         float(eps),
     )
+    return out
+
+
+def route_and_norm(
+    values: Sequence[Tensor],
+    keys: Sequence[Tensor] | None = None,
+    *,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    out_norm_weight: Tensor,
+    logit_bias: Tensor | None = None,
+    source_scale: Tensor | None = None,
+    heads: int = 1,
+    eps: float = 1e-6,
+    out_norm_eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """``route`` followed by the branch's own PreNorm, fused: returns ``(out, normed)`` with
+    ``normed = rms_norm(out) * out_norm_weight`` (statistic over the full width, fp32 math,
+    in the values' dtype; ``out`` as ``route`` returns it). ``out_norm_weight`` has shape
+    ``(d,)``; the other arguments are those of ``route``."""
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    _check_out_norm(values, out_norm_weight, out_norm_eps)
+    out, _lse, normed = torch.ops.depthrewrite.route(
+        list(values),
+        None if keys is None else list(keys),
+        query,
+        key_norm_weight,
+        logit_bias,
+        source_scale,
+        heads,
+        float(eps),
+        out_norm_weight,
+        float(out_norm_eps),
+    )
+    return out, normed
+
+
+def route_and_norm_reference(
+    values: Sequence[Tensor],
+    keys: Sequence[Tensor] | None = None,
+    *,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    out_norm_weight: Tensor,
+    logit_bias: Tensor | None = None,
+    source_scale: Tensor | None = None,
+    heads: int = 1,
+    eps: float = 1e-6,
+    out_norm_eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """``route_and_norm`` written with plain differentiable torch ops (the test oracle)."""
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    _check_out_norm(values, out_norm_weight, out_norm_eps)
+    out = route_reference(values, keys, query=query, key_norm_weight=key_norm_weight, logit_bias=logit_bias,
+                          source_scale=source_scale, heads=heads, eps=eps)
+    dtype = _compute_dtype(out, out_norm_weight)
+    normed = F.rms_norm(out.to(dtype), (out.shape[-1],), weight=out_norm_weight.to(dtype), eps=float(out_norm_eps))
+    return out, normed.to(out.dtype)
 
 
 def route_reference(
@@ -330,6 +491,31 @@ def route_reference(
 ) -> Tensor:
     """``route`` written with plain differentiable torch ops (the test oracle)."""
     _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    src, logits = _reference_logits(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    weights = torch.softmax(logits, dim=0)
+    out = torch.einsum("n...h,n...hc->...hc", weights, src.unflatten(-1, (heads, -1)))
+    return out.flatten(-2).to(values[0].dtype)
+
+
+def route_logits_reference(
+    values: Sequence[Tensor],
+    keys: Sequence[Tensor] | None = None,
+    *,
+    query: Tensor,
+    key_norm_weight: Tensor,
+    logit_bias: Tensor | None = None,
+    source_scale: Tensor | None = None,
+    heads: int = 1,
+    eps: float = 1e-6,
+) -> Tensor:
+    """The logits ``z`` of ``route_reference``, shape ``(N, *batch, heads)``, in the compute
+    dtype (float32, or float64 when an input is), differentiable: the oracle for the
+    op's ``lse`` (``logsumexp(z, 0)``; for one source the op defines it as 0)."""
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    return _reference_logits(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)[1]
+
+
+def _reference_logits(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps):
     dtype = _compute_dtype(values[0], query, key_norm_weight, logit_bias)
     d = values[0].shape[-1]
     src = torch.stack([v.to(dtype) for v in values])
@@ -342,6 +528,4 @@ def route_reference(
     logits = torch.einsum("n...hc,hc->n...h", khat.unflatten(-1, (heads, -1)), per_head)
     if logit_bias is not None:
         logits = logits + logit_bias.to(dtype).reshape((-1,) + (1,) * (logits.dim() - 1))
-    weights = torch.softmax(logits, dim=0)
-    out = torch.einsum("n...h,n...hc->...hc", weights, src.unflatten(-1, (heads, -1)))
-    return out.flatten(-2).to(values[0].dtype)
+    return src, logits

@@ -1,5 +1,14 @@
-"""The fused Triton route kernels against a float64 reference: the output and every
-gradient (values, keys, query, key-norm weight, logit bias), on awkward shapes.
+"""The fused Triton route kernels against a float64 reference: the output, its log-sum-exp,
+the fused output norm and every gradient (values, keys, query, key-norm weight, logit bias,
+output-norm weight), on awkward shapes.
+
+The one-pass backward takes ``sum_j a_j da_j`` as ``<g, out>`` from the output saved in the
+activation dtype (the documented rounding, module docstring of route_triton). Its gradients
+are compared with a float64 oracle that makes the same use of the kernel's saved output
+(``_oracle_f64(..., saved_out=out)``), at the tolerances of the returned dtypes; the saved
+output itself is compared with the exact float64 output, and in float32 every gradient is
+also compared with the exact float64 gradients. Note that the interpreter rounds fp32 ->
+bf16 toward zero (the GPU rounds to nearest), doubling bf16 rounding errors here.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below
 before Triton is first imported), on CPU tensors: same kernel code, numpy arithmetic.
@@ -12,6 +21,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # must precede the first import of triton.jit-decorated code
@@ -21,7 +31,7 @@ triton = pytest.importorskip("triton")
 
 from depthrewrite.kernels import implementation_for  # noqa: E402
 from depthrewrite.kernels import route_triton  # noqa: E402
-from depthrewrite.ops.route import route_reference  # noqa: E402
+from depthrewrite.ops.route import route_logits_reference, route_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,7 +39,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def _make(n, batch, d, heads, keys, bias, scale, dtype, seed):
+def _make(n, batch, d, heads, keys, bias, scale, dtype, seed, out_norm=False):
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
@@ -44,28 +54,57 @@ def _make(n, batch, d, heads, keys, bias, scale, dtype, seed):
         logit_bias=rnd(n) if bias else None,
         source_scale=(torch.rand(n, *batch, generator=gen) + 0.5) if scale else None,
         heads=heads,
+        out_norm_weight=(torch.rand(d, generator=gen) + 0.5) if out_norm else None,
     )
 
 
 def _leaves(inp):
     out = [*inp["values"], *(inp["keys"] or []), inp["query"], inp["key_norm_weight"]]
-    return out + ([inp["logit_bias"]] if inp["logit_bias"] is not None else [])
+    out += [inp["logit_bias"]] if inp["logit_bias"] is not None else []
+    return out + ([inp["out_norm_weight"]] if inp["out_norm_weight"] is not None else [])
 
 
-def _reference_f64(inp, grad_out):
-    """Output and gradients (in ``_leaves`` order) computed in float64."""
+def _oracle_f64(inp, grad_out, saved_out=None, grad_normed=None):
+    """Output, lse, normed output (None without an output norm) and gradients (in
+    ``_leaves`` order) computed in float64; the loss is ``<grad_out, out>`` plus
+    ``<grad_normed, normed>`` with an output norm.
+
+    With ``saved_out``, the gradients are those of the one-pass backward given that saved
+    output: the output norm is taken of ``saved_out`` (as the kernel's, of its rounded
+    output), and ``dz_i = a_i (da_i - <G, saved_out>)`` instead of ``a_i (da_i - <G, out>)``
+    (G: the total gradient reaching ``out``), obtained by adding ``sum_i c_i z_i`` with the
+    constant ``c_i = -a_i <G, saved_out - out>`` to the loss (its gradient on the logits is
+    exactly that shift)."""
     leaves = [t.detach().double().requires_grad_() for t in _leaves(inp)]
-    n = len(inp["values"])
+    n, heads = len(inp["values"]), inp["heads"]
     values, rest = leaves[:n], leaves[n:]
     keys = None
     if inp["keys"] is not None:
         keys, rest = rest[:n], rest[n:]
-    bias = rest[2] if len(rest) > 2 else None
+    bias = rest[2] if inp["logit_bias"] is not None else None
+    norm_weight = rest[-1] if inp["out_norm_weight"] is not None else None
     scale = None if inp["source_scale"] is None else inp["source_scale"].double()
-    out = route_reference(values, keys, query=rest[0], key_norm_weight=rest[1], logit_bias=bias,
-                          source_scale=scale, heads=inp["heads"])
-    grads = torch.autograd.grad(out, leaves, grad_out.double())
-    return out.detach(), list(grads)
+    kw = dict(query=rest[0], key_norm_weight=rest[1], logit_bias=bias, source_scale=scale, heads=heads)
+    out = route_reference(values, keys, **kw)
+    z = route_logits_reference(values, keys, **kw)
+    saved = None if saved_out is None else saved_out.detach().double().cpu()
+    loss = (out * grad_out.double()).sum()
+    normed = None
+    if norm_weight is not None:
+        # value of saved_out where given, gradient of out: the kernel's norm of its saved output
+        x = out if saved is None else saved + (out - out.detach())
+        normed = F.rms_norm(x, (x.shape[-1],), weight=norm_weight, eps=1e-6)
+        loss = loss + (normed * grad_normed.double().cpu()).sum()
+    if n == 1:
+        lse = torch.zeros_like(z[0])  # the op's definition: one source has weight exp(0 - 0)
+    else:
+        lse = torch.logsumexp(z, 0)
+        if saved is not None:
+            total = torch.autograd.grad(loss, out, retain_graph=True)[0]
+            delta = ((saved - out.detach()) * total).unflatten(-1, (heads, -1)).sum(-1)
+            loss = loss - (torch.softmax(z, 0).detach() * delta * z).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return out.detach(), lse.detach(), None if normed is None else normed.detach(), list(grads)
 
 
 def _on(inp, device):
@@ -80,13 +119,18 @@ def _on(inp, device):
     return moved
 
 
-def _run_fused(inp, grad_out):
-    args = (inp["values"], inp["keys"], inp["query"], inp["key_norm_weight"], inp["logit_bias"],
+def _args(inp):
+    return (inp["values"], inp["keys"], inp["query"], inp["key_norm_weight"], inp["logit_bias"],
             inp["source_scale"], inp["heads"], 1e-6)
-    out = route_triton.route_forward(*args)
-    gv, gk, gq, gw, gb = route_triton.route_backward(grad_out, *args)
-    grads = [*gv, *gk, gq, gw] + ([gb] if inp["logit_bias"] is not None else [])
-    return out, grads
+
+
+def _run_fused(inp, grad_out, grad_normed=None, fwd_cfg=None, bwd_cfg=None):
+    norm = inp["out_norm_weight"]
+    out, lse, normed = route_triton.route_forward(*_args(inp), norm, 1e-6, config=fwd_cfg)
+    gv, gk, gq, gw, gb, gn = route_triton.route_backward(grad_out, out, lse, *_args(inp), grad_normed, norm, 1e-6,
+                                                         config=bwd_cfg)
+    grads = [*gv, *gk, gq, gw] + ([gb] if inp["logit_bias"] is not None else []) + ([gn] if norm is not None else [])
+    return out, lse, normed, grads
 
 
 def _rel(a, b):
@@ -109,44 +153,109 @@ CASES = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}_b{}_d{}_h{}{}{}{}".format(
-    c[0], "x".join(map(str, c[1])), c[2], c[3], "_keys" if c[4] else "", "_bias" if c[5] else "",
-    "_scale" if c[6] else ""))
-def test_fused_matches_reference(case, dtype):
+def _case_id(c):
+    return "n{}_b{}_d{}_h{}{}{}{}".format(c[0], "x".join(map(str, c[1])), c[2], c[3], "_keys" if c[4] else "",
+                                          "_bias" if c[5] else "", "_scale" if c[6] else "")
+
+
+def _check_against_oracle(case, dtype, out_norm, cfg=None):
     n, batch, d, heads, keys, bias, scale = case
-    inp = _make(n, batch, d, heads, keys, bias, scale, dtype, seed=n * 1000 + d)
-    grad_out = torch.randn(*batch, d, generator=torch.Generator().manual_seed(7)).to(dtype)
-    ref_out, ref_grads = _reference_f64(inp, grad_out)
+    inp = _make(n, batch, d, heads, keys, bias, scale, dtype, seed=n * 1000 + d, out_norm=out_norm)
+    gen = torch.Generator().manual_seed(7)
+    grad_out = torch.randn(*batch, d, generator=gen).to(dtype)
+    grad_normed = torch.randn(*batch, d, generator=gen).to(dtype) if out_norm else None
     dev_inp = _on(inp, DEVICE)
-    out, grads = _run_fused(dev_inp, grad_out.to(DEVICE))
+    out, lse, normed, grads = _run_fused(dev_inp, grad_out.to(DEVICE),
+                                         None if grad_normed is None else grad_normed.to(DEVICE), cfg, cfg)
+    ref_out, ref_lse, ref_normed, exact_grads = _oracle_f64(inp, grad_out, grad_normed=grad_normed)
+    _, _, _, ref_grads = _oracle_f64(inp, grad_out, saved_out=out, grad_normed=grad_normed)
 
     assert out.dtype == dtype and out.shape == ref_out.shape
     assert _rel(out, ref_out) < TOL[dtype]
+    assert lse.dtype == torch.float32 and lse.shape == (*batch, heads)
+    if n > 1:
+        assert _rel(lse, ref_lse) < TOL[torch.float32]
+    else:
+        assert not lse.any()  # defined as 0 for one source
+    if out_norm:
+        assert normed.dtype == dtype and normed.shape == ref_out.shape
+        assert _rel(normed, ref_normed) < TOL[dtype]
+    else:
+        assert normed.numel() == 0
     assert len(grads) == len(ref_grads)
-    for got, want, leaf in zip(grads, ref_grads, _leaves(inp)):
+    for got, want, exact, leaf in zip(grads, ref_grads, exact_grads, _leaves(inp)):
         assert got.dtype == leaf.dtype and got.shape == leaf.shape
         assert torch.isfinite(got).all()
         # parameter gradients are fp32 sums over tokens; activation gradients round to dtype
         assert _rel(got, want) < TOL[got.dtype], (got.shape, _rel(got, want))
+        if dtype == torch.float32:  # the saved output's rounding is negligible: exact math
+            assert _rel(got, exact) < TOL[torch.float32], (got.shape, _rel(got, exact))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fused_matches_reference(case, dtype):
+    _check_against_oracle(case, dtype, out_norm=False)
+
+
+NORM_CASES = [
+    (1, (5,), 16, 2, True, True, True),
+    (2, (7,), 24, 1, False, False, False),
+    (9, (3,), 1000, 4, False, True, True),
+    (33, (5,), 40, 1, True, False, False),
+    (65, (3,), 12, 2, True, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", NORM_CASES, ids=_case_id)
+def test_fused_output_norm_matches_reference(case, dtype):
+    """The fused output RMSNorm: its result and every gradient, the norm weight's included."""
+    _check_against_oracle(case, dtype, out_norm=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", NORM_CASES[::2], ids=_case_id)
+def test_output_norm_other_implementation_matches_reference(case, dtype):
+    """The output norm's implementation that is not the default (config ``fuse_norm``:
+    inside the routing kernels, or in passes of their own) gives the same results."""
+    _check_against_oracle(case, dtype, out_norm=True, cfg=dict(fuse_norm=not route_triton.FUSE_NORM))
+
+
+def test_unused_output_norm_changes_no_bit_and_gets_zero_gradient():
+    inp = _on(_make(9, (13,), 40, 2, True, True, True, torch.bfloat16, seed=4, out_norm=True), DEVICE)
+    grad_out = torch.randn(13, 40).to(DEVICE, torch.bfloat16)
+    out, lse, normed, grads = _run_fused(inp, grad_out, grad_normed=None)
+    plain = _on({**inp, "out_norm_weight": None}, DEVICE)
+    out0, lse0, normed0, grads0 = _run_fused(plain, grad_out)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0) and normed0.numel() == 0 and normed.numel() > 0
+    for a, b in zip(grads[:-1], grads0):
+        assert torch.equal(a, b)
+    assert grads[-1].shape == (40,) and not grads[-1].any()
 
 
 def test_one_source_is_the_scaled_source_bit_for_bit():
     inp = _on(_make(1, (6,), 20, 2, False, True, True, torch.float32, seed=3), DEVICE)
-    out, grads = _run_fused(inp, torch.ones(6, 20, device=DEVICE))
+    out, lse, _, grads = _run_fused(inp, torch.ones(6, 20, device=DEVICE))
+    assert lse.shape == (6, 2) and not lse.any()  # defined as 0 for one source
     expected = inp["values"][0] * inp["source_scale"][0].unsqueeze(-1)
     assert torch.equal(out, expected)
     assert torch.equal(grads[0], inp["source_scale"][0].unsqueeze(-1).expand(6, 20))
     assert not grads[1].any() and not grads[2].any() and not grads[3].any()
 
 
-def test_backward_is_deterministic():
-    inp = _on(_make(9, (37,), 24, 2, True, True, True, torch.float32, seed=11), DEVICE)
-    grad_out = torch.randn(37, 24).to(DEVICE)
-    _, first = _run_fused(inp, grad_out)
-    _, second = _run_fused(inp, grad_out)
-    for a, b in zip(first, second):
+@pytest.mark.parametrize("keys", [False, True], ids=["values_as_keys", "keys_and_out_norm"])
+def test_backward_is_deterministic_and_prefetch_changes_no_bit(keys):
+    inp = _on(_make(9, (37,), 24, 2, keys, True, True, torch.bfloat16, seed=11, out_norm=keys), DEVICE)
+    grad_out = torch.randn(37, 24).to(DEVICE, torch.bfloat16)
+    grad_normed = torch.randn(37, 24).to(DEVICE, torch.bfloat16) if keys else None
+    _, _, _, first = _run_fused(inp, grad_out, grad_normed)
+    _, _, _, second = _run_fused(inp, grad_out, grad_normed)
+    _, _, _, third = _run_fused(inp, grad_out, grad_normed, bwd_cfg=dict(prefetch=False))
+    assert len(first) == len(third) == 9 * (2 if keys else 1) + 3 + (1 if keys else 0)
+    for a, b, c in zip(first, second, third):
         assert torch.equal(a, b)
+        assert torch.equal(a, c)  # prefetching moves loads, not arithmetic
 
 
 def test_width_limit_is_a_value_error():
@@ -167,13 +276,11 @@ def test_launch_variants_match_reference(fwd_cfg, bwd_cfg, keys):
     """The tuning knobs (benchmarks/gpu_suite.py times them) change the schedule, not the math."""
     inp = _make(5, (11,), 24, 2, keys, True, True, torch.float32, seed=5)
     grad_out = torch.randn(11, 24, generator=torch.Generator().manual_seed(2))
-    ref_out, ref_grads = _reference_f64(inp, grad_out)
-    d = _on(inp, DEVICE)
-    args = (d["values"], d["keys"], d["query"], d["key_norm_weight"], d["logit_bias"], d["source_scale"], 2, 1e-6)
-    out = route_triton.route_forward(*args, config=fwd_cfg)
-    gv, gk, gq, gw, gb = route_triton.route_backward(grad_out.to(DEVICE), *args, config=bwd_cfg)
+    ref_out, _, _, ref_grads = _oracle_f64(inp, grad_out)
+    out, _, _, grads = _run_fused(_on(inp, DEVICE), grad_out.to(DEVICE), fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg)
     assert _rel(out, ref_out) < TOL[torch.float32]
-    for got, want in zip([*gv, *gk, gq, gw, gb], ref_grads):
+    assert len(grads) == len(ref_grads)
+    for got, want in zip(grads, ref_grads):
         assert _rel(got, want) < TOL[torch.float32]
 
 

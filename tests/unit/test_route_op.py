@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from depthrewrite.ops import route, route_reference
-from depthrewrite.ops.route import ROUTE_BACKWARD_SCHEMA, ROUTE_SCHEMA
+from depthrewrite.ops.route import (
+    ROUTE_BACKWARD_SCHEMA,
+    ROUTE_SCHEMA,
+    route_and_norm,
+    route_and_norm_reference,
+    route_logits_reference,
+)
 
 
 @dataclass
@@ -107,10 +113,11 @@ def assert_close_bf16(actual: torch.Tensor, expected64: torch.Tensor) -> None:
 
 
 def test_registered_schemas_are_the_kernel_contract():
-    assert str(torch.ops.depthrewrite.route.default._schema) == "depthrewrite::route" + ROUTE_SCHEMA
-    assert (
-        str(torch.ops.depthrewrite.route_backward.default._schema)
-        == "depthrewrite::route_backward" + ROUTE_BACKWARD_SCHEMA
+    # compared as parsed schemas: the registry prints a default 1e-06 as 9.9999999999999995e-07
+    parse = torch._C.parse_schema
+    assert torch.ops.depthrewrite.route.default._schema == parse("depthrewrite::route" + ROUTE_SCHEMA)
+    assert torch.ops.depthrewrite.route_backward.default._schema == parse(
+        "depthrewrite::route_backward" + ROUTE_BACKWARD_SCHEMA
     )
 
 
@@ -123,22 +130,50 @@ OPCHECK_CASES = [
 ]
 
 
+def _norm_args(case: Case, with_norm: bool) -> tuple:
+    """The optional fused output norm arguments: none, or a weight and its eps."""
+    if not with_norm:
+        return ()
+    return (1.0 + 0.3 * torch.randn(case.d, generator=torch.Generator().manual_seed(case.d)), 1e-5)
+
+
+@pytest.mark.parametrize("with_norm", [False, True], ids=["route", "route_and_norm"])
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=repr)
-def test_opcheck_route(case):
+def test_opcheck_route(case, with_norm):
     inp = make_inputs(case, torch.float32).cast(torch.float32, torch.float32, requires_grad=True)
     args = (inp.values, inp.keys, inp.query, inp.key_norm_weight, inp.logit_bias, inp.source_scale, case.heads, 1e-6)
-    torch.library.opcheck(torch.ops.depthrewrite.route.default, args)
+    norm = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in _norm_args(case, with_norm))
+    torch.library.opcheck(torch.ops.depthrewrite.route.default, args + norm)
 
 
+@pytest.mark.parametrize("with_norm", [False, True], ids=["route", "route_and_norm"])
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=repr)
-def test_opcheck_route_backward(case):
+def test_opcheck_route_backward(case, with_norm):
     inp = make_inputs(case, torch.float32)
     grad_out = torch.randn(*case.batch, case.d)
-    args = (
-        grad_out, inp.values, inp.keys, inp.query, inp.key_norm_weight,
-        inp.logit_bias, inp.source_scale, case.heads, 1e-6,
-    )
-    torch.library.opcheck(torch.ops.depthrewrite.route_backward.default, args)
+    fwd = (inp.values, inp.keys, inp.query, inp.key_norm_weight, inp.logit_bias, inp.source_scale, case.heads, 1e-6)
+    norm = _norm_args(case, with_norm)
+    out, lse, _normed = torch.ops.depthrewrite.route(*fwd, *norm)
+    grad_normed = (torch.randn(*case.batch, case.d),) if with_norm else ()
+    torch.library.opcheck(torch.ops.depthrewrite.route_backward.default, (grad_out, out, lse, *fwd, *grad_normed, *norm))
+
+
+@pytest.mark.parametrize("case", [Case(1, (2, 3), 8, heads=2), *OPCHECK_CASES[:4]], ids=repr)
+def test_lse_is_the_log_sum_exp_of_the_logits_and_not_differentiable(case):
+    inp = make_inputs(case, torch.float64, seed=11).cast(torch.float64, torch.float64, requires_grad=True)
+    out, lse, normed = torch.ops.depthrewrite.route(inp.values, inp.keys, inp.query, inp.key_norm_weight,
+                                                    inp.logit_bias, inp.source_scale, case.heads, 1e-6)
+    assert normed.numel() == 0  # no output norm asked for
+    assert lse.dtype == torch.float32 and lse.shape == (*case.batch, case.heads)
+    assert out.requires_grad and not lse.requires_grad
+    z = route_logits_reference(inp.values, inp.keys, **inp.kwargs())
+    if case.n == 1:
+        assert not lse.any()  # defined as 0: the single weight is exp(0 - 0) = 1
+    else:
+        # fp32 storage of a float64 computation: one rounding
+        torch.testing.assert_close(lse.double(), torch.logsumexp(z, 0).detach(), rtol=2.0**-23, atol=1e-7)
+        # the weights the backward rebuilds from lse are the softmax
+        torch.testing.assert_close(torch.exp(z - lse.double()), torch.softmax(z, 0), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------- gradcheck
@@ -171,6 +206,54 @@ def test_gradcheck_float64(fn, case):
                   source_scale=inp.source_scale, heads=case.heads)
 
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [route_and_norm, route_and_norm_reference], ids=["op", "reference"])
+@pytest.mark.parametrize("case", GRADCHECK_CASES[1::2], ids=repr)
+def test_gradcheck_route_and_norm_float64(fn, case):
+    inp = make_inputs(case, torch.float64, seed=12).cast(torch.float64, torch.float64, requires_grad=True)
+    norm_weight = (1.0 + 0.3 * torch.randn(case.d, dtype=torch.float64)).requires_grad_()
+    leaves = inp.grad_leaves() + [norm_weight]
+    n = case.n
+
+    def f(*flat):
+        values, rest = list(flat[:n]), flat[n:]
+        keys = list(rest[:n]) if case.keys else None
+        rest = rest[n:] if case.keys else rest
+        bias = rest[2] if case.bias else None
+        return fn(values, keys, query=rest[0], key_norm_weight=rest[1], logit_bias=bias, out_norm_weight=rest[-1],
+                  source_scale=inp.source_scale, heads=case.heads, out_norm_eps=1e-5)
+
+    assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", MATCH_CASES_NORM := [
+    Case(1, (3, 7), 24, heads=3, keys=True, bias=True, scale=True),
+    Case(9, (3, 7), 40, heads=1, bias=True, scale=True),
+    Case(33, (3, 7), 40, heads=5, keys=True, bias=True, scale=True),
+], ids=repr)
+def test_route_and_norm_matches_reference_float32(case):
+    base = make_inputs(case, torch.float32, seed=13)
+    norm_weight = 1.0 + 0.3 * torch.randn(case.d, generator=torch.Generator().manual_seed(14))
+    gen = torch.Generator().manual_seed(15)
+    grad_out, grad_normed = (torch.randn(*case.batch, case.d, generator=gen) for _ in range(2))
+    results = []
+    for fn in (route_and_norm, route_and_norm_reference):
+        inp = base.cast(torch.float32, torch.float32, True)
+        w = norm_weight.clone().requires_grad_()
+        out, normed = fn(inp.values, inp.keys, out_norm_weight=w, **inp.kwargs())
+        grads = torch.autograd.grad((out * grad_out).sum() + (normed * grad_normed).sum(), inp.grad_leaves() + [w])
+        results.append((out, normed, grads))
+    (out, normed, grads), (ref, ref_normed, ref_grads) = results
+    assert out.dtype == normed.dtype == torch.float32
+    assert_rel(out, ref, 1e-5)
+    assert_rel(normed, ref_normed, 1e-5)
+    assert len(grads) == len(ref_grads)
+    for g, rg in zip(grads, ref_grads):
+        assert_rel(g, rg, 1e-5)
+    # the routed output is route's, bit for bit: the norm is an extra output
+    plain = route(base.values, base.keys, **base.kwargs())
+    assert torch.equal(out.detach(), plain)
 
 
 # ------------------------------------------------------- op against the reference
@@ -369,6 +452,26 @@ def test_bad_inputs_raise_value_error_naming_the_argument(fn, arg, kwargs):
     msg = str(info.value)
     assert f"`{arg}" in msg, msg  # `values` or `values[1]`
     assert "must be" in msg and "found" in msg, msg
+
+
+@pytest.mark.parametrize("fn", [route_and_norm, route_and_norm_reference], ids=["op", "reference"])
+@pytest.mark.parametrize("arg, value", [
+    ("out_norm_weight", torch.ones(11)),
+    ("out_norm_weight", torch.ones(12, dtype=torch.int64)),
+    ("out_norm_weight", None),
+    ("out_norm_weight", torch.ones(1, 12)),
+    ("out_norm_eps", -1.0),
+    ("out_norm_eps", float("inf")),
+    ("out_norm_eps", True),
+], ids=lambda x: repr(x) if not isinstance(x, torch.Tensor) else f"shape{tuple(x.shape)}-{x.dtype}")
+def test_route_and_norm_bad_inputs_raise_value_error_naming_the_argument(fn, arg, value):
+    base = make_inputs(Case(3, (2, 5), 12, heads=3), torch.float32)
+    kwargs = dict(out_norm_weight=torch.ones(12), out_norm_eps=1e-6, **base.kwargs())
+    kwargs[arg] = value
+    with pytest.raises(ValueError) as info:
+        fn(base.values, base.keys, **kwargs)
+    msg = str(info.value)
+    assert f"`{arg}`" in msg and "must be" in msg and "found" in msg, msg
 
 
 def test_wrapper_traces_under_torch_compile_fullgraph():

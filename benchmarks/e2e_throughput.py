@@ -1,0 +1,221 @@
+"""End-to-end training throughput and peak memory of the bundled GPT on one GPU: the
+plain-residual baseline compiled with Inductor against each scheme compiled with the
+``depthrewrite`` backend (the kernels issue's e2e goals).
+
+    python3 benchmarks/e2e_throughput.py [--out DIR] [--schemes baseline block_attnres ...]
+                                         [--wave 4] [--steps 10] [--trials 3]
+
+Model: preset ``medium`` (d=1024, 24 layers, 16 heads, byte vocabulary), sequence 2048,
+batch 8, bf16 weights, fused AdamW, one optimizer step per measured step.
+
+How it measures: compiling a 24-layer model takes a minute or more, so one process per
+configuration compiles and warms up at the same time as the others of its wave (the
+compiles use the CPUs; the GPU holds several models at once), then the processes are timed
+ONE AT A TIME while the others wait idle, so no two timed runs share the GPU. Each timed
+process runs ``trials`` x ``steps`` optimizer steps on fresh random tokens, CUDA events
+around each trial, and reports the median trial; peak memory is
+``torch.cuda.max_memory_allocated`` over the timed steps (reset after the warm-up). The
+backend's lowering report (routing ops per graph and the implementation they went to) is
+recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
+are on the GPU at once (memory).
+
+Writes ``e2e.json`` under --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import queue
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: name -> (scheme or None for the baseline, options, throughput goal relative to the baseline)
+CONFIGS = {
+    "baseline": (None, {}, None),
+    "block_attnres": ("block_attnres", {}, 0.95),
+    "mhar_block": ("mhar", {"block_size": 6}, 0.93),
+    "wav": ("wav", {}, 0.90),
+    "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
+    "attnres": ("attnres", {}, 0.80),
+    "mhar": ("mhar", {}, 0.78),
+}
+#: block schemes whose peak memory should stay within 1.10x of the baseline's
+BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
+BATCH, SEQ = 8, 2048
+
+
+def _build(name: str):
+    import torch
+
+    import depthrewrite
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    scheme, options, _ = CONFIGS[name]
+    torch.manual_seed(0)
+    model = gpt_from_preset("medium", max_seq_len=SEQ)
+    backend = "inductor"
+    if scheme is not None:
+        from depthrewrite.backend import depthrewrite_backend
+
+        model = depthrewrite.rewrite(model, scheme, **options)
+        backend = depthrewrite_backend  # the callable: the device has no pip-installed entry point
+    model = model.cuda().to(torch.bfloat16).train()
+    return model, torch.compile(model, backend=backend)
+
+
+def _child(name: str, steps: int, trials: int, to_parent, go) -> None:
+    import torch
+
+    try:
+        model, compiled = _build(name)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        vocab = model.config.vocab_size
+        gen = torch.Generator(device="cuda").manual_seed(1)
+
+        def step():
+            x = torch.randint(0, vocab, (BATCH, SEQ), device="cuda", generator=gen)
+            opt.zero_grad(set_to_none=True)
+            _, loss = compiled(x, x)
+            loss.backward()
+            opt.step()
+            return loss
+
+        start = time.time()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        warm_s = time.time() - start
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        to_parent.put(("ready", name, None))
+        go.wait()
+        trial_ms = []
+        for _ in range(trials):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(steps):
+                loss = step()
+            t1.record()
+            torch.cuda.synchronize()
+            trial_ms.append(t0.elapsed_time(t1) / steps)
+        ms = statistics.median(trial_ms)
+        row = dict(name=name, step_ms=ms, trial_ms=trial_ms, tokens_per_s=BATCH * SEQ / (ms * 1e-3),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30, compile_and_warmup_s=warm_s,
+                   loss=float(loss), lowering=_lowering(name))
+        to_parent.put(("result", name, row))
+    except Exception as exc:  # one configuration failing must not sink the others: record why
+        to_parent.put(("result", name, dict(name=name, error=f"{type(exc).__name__}: {exc}",
+                                            trace=traceback.format_exc()[-3000:])))
+
+
+def _lowering(name: str) -> dict | None:
+    """Routing ops per implementation, summed over every graph the backend compiled."""
+    if CONFIGS[name][0] is None:
+        return None
+    from depthrewrite.backend import reports
+
+    counts: dict[str, int] = {}
+    for rep in reports():
+        for op, n in rep.ops.items():
+            key = f"{op} ({rep.implementation.get(op, '?')})"
+            counts[key] = counts.get(key, 0) + n
+    return dict(graphs=len(reports()), ops=counts)
+
+
+def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    to_parent = ctx.Queue()
+    gos = {n: ctx.Event() for n in names}
+    procs = {n: ctx.Process(target=_child, args=(n, steps, trials, to_parent, gos[n])) for n in names}
+    for p in procs.values():
+        p.start()
+    rows, ready = {}, []
+    deadline = time.time() + timeout_s
+    while len(ready) + len(rows) < len(names) and time.time() < deadline:
+        try:
+            kind, name, row = to_parent.get(timeout=max(1.0, deadline - time.time()))
+        except queue.Empty:
+            break
+        if kind == "ready":
+            ready.append(name)
+            say(f"e2e {name}: compiled and warm")
+        else:
+            rows[name] = row
+            say(f"e2e {name}: ERROR {row['error']}")
+    for name in names:  # time them one at a time, in the order they are listed
+        if name not in ready:
+            continue
+        gos[name].set()
+        try:
+            _, _, row = to_parent.get(timeout=600)
+        except queue.Empty:
+            row = dict(name=name, error="timed run did not report within 600 s")
+        rows[name] = row
+        say("e2e " + json.dumps({k: v for k, v in row.items() if k != "trace"}))
+    for p in procs.values():
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    return [rows.get(n, dict(name=n, error="did not compile within the time limit")) for n in names]
+
+
+def run(names: list[str], wave: int, steps: int, trials: int, timeout_s: float, say=print) -> list[dict]:
+    rows = []
+    for i in range(0, len(names), wave):
+        rows += run_wave(names[i : i + wave], steps, trials, timeout_s, say)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["name"] == "baseline" and "error" not in r), None)
+    lines = ["| model | backend | ms/step | tokens/s | x baseline (goal) | peak GiB | x baseline | routing ops lowered |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | | error: {r['error'][:80]} | | | | | |")
+            continue
+        goal = CONFIGS[r["name"]][2]
+        speed = f"{base['step_ms'] / r['step_ms']:.3f}" if base else "-"
+        if goal is not None:
+            speed += f" (>= {goal:.2f})"
+        mem = f"{r['peak_gib'] / base['peak_gib']:.3f}" if base else "-"
+        if r["name"] in BLOCK_SCHEMES:
+            mem += " (<= 1.10)"
+        low = r.get("lowering") or {}
+        ops = ", ".join(f"{k}: {v}" for k, v in (low.get("ops") or {}).items())
+        if low:
+            ops += f" in {low['graphs']} graph(s)"
+        lines.append(f"| {r['name']} | {'inductor' if CONFIGS[r['name']][0] is None else 'depthrewrite'} | "
+                     f"{r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} | "
+                     f"{ops or '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--schemes", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--wave", type=int, default=4, help="models compiled (and held on the GPU) at once")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--compile-timeout-s", type=float, default=400)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    rows = run(args.schemes, args.wave, args.steps, args.trials, args.compile_timeout_s)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,9 +11,10 @@ batch 8, bf16 weights, fused AdamW, one optimizer step per measured step.
 How it measures: compiling a 24-layer model takes a minute or more, so one process per
 configuration compiles and warms up at the same time as the others of its wave (the
 compiles use the CPUs; the GPU holds several models at once), then the processes are timed
-ONE AT A TIME while the others wait idle, so no two timed runs share the GPU. Each timed
-process runs ``trials`` x ``steps`` optimizer steps on fresh random tokens, CUDA events
-around each trial, and reports the median trial; peak memory is
+ONE AT A TIME while the others wait idle, so no two timed runs share the GPU. Each
+process runs 5 warm-up steps (the first compiles); when its turn comes, ``trials`` x
+``steps`` optimizer steps on fresh random tokens, CUDA events around each trial, and it
+reports the median trial; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps (reset after the warm-up). The
 backend's lowering report (routing ops per graph and the implementation they went to) is
 recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
@@ -50,6 +51,8 @@ CONFIGS = {
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
+#: steps before timing: the first compiles; the rest let the allocator and caches settle
+WARMUP_STEPS = 5
 
 
 def _build(name: str):
@@ -89,11 +92,12 @@ def _child(name: str, steps: int, trials: int, to_parent, go) -> None:
             return loss
 
         start = time.time()
-        for _ in range(3):
+        for _ in range(WARMUP_STEPS):
             step()
         torch.cuda.synchronize()
         warm_s = time.time() - start
-        torch.cuda.empty_cache()
+        # no empty_cache() here: the caching allocator would have to grow again inside the
+        # first timed trial (the 2026-11-29 run did that: its first trials were 1-50 % slower)
         torch.cuda.reset_peak_memory_stats()
         to_parent.put(("ready", name, None))
         go.wait()

@@ -7,8 +7,8 @@ depth-routing graphs (Attention Residuals, MHAR, WAV, DAR and their baselines).
 
 from .analysis import ResidualStream, Site
 from .errors import (
-    AlreadyRewrittenError, CaptureError, DepthRewriteError, NoResidualStreamError, NotPreNormError,
-    RuntimeOrderError,
+    AlreadyRewrittenError, CaptureError, DepthRewriteError, NoResidualStreamError, NotAdditiveStreamError,
+    NotPreNormError, RuntimeOrderError, UnsupportedStructureError,
 )
 from .passes import SCHEMES
 from .hf import from_pretrained
@@ -19,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "rewrite", "inspect", "from_pretrained", "SCHEMES", "ResidualStream", "Site",
     "DepthRewriteError", "CaptureError", "NotPreNormError", "NoResidualStreamError",
-    "AlreadyRewrittenError", "RuntimeOrderError",
+    "AlreadyRewrittenError", "RuntimeOrderError", "NotAdditiveStreamError", "UnsupportedStructureError",
 ]

@@ -26,3 +26,14 @@ class AlreadyRewrittenError(DepthRewriteError):
 
 class RuntimeOrderError(DepthRewriteError):
     """A rewritten model ran its blocks in an order the rewrite did not see at capture."""
+
+
+class NotAdditiveStreamError(DepthRewriteError):
+    """The model has a residual stream, but its update is not ``h + u`` (SPEC section 1):
+    a rescaled stream (``a * h + u``), several parallel streams (hyper-connections), or a
+    block that runs more than once per forward (recurrent depth)."""
+
+
+class UnsupportedStructureError(DepthRewriteError):
+    """A PreNorm residual stream was found, but a structure in it is not supported yet;
+    the message says which. Unlike the other refusals this is a gap of depthrewrite."""

@@ -9,6 +9,7 @@ applies the same rewrite, and loads the routing parameters back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -64,6 +65,45 @@ def model_from_config(path_or_id: str | pathlib.Path, layers: int | None = None)
     return AutoModelForCausalLM.from_config(config)
 
 
+#: the logger transformers writes its load report to (``log_state_dict_report``)
+_LOAD_REPORT_LOGGER = "transformers.modeling_utils"
+
+
+class _RoutingKeyReportFilter(logging.Filter):
+    """Drops the rows of transformers' load report that name routing parameters: the
+    original architecture does not have them, and :func:`from_pretrained` loads them right
+    after. Any other row (missing, mismatched, other unexpected keys) is kept; a report left
+    with none is dropped. A report whose format is not recognised passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message:
+            return True
+        lines = message.split("\n")
+        rows = [ln for ln in lines if "|" in ln and not set(ln) <= set("-+| ")][1:]  # without the header
+        routing = [ln for ln in rows if ROUTING_KEY_PART in ln.split("|")[0]]
+        if not routing:
+            return True
+        if len(routing) == len(rows):
+            return False
+        kept = [ln for ln in lines if ln not in routing]
+        if not any("UNEXPECTED" in ln for ln in rows if ln not in routing):
+            kept = [ln for ln in kept if "UNEXPECTED:" not in ln]  # its note, now without a row
+        record.msg, record.args = "\n".join(kept), ()
+        return True
+
+
+@contextlib.contextmanager
+def _routing_keys_not_reported():
+    logger = logging.getLogger(_LOAD_REPORT_LOGGER)
+    report_filter = _RoutingKeyReportFilter()
+    logger.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(report_filter)
+
+
 def from_pretrained(path: str | pathlib.Path, auto_class: Any = None, **kwargs) -> nn.Module:
     """Load a model saved with ``save_pretrained`` after a rewrite.
 
@@ -82,7 +122,8 @@ def from_pretrained(path: str | pathlib.Path, auto_class: Any = None, **kwargs) 
         )
     if auto_class is None:
         from transformers import AutoModelForCausalLM as auto_class
-    model = auto_class.from_pretrained(str(path), **kwargs)
+    with _routing_keys_not_reported():
+        model = auto_class.from_pretrained(str(path), **kwargs)
     model = rewrite(model, recipe["scheme"], **recipe["options"])
     routing = _routing_tensors(path)
     expected = {n for n, _ in model.named_parameters() if ROUTING_KEY_PART in n}

@@ -8,14 +8,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from ..capture import Capture, capture, eval_mode
-from ..errors import NotPreNormError
-from .probes import norm_type
+from ..errors import CaptureError, DepthRewriteError, NoResidualStreamError, NotAdditiveStreamError, NotPreNormError
+from .diagnose import not_additive_reason
+from .probes import leaf_output_patterns, norm_type
 from .residual import BlockSiteFinder, SiteGraph
-from .trace import CallSpec, TracedBlock, call_spec, trace_block
+from .trace import CallSpec, TracedBlock, TraceHints, call_spec, forward_param_names, trace_block
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class Site:
     block: int  # 0-based index of the block in the stack
     position: int  # 1-based position inside its block
     kind: str  # 'attention' (token-mixing), 'mlp' (per token) or 'parallel'
-    norm_type: str  # 'rmsnorm' or 'layernorm'
+    norm_type: str  # 'rmsnorm', 'layernorm', or 'identity' (an nn.Identity norm slot at the first site)
     norm_eps: float | None
     norm_paths: tuple[str, ...]
     branch_paths: tuple[str, ...]  # modules on the branch between the norm and the add
@@ -107,19 +109,121 @@ def _stream_placeholder(traced: TracedBlock, capture_: Capture) -> fx.Node:
     return [n for n in traced.graph.nodes if n.op == "placeholder"][index]
 
 
+#: how many times a block whose residual adds live inside its children is traced again,
+#: one level of children deeper each time, before the analysis gives up
+MAX_INLINE_ROUNDS = 4
+
+
 def analyze_block_call(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec,
-                       norm_cache: dict, probe_values: list | None = None) -> BlockPlan:
+                       norm_cache: dict, probe_values: list | None = None,
+                       hints: TraceHints | None = None) -> BlockPlan:
     """Trace one call spec of a block and find its sites. With ``probe_values`` (the traced
-    inputs of a real call) the token-mixing probe labels each site's kind."""
-    path = cap.block_paths[index]
-    traced = trace_block(block, forward, spec)
-    stream = _stream_placeholder(traced, cap)
-    finder = BlockSiteFinder(traced.gm, block, path, stream, cap.d_model, norm_cache)
-    sites = finder.find()
+    inputs of a real call) the token-mixing probe labels each site's kind. ``hints``: what
+    the analysis of an earlier call spec of the same block learnt (children to trace
+    through...); when None it is learnt here, from the block's own code first."""
+    if hints is None:
+        traced, finder, sites = _discover_sites(cap, index, block, forward, spec, norm_cache, probe_values,
+                                                TraceHints())
+    else:
+        traced, finder = _trace(cap, index, block, forward, spec, norm_cache, hints)
+        sites = finder.find()
     if probe_values is not None:
-        finder.classify_parts(probe_values, sites)
-    return BlockPlan(index=index, path=path, module=block, traced=traced, stream_placeholder=stream,
-                     sites=sites, forward=forward, finder=finder)
+        try:
+            finder.classify_parts(probe_values, sites)
+        except DepthRewriteError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the graph does not replay the recorded call
+            traced, finder, sites = _retrace_with_leaf_outputs(cap, index, block, forward, spec, norm_cache,
+                                                               probe_values, traced.hints, exc)
+    return BlockPlan(index=index, path=cap.block_paths[index], module=block, traced=traced,
+                     stream_placeholder=finder.stream0, sites=sites, forward=forward, finder=finder)
+
+
+def _trace(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec, norm_cache: dict,
+           hints: TraceHints) -> tuple[TracedBlock, BlockSiteFinder]:
+    traced = trace_block(block, forward, spec, hints)
+    stream = _stream_placeholder(traced, cap)
+    finder = BlockSiteFinder(traced.gm, block, cap.block_paths[index], stream, cap.d_model, norm_cache,
+                             identity_norm_ok=index == 0)
+    return traced, finder
+
+
+def _retrace_with_leaf_outputs(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec,
+                               norm_cache: dict, probe_values: list, hints: TraceHints, error: Exception):
+    """The traced graph failed on the recorded inputs. A leaf child that returned ``None``
+    in a tuple (read as a tensor by the trace) is the one cause fixed here; any other is
+    reported with the recorded inputs that are objects (a KV cache the capture run filled
+    makes the recorded call unrepeatable)."""
+    try:
+        patterns = leaf_output_patterns(block, forward, spec, probe_values)
+    except Exception:  # noqa: BLE001 - the block itself does not replay either: report the graph's error
+        patterns = ()
+    if patterns:
+        hints = TraceHints(inline=hints.inline, leaf_outputs=patterns)
+        traced, finder = _trace(cap, index, block, forward, spec, norm_cache, hints)
+        sites = finder.find()
+        try:
+            finder.classify_parts(probe_values, sites)
+            log.info("block %r: traced again knowing which child outputs are None: %s",
+                     cap.block_paths[index], [p for p, _ in patterns])
+            return traced, finder, sites
+        except DepthRewriteError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    raise CaptureError(_replay_failure(cap.block_paths[index], spec, forward, probe_values, error)) from error
+
+
+def _replay_failure(path: str, spec: CallSpec, forward, values: list, error: Exception) -> str:
+    names = spec.input_names(forward_param_names(forward))
+    objects = [f"'{n}' ({type(v).__name__})" for n, v in zip(names, values)
+               if not isinstance(v, (torch.Tensor, tuple, list))]
+    why = ""
+    if objects:
+        why = (f"; its argument(s) {', '.join(objects)} are objects that the capture run may have "
+               "changed (a KV cache filled during the example call: pass use_cache=False in example_inputs)")
+    return (f"block {path!r}: running its traced graph again on the arguments recorded at capture "
+            f"failed{why}: {type(error).__name__}: {' '.join(str(error).split())[:300]}")
+
+
+def _discover_sites(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec, norm_cache: dict,
+                    probe_values: list | None, hints: TraceHints):
+    """Sites from the block's own code; where the walk along the stream stops at a child
+    module that receives the stream (BLOOM's attention and MLP add the residual
+    themselves), trace again with those children traced through, one level at a time."""
+    inline = hints.inline
+    traced, finder = _trace(cap, index, block, forward, spec, norm_cache, hints)
+    try:
+        return traced, finder, finder.find()
+    except (NoResidualStreamError, NotPreNormError) as exc:
+        error = exc
+    for _ in range(MAX_INLINE_ROUNDS):
+        more = finder.raw_readers(finder.last_stream) - inline if finder.incomplete else frozenset()
+        if not more:
+            break
+        inline = inline | more
+        try:
+            traced_in, finder_in = _trace(cap, index, block, forward, spec, norm_cache,
+                                          TraceHints(inline=inline, leaf_outputs=hints.leaf_outputs))
+        except CaptureError as exc:  # the child's code does not trace: say so with the first finding
+            error = type(error)(f"{error}; the stream goes into {', '.join(sorted(more))}, whose code could "
+                                f"not be traced through to look for the add inside ({exc.__cause__!r:.200})")
+            break
+        traced, finder = traced_in, finder_in
+        try:
+            sites = finder.find()
+        except (NoResidualStreamError, NotPreNormError) as exc:
+            error = exc
+            continue
+        log.info("block %r: residual adds found inside its children %s (traced through)",
+                 cap.block_paths[index], ", ".join(sorted(inline)))
+        return traced, finder, sites
+    reason = not_additive_reason(finder, probe_values)
+    if reason is not None:
+        raise NotAdditiveStreamError(
+            f"{finder.where()}: {reason}; depthrewrite needs one stream updated by h + u (SPEC section 1)"
+        ) from error
+    raise error
 
 
 def analyze(model: nn.Module, example_inputs: Any = None) -> Analysis:
@@ -140,6 +244,9 @@ def _analyze(model: nn.Module, example_inputs: Any) -> Analysis:
         plans.append(plan)
         for pos, sg in enumerate(plan.sites, start=1):
             sites.append(_public_site(plan, sg, len(sites) + 1, pos))
+            if sg.identity_norm:
+                log.info("site %d (block %r): the norm slot %s is nn.Identity; the branch reads the "
+                         "embedding output as the model does", len(sites), plan.path, sites[-1].norm_paths)
     final_type = norm_type(cap.final_norm, cap.d_model)
     if final_type is None:
         raise NotPreNormError(

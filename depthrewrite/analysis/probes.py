@@ -17,6 +17,8 @@ from torch import nn
 # input scale differ only through eps (about 1e-6 relative for unit-scale inputs); a
 # non-norm module changes by O(1).
 _INVARIANCE_TOL = 1e-3
+#: input scales a norm's output must not depend on
+_PROBE_SCALES = (3.7, 41.0)
 
 
 def _module_dtype(module: nn.Module) -> torch.dtype:
@@ -47,14 +49,16 @@ def norm_type(module: nn.Module, d_model: int) -> str | None:
     x = x.to(device=_module_device(module), dtype=_module_dtype(module))
     try:
         y = module(x)
-        y_scaled = module(3.7 * x)
+        # two scales: a block ``x + f(norm(x))`` whose branch output dwarfs ``x`` (large
+        # random weights) passes the small one, but not 40x
+        y_scaled = [module(scale * x) for scale in _PROBE_SCALES]
         y_shifted = module(x + 1.3)
     except Exception:  # not callable on a plain stream tensor: not a norm
         return None
-    if not all(isinstance(t, torch.Tensor) and t.shape == x.shape for t in (y, y_scaled, y_shifted)):
+    if not all(isinstance(t, torch.Tensor) and t.shape == x.shape for t in (y, *y_scaled, y_shifted)):
         return None
     tol = max(_INVARIANCE_TOL, 50 * torch.finfo(x.dtype).eps)
-    if y.abs().max() == 0 or _rel_diff(y_scaled, y) > tol:
+    if y.abs().max() == 0 or any(_rel_diff(t, y) > tol for t in y_scaled):
         return None
     return "layernorm" if _rel_diff(y_shifted, y) <= tol else "rmsnorm"
 
@@ -105,7 +109,43 @@ def mixes_tokens(gm: fx.GraphModule, inputs: list, stream: fx.Node, outputs: lis
     env = run_block_graph(gm, inputs, perturb=stream, delta=delta)
     result = []
     for node in outputs:
-        before, after = baseline[node][..., 1:, :].double(), env[node][..., 1:, :].double()
+        before, after = _as_stream(baseline[node], ref), _as_stream(env[node], ref)
+        before, after = before[..., 1:, :].double(), after[..., 1:, :].double()
         scale = before.abs().max().item() + 1e-12
         result.append(bool((after - before).abs().max().item() > 1e-4 * scale))
     return result
+
+
+def _as_stream(value: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """A branch output in the stream's (..., T, d) layout: some blocks work on a flattened
+    view (OPT's MLP reads ``h.reshape(-1, d)``)."""
+    if value.shape != stream.shape and value.numel() == stream.numel():
+        return value.reshape(stream.shape)
+    return value
+
+
+@torch.no_grad()
+def leaf_output_patterns(block: nn.Module, forward, spec, inputs: list) -> tuple:
+    """Run the block once on a copy of its recorded inputs and note, for every submodule
+    that returns a tuple with ``None`` entries, where those are (see ``TraceHints``)."""
+    import copy
+
+    try:
+        inputs = copy.deepcopy(inputs)  # a KV cache among them must not be extended
+    except Exception:  # noqa: BLE001 - not copyable: run on the originals
+        pass
+    names = {m: n for n, m in block.named_modules() if n}
+    patterns: dict[str, tuple] = {}
+
+    def hook(module, args, output):
+        if isinstance(output, tuple) and any(o is None for o in output) and names[module] not in patterns:
+            patterns[names[module]] = tuple(None if o is None else True for o in output)
+
+    handles = [m.register_forward_hook(hook) for m in names]
+    try:
+        args, kwargs = spec.call_arguments(inputs)
+        forward(block, *args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple(sorted(patterns.items()))

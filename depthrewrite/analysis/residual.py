@@ -7,6 +7,12 @@ path from ``s`` to ``u`` passes through a normalisation module that reads ``s``:
 those norm nodes and ``s`` no longer reaches ``u``. The add's result is the next stream.
 A second add ``(s + a) + m`` whose ``m`` comes from the *previous* stream (not from
 ``s + a``) is the other half of a parallel block and joins the same site.
+
+Reachability follows values only: reading a tensor for its shape or dtype (``x.size()``,
+``u.view(h.shape)``, ``b.expand_as(h)``) is not reading the stream. Ops that carry the
+stream's values unchanged (dtype casts, views, ``contiguous``) are transparent: the add or
+the norm may read ``s.to(torch.float32)`` or ``s.reshape(-1, d)`` instead of ``s``; each
+site records those chains so that the rewrite can replay them on the routed value.
 """
 
 from __future__ import annotations
@@ -20,11 +26,22 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import NotPreNormError, NoResidualStreamError
+from ..errors import NotPreNormError, NoResidualStreamError, UnsupportedStructureError
 from .probes import mixes_tokens, norm_eps, norm_type, run_block_graph
 
 _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 _ADD_METHODS = {"add", "add_", "__add__", "__iadd__", "__radd__"}
+
+#: methods that carry their input's values unchanged into another dtype or memory layout
+_CAST_METHODS = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous"}
+#: methods that carry their input's values unchanged into another shape, in the same order
+_VIEW_METHODS = {"view", "reshape", "view_as", "reshape_as", "flatten"}
+#: methods whose argument 1 is read for its shape or dtype only
+_SHAPE_OF_ARG1_METHODS = {"expand_as", "view_as", "reshape_as", "type_as"}
+#: methods and functions whose result depends on their first argument's shape/dtype only
+_SHAPE_OF_ARG0_METHODS = {"size", "dim", "numel", "new_zeros", "new_ones", "new_empty", "new_full"}
+_SHAPE_OF_ARG0_FUNCTIONS = {torch.zeros_like, torch.ones_like, torch.empty_like}
+_METADATA_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda"}
 
 
 @dataclass
@@ -37,6 +54,16 @@ class SiteGraph:
     adds: list[fx.Node]  # the residual add(s); the last one is the next stream
     part_mixes: list[bool] = field(default_factory=list)  # does each part mix tokens
     sum_of_branches: bool = False  # one add of ``a + m`` (GPT-NeoX style parallel block)
+    #: per norm, the transparent ops between ``stream`` and the norm's input (empty: reads it)
+    norm_chains: dict = field(default_factory=dict)
+    #: the transparent ops between ``stream`` and the residual add's stream operand
+    add_chain: tuple = ()
+    identity_norm: bool = False  # the norm slot is nn.Identity (the branch reads h_0 as is)
+
+    @property
+    def add_reshapes(self) -> bool:
+        """The add works on a view of the stream (``s.reshape(-1, d) + u``)."""
+        return any(n.target in _VIEW_METHODS for n in self.add_chain)
 
     @property
     def out(self) -> fx.Node:
@@ -50,17 +77,35 @@ class SiteGraph:
 
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """The value-dependency graph: an edge for every input a node reads the values of."""
     g = nx.DiGraph()
     for node in graph.nodes:
         g.add_node(node)
+        shape_only = _shape_only_inputs(node)
         for inp in node.all_input_nodes:
-            g.add_edge(inp, node)
+            if inp not in shape_only:
+                g.add_edge(inp, node)
     return g
 
 
+def _shape_only_inputs(node: fx.Node) -> set:
+    """Inputs ``node`` reads for their shape, dtype or device only."""
+    args = node.args
+    if node.op == "call_method" and node.target in _SHAPE_OF_ARG1_METHODS and len(args) > 1:
+        return {args[1]} - {args[0]}
+    if node.op == "call_method" and node.target in _SHAPE_OF_ARG0_METHODS and args:
+        return {args[0]}
+    if node.op == "call_function" and node.target in _SHAPE_OF_ARG0_FUNCTIONS and args:
+        return {args[0]}
+    if node.op == "call_function" and node.target is getattr and len(args) == 2 \
+            and args[1] in _METADATA_ATTRIBUTES:
+        return {args[0]}
+    return set()
+
+
 def is_add(node: fx.Node) -> bool:
-    if node.kwargs.get("alpha") is not None:
-        return False
+    if node.kwargs.get("alpha") is not None or any(isinstance(a, (tuple, list)) for a in node.args):
+        return False  # a scaled add, or a concatenation of tuples
     if node.op == "call_function" and node.target in _ADD_FUNCTIONS:
         return len(node.args) == 2
     if node.op == "call_method" and node.target in _ADD_METHODS:
@@ -73,18 +118,29 @@ def other_operand(add: fx.Node, stream: fx.Node):
     return b if a is stream else a
 
 
-def _module_path(block_path: str, target: str) -> str:
+def module_path(block_path: str, target: str) -> str:
     return f"{block_path}.{target}" if block_path else target
 
 
 class BlockSiteFinder:
-    """Walks one block's graph from its stream placeholder, collecting PreNorm sites."""
+    """Walks one block's graph from its stream placeholder, collecting PreNorm sites.
+
+    ``identity_norm_ok``: the block is the first of the stack, whose stream is the
+    embedding output ``h_0``; there an ``nn.Identity`` in a norm slot (the model normed its
+    embeddings itself, as ModernBERT-decoder does) counts as the first site's norm.
+    """
 
     def __init__(self, gm: fx.GraphModule, block: nn.Module, block_path: str, stream: fx.Node,
-                 d_model: int, norm_cache: dict):
+                 d_model: int, norm_cache: dict, identity_norm_ok: bool = False):
         self.gm, self.block, self.block_path = gm, block, block_path
         self.stream0, self.d_model, self.norm_cache = stream, d_model, norm_cache
+        self.identity_norm_ok = identity_norm_ok
         self.nx = to_networkx(gm.graph)
+        #: the stream value the walk ended at, and whether it ended before the block's end
+        #: (no add found, or the block returns something else): the add may then live
+        #: inside a child module that the stream is passed to
+        self.last_stream: fx.Node = stream
+        self.incomplete = False
 
     def norm_of(self, node: fx.Node) -> str | None:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
@@ -94,44 +150,96 @@ class BlockSiteFinder:
             self.norm_cache[module] = norm_type(module, self.d_model)
         return self.norm_cache[module]
 
+    def _is_identity_slot(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and len(node.args) == 1 and not node.kwargs \
+            and isinstance(self.gm.get_submodule(node.target), nn.Identity)
+
+    def carried(self, stream: fx.Node) -> dict[fx.Node, tuple]:
+        """``stream`` and every value that carries it unchanged (casts, views), each with
+        the chain of transparent ops that leads to it from ``stream``."""
+        found: dict[fx.Node, tuple] = {stream: ()}
+        queue = [stream]
+        while queue:
+            node = queue.pop()
+            for user in node.users:
+                if user not in found and self._transparent(user, node):
+                    found[user] = found[node] + (user,)
+                    queue.append(user)
+        return found
+
+    def _transparent(self, node: fx.Node, src: fx.Node) -> bool:
+        if node.op != "call_method" or node.target not in _CAST_METHODS | _VIEW_METHODS:
+            return False
+        if not node.args or node.args[0] is not src:
+            return False
+        others = [a for a in node.all_input_nodes if a is not src]
+        return not any(self.nx.has_edge(a, node) and nx.has_path(self.nx, self.stream0, a) for a in others)
+
     def find(self) -> list[SiteGraph]:
         sites: list[SiteGraph] = []
         stream = self.stream0
         while True:
-            adds = [u for u in stream.users if is_add(u) and stream in u.args]
+            carried = self.carried(stream)
+            # adds of a value not computed from the stream (a bias) are no residual adds
+            adds = list(dict.fromkeys(u for c in carried for u in c.users if is_add(u) and c in u.args
+                                      and self._adds_stream_branch(u, c, stream)))
             if not adds:
                 break
             if len(adds) > 1:
-                raise NotPreNormError(
-                    f"{self._where()}: the stream value '{stream.name}' is added to {len(adds)} "
-                    "different tensors; expected one residual add per site"
-                )
-            site = self._site(stream, adds[0])
-            self._join_parallel_half(site)
+                raise NotPreNormError(self._several_adds(stream, adds))
+            site = self._site(stream, carried, adds[0], first=not sites)
+            self._join_parallel_half(site, sites)
             site.sum_of_branches = self._sum_of_two_branches(site)
             sites.append(site)
             stream = site.out
+        self.last_stream = stream
         if not sites:
+            self.incomplete = True
             raise NoResidualStreamError(
-                f"{self._where()}: no residual add reads the block's stream argument "
+                f"{self.where()}: no residual add reads the block's stream argument "
                 f"'{self.stream0.name}'"
             )
         self._check_returned(stream)
         return sites
 
-    def _where(self) -> str:
+    def _adds_stream_branch(self, add: fx.Node, operand: fx.Node, stream: fx.Node) -> bool:
+        other = other_operand(add, operand)
+        return isinstance(other, fx.Node) and nx.has_path(self.nx, stream, other)
+
+    def _several_adds(self, stream: fx.Node, adds: list[fx.Node]) -> str:
+        terms = ", ".join(f"'{a.name}' ({stream.name} + {getattr(other_operand(a, stream), 'name', '?')})"
+                          for a in adds)
+        msg = f"{self.where()}: the stream value '{stream.name}' is added to {len(adds)} different tensors: {terms}"
+        for a in adds:  # one sum feeding the norm of another's branch: the branch reads norm(h + t)
+            norm = next((n for n in self.gm.graph.nodes if self.norm_of(n) and nx.has_path(self.nx, a, n)
+                         and any(nx.has_path(self.nx, n, b) for b in adds if b is not a)), None)
+            if norm is not None:
+                return (f"{msg}; '{a.name}' feeds the norm '{module_path(self.block_path, norm.target)}' of "
+                        "another branch, which so reads norm(h + t) rather than norm(h) (a stream modified "
+                        "before its norm is not PreNorm)")
+        return f"{msg}; expected one residual add per site"
+
+    def where(self) -> str:
         return f"block {self.block_path!r} ({type(self.block).__name__})"
 
-    def _site(self, stream: fx.Node, add: fx.Node) -> SiteGraph:
-        u = other_operand(add, stream)
+    def _site(self, stream: fx.Node, carried: dict, add: fx.Node, first: bool) -> SiteGraph:
+        operand = next(a for a in add.args[:2] if a in carried)
+        u = other_operand(add, operand)
         if not isinstance(u, fx.Node) or not nx.has_path(self.nx, stream, u):
             raise NotPreNormError(
-                f"{self._where()}: the add '{add.name}' adds to the stream a value that is not "
+                f"{self.where()}: the add '{add.name}' adds to the stream a value that is not "
                 f"computed from it ({u!r}); a residual site adds a branch of the stream"
             )
-        norms = [n for n in stream.users if self.norm_of(n) is not None and nx.has_path(self.nx, n, u)]
+        readers = [(n, c) for c in carried for n in c.users
+                   if n not in carried and nx.has_path(self.nx, n, u)]
+        norms = [n for n, _ in readers if self.norm_of(n) is not None]
+        identity = first and self.identity_norm_ok and not norms and any(self._is_identity_slot(n) for n, _ in readers)
+        if identity:
+            norms = [n for n, _ in readers if self._is_identity_slot(n)]
         self._require_prenorm(stream, norms, u, add)
-        return SiteGraph(stream=stream, norms=norms, parts=[u], adds=[add])
+        chains = {n: carried[c] for n, c in readers if n in norms}
+        return SiteGraph(stream=stream, norms=norms, parts=[u], adds=[add], norm_chains=chains,
+                         add_chain=carried[operand], identity_norm=identity)
 
     def _require_prenorm(self, stream: fx.Node, norms: list[fx.Node], u: fx.Node, add: fx.Node) -> None:
         pruned = self.nx.copy()
@@ -141,29 +249,51 @@ class BlockSiteFinder:
         path = nx.shortest_path(pruned, stream, u)
         reader = next((n for n in path[1:] if n.op == "call_module"), path[1])
         found = (
-            f"the branch reads the raw stream through '{_module_path(self.block_path, reader.target)}'"
+            f"the branch reads the raw stream through '{module_path(self.block_path, reader.target)}'"
             if reader.op == "call_module" else f"the branch reads the raw stream through '{reader.name}'"
         )
         shape = "post-norm h + norm(f(h))" if any(self.norm_of(n) for n in path[1:]) else "h + f(h) with no norm"
+        hint = ""
+        if reader.op == "call_module" and self._is_identity_slot(reader):
+            hint = (" (an nn.Identity in a norm slot is accepted only at the first site of the "
+                    "first block, whose stream is the embedding output)")
         raise NotPreNormError(
-            f"{self._where()}: the residual add '{add.name}' is not PreNorm: {found} "
+            f"{self.where()}: the residual add '{add.name}' is not PreNorm: {found}{hint} "
             f"(shape found: {shape}); depthrewrite needs h + f(norm(h)), see SPEC section 1"
         )
 
-    def _join_parallel_half(self, site: SiteGraph) -> None:
-        """``(s + a) + m`` with ``m`` computed from ``s`` (not from ``s + a``): one parallel site."""
+    def _join_parallel_half(self, site: SiteGraph, earlier: list[SiteGraph]) -> None:
+        """``(s + a) + m`` with ``m`` computed from ``s`` (not from ``s + a``): one parallel
+        site. With ``m`` computed from an earlier site's norm instead (LongCat-Flash's
+        shortcut MoE reads the second site's norm and is added at the end of the block), ``m``
+        still enters the stream here: it joins this site as a delayed part of its update."""
         first = site.adds[0]
         nxt = [u for u in first.users if is_add(u) and first in u.args]
         if len(nxt) != 1:
             return
         m = other_operand(nxt[0], first)
-        if not isinstance(m, fx.Node) or nx.has_path(self.nx, first, m) or not nx.has_path(self.nx, site.stream, m):
+        if not isinstance(m, fx.Node) or nx.has_path(self.nx, first, m):
             return
-        norms = [n for n in site.stream.users if self.norm_of(n) is not None and nx.has_path(self.nx, n, m)]
+        if not nx.has_path(self.nx, site.stream, m):
+            self._join_delayed_part(site, earlier, m, nxt[0])
+            return
+        carried = self.carried(site.stream)
+        readers = [(n, c) for c in carried for n in c.users
+                   if self.norm_of(n) is not None and nx.has_path(self.nx, n, m)]
+        norms = [n for n, _ in readers]
         self._require_prenorm(site.stream, norms, m, nxt[0])
+        site.norm_chains.update({n: carried[c] for n, c in readers})
         site.parts.append(m)
         site.adds.append(nxt[0])
         site.norms = list(dict.fromkeys(site.norms + norms))
+
+    def _join_delayed_part(self, site: SiteGraph, earlier: list[SiteGraph], m: fx.Node, add: fx.Node) -> None:
+        norms = [n for e in earlier for n in e.norms]
+        if not norms or not nx.has_path(self.nx, self.stream0, m):
+            return
+        self._require_prenorm(self.stream0, norms, m, add)  # it reads the earlier streams through their norms
+        site.parts.append(m)
+        site.adds.append(add)
 
     def _sum_of_two_branches(self, site: SiteGraph) -> bool:
         """A single add of ``a + m`` where both terms come from the normed stream (GPT-NeoX)."""
@@ -175,7 +305,35 @@ class BlockSiteFinder:
         """Label every part of every site as token-mixing or not (one probe run per site)."""
         baseline = run_block_graph(self.gm, inputs)
         for site in sites:
+            self._require_stream_shape(site, baseline)
             site.part_mixes = mixes_tokens(self.gm, inputs, site.stream, site.parts, baseline)
+
+    def _require_stream_shape(self, site: SiteGraph, values: dict) -> None:
+        """Routing keeps every source in the shape the block received the stream in."""
+        got, want = values[site.stream], values[self.stream0]
+        if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape != want.shape:
+            raise UnsupportedStructureError(
+                f"{self.where()}: the site at '{site.adds[0].name}' reads the stream as "
+                f"'{site.stream.name}' of shape {tuple(got.shape)}, but the block received it with "
+                f"shape {tuple(want.shape)}; a stream reshaped between sites is not supported yet"
+            )
+
+    def raw_readers(self, stream: fx.Node) -> frozenset:
+        """Paths of the child modules, other than norms, that read ``stream``'s values
+        directly (through functions and methods, not through another module)."""
+        found, seen, queue = set(), {stream}, [stream]
+        while queue:
+            node = queue.pop()
+            for user in self.nx.successors(node):
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user.op == "call_module":
+                    if self.norm_of(user) is None and not self._is_identity_slot(user):
+                        found.add(user.target)
+                elif user.op in ("call_function", "call_method"):
+                    queue.append(user)
+        return frozenset(found)
 
     def branch_modules(self, site: SiteGraph) -> list[str]:
         """Module call targets on the branch: reachable from a norm, reaching a part."""
@@ -189,21 +347,30 @@ class BlockSiteFinder:
         return on_branch
 
     def norm_info(self, site: SiteGraph) -> tuple[str, float | None]:
+        if site.identity_norm:
+            return "identity", None
         kinds = {self.norm_of(n) for n in site.norms}
         eps = {norm_eps(self.gm.get_submodule(n.target)) for n in site.norms}
         return "/".join(sorted(k for k in kinds if k)), next(iter(eps)) if len(eps) == 1 else None
 
     def _check_returned(self, stream: fx.Node) -> None:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
-        first = _first_node(out.args[0])
-        if first is not stream:
+        first = first_node(out.args[0])
+        if first not in self.carried(stream):
+            self.incomplete = True
             got = first.name if isinstance(first, fx.Node) else repr(first)
             raise NotPreNormError(
-                f"{self._where()}: the block returns '{got}' where the stream after its last "
+                f"{self.where()}: the block returns '{got}' where the stream after its last "
                 f"residual add ('{stream.name}') was expected; a norm or another op after the "
                 "last add (post-LN) is not PreNorm"
             )
 
 
-def _first_node(value):
-    return next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, fx.Node)), None)
+def first_node(value):
+    """The first node a block returns; through ``(out,) + rest``, which the trace records
+    as a node when ``rest`` came from a leaf module."""
+    node = next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, fx.Node)), None)
+    if node is not None and node.op == "call_function" and node.target is operator.add \
+            and isinstance(node.args[0], tuple) and node.args[0]:
+        return first_node(node.args[0])
+    return node

@@ -14,6 +14,7 @@ generated code runs with the block itself as ``self``.
 from __future__ import annotations
 
 import keyword
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -75,6 +76,13 @@ class CallSpec:
     def bool_keywords(self) -> list[str]:
         return [k for k, v in self.keywords if v[0] == "const" and isinstance(v[1], bool)]
 
+    def call_arguments(self, inputs: list) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of a call of this spec, from its traced inputs' values."""
+        it = iter(inputs)
+        args = tuple(next(it) if mode == "input" else value for mode, value in self.positional)
+        kwargs = {k: (next(it) if mode == "input" else value) for k, (mode, value) in self.keywords}
+        return args, kwargs
+
     def input_values(self, args: tuple, kwargs: dict) -> list:
         vals = [a for a, (mode, _) in zip(args, self.positional) if mode == "input"]
         vals += [kwargs[k] for k, (mode, _) in self.keywords if mode == "input"]
@@ -117,11 +125,42 @@ def forward_param_names(fn: Callable) -> list[str]:
     return [p.name for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+@dataclass(frozen=True)
+class TraceHints:
+    """What tracing a block needs beyond its code and call spec; found once, from the
+    capture's call, and reused for every call spec of the block.
+
+    - ``inline``: children (paths relative to the block) traced through instead of kept as
+      leaves, because the residual add lives inside them (BLOOM, BERT-style ``*Output``);
+    - ``leaf_outputs``: ``(path, pattern)`` pairs for leaf children that return a tuple with
+      ``None`` entries (``pattern`` has ``None`` there, ``True`` elsewhere): a leaf's output
+      is opaque to the tracer, so code such as ``bias if bias is not None else ...`` would
+      otherwise be traced down the wrong branch.
+    """
+
+    inline: frozenset = frozenset()
+    leaf_outputs: tuple = ()
+
+
 class _LeafChildrenTracer(fx.Tracer):
-    """Every module call inside the block is a leaf: the analysis reads the block's own code."""
+    """Every module call inside the block is a leaf (the analysis reads the block's own
+    code), except the children named in ``hints.inline``: their code is traced into the
+    block's graph, their own children staying leaves unless named too."""
+
+    def __init__(self, hints: TraceHints):
+        super().__init__()
+        self.inline = hints.inline
+        self.leaf_outputs = dict(hints.leaf_outputs)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
+        return module_qualified_name not in self.inline
+
+    def call_module(self, m: nn.Module, forward: Callable, args, kwargs):
+        out = super().call_module(m, forward, args, kwargs)
+        pattern = self.leaf_outputs.get(self.path_of_module(m))
+        if pattern is None or not isinstance(out, fx.Proxy):
+            return out
+        return tuple(None if p is None else out[i] for i, p in enumerate(pattern))
 
 
 class _TraceRoot(nn.Module):
@@ -140,20 +179,20 @@ class TracedBlock:
     spec: CallSpec
     input_names: list[str]
     gm: fx.GraphModule  # for running the original graph (analysis probes)
+    hints: TraceHints = TraceHints()
 
 
-def trace_block(block: nn.Module, forward: Callable, spec: CallSpec) -> TracedBlock:
+def trace_block(block: nn.Module, forward: Callable, spec: CallSpec, hints: TraceHints = TraceHints()) -> TracedBlock:
     """Trace ``forward(block, *args, **kwargs)`` for calls of the given spec: its constants
-    baked in, its inputs as placeholders. No argument values are needed."""
+    baked in, its inputs as placeholders. No argument values are needed (``hints`` carries
+    what was learnt from the capture's call)."""
     training = spec.training
     names = spec.input_names(forward_param_names(forward))
     if len(set(names)) != len(names):
         raise CaptureError(f"block {type(block).__name__}: argument names collide after sanitising: {names}")
 
     def rebuild_and_call(*inputs):
-        it = iter(inputs)
-        call_args = [next(it) if mode == "input" else value for mode, value in spec.positional]
-        call_kwargs = {k: (next(it) if mode == "input" else value) for k, (mode, value) in spec.keywords}
+        call_args, call_kwargs = spec.call_arguments(list(inputs))
         return forward(block, *call_args, **call_kwargs)
 
     root = _TraceRoot(block)
@@ -167,13 +206,29 @@ def trace_block(block: nn.Module, forward: Callable, spec: CallSpec) -> TracedBl
     block.train(training)
     try:
         with torch.no_grad():
-            graph = _LeafChildrenTracer().trace(root)
+            graph = _LeafChildrenTracer(hints).trace(root)
     except Exception as exc:
+        through = f" (traced through {', '.join(sorted(hints.inline))})" if hints.inline else ""
         raise CaptureError(
-            f"torch.fx could not trace block {type(block).__name__} with its children as leaves: "
+            f"torch.fx could not trace block {type(block).__name__} with its children as leaves{through}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     finally:
         block.train(was_training)
+    _fold_tuple_items(graph)
     gm = fx.GraphModule(root, graph, class_name=f"Traced{type(block).__name__}")
-    return TracedBlock(graph=graph, spec=spec, input_names=names, gm=gm)
+    return TracedBlock(graph=graph, spec=spec, input_names=names, gm=gm, hints=hints)
+
+
+def _fold_tuple_items(graph: fx.Graph) -> None:
+    """``((a,) + rest)[0]`` is ``a``. BERT-style code returns ``(out,) + outputs[1:]``
+    where ``outputs`` came from a leaf module: the concatenation is recorded as a graph
+    node, and reading the stream back through it would hide the value from the analysis."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem:
+            continue
+        src, index = node.args
+        if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.add \
+                and isinstance(src.args[0], tuple) and isinstance(index, int) and 0 <= index < len(src.args[0]):
+            node.replace_all_uses_with(src.args[0][index])
+            graph.erase_node(node)

@@ -408,17 +408,7 @@ def route(
     its backward).
     """
     _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
-    out, _lse, _normed = torch.ops.depthrewrite.route(
-        list(values),
-        None if keys is None else list(keys),
-        query,
-        key_norm_weight,
-        logit_bias,
-        source_scale,
-        heads,
-        float(eps),
-    )
-    return out
+    return _call_op(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, None, 1e-6)[0]
 
 
 def route_and_norm(
@@ -440,17 +430,17 @@ def route_and_norm(
     ``(d,)``; the other arguments are those of ``route``."""
     _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
     _check_out_norm(values, out_norm_weight, out_norm_eps)
+    return _call_op(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, out_norm_weight,
+                    out_norm_eps)
+
+
+def _call_op(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, out_norm_weight,
+             out_norm_eps) -> tuple[Tensor, Tensor]:
+    """``(out, normed)`` of ``depthrewrite::route`` on checked inputs (its ``lse`` output is
+    only for its backward)."""
     out, _lse, normed = torch.ops.depthrewrite.route(
-        list(values),
-        None if keys is None else list(keys),
-        query,
-        key_norm_weight,
-        logit_bias,
-        source_scale,
-        heads,
-        float(eps),
-        out_norm_weight,
-        float(out_norm_eps),
+        list(values), None if keys is None else list(keys), query, key_norm_weight, logit_bias, source_scale,
+        heads, float(eps), out_norm_weight, float(out_norm_eps),
     )
     return out, normed
 

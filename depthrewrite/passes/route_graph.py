@@ -81,7 +81,7 @@ def _rewrite_site(graph: fx.Graph, site: SiteGraph, target: str, router_module, 
         router = graph.get_attr(target)
         x = graph.call_function(site_read, (router, state, h))
     for norm in site.norms:
-        norm.replace_input_with(site.stream, x)
+        _feed_routed(graph, norm, site.stream, site.norm_chains.get(norm, ()), x)
     if len(site.parts) == 1:
         u = site.parts[0]
     else:  # a parallel block written as two adds: its update is the sum of both parts
@@ -91,13 +91,41 @@ def _rewrite_site(graph: fx.Graph, site: SiteGraph, target: str, router_module, 
     parts = tuple(site.parts) if getattr(router_module, "wants_parts", False) and len(site.parts) > 1 else None
     with graph.inserting_after(u):
         new_state = graph.call_function(site_write, (router, state, u, x, h), {"parts": parts} if parts else {})
+    if site.add_reshapes:
+        _write_in_stream_layout(graph, new_state, x)
     if getattr(router_module, "scales_update", False):
         _scale_update(graph, site, router, u)
     if router_module.replaces_stream:
-        site.adds[0].replace_input_with(site.stream, x)
+        _feed_routed(graph, site.adds[0], site.stream, site.add_chain, x)
         for add in site.adds:
             _out_of_place(add)
     return new_state
+
+
+def _write_in_stream_layout(graph: fx.Graph, write: fx.Node, x: fx.Node) -> None:
+    """The add works on a view of the stream (OPT's ``h.reshape(-1, d) + u``): the update
+    and its parts are recorded in the stream's own layout, that of ``x``."""
+    with graph.inserting_before(write):
+        u = graph.call_method("reshape_as", (write.args[2], x))
+        parts = write.kwargs.get("parts")
+        if parts:
+            write.update_kwarg("parts", tuple(graph.call_method("reshape_as", (p, x)) for p in parts))
+    write.update_arg(2, u)
+
+
+def _feed_routed(graph: fx.Graph, consumer: fx.Node, stream: fx.Node, chain: tuple, x: fx.Node) -> None:
+    """Make ``consumer`` read the routed ``x`` where it read ``stream``, through a copy of
+    the casts and views (``chain``) it read the stream through: the original chain stays
+    for the stream's other readers."""
+    if not chain:
+        consumer.replace_input_with(stream, x)
+        return
+    prev_old, prev_new = stream, x
+    with graph.inserting_before(consumer):
+        for node in chain:
+            new = graph.node_copy(node, lambda n, old=prev_old, rep=prev_new: rep if n is old else n)
+            prev_old, prev_new = node, new
+    consumer.replace_input_with(chain[-1], prev_new)
 
 
 def _scale_update(graph: fx.Graph, site: SiteGraph, router: fx.Node, u: fx.Node) -> None:
@@ -112,11 +140,17 @@ def _scale_update(graph: fx.Graph, site: SiteGraph, router: fx.Node, u: fx.Node)
 
 def _erase_dead_adds(graph: fx.Graph, sites: list[SiteGraph]) -> int:
     """Residual adds whose result nobody reads any more (their stream value was replaced by
-    the routed one). Only those: other unused nodes may be calls kept for side effects."""
+    the routed one), then the casts and views that fed only them or the norms. Only those:
+    other unused nodes may be calls kept for side effects. Returns the adds removed."""
     removed = 0
     for site in reversed(sites):
         for add in reversed(site.adds):
             if not add.users:
                 graph.erase_node(add)
                 removed += 1
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        chained = {n for chain in (site.add_chain, *site.norm_chains.values()) for n in chain}
+        for node in sorted(chained, key=order.__getitem__, reverse=True):
+            if not node.users:
+                graph.erase_node(node)
     return removed

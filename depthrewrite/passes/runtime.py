@@ -139,6 +139,10 @@ class RoutedReadout:
     def __call__(self, hidden_states, *args, **kwargs):
         rt = self._depth_runtime
         if rt.next_block != rt.n_blocks or rt.state is None:
+            if rt.capture.final_norm_other_calls:
+                # the model also calls its final norm elsewhere (nanochat, on the embedding
+                # before the blocks): only the call after the whole stack is the readout
+                return super().__call__(hidden_states, *args, **kwargs)
             raise RuntimeOrderError(
                 f"the final norm {self._depth_path!r} ran after {rt.next_block} of {rt.n_blocks} "
                 "blocks; depthrewrite routes the final readout only after the whole stack ran"
@@ -205,7 +209,8 @@ def build_program(block: nn.Module, spec, plan: BlockPlan | None = None) -> Bloc
     rt = block._depth_runtime
     if plan is None:
         log.debug("tracing block %r for call spec %s", block._depth_path, _describe_spec(spec))
-        plan = analyze_block_call(rt.capture, block._depth_index, block, block._depth_forward, spec, {})
+        plan = analyze_block_call(rt.capture, block._depth_index, block, block._depth_forward, spec, {},
+                                  hints=block._depth_hints)
     routers = getattr(block, ROUTER_ATTR)
     if len(plan.sites) != len(routers):
         raise RuntimeOrderError(
@@ -228,6 +233,7 @@ def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, rout
     block._depth_index = plan.index
     block._depth_path = plan.path
     block._depth_forward = plan.forward
+    block._depth_hints = plan.traced.hints  # children traced through..., the same for every call spec
     block._depth_programs = {}
     block._depth_state_spec = None
     block._depth_out_spec = None

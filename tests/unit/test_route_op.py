@@ -190,19 +190,26 @@ GRADCHECK_CASES = [
 ]
 
 
+def _split_leaves(flat, case):
+    """values, keys, query, key-norm weight, bias and what follows, from the flat leaves of
+    ``grad_leaves()`` (in that order; keys and bias only where the case has them)."""
+    n = case.n
+    values, rest = list(flat[:n]), flat[n:]
+    keys = list(rest[:n]) if case.keys else None
+    rest = rest[n:] if case.keys else rest
+    bias = rest[2] if case.bias else None
+    return values, keys, rest[0], rest[1], bias, rest
+
+
 @pytest.mark.parametrize("fn", [route, route_reference], ids=["op", "reference"])
 @pytest.mark.parametrize("case", GRADCHECK_CASES, ids=repr)
 def test_gradcheck_float64(fn, case):
     inp = make_inputs(case, torch.float64, seed=1).cast(torch.float64, torch.float64, requires_grad=True)
     leaves = inp.grad_leaves()
-    n = case.n
 
     def f(*flat):
-        values, rest = list(flat[:n]), flat[n:]
-        keys = list(rest[:n]) if case.keys else None
-        rest = rest[n:] if case.keys else rest
-        bias = rest[2] if case.bias else None
-        return fn(values, keys, query=rest[0], key_norm_weight=rest[1], logit_bias=bias,
+        values, keys, query, weight, bias, _ = _split_leaves(flat, case)
+        return fn(values, keys, query=query, key_norm_weight=weight, logit_bias=bias,
                   source_scale=inp.source_scale, heads=case.heads)
 
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -214,14 +221,10 @@ def test_gradcheck_route_and_norm_float64(fn, case):
     inp = make_inputs(case, torch.float64, seed=12).cast(torch.float64, torch.float64, requires_grad=True)
     norm_weight = (1.0 + 0.3 * torch.randn(case.d, dtype=torch.float64)).requires_grad_()
     leaves = inp.grad_leaves() + [norm_weight]
-    n = case.n
 
     def f(*flat):
-        values, rest = list(flat[:n]), flat[n:]
-        keys = list(rest[:n]) if case.keys else None
-        rest = rest[n:] if case.keys else rest
-        bias = rest[2] if case.bias else None
-        return fn(values, keys, query=rest[0], key_norm_weight=rest[1], logit_bias=bias, out_norm_weight=rest[-1],
+        values, keys, query, weight, bias, rest = _split_leaves(flat, case)
+        return fn(values, keys, query=query, key_norm_weight=weight, logit_bias=bias, out_norm_weight=rest[-1],
                   source_scale=inp.source_scale, heads=case.heads, out_norm_eps=1e-5)
 
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)

@@ -108,6 +108,26 @@ def _src_ptr(tab, i, ptr_ty, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr):
+    """The rows of source ``i`` and of its key as stored (the key is the source itself
+    unless keys are separate)."""
+    v = tl.load(_src_ptr(vtab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+    k = v
+    if HAS_KEYS:
+        k = tl.load(_src_ptr(ktab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+    return v, k
+
+
+@triton.jit
+def _next_source(tok, i, N, mask):
+    """Index and load mask of the source prefetched while source ``i`` is used: past the
+    last source the mask is off, so the load moves no bytes."""
+    nxt = tl.minimum(i + 1, N - 1)
+    more = mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None]  # a tensor also in the interpreter
+    return nxt, more
+
+
+@triton.jit
 def _row64(tok, i, T):
     """``i * T + tok`` in int64 (an (N, tokens) table can pass 2**31 elements)."""
     return (tl.zeros_like(tok) + i) * T + tok
@@ -140,24 +160,15 @@ def _route_fwd_kernel(
     # PREFETCH: the loads of source i + 1 are issued before source i is used, so one
     # program keeps two rows in flight (a masked-off load moves no bytes at the end)
     if PREFETCH:
-        v_raw = tl.load(_src_ptr(vtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-        k_raw = v_raw
-        if HAS_KEYS:
-            k_raw = tl.load(_src_ptr(ktab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+        v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
     for i in range(N):
         if not PREFETCH:
-            v_raw = tl.load(_src_ptr(vtab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-            k_raw = v_raw
-            if HAS_KEYS:
-                k_raw = tl.load(_src_ptr(ktab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+            v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
         v = v_raw.to(tl.float32)
         k = k_raw.to(tl.float32)
         if PREFETCH:
-            nxt = tl.minimum(i + 1, N - 1)
-            more = mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None]  # a tensor also in the interpreter
-            v_raw = tl.load(_src_ptr(vtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
-            if HAS_KEYS:
-                k_raw = tl.load(_src_ptr(ktab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
+            nxt, more = _next_source(tok, i, N, mask)
+            v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
         if HAS_SCALE:
             s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
             v = v * s[:, None, None]
@@ -247,10 +258,7 @@ def _route_bwd_kernel(
             s_ada = tl.sum(g * o, 2)
             lse = tl.load(lse_ptr + tok[:, None] * H + hh[None, :], mask=hmask, other=0.0)
             if PREFETCH:
-                v_nx = tl.load(_src_ptr(vtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-                k_nx = v_nx
-                if HAS_KEYS:
-                    k_nx = tl.load(_src_ptr(ktab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+                v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
 
         # one pass: each source (and key) is read once, each gradient written once
         for i in range(N):
@@ -262,17 +270,10 @@ def _route_bwd_kernel(
                 if PREFETCH:
                     v_cur = v_nx
                     k_cur = k_nx
-                    nxt = tl.minimum(i + 1, N - 1)
-                    more = mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None]
-                    v_nx = tl.load(_src_ptr(vtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
-                    k_nx = v_nx
-                    if HAS_KEYS:
-                        k_nx = tl.load(_src_ptr(ktab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
+                    nxt, more = _next_source(tok, i, N, mask)
+                    v_nx, k_nx = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
                 else:
-                    v_cur = tl.load(_src_ptr(vtab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-                    k_cur = v_cur
-                    if HAS_KEYS:
-                        k_cur = tl.load(_src_ptr(ktab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+                    v_cur, k_cur = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
                 v = v_cur.to(tl.float32)
                 if HAS_SCALE:
                     v = v * s[:, None, None]

@@ -124,14 +124,9 @@ def _lowering(name: str) -> dict | None:
     """Routing ops per implementation, summed over every graph the backend compiled."""
     if CONFIGS[name][0] is None:
         return None
-    from depthrewrite.backend import reports
+    from depthrewrite.backend import lowered_ops, reports
 
-    counts: dict[str, int] = {}
-    for rep in reports():
-        for op, n in rep.ops.items():
-            key = f"{op} ({rep.implementation.get(op, '?')})"
-            counts[key] = counts.get(key, 0) + n
-    return dict(graphs=len(reports()), ops=counts)
+    return dict(graphs=len(reports()), ops=lowered_ops())
 
 
 def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say) -> list[dict]:

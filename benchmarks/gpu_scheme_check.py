@@ -102,10 +102,7 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
         errors = {n: _rel(grads[n], exact_grads[n]) for n in exact_grads if n in grads}
         allowed = {n: max(TOLERANCE[precision], BF16_FACTOR * _rel(ref_grads[n], exact_grads[n])) for n in errors}
     worst = max(errors, key=lambda n: errors[n] / allowed[n])
-    ops: dict[str, str] = {}
-    for rep in backend.reports():
-        for op, n in rep.ops.items():
-            ops[op] = f"{n} x {rep.implementation.get(op)}"
+    ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,

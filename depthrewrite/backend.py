@@ -15,7 +15,8 @@ same graphs, no C++/Triton build; used by the CPU tests to keep them fast); ever
 key is an Inductor config patch applied to this compilation only (``config_patches``,
 never a global assignment). ``mode=`` takes Inductor's modes ("max-autotune", ...).
 
-``last_report()`` returns the :class:`LoweringReport` of the most recent compilation.
+``last_report()`` returns the :class:`LoweringReport` of the most recent compilation;
+``lowered_ops()`` sums the routing calls per implementation over every graph.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import fx
 
 from .kernels import implementation_for
 
-__all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports"]
+__all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,17 @@ def reports() -> list[LoweringReport]:
 
 def clear_reports() -> None:
     _REPORTS.clear()
+
+
+def lowered_ops() -> dict[str, int]:
+    """Routing calls summed over every graph since :func:`clear_reports`, keyed
+    ``"<op> (<implementation>)"``, e.g. ``{"depthrewrite::route (triton)": 49}``."""
+    counts: dict[str, int] = {}
+    for rep in _REPORTS:
+        for op, n in rep.ops.items():
+            key = f"{op} ({rep.implementation.get(op, '?')})"
+            counts[key] = counts.get(key, 0) + n
+    return counts
 
 
 # ------------------------------------------------------------------ graph reading

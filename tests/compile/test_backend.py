@@ -71,6 +71,7 @@ def test_aot_eager_matches_eager_and_reports_one_route_per_site(scheme):
     assert report.device == "cpu" and report.inner == "aot_eager"
     assert report.aot_graphs["forward"] == {ROUTE: expected}
     assert report.aot_graphs["backward"] == {ROUTE_BWD: expected}
+    assert backend.lowered_ops() == {f"{ROUTE} (reference)": expected}  # summed over graphs, by implementation
 
 
 def test_inductor_matches_eager():

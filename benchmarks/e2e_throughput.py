@@ -42,7 +42,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {
     "baseline": (None, {}, None),
     "block_attnres": ("block_attnres", {}, 0.95),
+    # the same, routed site by site (no goal: the comparison that shows what two-phase buys)
+    "block_attnres_1p": ("block_attnres", {"two_phase": False}, None),
     "mhar_block": ("mhar", {"block_size": 6}, 0.93),
+    # the same with the two-phase computation (off by default for MHAR: slower with 16 heads)
+    "mhar_block_2p": ("mhar", {"block_size": 6, "two_phase": True}, None),
     "wav": ("wav", {}, 0.90),
     "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
     "attnres": ("attnres", {}, 0.80),

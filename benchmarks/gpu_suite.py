@@ -15,7 +15,9 @@ export PYTHONPATH=/tmp/site:$PWD`` (docs/benchmarks.md has the exact commands).
    from the output saved in the activation dtype (documented rounding, route_triton's
    docstring): pass/fail compares the gradients with the fp32 reference given that same
    saved output; the error against the exact reference is logged too (``exact``);
-2. timing (median, triton.testing.do_bench, fresh random data per shape) of the routing op
+2. timing (median, triton.testing.do_bench, fresh random data per shape): phase 1 of the
+   two-phase Block AttnRes (``route_many`` for the S sites of a block against S routes,
+   kernels called directly, launch variants); then the routing op
    forward and forward+backward, bf16: eager reference, torch.compile of the reference,
    ours (launch variants too), FLA's fused_attnres if importable, and the HBM floor; the
    fused output norm (``norm_fused``) against the op followed by an RMSNorm (``norm_unfused``);
@@ -324,6 +326,66 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
     return rows
 
 
+#: the phase-1 shapes of the e2e Block AttnRes and MHAR (tokens, d, completed blocks N, sites S, heads)
+BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1), (16384, 1024, 8, 6, 1), (16384, 1024, 4, 6, 16), (16384, 1024, 8, 6, 16),
+                      (16384, 2048, 4, 6, 1)]
+#: launch variants of route_many timed at each shape (the defaults are chosen from them)
+BLOCK_PHASE_VARIANTS = {"": None, "_w8": {"num_warps": 8}, "_q4w4": {"many_elems": 4096, "num_warps": 4},
+                        "_q4w8": {"many_elems": 4096, "num_warps": 8}, "_q2w4": {"many_elems": 2048, "num_warps": 4},
+                        "_q2w8": {"many_elems": 2048, "num_warps": 8}}
+
+
+def block_phase_timing() -> list[dict]:
+    """Phase 1 of two-phase Block AttnRes: ``route_many`` (S queries, each source read once)
+    against S separate routes over the same N sources (what site-by-site routing costs for
+    the completed blocks), both as kernels called directly, forward + backward, bf16. The
+    floor of route_many: forward N + S rows, backward N + 2S read and N written."""
+    from depthrewrite.kernels import route_many_triton
+
+    rows = []
+    for tokens, d, n, s, heads in BLOCK_PHASE_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + s)
+        vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
+        q = torch.randn(s, d, device="cuda", generator=gen) / d**0.5
+        w = torch.rand(s, d, device="cuda", generator=gen) + 0.5
+        g = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(s)]
+        gl = [torch.randn(tokens, heads, device="cuda", generator=gen) for _ in range(s)]
+
+        with torch.no_grad():
+            saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6)
+
+        def many_fwd(cfg=None):
+            return route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, cfg)
+
+        def many_bwd(cfg=None):
+            return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg)
+
+        def per_site():
+            for j in range(s):
+                o, l, _ = route_triton.route_forward(vals, None, q[j], w[j], None, None, heads, 1e-6)
+                route_triton.route_backward(g[j], o, l, vals, None, q[j], w[j], None, None, heads, 1e-6)
+
+        row = dict(tokens=tokens, d=d, n=n, s=s, heads=heads,
+                   floor=(2 * n + 3 * s + n) * tokens * d * 2 / HBM_BPS * 1e3)
+        with torch.no_grad():
+            for name, cfg in BLOCK_PHASE_VARIANTS.items():
+                for part, fn in (("fwd", many_fwd), ("bwd", many_bwd)):
+                    try:
+                        row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
+                    except Exception as exc:
+                        say(f"block-phase {part}{name}: ERROR {exc!r}")
+            row["per_site"] = bench(per_site)
+        fwd = {k: v for k, v in row.items() if k.startswith("many_fwd")}
+        bwd = {k: v for k, v in row.items() if k.startswith("many_bwd")}
+        row["many_best"] = min(fwd.values()) + min(bwd.values())
+        row["best_fwd"], row["best_bwd"] = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
+        say("block-phase " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+        del vals, g, gl, saved
+        torch.cuda.empty_cache()
+    return rows
+
+
 def copy_bandwidth():
     x = torch.empty(2 * 1024**3 // 4, device="cuda", dtype=torch.float32).normal_()
     y = torch.empty_like(x)
@@ -353,7 +415,19 @@ def scheme_check() -> list[dict]:
 # ---------------------------------------------------------------------------- table
 
 
-def table(checks, rows, e2e_rows, bw):
+def block_phase_table(rows) -> list[str]:
+    lines = ["", "block phase 1 (fwd+bwd kernels, ms): route_many for S sites vs S routes over the same N sources",
+             "tokens  d    N  S  H | fwd    bwd    best   per_site floor | best/floor per_site/best  (best variants)"]
+    for r in rows:
+        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['s']:2d} {r['heads']:2d} | "
+                     f"{r.get('many_fwd') or float('nan'):6.3f} "
+                     f"{r.get('many_bwd') or float('nan'):6.3f} {r['many_best']:6.3f} {r['per_site']:6.3f} "
+                     f"{r['floor']:6.3f} | {r['many_best'] / r['floor']:5.2f}      {r['per_site'] / r['many_best']:5.2f}"
+                     f"   ({r['best_fwd']}, {r['best_bwd']})")
+    return lines
+
+
+def table(checks, rows, e2e_rows, bw, phase_rows=()):
     lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s (floor uses {HBM_BPS / 1e12:.1f})", ""]
     bad = [c["name"] for c in checks if not c.get("ok")]
     worst = max((c.get("out_err", 0), c.get("worst_grad_err", 0)) for c in checks if "out_err" in c) if checks else None
@@ -376,6 +450,8 @@ def table(checks, rows, e2e_rows, bw):
                      f"{f('ours')} {f('ours_kernels')} {r['floor']:6.3f} | {ratio(ours, r['floor'])}      "
                      f"{ratio(ours, fla)}    {ratio(r.get('ours_kernels'), fla)}    "
                      f"{ratio(r.get('ours_kernels'), r['floor'])}      {ratio(comp_ref, ours)}")
+    if phase_rows:
+        lines += block_phase_table(phase_rows)
     if e2e_rows:
         import e2e_throughput
 
@@ -392,6 +468,7 @@ def main() -> int:
     ap.add_argument("--e2e-schemes", default="baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar")
     ap.add_argument("--scheme-check", action="store_true", help="also compile every scheme against eager")
     ap.add_argument("--e2e-only", action="store_true", help="skip the op checks and timings")
+    ap.add_argument("--block-phase-only", action="store_true", help="only the two-phase Block AttnRes timings")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no e2e (a short re-run after a kernel change)")
     args = ap.parse_args()
@@ -406,10 +483,18 @@ def main() -> int:
         with open(os.path.join(args.out, "log.txt"), "w") as fh:
             fh.write("\n".join(LOG) + "\n\n" + summary + "\n")
 
+    if args.block_phase_only:
+        results["block_phase"] = phase_rows = block_phase_timing()
+        summary = "\n".join(block_phase_table(phase_rows))
+        dump(summary)
+        print(summary)
+        return 0
     results["bandwidth"] = bw = HBM_BPS if (args.quick or args.e2e_only) else copy_bandwidth()
-    checks, rows = [], []
+    checks, rows, phase_rows = [], [], []
     if not args.e2e_only:
         results["checks"] = checks = correctness(args.quick)
+        dump()
+        results["block_phase"] = phase_rows = block_phase_timing()
         dump()
         results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick)
         dump()
@@ -418,7 +503,7 @@ def main() -> int:
         results["scheme_check"] = scheme_check()
         dump()
     results["e2e"] = e2e_rows = [] if skip_e2e else e2e(args.e2e_schemes.split(","))
-    summary = table(checks, rows, e2e_rows, bw)
+    summary = table(checks, rows, e2e_rows, bw, phase_rows)
     dump(summary)
     print("\n" + summary)
     return 0 if all(c.get("ok") for c in checks) else 1

@@ -1,7 +1,8 @@
 """Fused Triton kernels for the ``depthrewrite::`` ops, registered as their CUDA kernels.
 
-Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, normed)``)
-and ``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back) for the "cuda" device
+Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, normed)``),
+``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), ``depthrewrite::route_many``
+and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`) for the "cuda" device
 with ``torch.library.register_kernel``; the CPU (and any other device) keeps the
 pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
 compiled graphs (Inductor calls custom ops through the dispatcher) both reach the kernels.
@@ -20,6 +21,7 @@ import logging
 import torch
 
 from ..ops.route import _route_backward_op, _route_op
+from ..ops.route_many import _route_many_backward_op, _route_many_op
 
 __all__ = ["triton_available", "implementation_for", "set_fused_enabled", "FUSED_DTYPES"]
 
@@ -91,12 +93,31 @@ def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weigh
                           heads, eps, grad_normed, out_norm_weight, out_norm_eps)
 
 
+def _route_many_cuda(values, queries, key_norm_weights, heads, eps):
+    if not _use_fused(values, None, queries, key_norm_weights, None):
+        return _route_many_op._init_fn(values, queries, key_norm_weights, heads, eps)
+    from .route_many_triton import route_many_forward
+
+    return route_many_forward(values, queries, key_norm_weights, heads, eps)
+
+
+def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps):
+    if not _use_fused(values, None, queries, key_norm_weights, None):
+        return _route_many_backward_op._init_fn(grad_out, grad_lse, out, lse, values, queries, key_norm_weights,
+                                                heads, eps)
+    from .route_many_triton import route_many_backward
+
+    return route_many_backward(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps)
+
+
 def _register() -> None:
     if not triton_available():
         log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")
         return
     torch.library.register_kernel("depthrewrite::route", "cuda", _route_cuda)
     torch.library.register_kernel("depthrewrite::route_backward", "cuda", _route_backward_cuda)
+    torch.library.register_kernel("depthrewrite::route_many", "cuda", _route_many_cuda)
+    torch.library.register_kernel("depthrewrite::route_many_backward", "cuda", _route_many_backward_cuda)
 
 
 _register()

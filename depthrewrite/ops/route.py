@@ -172,9 +172,10 @@ def _out_norm(out: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 @_route_op.register_fake
 def _route_fake(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
                 out_norm_weight=None, out_norm_eps=1e-6):
+    # contiguous, as the implementations return them whatever the sources' strides
     lse = values[0].new_empty(values[0].shape[:-1] + (heads,), dtype=torch.float32)
-    normed = values[0].new_empty((0,)) if out_norm_weight is None else torch.empty_like(values[0])
-    return torch.empty_like(values[0]), lse, normed
+    normed = values[0].new_empty((0,)) if out_norm_weight is None else values[0].new_empty(values[0].shape)
+    return values[0].new_empty(values[0].shape), lse, normed
 
 
 @torch.library.custom_op("depthrewrite::route_backward", mutates_args=(), schema=ROUTE_BACKWARD_SCHEMA)
@@ -262,8 +263,8 @@ def _out_norm_backward(routed: Tensor, grad_normed: Tensor | None, weight: Tenso
 def _route_backward_fake(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
                          grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6):
     return (
-        [torch.empty_like(v) for v in values],
-        [] if keys is None else [torch.empty_like(k) for k in keys],
+        [v.new_empty(v.shape) for v in values],  # contiguous, as the implementations return them
+        [] if keys is None else [k.new_empty(k.shape) for k in keys],
         torch.empty_like(query),
         torch.empty_like(key_norm_weight),
         query.new_empty((0,)) if logit_bias is None else torch.empty_like(logit_bias),
@@ -322,29 +323,29 @@ _route_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- input checks
 
 
-def _fail(arg: str, expected: str, found: object) -> ValueError:
-    return ValueError(f"route: `{arg}` must be {expected}; found {found}")
+def _fail(arg: str, expected: str, found: object, op: str = "route") -> ValueError:
+    return ValueError(f"{op}: `{arg}` must be {expected}; found {found}")
 
 
 def _describe(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | None) -> list[Tensor]:
+def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | None, op: str = "route") -> list[Tensor]:
     if not isinstance(tensors, (list, tuple)):
-        raise _fail(arg, "a list or tuple of tensors", type(tensors).__name__)
+        raise _fail(arg, "a list or tuple of tensors", type(tensors).__name__, op)
     if count is not None and len(tensors) != count:
-        raise _fail(arg, f"{count} tensors (one per source in `values`)", f"{len(tensors)}")
+        raise _fail(arg, f"{count} tensors (one per source in `values`)", f"{len(tensors)}", op)
     if not tensors:
-        raise _fail(arg, "a non-empty list of tensors", "an empty sequence")
+        raise _fail(arg, "a non-empty list of tensors", "an empty sequence", op)
     first = tensors[0] if like is None else like
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
-            raise _fail(f"{arg}[{i}]", "a tensor", type(t).__name__)
+            raise _fail(f"{arg}[{i}]", "a tensor", type(t).__name__, op)
         if not t.is_floating_point() or t.dim() == 0:
-            raise _fail(f"{arg}[{i}]", "a floating-point tensor of shape (*batch, d)", _describe(t))
+            raise _fail(f"{arg}[{i}]", "a floating-point tensor of shape (*batch, d)", _describe(t), op)
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-            raise _fail(f"{arg}[{i}]", f"like values[0] ({_describe(first)})", _describe(t))
+            raise _fail(f"{arg}[{i}]", f"like values[0] ({_describe(first)})", _describe(t), op)
     return list(tensors)
 
 
@@ -357,9 +358,9 @@ def _check_param(arg: str, t: object, shape: tuple[int, ...], device: torch.devi
         raise _fail(arg, f"a floating-point tensor of shape {shape} on {device}", _describe(t))
 
 
-def _check_eps(arg: str, eps: object) -> None:
+def _check_eps(arg: str, eps: object, op: str = "route") -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-        raise _fail(arg, "a finite non-negative float", repr(eps))
+        raise _fail(arg, "a finite non-negative float", repr(eps), op)
 
 
 def _check_out_norm(values, out_norm_weight, out_norm_eps) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..analysis import Site
-from ..ops import route
+from ..ops import merge_partial, route, route_many
 from .base import PassThrough, Scheme, SchemeOptions, State
 
 
@@ -90,6 +90,8 @@ class AttnResScheme(Scheme):
 @dataclasses.dataclass(frozen=True)
 class BlockAttnResOptions(AttnResOptions):
     block_size: int | None = None  # sites per block; None: the even S giving at most 8 blocks
+    # the two-phase computation (TwoPhasePlan): the same function, fewer bytes moved
+    two_phase: bool = True
 
 
 def default_block_size(num_sites: int, max_blocks: int = 8) -> int:
@@ -98,32 +100,105 @@ def default_block_size(num_sites: int, max_blocks: int = 8) -> int:
     return size + (size % 2)
 
 
+class TwoPhasePlan:
+    """The two-phase Block AttnRes computation (the Attention Residuals paper's; SPEC 3).
+
+    Every site of a block reads the same completed block summaries plus its own block's
+    partial sum. Phase 1 routes the summaries for ALL sites of the block at once, when the
+    previous block closes (for the first block: when the state starts), with
+    ``route_many``: each summary is read once per block instead of once per site, and the
+    backward sums the sites' gradients of a summary on chip. Phase 2, at each site, adds the
+    partial sum by online softmax (``merge_partial``). Same function as one route per site
+    (up to rounding: the phase-1 result is stored in the activation dtype).
+
+    The plan knows each group of routers (the sites of one block, then the readout, in
+    order); the state carries the phase-1 result of the current group as a third entry,
+    ``None`` where phase 1 was skipped, and the routers then route per site:
+    - when a group's routing parameters are sharded (FSDP2 gathers a block's parameters
+      only when that block runs, and phase 1 for block ``k + 1`` runs inside block ``k``);
+    - while ``enabled`` is False (the routing-weight recorder needs each site's route).
+    """
+
+    def __init__(self):
+        self.groups: dict[int, list] = {}
+        self.enabled = True
+
+    def add(self, router: "BlockRouter", group: int, position: int) -> None:
+        members = self.groups.setdefault(group, [])
+        if position != len(members):
+            raise RuntimeError(f"block_attnres: router {position} of block {group} was made out of order "
+                               f"(block has {len(members)} so far)")
+        members.append(router)
+
+    def first_phase(self, group: int, blocks: tuple) -> tuple | None:
+        """Phase 1 for ``group`` over the completed ``blocks``: ``(outputs, lses)``, one per
+        router of the group, or None (module docstring)."""
+        routers = self.groups.get(group)
+        if not self.enabled or not routers or any(_is_sharded(r.query) for r in routers):
+            return None
+        first = routers[0]
+        outs, lses = route_many(
+            blocks, queries=torch.stack([r.query for r in routers]),
+            key_norm_weights=torch.stack([r.key_norm_weight for r in routers]), heads=first.heads, eps=first.eps,
+        )
+        return tuple(outs), tuple(lses)
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    # a DTensor (FSDP2, tensor parallel) outside its module's forward holds only a shard
+    return type(param).__name__ == "DTensor"
+
+
 class BlockRouter(DepthQuery):
     """Block AttnRes. State: ``(completed block summaries (b_0 = e, b_1, ...), partial)``,
-    ``partial`` being the sum of the updates of the unfinished block or ``None``."""
+    ``partial`` being the sum of the updates of the unfinished block or ``None``; with a
+    :class:`TwoPhasePlan`, a third entry: the phase-1 result of the current block."""
 
-    def __init__(self, scheme: Scheme, closes_block: bool):
+    heads = 1
+
+    def __init__(self, scheme: Scheme, closes_block: bool, plan: TwoPhasePlan | None = None, group: int = 0,
+                 position: int = 0):
         super().__init__(scheme)
         self.closes_block = closes_block
+        # a plain attribute: the plan holds the other routers, which are not submodules of this one
+        self._plan, self.group, self.position = plan, group, position
+        if plan is not None:
+            plan.add(self, group, position)
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        blocks, partial = state
-        return self.route(blocks if partial is None else blocks + (partial,))
+        blocks, partial = state[:2]
+        first = state[2] if self._plan is not None else None
+        if first is None:
+            return self.route(blocks if partial is None else blocks + (partial,))
+        out, lse = first[0][self.position], first[1][self.position]
+        if partial is None:
+            return out
+        return merge_partial(out, lse, partial, query=self.query, key_norm_weight=self.key_norm_weight,
+                             heads=self.heads, eps=self.eps)
 
     def write(self, state: State, u, x, h) -> State:
-        blocks, partial = state
+        blocks, partial = state[:2]
         partial = u if partial is None else partial + u
-        if self.closes_block:
-            return blocks + (partial,), None
-        return blocks, partial
+        if not self.closes_block:
+            return (blocks, partial) + tuple(state[2:])
+        blocks = blocks + (partial,)
+        if self._plan is None:
+            return blocks, None
+        return blocks, None, self._plan.first_phase(self.group + 1, blocks)
 
     def extra_repr(self) -> str:
         return f"closes_block={self.closes_block}"
 
 
 class BlockReadout(BlockRouter):
-    def __init__(self, scheme: Scheme):
-        super().__init__(scheme, closes_block=False)
+    def __init__(self, scheme: Scheme, plan: TwoPhasePlan | None = None, group: int = 0, position: int = 0):
+        super().__init__(scheme, closes_block=False, plan=plan, group=group, position=position)
+
+
+def block_place(index: int, block_size: int) -> tuple[int, int]:
+    """(block, position in it) of site ``index`` (1-based, SPEC numbering); the readout is
+    ``index = num_sites + 1``."""
+    return (index - 1) // block_size, (index - 1) % block_size
 
 
 class BlockAttnResScheme(Scheme):
@@ -141,15 +216,23 @@ class BlockAttnResScheme(Scheme):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")
         self.block_size = size
+        if not isinstance(options.two_phase, bool):
+            raise ValueError(f"block_attnres: two_phase must be True or False, found {options.two_phase!r}")
+        self.plan = TwoPhasePlan() if options.two_phase else None
 
     def init_state(self, e):
-        return (e,), None
+        if self.plan is None:
+            return (e,), None
+        return (e,), None, self.plan.first_phase(0, (e,))
 
     def site_router(self, site: Site):
-        return BlockRouter(self, closes_block=site.index % self.block_size == 0)
+        group, position = block_place(site.index, self.block_size)
+        return BlockRouter(self, closes_block=site.index % self.block_size == 0, plan=self.plan, group=group,
+                           position=position)
 
     def readout_router(self):
-        return BlockReadout(self)
+        group, position = block_place(self.stream.num_sites + 1, self.block_size)
+        return BlockReadout(self, plan=self.plan, group=group, position=position)
 
     def describe(self) -> dict:
         return {**super().describe(), "block_size": self.block_size}

@@ -11,7 +11,7 @@ import dataclasses
 
 from ..analysis import Site
 from ..ops import route
-from .attnres import AttnResOptions, BlockRouter, FullRouter
+from .attnres import AttnResOptions, BlockRouter, FullRouter, TwoPhasePlan, block_place
 from .base import Scheme
 
 
@@ -19,6 +19,10 @@ from .base import Scheme
 class MharOptions(AttnResOptions):
     heads: int | None = None  # None: the model's key/value head count (``hints['kv_heads']``)
     block_size: int | None = None  # None: full routing; an int: Block AttnRes blocks of that many sites
+    # block form: Block AttnRes's two-phase computation (attnres.TwoPhasePlan). Off by default:
+    # with 16 heads its route_many kernels are slower than routing site by site (H200, e2e
+    # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
+    two_phase: bool = False
 
 
 class _MultiHead:
@@ -40,8 +44,8 @@ class MharFullRouter(_MultiHead, FullRouter):
 
 
 class MharBlockRouter(_MultiHead, BlockRouter):
-    def __init__(self, scheme: "MharScheme", closes_block: bool):
-        super().__init__(scheme, closes_block)
+    def __init__(self, scheme: "MharScheme", closes_block: bool, group: int, position: int):
+        super().__init__(scheme, closes_block, plan=scheme.plan, group=group, position=position)
         self.heads = scheme.heads
 
     def extra_repr(self) -> str:
@@ -56,7 +60,9 @@ class MharScheme(Scheme):
     Options: ``heads`` (default: the model's key/value head count from its config; a
     ValueError asks for ``heads=`` when the model has none; must divide d),
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
-    S sites), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
+    S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False, measured
+    slower with many heads),
+    ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
     with the same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
 
@@ -70,6 +76,9 @@ class MharScheme(Scheme):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
         self.block_size = size
+        if not isinstance(options.two_phase, bool):
+            raise ValueError(f"mhar: two_phase must be True or False, found {options.two_phase!r}")
+        self.plan = TwoPhasePlan() if size is not None and options.two_phase else None
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:
@@ -87,17 +96,19 @@ class MharScheme(Scheme):
         return heads
 
     def init_state(self, e):
-        return (e,) if self.block_size is None else ((e,), None)
+        if self.block_size is None:
+            return (e,)
+        return ((e,), None) if self.plan is None else ((e,), None, self.plan.first_phase(0, (e,)))
 
     def site_router(self, site: Site):
         if self.block_size is None:
             return MharFullRouter(self)
-        return MharBlockRouter(self, closes_block=site.index % self.block_size == 0)
+        return MharBlockRouter(self, site.index % self.block_size == 0, *block_place(site.index, self.block_size))
 
     def readout_router(self):
         if self.block_size is None:
             return MharFullRouter(self)
-        return MharBlockRouter(self, closes_block=False)
+        return MharBlockRouter(self, False, *block_place(self.stream.num_sites + 1, self.block_size))
 
     def describe(self) -> dict:
         return {**super().describe(), "heads": self.heads}

@@ -120,7 +120,7 @@ def _known_routers(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
 
 def _source_labels(router: DepthQuery, n: int, state) -> list[str]:
     if isinstance(router, BlockRouter):
-        blocks, partial = state
+        blocks, partial = state[:2]  # a two-phase state has a third entry
         names = [f"b{j}" for j in range(len(blocks))]
         return names + (["partial"] if partial is not None else [])
     return ["e"] + [f"u{j}" for j in range(1, n)]
@@ -128,7 +128,12 @@ def _source_labels(router: DepthQuery, n: int, state) -> list[str]:
 
 @contextlib.contextmanager
 def _recording(routers: list[tuple[str, nn.Module]], record: dict):
-    """Shadow each router's ``read`` (to see its state) and ``route`` (to see its sources)."""
+    """Shadow each router's ``read`` (to see its state) and ``route`` (to see its sources).
+    A two-phase Block AttnRes plan is switched off meanwhile, so that every site routes."""
+    plans = {id(p): p for _, r in routers if (p := getattr(r, "_plan", None)) is not None}
+    was_enabled = {key: plan.enabled for key, plan in plans.items()}
+    for plan in plans.values():
+        plan.enabled = False
     for label, router in routers:
         def read(state, h, _router=router, _label=label, _read=router.read):
             record[_label] = {"state": state}
@@ -148,6 +153,8 @@ def _recording(routers: list[tuple[str, nn.Module]], record: dict):
         for _, router in routers:
             router.__dict__.pop("read", None)
             router.__dict__.pop("route", None)
+        for key, plan in plans.items():
+            plan.enabled = was_enabled[key]
 
 
 @torch.no_grad()

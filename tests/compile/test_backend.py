@@ -19,7 +19,7 @@ from depthrewrite import backend
 from depthrewrite.models.gpt import gpt_from_preset
 
 ROUTE = "depthrewrite::route"
-ROUTE_BWD = "depthrewrite::route_backward"
+ROUTE_MANY = "depthrewrite::route_many"
 
 
 def _model(scheme: str, seed: int = 0):
@@ -60,18 +60,25 @@ def _compile_and_compare(scheme: str, options: dict, rtol: float, atol: float):
     return model, backend.reports()
 
 
+def _expected_routing_calls(scheme: str, model) -> tuple[str, int]:
+    sites = 2 * model.config.n_layer  # attention + MLP site per layer
+    if scheme == "block_attnres":  # two-phase: one route_many per block (block_size 2), the readout's included
+        return ROUTE_MANY, sites // 2 + 1
+    return ROUTE, sites + 1  # one route per site and the readout
+
+
 @pytest.mark.parametrize("scheme", ["attnres", "block_attnres"])
-def test_aot_eager_matches_eager_and_reports_one_route_per_site(scheme):
+def test_aot_eager_matches_eager_and_reports_every_routing_call(scheme):
     model, reports = _compile_and_compare(scheme, {"inner": "aot_eager"}, rtol=1e-6, atol=1e-7)
     assert len(reports) == 1  # fullgraph: one graph
     report = reports[0]
-    expected = 2 * model.config.n_layer + 1  # attention + MLP site per layer, and the readout
-    assert report.ops == {ROUTE: expected}
-    assert report.implementation == {ROUTE: "reference"}  # CPU
+    op, expected = _expected_routing_calls(scheme, model)
+    assert report.ops == {op: expected}
+    assert report.implementation == {op: "reference"}  # CPU
     assert report.device == "cpu" and report.inner == "aot_eager"
-    assert report.aot_graphs["forward"] == {ROUTE: expected}
-    assert report.aot_graphs["backward"] == {ROUTE_BWD: expected}
-    assert backend.lowered_ops() == {f"{ROUTE} (reference)": expected}  # summed over graphs, by implementation
+    assert report.aot_graphs["forward"] == {op: expected}
+    assert report.aot_graphs["backward"] == {f"{op}_backward": expected}
+    assert backend.lowered_ops() == {f"{op} (reference)": expected}  # summed over graphs, by implementation
 
 
 def test_inductor_matches_eager():
@@ -148,4 +155,5 @@ def test_hf_model_compiles_fullgraph_as_called_by_users(mode):
     loss = compiled(input_ids=ids, use_cache=True).logits  # first: nothing traced eagerly before
     eager = model(input_ids=ids, use_cache=True).logits
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
-    assert backend.last_report().ops.get(ROUTE) == 5  # 4 sites and the readout
+    # two-phase Block AttnRes, blocks of 2 sites: one route_many per block of 4 sites, and the readout's
+    assert backend.last_report().ops == {ROUTE_MANY: 3}

@@ -1,0 +1,226 @@
+"""Several queries routing over the same sources: ``depthrewrite::route_many``.
+
+The first phase of the two-phase Block AttnRes computation (SPEC section 3; the Attention
+Residuals paper's inference/training trick): all S sites of a block read the same completed
+block summaries ``b_0 .. b_{n-1}``, so their softmaxes over those summaries are computed in
+ONE pass that reads each summary once, and each site later merges its block's partial sum
+into its result by online softmax (:func:`merge_partial`). For query ``s`` (with its own key
+RMSNorm weight ``g_s``), as in ``depthrewrite::route`` without keys, bias or scale::
+
+    z[s, i, h] = sum_{c in head h} w_s[c] * RMSNorm_{g_s}(v_i)[c]
+    lse[s, h]  = logsumexp_i z[s, i, h]              (the real one, also for one source)
+    out[s]     = sum_i softmax_i(z[s, :, h]) * v_i   (per head h)
+
+Unlike ``route``'s ``lse`` (a saved statistic), this ``lse`` is differentiable: the merge
+uses it. Outputs are lists of S tensors (``out[s]`` shaped like a source, ``lse[s]`` of
+shape ``(*batch, H)`` in the compute dtype: float32, or float64 when an input is),
+separate allocations, so that each site's gradient arrives as
+its own tensor (no select/scatter of a stacked buffer in the backward).
+
+The pure-PyTorch implementation registered here (CPU, float64, and CUDA when the kernels
+are off) is :func:`route_many_reference`; its backward recomputes the forward and runs
+autograd through it, an independent check of the fused kernels
+(:mod:`depthrewrite.kernels.route_many_triton`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .route import _check_eps, _check_sources, _compute_dtype, _describe
+
+__all__ = ["route_many", "route_many_reference", "merge_partial"]
+
+ROUTE_MANY_SCHEMA = (
+    "(Tensor[] values, Tensor queries, Tensor key_norm_weights, int heads, float eps) "
+    "-> (Tensor[] out, Tensor[] lse)"
+)
+ROUTE_MANY_BACKWARD_SCHEMA = (
+    "(Tensor[] grad_out, Tensor[] grad_lse, Tensor[] out, Tensor[] lse, Tensor[] values, Tensor queries, "
+    "Tensor key_norm_weights, int heads, float eps) "
+    "-> (Tensor[] grad_values, Tensor grad_queries, Tensor grad_key_norm_weights)"
+)
+
+
+# --------------------------------------------------------------------------- math
+
+
+def _forward_parts(values, queries, key_norm_weights, heads, eps, dtype):
+    """``src (N, *batch, d)``, the key norm before its weight ``norm``, ``rstd (N, *batch, 1)``
+    and the softmax weights ``(S, N, *batch, H)``, in ``dtype``."""
+    src = torch.stack([v.to(dtype) for v in values])
+    rstd = torch.rsqrt(src.square().mean(-1, keepdim=True) + eps)  # the key statistic: over the full width
+    norm = src * rstd
+    logits = _logits(norm, queries.to(dtype) * key_norm_weights.to(dtype), heads)
+    return src, norm, rstd, torch.softmax(logits, dim=1)
+
+
+def _logits(norm: Tensor, per_query: Tensor, heads: int) -> Tensor:
+    """``z[s, i, *batch, h]`` from the normed sources and the rows ``w_s * g_s``."""
+    d = norm.shape[-1]
+    shape = (per_query.shape[0], 1) + (1,) * (norm.dim() - 2) + (heads, d // heads)
+    return (norm.unflatten(-1, (heads, -1)).unsqueeze(0) * per_query.reshape(shape)).sum(-1)
+
+
+def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float):
+    """Differentiable torch ops: ``(out (S, *batch, d) in the values' dtype, lse (S, *batch, H)
+    in the compute dtype)``, computed in float32 (float64 if any input is)."""
+    dtype = _compute_dtype(values[0], queries, key_norm_weights)
+    src = torch.stack([v.to(dtype) for v in values])
+    norm = F.rms_norm(src, (src.shape[-1],), eps=float(eps))
+    logits = _logits(norm, key_norm_weights.to(dtype) * queries.to(dtype), heads)  # (S, N, *batch, H)
+    lse = torch.logsumexp(logits, dim=1)
+    weights = torch.softmax(logits, dim=1)
+    out = (weights.unsqueeze(-1) * src.unflatten(-1, (heads, -1)).unsqueeze(0)).sum(1).flatten(-2)
+    return out.to(values[0].dtype), lse
+
+
+# ---------------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("depthrewrite::route_many", mutates_args=(), schema=ROUTE_MANY_SCHEMA)
+def _route_many_op(values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
+                   eps: float) -> tuple[list[Tensor], list[Tensor]]:
+    out, lse = _reference(values, queries, key_norm_weights, heads, eps)
+    # custom-op outputs may not alias each other: one fresh tensor per query
+    return [o.clone() for o in out.unbind(0)], [t.clone() for t in lse.unbind(0)]
+
+
+@_route_many_op.register_fake
+def _route_many_fake(values, queries, key_norm_weights, heads, eps):
+    lse_shape = values[0].shape[:-1] + (heads,)
+    dtype = _compute_dtype(values[0], queries, key_norm_weights)
+    s = queries.shape[0]
+    # contiguous, as the implementations return them whatever the sources' strides
+    return ([values[0].new_empty(values[0].shape) for _ in range(s)],
+            [values[0].new_empty(lse_shape, dtype=dtype) for _ in range(s)])
+
+
+@torch.library.custom_op("depthrewrite::route_many_backward", mutates_args=(), schema=ROUTE_MANY_BACKWARD_SCHEMA)
+def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out: list[Tensor], lse: list[Tensor],
+                            values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
+                            eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
+    # the reference recomputes the forward and ignores out and lse (the fused kernel's
+    # shortcut), so that it stays an independent check of the kernel
+    dtype = _compute_dtype(values[0], queries, key_norm_weights)
+    src, norm, rstd, weights = _forward_parts(values, queries, key_norm_weights, heads, eps, dtype)
+    g = torch.stack(grad_out).to(dtype).unflatten(-1, (heads, -1)).unsqueeze(1)  # (S, 1, *batch, H, C)
+    g_lse = torch.stack(grad_lse).to(dtype).unsqueeze(1)  # (S, 1, *batch, H)
+    split = src.unflatten(-1, (heads, -1)).unsqueeze(0)  # (1, N, *batch, H, C)
+    d_a = (split * g).sum(-1)  # (S, N, *batch, H)
+    # softmax backward over the sources, plus lse's gradient (d lse / d z_i = a_i)
+    d_z = weights * (d_a - (weights * d_a).sum(1, keepdim=True) + g_lse)
+    d_src = (weights.unsqueeze(-1) * g).sum(0).flatten(-2)  # (N, *batch, d)
+    d_z_wide = d_z.repeat_interleave(src.shape[-1] // heads, dim=-1)  # (S, N, *batch, d)
+    r = (d_z_wide * norm.unsqueeze(0)).reshape(d_z.shape[0], -1, src.shape[-1]).sum(1)  # (S, d)
+    q, w = queries.to(dtype), key_norm_weights.to(dtype)
+    per_query = (q * w).reshape((q.shape[0],) + (1,) * (src.dim() - 1) + (-1,))  # (S, 1, *1, d)
+    d_norm = (d_z_wide * per_query).sum(0)  # (N, *batch, d)
+    # RMSNorm backward: the statistic couples all d channels of a source
+    d_key = rstd * (d_norm - norm * (d_norm * norm).mean(-1, keepdim=True))
+    # copies: custom-op outputs may not alias each other (unbind gives views)
+    grad_values = [t.to(values[0].dtype, copy=True) for t in (d_src + d_key).unbind(0)]
+    return grad_values, (r * w).to(queries.dtype), (r * q).to(key_norm_weights.dtype)
+
+
+@_route_many_backward_op.register_fake
+def _route_many_backward_fake(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps):
+    return [v.new_empty(v.shape) for v in values], torch.empty_like(queries), torch.empty_like(key_norm_weights)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    values, queries, key_norm_weights, heads, eps = inputs
+    out, lse = output
+    ctx.num_sources, ctx.num_queries = len(values), len(out)
+    ctx.heads, ctx.eps = heads, eps
+    ctx.save_for_backward(*out, *lse, *values, queries, key_norm_weights)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    s, n = ctx.num_queries, ctx.num_sources
+    saved = ctx.saved_tensors
+    out, lse, values = list(saved[:s]), list(saved[s : 2 * s]), list(saved[2 * s : 2 * s + n])
+    queries, key_norm_weights = saved[2 * s + n :]
+    # an output nobody used arrives as None: its gradient is zero
+    grad_out = [g if g is not None else torch.zeros_like(o) for g, o in zip(grad_out, out)]
+    grad_lse = [g if g is not None else torch.zeros_like(t) for g, t in zip(grad_lse, lse)]
+    grad_values, grad_queries, grad_weights = _route_many_backward_op(
+        grad_out, grad_lse, out, lse, values, queries, key_norm_weights, ctx.heads, ctx.eps)
+    return grad_values, grad_queries, grad_weights, None, None
+
+
+_route_many_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def _fail(arg: str, expected: str, found: object) -> ValueError:
+    return ValueError(f"route_many: `{arg}` must be {expected}; found {found}")
+
+
+def _check_inputs(values, queries, key_norm_weights, heads, eps) -> None:
+    values = _check_sources("values", values, None, None, op="route_many")
+    d, device = values[0].shape[-1], values[0].device
+    for arg, t in (("queries", queries), ("key_norm_weights", key_norm_weights)):
+        if not isinstance(t, Tensor):
+            raise _fail(arg, "a tensor of shape (S, d)", type(t).__name__)
+        if not t.is_floating_point() or t.dim() != 2 or t.shape[1] != d or t.shape[0] < 1 or t.device != device:
+            raise _fail(arg, f"a floating-point tensor of shape (S, {d}) with S >= 1 on {device}", _describe(t))
+    if key_norm_weights.shape != queries.shape:
+        raise _fail("key_norm_weights", f"shaped like queries {tuple(queries.shape)}", _describe(key_norm_weights))
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads != 0:
+        raise _fail("heads", f"a positive int dividing the width d={d}", repr(heads))
+    _check_eps("eps", eps, op="route_many")
+
+
+# ------------------------------------------------------------------- public API
+
+
+def route_many(values: Sequence[Tensor], *, queries: Tensor, key_norm_weights: Tensor, heads: int = 1,
+               eps: float = 1e-6) -> tuple[list[Tensor], list[Tensor]]:
+    """Route ``values`` (N tensors of shape ``(*batch, d)``) once for each of S queries.
+
+    ``queries`` and ``key_norm_weights`` have shape ``(S, d)`` (row ``s``: one site's
+    pseudo-query and key-norm weight). Returns ``(out, lse)``: S tensors shaped and typed
+    like the values, and S log-sum-exps of shape ``(*batch, heads)``, float32 (float64 for
+    float64 inputs); both differentiable. ``route_many(v, queries=q[None], key_norm_weights=g[None])[0][0]`` is
+    ``route(v, query=q, key_norm_weight=g)``."""
+    _check_inputs(values, queries, key_norm_weights, heads, eps)
+    out, lse = torch.ops.depthrewrite.route_many(list(values), queries, key_norm_weights, heads, float(eps))
+    return list(out), list(lse)
+
+
+def route_many_reference(values: Sequence[Tensor], *, queries: Tensor, key_norm_weights: Tensor, heads: int = 1,
+                         eps: float = 1e-6) -> tuple[list[Tensor], list[Tensor]]:
+    """``route_many`` written with plain differentiable torch ops (the test oracle)."""
+    _check_inputs(values, queries, key_norm_weights, heads, eps)
+    out, lse = _reference(values, queries, key_norm_weights, heads, eps)
+    return list(out.unbind(0)), list(lse.unbind(0))
+
+
+# ------------------------------------------------------------- the second phase
+
+
+def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, key_norm_weight: Tensor,
+                  heads: int = 1, eps: float = 1e-6) -> Tensor:
+    """Add one more source, ``partial``, to a finished routing result by online softmax.
+
+    ``out`` and ``lse`` are one query's result over some sources (from :func:`route_many`);
+    the return value is what ``route`` over those sources plus ``partial`` gives with the
+    same ``query`` and ``key_norm_weight``: with the partial's logit ``z`` (per head), its
+    weight is ``sigmoid(z - lse)`` and ``result = out + sigmoid(z - lse) * (partial - out)``.
+    Plain torch ops (Inductor fuses them with their neighbours), float32 math, the result in
+    ``out``'s dtype."""
+    d = partial.shape[-1]
+    dtype = _compute_dtype(out, partial, query, key_norm_weight)
+    p = partial.to(dtype)
+    z = (F.rms_norm(p, (d,), eps=float(eps)) * (key_norm_weight.to(dtype) * query.to(dtype))).unflatten(-1, (heads, -1)).sum(-1)
+    weight = torch.sigmoid(z - lse.to(dtype)).unsqueeze(-1)  # (*batch, H, 1)
+    o = out.to(dtype).unflatten(-1, (heads, -1))
+    return (o + weight * (p.unflatten(-1, (heads, -1)) - o)).flatten(-2).to(out.dtype)
+

@@ -1,0 +1,167 @@
+"""The fused Triton ``route_many`` kernels against float64: every output, every log-sum-exp
+and every gradient (sources, queries, key-norm weights), with gradients on both outputs.
+
+As for ``route`` (tests/kernels/test_route_triton.py), the one-pass backward takes
+``sum_j a_j da_j`` as ``<g, out>`` from the output saved in the activation dtype; its
+gradients are compared with a float64 oracle that uses the kernel's saved output the same
+way (``saved_out``), at the tolerances of the returned dtypes, and in float32 also with the
+exact float64 gradients. Without a GPU the kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # must precede the first import of triton.jit-decorated code
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from depthrewrite.kernels import route_many_triton  # noqa: E402
+from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# relative L2 error allowed against float64, by the dtype a tensor is returned in (as for route)
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _make(n, s, batch, d, heads, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        values=[torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(n)],
+        # large enough queries that the softmaxes are far from uniform
+        queries=torch.randn(s, d, generator=gen) * 2.0 / d**0.5 * heads**0.5,
+        key_norm_weights=torch.rand(s, d, generator=gen) + 0.5,
+        heads=heads,
+    )
+
+
+def _logits_f64(values, queries, weights, heads):
+    d = values[0].shape[-1]
+    norm = F.rms_norm(torch.stack(values), (d,), eps=1e-6).unflatten(-1, (heads, -1))  # (N, *batch, H, C)
+    per_query = (queries * weights).unflatten(-1, (heads, -1))  # (S, H, C)
+    shape = (per_query.shape[0], 1) + (1,) * (norm.dim() - 3) + per_query.shape[1:]
+    return (norm.unsqueeze(0) * per_query.reshape(shape)).sum(-1)  # (S, N, *batch, H)
+
+
+def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
+    """Outputs, lses and gradients (sources, queries, weights) in float64 for the loss
+    ``sum_s <grad_out_s, out_s> + <grad_lse_s, lse_s>``. With ``saved_out`` the gradients are
+    the one-pass backward's given that saved output: the term ``sum_i c_i z_i`` with the
+    constant ``c_i = -a_i <g, saved_out - out>`` (per query and head) shifts the logits'
+    gradient by exactly that difference."""
+    values = [v.detach().double().requires_grad_() for v in inp["values"]]
+    queries = inp["queries"].double().requires_grad_()
+    weights = inp["key_norm_weights"].double().requires_grad_()
+    heads = inp["heads"]
+    z = _logits_f64(values, queries, weights, heads)
+    a = torch.softmax(z, dim=1)
+    out = (a.unsqueeze(-1) * torch.stack(values).unflatten(-1, (heads, -1)).unsqueeze(0)).sum(1).flatten(-2)
+    lse = torch.logsumexp(z, dim=1)
+    g = torch.stack([t.double() for t in grad_out])
+    loss = (g * out).sum() + (torch.stack([t.double() for t in grad_lse]) * lse).sum()
+    if saved_out is not None:
+        diff = (g * (torch.stack([t.double() for t in saved_out]) - out.detach())).unflatten(-1, (heads, -1)).sum(-1)
+        loss = loss + (-(a.detach() * diff.unsqueeze(1)) * z).sum()
+    grads = torch.autograd.grad(loss, [*values, queries, weights])
+    return out.detach(), lse.detach(), list(grads)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _run(inp, dtype, seed, config=None):
+    gen = torch.Generator().manual_seed(seed + 1)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    values = [dev(v) for v in inp["values"]]
+    out, lse = route_many_triton.route_many_forward(values, dev(inp["queries"]), dev(inp["key_norm_weights"]),
+                                                    inp["heads"], 1e-6, config)
+    grad_out = [torch.randn(o.shape, generator=gen).to(dtype) for o in out]
+    grad_lse = [torch.randn(t.shape, generator=gen) for t in lse]
+    grads = route_many_triton.route_many_backward(
+        [dev(g) for g in grad_out], [dev(g) for g in grad_lse], out, lse, values, dev(inp["queries"]),
+        dev(inp["key_norm_weights"]), inp["heads"], 1e-6, config)
+    flat = [*grads[0], grads[1], grads[2]]
+    return [o.cpu() for o in out], [t.cpu() for t in lse], [t.cpu() for t in flat], grad_out, grad_lse
+
+
+CASES = [
+    # n sources, s queries, batch, d, heads
+    (1, 1, (3,), 24, 1),
+    (2, 3, (2, 3), 40, 4),
+    (9, 6, (5,), 100, 1),  # the e2e shape of Block AttnRes: 6 sites of a block
+    (33, 2, (3,), 48, 3),
+    (65, 5, (2,), 16, 2),
+    (3, 8, (7,), 1000, 1),  # width not a power of two
+    (2, 3, (1,), 7186, 1),  # several chunks of queries (a padded row of 8192)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,s,batch,d,heads", CASES)
+def test_route_many_kernels_match_float64(n, s, batch, d, heads, dtype):
+    seed = n * 100 + s
+    inp = _make(n, s, batch, d, heads, dtype, seed)
+    out, lse, grads, grad_out, grad_lse = _run(inp, dtype, seed)
+    exact_out, exact_lse, exact_grads = _oracle_f64(inp, grad_out, grad_lse)
+    tol = TOL[dtype]
+    for o, e in zip(out, exact_out.unbind(0)):
+        assert o.dtype == dtype and _rel(o, e) < tol
+    for t, e in zip(lse, exact_lse.unbind(0)):
+        assert t.dtype == torch.float32 and (t.double() - e).abs().max().item() < 1e-4
+    _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=out)
+    names = [f"values[{i}]" for i in range(n)] + ["queries", "key_norm_weights"]
+    for name, got, want in zip(names, grads, oracle):
+        # activation gradients are returned in the activation dtype, parameter gradients in fp32
+        limit = tol if name.startswith("values") else 1e-5
+        assert _rel(got, want) < limit, (name, _rel(got, want))
+    if dtype == torch.float32:
+        for name, got, want in zip(names, grads, exact_grads):
+            assert _rel(got, want) < 2e-5, (name, _rel(got, want))
+
+
+def test_query_chunks_match_one_launch():
+    """Queries taken in chunks (each chunk re-reads the sources and adds into the source
+    gradients) give the same result as one launch for all of them, up to the order of the
+    fp32 sums (the tile shapes differ): relative L2 difference per tensor."""
+    inp = _make(4, 7, (3,), 64, 2, torch.float32, 5)
+    whole = _run(inp, torch.float32, 5)
+    chunked = _run(inp, torch.float32, 5, config={"many_elems": 128})  # 2 queries per launch
+    for a, b in zip(whole[0] + whole[1] + whole[2], chunked[0] + chunked[1] + chunked[2]):
+        assert _rel(b, a) < TOL[torch.float32]
+
+
+def test_backward_is_deterministic():
+    inp = _make(9, 6, (6,), 64, 1, torch.bfloat16, 3)
+    first, second = _run(inp, torch.bfloat16, 3), _run(inp, torch.bfloat16, 3)
+    assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
+
+
+def test_too_wide_a_row_is_refused():
+    values = [torch.zeros(1, 2 * MAX_ROW, device=DEVICE)]
+    with pytest.raises(ValueError, match="pads to a row of"):
+        route_many_triton.route_many_forward(values, torch.zeros(1, 2 * MAX_ROW, device=DEVICE),
+                                             torch.ones(1, 2 * MAX_ROW, device=DEVICE), 1, 1e-6)
+
+
+def test_one_source_without_lse_gradient_gives_exactly_zero_parameter_gradients():
+    """With one source the weight is exactly 1 whatever the query: unless lse is used, the
+    queries and key-norm weights get exactly zero gradient (as the reference gives; the
+    first site of the first block of Block AttnRes is this case)."""
+    inp = _make(1, 3, (4, 3), 48, 2, torch.float32, 11)
+    values = [v.to(DEVICE) for v in inp["values"]]
+    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    out, lse = route_many_triton.route_many_forward(values, q, w, 2, 1e-6)
+    assert all(torch.equal(o, values[0]) for o in out)
+    grad_out = [torch.randn_like(o) for o in out]
+    grads = route_many_triton.route_many_backward(grad_out, [torch.zeros_like(t) for t in lse], out, lse, values,
+                                                  q, w, 2, 1e-6)
+    assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0
+    torch.testing.assert_close(grads[0][0], sum(grad_out), rtol=1e-6, atol=1e-6)

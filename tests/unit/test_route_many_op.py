@@ -1,0 +1,392 @@
+"""depthrewrite::route_many, route_many_backward and merge_partial against route, the
+reference and autograd (the two-phase Block AttnRes computation, SPEC section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from depthrewrite.ops import merge_partial, route, route_many, route_many_reference
+from depthrewrite.ops.route import route_logits_reference
+
+
+@dataclass
+class Case:
+    n: int  # sources
+    s: int  # queries
+    batch: tuple[int, ...]
+    d: int
+    heads: int = 1
+
+
+@dataclass
+class Inputs:
+    values: list[torch.Tensor]
+    queries: torch.Tensor  # (S, d)
+    key_norm_weights: torch.Tensor  # (S, d)
+    heads: int
+
+    def kwargs(self) -> dict:
+        return dict(queries=self.queries, key_norm_weights=self.key_norm_weights, heads=self.heads)
+
+    def leaves(self) -> list[torch.Tensor]:
+        """Every input that should receive a gradient, in a fixed order."""
+        return [*self.values, self.queries, self.key_norm_weights]
+
+    def cast(self, act_dtype: torch.dtype, param_dtype: torch.dtype, requires_grad: bool) -> "Inputs":
+        def conv(t, dtype):
+            return t.detach().to(dtype).requires_grad_(requires_grad)
+
+        return Inputs([conv(v, act_dtype) for v in self.values], conv(self.queries, param_dtype),
+                      conv(self.key_norm_weights, param_dtype), self.heads)
+
+
+def make_inputs(case: Case, dtype=torch.float64, seed=0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    return Inputs(
+        values=[randn(*case.batch, case.d) for _ in range(case.n)],
+        # scaled so that the softmaxes are neither uniform nor one-hot
+        queries=0.5 * randn(case.s, case.d),
+        key_norm_weights=1.0 + 0.3 * randn(case.s, case.d),
+        heads=case.heads,
+    )
+
+
+def random_like(tensors: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) for t in tensors]
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Max-norm relative error: max|a - e| <= rel * max|e| (exact when e is all zeros)."""
+    assert actual.shape == expected.shape
+    err = (actual.double() - expected.double()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3e} > {rel:.1e} * {scale:.3e}"
+
+
+def assert_all_rel(actual, expected, rel: float) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype
+        assert_rel(a, e, rel)
+
+
+# ------------------------------------------------------------------------ opcheck
+
+OPCHECK_CASES = [
+    Case(1, 1, (2, 3), 8, heads=1),
+    Case(1, 3, (4,), 8, heads=2),
+    Case(3, 1, (5,), 8, heads=2),
+    Case(2, 3, (), 8, heads=2),
+    Case(4, 2, (2, 3), 12, heads=1),
+]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=repr)
+def test_opcheck_route_many(case):
+    inp = make_inputs(case, torch.float32).cast(torch.float32, torch.float32, requires_grad=True)
+    torch.library.opcheck(torch.ops.depthrewrite.route_many.default,
+                          (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6))
+
+
+@pytest.mark.parametrize("case", [OPCHECK_CASES[1], OPCHECK_CASES[3], OPCHECK_CASES[4]], ids=repr)
+def test_opcheck_route_many_backward(case):
+    inp = make_inputs(case, torch.float32)
+    fwd = (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6)
+    out, lse = torch.ops.depthrewrite.route_many(*fwd)
+    grad_out, grad_lse = random_like(out, seed=1), random_like(lse, seed=2)
+    torch.library.opcheck(torch.ops.depthrewrite.route_many_backward.default, (grad_out, grad_lse, out, lse, *fwd))
+
+
+# ---------------------------------------------------------------------- gradcheck
+
+GRADCHECK_CASES = [
+    Case(n, s, batch, 4, heads)
+    for n in (1, 2, 5)
+    for s in (1, 3)
+    for heads in (1, 2)
+    for batch in ((), (2, 3))
+]
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=repr)
+def test_gradcheck_float64(case):
+    inp = make_inputs(case, torch.float64, seed=3).cast(torch.float64, torch.float64, requires_grad=True)
+    n = case.n
+
+    def f(*flat):
+        out, lse = route_many(list(flat[:n]), queries=flat[n], key_norm_weights=flat[n + 1], heads=case.heads)
+        return (*out, *lse)  # every output, lse included: it is differentiable
+
+    assert torch.autograd.gradcheck(f, tuple(inp.leaves()), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ------------------------------------------------------------ one row per query
+
+ROW_CASES = [
+    Case(1, 3, (3, 7), 8, heads=2),
+    Case(2, 3, (3, 7), 8, heads=1),
+    Case(2, 1, (3, 7), 8, heads=4),
+    Case(5, 3, (3, 7), 8, heads=2),
+    Case(9, 2, (3, 7), 12, heads=3),
+    Case(5, 2, (), 8, heads=4),
+]
+
+
+def _rows(inp: Inputs):
+    """route_many's results and, per query, route's output and route's logits."""
+    out, lse = route_many(inp.values, **inp.kwargs())
+    routes, logits = [], []
+    for s in range(inp.queries.shape[0]):
+        kw = dict(query=inp.queries[s], key_norm_weight=inp.key_norm_weights[s], heads=inp.heads)
+        routes.append(route(inp.values, **kw))
+        logits.append(route_logits_reference(inp.values, **kw))
+    return out, lse, routes, logits
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=repr)
+def test_each_row_is_route_with_that_query_float64(case):
+    inp = make_inputs(case, torch.float64, seed=4)
+    out, lse, routes, logits = _rows(inp)
+    assert len(out) == len(lse) == case.s
+    for o, l, r, z in zip(out, lse, routes, logits):
+        assert o.dtype == l.dtype == torch.float64
+        assert o.shape == (*case.batch, case.d) and l.shape == (*case.batch, case.heads)
+        torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+        if case.n == 1:
+            # the real logit, not route's 0: merge_partial needs it
+            torch.testing.assert_close(l, z[0], rtol=1e-12, atol=1e-12)
+            assert (l.abs() > 1e-3).any()  # so that the check above could tell the logit from 0
+        else:
+            torch.testing.assert_close(l, torch.logsumexp(z, 0), rtol=1e-12, atol=1e-12)
+    # outputs are separate allocations (custom-op outputs may not alias)
+    ptrs = {t.untyped_storage().data_ptr() for t in out + lse}
+    assert len(ptrs) == 2 * case.s
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=repr)
+def test_each_row_is_route_with_that_query_float32(case):
+    inp = make_inputs(case, torch.float32, seed=5)
+    out, lse, routes, logits = _rows(inp)
+    for o, l, r, z in zip(out, lse, routes, logits):
+        assert o.dtype == l.dtype == torch.float32
+        # Same fp32 math in a different order (one softmax over (S, N) vs one over N, the
+        # weight folded into the query): measured up to ~3 fp32 ulps of outputs of size ~4
+        # (3.6e-7); 1e-6 relative to the tensor's scale is a few ulps, nothing looser.
+        assert_rel(o, r, 1e-6)
+        expected = z[0] if case.n == 1 else torch.logsumexp(z, 0)
+        # lse values are O(1-3); measured differences up to 4.8e-7 (2-4 fp32 ulps)
+        torch.testing.assert_close(l, expected, rtol=1e-6, atol=1e-6)
+
+
+def _bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Number of representable bf16 values between a and b (0: equal; 1: neighbours), via
+    the sign-magnitude bit patterns mapped onto a monotone integer line."""
+    def line(t):
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (line(a) - line(b)).abs()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ROW_CASES, ids=repr)
+def test_each_row_is_route_with_that_query_bf16(case, param_dtype):
+    inp = make_inputs(case, torch.float32, seed=6).cast(torch.bfloat16, param_dtype, False)
+    out, lse, routes, logits = _rows(inp)
+    for o, l, r, z in zip(out, lse, routes, logits):
+        assert o.dtype == torch.bfloat16 and l.dtype == torch.float32
+        if case.n == 1:
+            assert torch.equal(o, r)  # the softmax weight is exactly 1: the source itself
+        # Both compute in fp32 and round once to bf16; their fp32 results differ by a few
+        # fp32 ulps (see the float32 test), i.e. ~2^-14 of a bf16 ulp, so the roundings
+        # agree except when the fp32 value sits at a rounding boundary: then they are
+        # neighbours. (Measured: identical on all these cases.)
+        dist = _bf16_ulp_distance(o, r)
+        assert dist.max() <= 1, f"{dist.max()} bf16 ulps apart"
+        assert (dist == 0).float().mean() >= 0.99  # boundary cases are rare, not the rule
+        expected = z[0] if case.n == 1 else torch.logsumexp(z, 0)
+        torch.testing.assert_close(l, expected, rtol=1e-6, atol=1e-6)  # fp32 math, as above
+
+
+# -------------------------------------------- the op and its backward vs the reference
+
+REFERENCE_CASES = [
+    Case(1, 3, (3, 5), 8, heads=2),
+    Case(2, 1, (3, 5), 8, heads=1),
+    Case(4, 3, (3, 5), 12, heads=3),
+    Case(5, 2, (), 8, heads=4),
+    Case(7, 4, (2, 3), 8, heads=1),
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=repr)
+def test_backward_op_matches_autograd_through_reference_float64(case):
+    base = make_inputs(case, torch.float64, seed=7)
+    inp = base.cast(torch.float64, torch.float64, True)
+    ref_out, ref_lse = route_many_reference(inp.values, **inp.kwargs())
+    grad_out, grad_lse = random_like(ref_out, seed=8), random_like(ref_lse, seed=9)  # lse's gradient is nonzero
+    ref_grads = torch.autograd.grad(ref_out + ref_lse, inp.leaves(), grad_out + grad_lse)
+
+    # the backward op called directly
+    out, lse = torch.ops.depthrewrite.route_many(base.values, base.queries, base.key_norm_weights, case.heads, 1e-6)
+    grad_values, grad_queries, grad_weights = torch.ops.depthrewrite.route_many_backward(
+        grad_out, grad_lse, out, lse, base.values, base.queries, base.key_norm_weights, case.heads, 1e-6)
+    assert_all_rel([*grad_values, grad_queries, grad_weights], list(ref_grads), 1e-12)
+
+    # and through route_many's autograd
+    inp = base.cast(torch.float64, torch.float64, True)
+    out, lse = route_many(inp.values, **inp.kwargs())
+    grads = torch.autograd.grad(out + lse, inp.leaves(), grad_out + grad_lse)
+    assert_all_rel(list(grads), list(ref_grads), 1e-12)
+    # lse's gradient takes part: without it the op's gradients differ
+    _, grad_q_no_lse, _ = torch.ops.depthrewrite.route_many_backward(
+        grad_out, [torch.zeros_like(t) for t in lse], out, lse, base.values, base.queries, base.key_norm_weights,
+        case.heads, 1e-6)
+    assert (grad_q_no_lse - ref_grads[-2]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-12), (torch.float32, 1e-6)], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=repr)
+def test_forward_op_matches_reference(case, dtype, rel):
+    inp = make_inputs(case, dtype, seed=10)
+    out, lse = route_many(inp.values, **inp.kwargs())
+    ref_out, ref_lse = route_many_reference(inp.values, **inp.kwargs())
+    assert_all_rel(out, ref_out, rel)
+    assert_all_rel(lse, ref_lse, rel)
+
+
+# ----------------------------------------------------------------- merge_partial
+
+MERGE_CASES = [
+    Case(1, 2, (3, 5), 8, heads=1),
+    Case(1, 2, (3, 5), 8, heads=4),
+    Case(3, 3, (3, 5), 8, heads=1),
+    Case(3, 3, (3, 5), 8, heads=4),
+    Case(6, 2, (), 12, heads=4),
+]
+
+
+def _partial(case: Case, dtype, seed) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*case.batch, case.d, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _merged(inp: Inputs, partial: torch.Tensor) -> list[torch.Tensor]:
+    out, lse = route_many(inp.values, **inp.kwargs())
+    return [merge_partial(o, l, partial, query=inp.queries[s], key_norm_weight=inp.key_norm_weights[s],
+                          heads=inp.heads) for s, (o, l) in enumerate(zip(out, lse))]
+
+
+def _routed_with_partial(inp: Inputs, partial: torch.Tensor) -> list[torch.Tensor]:
+    return [route(inp.values + [partial], query=inp.queries[s], key_norm_weight=inp.key_norm_weights[s],
+                  heads=inp.heads) for s in range(inp.queries.shape[0])]
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-12), (torch.float32, 1e-6)], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", MERGE_CASES, ids=repr)
+def test_merge_partial_is_route_over_sources_and_partial(case, dtype, rel):
+    inp = make_inputs(case, dtype, seed=11)
+    partial = _partial(case, dtype, seed=12)
+    merged, expected = _merged(inp, partial), _routed_with_partial(inp, partial)
+    for m, e in zip(merged, expected):
+        assert m.dtype == dtype and m.shape == e.shape
+        # float32: a few fp32 roundings of O(1) values, measured ~2e-7 relative
+        assert_rel(m, e, rel)
+    # the partial really takes part: without it the result is different
+    out, _ = route_many(inp.values, **inp.kwargs())
+    assert all((m - o).abs().max() > 1e-3 for m, o in zip(merged, out))
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=repr)
+def test_merge_partial_gradients_match_route_over_sources_and_partial(case):
+    base = make_inputs(case, torch.float64, seed=13)
+    partial = _partial(case, torch.float64, seed=14)
+    grads_out = random_like([partial] * case.s, seed=15)
+    results = []
+    for fn in (_merged, _routed_with_partial):
+        inp = base.cast(torch.float64, torch.float64, True)
+        p = partial.clone().requires_grad_()
+        res = fn(inp, p)
+        results.append(torch.autograd.grad(res, inp.leaves() + [p], grads_out))
+    grads, ref_grads = results
+    assert_all_rel(list(grads), list(ref_grads), 1e-12)
+
+
+# ------------------------------------------------------------------ input checks
+
+
+def _bad_inputs():
+    base = make_inputs(Case(3, 2, (2, 5), 8), torch.float32)
+    v, q, w = base.values, base.queries, base.key_norm_weights
+    cases = {
+        "queries": [dict(queries=q[0]), dict(queries=q[None]), dict(queries=q[:, :4], key_norm_weights=w[:, :4]),
+                    dict(queries=torch.zeros(0, 8), key_norm_weights=torch.zeros(0, 8))],
+        "key_norm_weights": [dict(key_norm_weights=w[:1]), dict(key_norm_weights=w[:, :4]),
+                             dict(key_norm_weights=w[0])],
+        "heads": [dict(heads=3), dict(heads=0), dict(heads=True)],
+        "eps": [dict(eps=-1e-6), dict(eps=float("nan"))],
+        "values": [dict(values=[]), dict(values=[v[0], v[1][..., :4], v[2]]), dict(values=[v[0], v[1][:1], v[2]]),
+                   dict(values=[v[0], v[1].double(), v[2]])],
+    }
+    for arg, overrides in cases.items():
+        for i, o in enumerate(overrides):
+            kw = dict(values=v, queries=q, key_norm_weights=w, heads=2, eps=1e-6)
+            kw.update(o)
+            yield pytest.param(arg, kw, id=f"{arg}-{i}")
+
+
+@pytest.mark.parametrize("fn", [route_many, route_many_reference], ids=["op", "reference"])
+@pytest.mark.parametrize("arg, kwargs", list(_bad_inputs()))
+def test_bad_inputs_raise_value_error_naming_the_argument(fn, arg, kwargs):
+    kwargs = dict(kwargs)
+    values = kwargs.pop("values")
+    # `values` or `values[1]`; the message names the op called
+    with pytest.raises(ValueError, match=rf"^route_many: `{arg}(\[\d+\])?` must be .*; found"):
+        fn(values, **kwargs)
+
+
+# ---------------------------------------------------------------- unused outputs
+
+
+@pytest.mark.parametrize("use", ["out0", "lse1"])
+@pytest.mark.parametrize("case", [Case(3, 2, (3, 5), 8, heads=2), Case(1, 3, (4,), 8, heads=1)], ids=repr)
+def test_unused_outputs_get_zero_gradients(case, use):
+    base = make_inputs(case, torch.float64, seed=16)
+    results = []
+    for fn in (route_many, route_many_reference):
+        inp = base.cast(torch.float64, torch.float64, True)
+        out, lse = fn(inp.values, **inp.kwargs())
+        used = out[0] if use == "out0" else lse[1]
+        loss = (used * random_like([used], seed=17)[0]).sum()  # every other output unused
+        results.append(torch.autograd.grad(loss, inp.leaves()))
+    grads, ref_grads = results
+    assert all(g is not None for g in grads)
+    assert_all_rel(list(grads), list(ref_grads), 1e-12)
+    # the query rows that did not take part get exactly zero gradient
+    row = 0 if use == "out0" else 1
+    for g in grads[-2:]:
+        others = torch.cat([g[:row], g[row + 1:]])
+        assert not others.any()
+        if case.n > 1 or use == "lse1":
+            # (with one source out[0] is the source itself, whatever the query: no gradient)
+            assert g[row].abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("op", ["route_many", "route"])
+def test_non_contiguous_sources_get_the_layout_the_op_declares(op):
+    """The ops return contiguous tensors whatever the sources' strides; their fake
+    (compile-time) implementations must declare the same layout."""
+    values = [torch.randn(8, 3).t() for _ in range(2)]  # (3, 8), strides (1, 3)
+    if op == "route_many":
+        args = (values, torch.randn(2, 8), torch.rand(2, 8) + 0.5, 1, 1e-6)
+    else:
+        args = (values, None, torch.randn(8), torch.rand(8) + 0.5, None, None, 1, 1e-6)
+    torch.library.opcheck(getattr(torch.ops.depthrewrite, op).default, args)

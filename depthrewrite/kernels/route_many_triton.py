@@ -72,14 +72,10 @@ def _more_sources(hh, i, N, cmask):
 
 
 @triton.jit
-def _route_many_fwd_kernel(
-    like_ptr, vtab, otab, ltab, qw_ptr, N, D, C, H, S_CHUNK, eps,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)  # one token per program; int64: tok * D overflows int32
-    act = like_ptr.dtype.element_ty  # the activation dtype: sources and outputs
-    ptr_ty = tl.pointer_type(act)
+def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Index vectors, masks and the ``(Q, H, C)`` fp32 tile of ``w_s * g_s`` for a chunk of
+    queries: query ``qq``, head ``hh``, column ``col`` (H, C) of a row, and the masks of
+    real columns, queries, (query, column) and (query, head)."""
     qq = tl.arange(0, BLOCK_Q)
     hh = tl.arange(0, BLOCK_H)
     cc = tl.arange(0, BLOCK_C)
@@ -88,8 +84,21 @@ def _route_many_fwd_kernel(
     qmask = qq < S_CHUNK
     qmask3 = qmask[:, None, None] & cmask[None, :, :]
     hq = qmask[:, None] & (hh[None, :] < H)
-    offs = tok * D + col
     qw = tl.load(qw_ptr + qq[:, None, None] * D + col[None, :, :], mask=qmask3, other=0.0)
+    return qq, hh, col, cmask, qmask, qmask3, hq, qw
+
+
+@triton.jit
+def _route_many_fwd_kernel(
+    like_ptr, vtab, otab, ltab, qw_ptr, N, D, C, H, S_CHUNK, eps,
+    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)  # one token per program; int64: tok * D overflows int32
+    act = like_ptr.dtype.element_ty  # the activation dtype: sources and outputs
+    ptr_ty = tl.pointer_type(act)
+    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
+    offs = tok * D + col
 
     m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
@@ -130,15 +139,7 @@ def _route_many_bwd_kernel(
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
     f32_ty = tl.pointer_type(tl.float32)
-    qq = tl.arange(0, BLOCK_Q)
-    hh = tl.arange(0, BLOCK_H)
-    cc = tl.arange(0, BLOCK_C)
-    col = hh[:, None] * C + cc[None, :]
-    cmask = (hh[:, None] < H) & (cc[None, :] < C)
-    qmask = qq < S_CHUNK
-    qmask3 = qmask[:, None, None] & cmask[None, :, :]
-    hq = qmask[:, None] & (hh[None, :] < H)
-    qw = tl.load(qw_ptr + qq[:, None, None] * D + col[None, :, :], mask=qmask3, other=0.0)
+    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
     g_ptrs = _table_ptrs(gtab, qq, qmask, ptr_ty)
     o_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty)
     l_ptrs = _table_ptrs(ltab, qq, qmask, f32_ty)

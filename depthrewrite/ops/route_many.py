@@ -216,6 +216,7 @@ def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, k
     weight is ``sigmoid(z - lse)`` and ``result = out + sigmoid(z - lse) * (partial - out)``.
     Plain torch ops (Inductor fuses them with their neighbours), float32 math, the result in
     ``out``'s dtype."""
+    _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps)
     d = partial.shape[-1]
     dtype = _compute_dtype(out, partial, query, key_norm_weight)
     p = partial.to(dtype)
@@ -224,3 +225,23 @@ def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, k
     o = out.to(dtype).unflatten(-1, (heads, -1))
     return (o + weight * (p.unflatten(-1, (heads, -1)) - o)).flatten(-2).to(out.dtype)
 
+
+def _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps) -> None:
+    def fail(arg, expected, found):
+        return ValueError(f"merge_partial: `{arg}` must be {expected}; found {found}")
+
+    for arg, t in (("out", out), ("partial", partial), ("lse", lse), ("query", query),
+                   ("key_norm_weight", key_norm_weight)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise fail(arg, "a floating-point tensor", type(t).__name__ if not isinstance(t, Tensor) else _describe(t))
+    if out.dim() == 0 or partial.shape != out.shape or partial.device != out.device:
+        raise fail("partial", f"shaped like out ({_describe(out)})", _describe(partial))
+    d = out.shape[-1]
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads != 0:
+        raise fail("heads", f"a positive int dividing the width d={d}", repr(heads))
+    if tuple(lse.shape) != tuple(out.shape[:-1]) + (heads,):
+        raise fail("lse", f"of shape {tuple(out.shape[:-1]) + (heads,)} (out's batch, heads)", _describe(lse))
+    for arg, t in (("query", query), ("key_norm_weight", key_norm_weight)):
+        if tuple(t.shape) != (d,):
+            raise fail(arg, f"of shape ({d},)", _describe(t))
+    _check_eps("eps", eps, op="merge_partial")

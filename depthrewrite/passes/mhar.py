@@ -60,9 +60,8 @@ class MharScheme(Scheme):
     Options: ``heads`` (default: the model's key/value head count from its config; a
     ValueError asks for ``heads=`` when the model has none; must divide d),
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
-    S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False, measured
-    slower with many heads),
-    ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
+    S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False by
+    default, measured slower with many heads), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
     with the same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
 

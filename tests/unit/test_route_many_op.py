@@ -390,3 +390,21 @@ def test_non_contiguous_sources_get_the_layout_the_op_declares(op):
     else:
         args = (values, None, torch.randn(8), torch.rand(8) + 0.5, None, None, 1, 1e-6)
     torch.library.opcheck(getattr(torch.ops.depthrewrite, op).default, args)
+
+
+@pytest.mark.parametrize("arg, change", [
+    ("partial", lambda kw: kw.update(partial=kw["partial"][..., :4])),
+    ("lse", lambda kw: kw.update(lse=kw["lse"][..., :1])),
+    ("query", lambda kw: kw.update(query=kw["query"][:4])),
+    ("key_norm_weight", lambda kw: kw.update(key_norm_weight=kw["key_norm_weight"][None])),
+    ("heads", lambda kw: kw.update(heads=3)),
+    ("eps", lambda kw: kw.update(eps=-1.0)),
+    ("out", lambda kw: kw.update(out=[1.0])),
+])
+def test_merge_partial_bad_inputs_name_the_argument(arg, change):
+    kw = dict(out=torch.randn(2, 3, 8), lse=torch.randn(2, 3, 2), partial=torch.randn(2, 3, 8),
+              query=torch.randn(8), key_norm_weight=torch.ones(8), heads=2, eps=1e-6)
+    change(kw)
+    out, lse, partial = kw.pop("out"), kw.pop("lse"), kw.pop("partial")
+    with pytest.raises(ValueError, match=rf"^merge_partial: `{arg}` must be"):
+        merge_partial(out, lse, partial, **kw)

@@ -7,6 +7,7 @@ the update ``u_l`` of site ``l`` (the branch output, never the running sum).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -15,6 +16,8 @@ from torch import nn
 from ..analysis import Site
 from ..ops import merge_partial, route, route_many
 from .base import PassThrough, Scheme, SchemeOptions, State
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- residual
@@ -122,6 +125,7 @@ class TwoPhasePlan:
     def __init__(self):
         self.groups: dict[int, list] = {}
         self.enabled = True
+        self._told_sharded = False
 
     def add(self, router: "BlockRouter", group: int, position: int) -> None:
         members = self.groups.setdefault(group, [])
@@ -134,7 +138,13 @@ class TwoPhasePlan:
         """Phase 1 for ``group`` over the completed ``blocks``: ``(outputs, lses)``, one per
         router of the group, or None (module docstring)."""
         routers = self.groups.get(group)
-        if not self.enabled or not routers or any(_is_sharded(r.query) for r in routers):
+        if not self.enabled or not routers:
+            return None
+        if any(_is_sharded(r.query) for r in routers):
+            if not self._told_sharded and not torch.compiler.is_compiling():  # logging would break a graph
+                self._told_sharded = True
+                log.info("two-phase Block AttnRes: the routing parameters of block %d are sharded (FSDP2); "
+                         "its sites route one by one (same function, more bytes moved)", group)
             return None
         first = routers[0]
         outs, lses = route_many(

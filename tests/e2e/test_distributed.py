@@ -41,17 +41,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: what each spawned rank runs, in order: DDP straight through; FSDP2 stopped halfway and
-#: resumed from its checkpoint (the sharded save/load path)
-RUNS = (("ddp", {}), ("fsdp2", {"stop_after": 3}), ("fsdp2", {"resume": True}))
+#: what each spawned rank runs, in order (output folder, mode, changes): DDP straight through;
+#: FSDP2 stopped halfway and resumed from its checkpoint (the sharded save/load path); FSDP2
+#: with Block AttnRes, whose two-phase computation falls back to routing site by site where
+#: the next block's routing parameters are shards (the one-process run uses two-phase)
+RUNS = (("ddp", "ddp", {}), ("fsdp2", "fsdp2", {"stop_after": 3}), ("fsdp2", "fsdp2", {"resume": True}),
+        ("fsdp2_block", "fsdp2", {"scheme": "block_attnres"}))
 
 
 def _worker(rank: int, data: str, root: str, ports: list) -> None:
     torch.set_num_threads(1)
-    for (mode, extra), port in zip(RUNS, ports):  # one spawn for all: starting processes is the slow part
+    for (name, mode, extra), port in zip(RUNS, ports):  # one spawn for all: starting processes is the slow part
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        config = _config(mode, data, os.path.join(root, mode))
+        config = _config(mode, data, os.path.join(root, name))
         for name, value in extra.items():
             setattr(config, name, value)
         train(config)
@@ -67,11 +70,15 @@ def test_ddp_and_fsdp2_with_resume_match_one_process(tmp_path):
     data = tmp_path / "text.txt"
     data.write_bytes(corpus_bytes("tinyshakespeare.txt", 200_000))
     single = train(_config("none", str(data), str(tmp_path / "none")))
+    block = _config("none", str(data), str(tmp_path / "none_block"))
+    block.scheme = "block_attnres"
+    train(block)
     ports = [_free_port() for _ in RUNS]
     mp.spawn(_worker, args=(str(data), str(tmp_path), ports), nprocs=WORLD, join=True)
     want_loss, want_val = _logged(tmp_path / "none" / "metrics.jsonl")
     assert want_loss == single.losses and len(want_val) == 2
-    for mode in ("ddp", "fsdp2"):
+    for mode, reference in (("ddp", "none"), ("fsdp2", "none"), ("fsdp2_block", "none_block")):
+        want_loss, want_val = _logged(tmp_path / reference / "metrics.jsonl")
         loss, val = _logged(tmp_path / mode / "metrics.jsonl")
         assert len(loss) == len(want_loss) and len(val) == len(want_val), mode
         named = lambda m, mode=mode: f"{mode}: {m}"  # noqa: E731

@@ -144,7 +144,7 @@ def test_two_phase_equals_routing_site_by_site(scheme, options, monkeypatch):
         assert ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() < 2e-5
 
 
-def test_two_phase_is_skipped_for_sharded_routing_parameters(monkeypatch):
+def test_two_phase_is_skipped_for_sharded_routing_parameters(monkeypatch, caplog):
     """Phase 1 for block k + 1 runs inside block k: with FSDP2 the next block's queries are
     shards there, so the plan falls back to routing site by site (same result)."""
     from depthrewrite.passes import attnres
@@ -156,8 +156,11 @@ def test_two_phase_is_skipped_for_sharded_routing_parameters(monkeypatch):
     monkeypatch.setattr(attnres, "_is_sharded", lambda p: True)
     monkeypatch.setattr(attnres, "route_many", lambda *a, **k: pytest.fail("phase 1 ran on sharded parameters"))
     ids = ids_for()
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("INFO", logger="depthrewrite.passes.attnres"):
         assert torch.equal(model(ids), reference(ids))
+        model(ids)
+    told = [r for r in caplog.records if "are sharded (FSDP2)" in r.getMessage()]
+    assert len(told) == 1  # said once, not at every block of every step
 
 
 @pytest.mark.parametrize("heads", [1, 4])

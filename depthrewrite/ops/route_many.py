@@ -14,13 +14,15 @@ RMSNorm weight ``g_s``), as in ``depthrewrite::route`` without keys, bias or sca
 Unlike ``route``'s ``lse`` (a saved statistic), this ``lse`` is differentiable: the merge
 uses it. Outputs are lists of S tensors (``out[s]`` shaped like a source, ``lse[s]`` of
 shape ``(*batch, H)`` in the compute dtype: float32, or float64 when an input is),
-separate allocations, so that each site's gradient arrives as
-its own tensor (no select/scatter of a stacked buffer in the backward).
+separate allocations, so that each site's gradient arrives as its own tensor (no
+select/scatter of a stacked buffer in the backward).
 
 The pure-PyTorch implementation registered here (CPU, float64, and CUDA when the kernels
-are off) is :func:`route_many_reference`; its backward recomputes the forward and runs
-autograd through it, an independent check of the fused kernels
-(:mod:`depthrewrite.kernels.route_many_triton`).
+are off) computes what :func:`route_many_reference` computes; its backward recomputes the
+forward statistics and writes the gradients out by hand, ignoring the saved ``out`` and
+``lse`` that the fused backward uses (:mod:`depthrewrite.kernels.route_many_triton`), so it
+stays an independent check of it (tests: float64 gradcheck, and against autograd through
+the reference).
 """
 
 from __future__ import annotations

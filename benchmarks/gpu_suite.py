@@ -1,7 +1,7 @@
 """Check and time the fused routing kernels on the GPU, in one call.
 
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
-                                    [--quick] [--e2e-only] [--scheme-check]
+                                    [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with

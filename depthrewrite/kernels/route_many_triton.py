@@ -45,7 +45,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    _aligned, _backward_programs, _check_supported, _flat, _load_source, _next_pow2, _row_blocks, _src_ptr,
+    _aligned, _backward_programs, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
+    _src_ptr,
 )
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
@@ -215,21 +216,6 @@ def _query_block(s: int, row: int, config: dict, preferred: int | None) -> int:
     return min(_next_pow2(s), _next_pow2(want), fit)
 
 
-def _tables(device: torch.device, *groups: Sequence[Tensor]) -> list[Tensor]:
-    """One int64 pointer table per group of tensors, uploaded in one copy (views of it)."""
-    ptrs = [t.data_ptr() for group in groups for t in group]
-    if device.type == "cuda":
-        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to drain
-        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-    else:
-        flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
-    views, start = [], 0
-    for group in groups:
-        views.append(flat[start : start + len(group)])
-        start += len(group)
-    return views
-
-
 def _per_query_rows(queries: Tensor, key_norm_weights: Tensor) -> Tensor:
     # the logit needs only w_s * g_s (fp32): one (S, d) table instead of two
     return (queries.to(torch.float32) * key_norm_weights.to(torch.float32)).contiguous()
@@ -250,7 +236,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     lse = [torch.empty((tokens, heads), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
-        vtab, otab, ltab = _tables(flat_v[0].device, flat_v, out, lse)
+        vtab, otab, ltab = _pointer_tables(flat_v[0].device, flat_v, out, lse)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
@@ -293,7 +279,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
         partial = grad_v if dtype == torch.float32 or len(chunks) == 1 else [
             torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
-        gtab, otab, ltab, gltab, vtab, gvtab, acctab = _tables(device, g, o, ls, gl, flat_v, grad_v, partial)
+        gtab, otab, ltab, gltab, vtab, gvtab, acctab = _pointer_tables(device, g, o, ls, gl, flat_v, grad_v, partial)
         for c, q0 in enumerate(chunks):
             _route_many_bwd_kernel[(programs,)](
                 flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, qw[q0:], part[c],

@@ -382,13 +382,21 @@ def _num_warps(elements: int) -> int:
     return min(16, max(4, _next_pow2(elements) // 512))
 
 
-def _pointer_table(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    ptrs = [t.data_ptr() for t in tensors]
-    if device.type != "cuda":
-        return torch.tensor(ptrs, dtype=torch.int64, device=device)
-    # pinned + non_blocking: a pageable copy would make the host wait for the GPU to drain
-    # at every call; the caching host allocator keeps the block until the copy is done
-    return torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+def _pointer_tables(device: torch.device, *groups: Sequence[Tensor]) -> list[Tensor]:
+    """One int64 table of data pointers per group of tensors: views of one tensor, uploaded
+    in one host-to-device copy."""
+    ptrs = [t.data_ptr() for group in groups for t in group]
+    if device.type == "cuda":
+        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to drain
+        # at every call; the caching host allocator keeps the block until the copy is done
+        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    else:
+        flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
+    views, start = [], 0
+    for group in groups:
+        views.append(flat[start : start + len(group)])
+        start += len(group)
+    return views
 
 
 def _aligned(*groups) -> bool:
@@ -441,8 +449,9 @@ def route_forward(
         return result()
     flat_k = _flat(keys, d) if keys is not None else None
     device = flat_v[0].device
-    vtab = _pointer_table(flat_v, device)
-    ktab = _pointer_table(flat_k, device) if flat_k is not None else vtab
+    vtab, ktab = _pointer_tables(device, flat_v, flat_k if flat_k is not None else [])
+    if flat_k is None:
+        ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
     row = block_h * block_c
     # one token per program from d = 2048 up (measured on H200: docs/benchmarks.md)
@@ -548,10 +557,9 @@ def route_backward(
         # the norm's backward as a pass of its own: g becomes the fp32 total gradient of out
         g = _norm_backward_pass(g, flat_out, gn, out_norm_weight, out_norm_eps, part_n, tokens, d)
     if tokens > 0:
-        vtab = _pointer_table(flat_v, device)
-        gvtab = _pointer_table(grad_v, device)
-        ktab = _pointer_table(flat_k, device) if flat_k is not None else vtab
-        gktab = _pointer_table(grad_k, device) if flat_k is not None else gvtab
+        vtab, gvtab, ktab, gktab = _pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k)
+        if flat_k is None:
+            ktab, gktab = vtab, gvtab
         scale = _scale_table(source_scale, n, tokens)
         _route_bwd_kernel[(programs,)](
             g, flat_out, flat_lse, vtab, ktab, gvtab, gktab, query.contiguous(), key_norm_weight.contiguous(),

@@ -154,6 +154,21 @@ class TwoPhasePlan:
         return tuple(outs), tuple(lses)
 
 
+def two_phase_plan(scheme: str, two_phase: object) -> TwoPhasePlan | None:
+    """The plan of a block scheme's ``two_phase`` option (checked), None when it is off."""
+    if not isinstance(two_phase, bool):
+        raise ValueError(f"{scheme}: two_phase must be True or False, found {two_phase!r}")
+    return TwoPhasePlan() if two_phase else None
+
+
+def initial_block_state(e: torch.Tensor, plan: TwoPhasePlan | None) -> State:
+    """The Block AttnRes state after the embedding: ``e`` is the first completed block; with
+    a plan, phase 1 of the first block follows."""
+    if plan is None:
+        return (e,), None
+    return (e,), None, plan.first_phase(0, (e,))
+
+
 def _is_sharded(param: torch.Tensor) -> bool:
     # a DTensor (FSDP2, tensor parallel) outside its module's forward holds only a shard
     return type(param).__name__ == "DTensor"
@@ -226,14 +241,10 @@ class BlockAttnResScheme(Scheme):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")
         self.block_size = size
-        if not isinstance(options.two_phase, bool):
-            raise ValueError(f"block_attnres: two_phase must be True or False, found {options.two_phase!r}")
-        self.plan = TwoPhasePlan() if options.two_phase else None
+        self.plan = two_phase_plan(self.name, options.two_phase)
 
     def init_state(self, e):
-        if self.plan is None:
-            return (e,), None
-        return (e,), None, self.plan.first_phase(0, (e,))
+        return initial_block_state(e, self.plan)
 
     def site_router(self, site: Site):
         group, position = block_place(site.index, self.block_size)

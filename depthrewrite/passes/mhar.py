@@ -11,7 +11,7 @@ import dataclasses
 
 from ..analysis import Site
 from ..ops import route
-from .attnres import AttnResOptions, BlockRouter, FullRouter, TwoPhasePlan, block_place
+from .attnres import AttnResOptions, BlockRouter, FullRouter, block_place, initial_block_state, two_phase_plan
 from .base import Scheme
 
 
@@ -75,9 +75,8 @@ class MharScheme(Scheme):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
         self.block_size = size
-        if not isinstance(options.two_phase, bool):
-            raise ValueError(f"mhar: two_phase must be True or False, found {options.two_phase!r}")
-        self.plan = TwoPhasePlan() if size is not None and options.two_phase else None
+        plan = two_phase_plan(self.name, options.two_phase)
+        self.plan = plan if size is not None else None  # the full form has no blocks
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:
@@ -95,9 +94,7 @@ class MharScheme(Scheme):
         return heads
 
     def init_state(self, e):
-        if self.block_size is None:
-            return (e,)
-        return ((e,), None) if self.plan is None else ((e,), None, self.plan.first_phase(0, (e,)))
+        return (e,) if self.block_size is None else initial_block_state(e, self.plan)
 
     def site_router(self, site: Site):
         if self.block_size is None:

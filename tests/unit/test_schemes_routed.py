@@ -374,3 +374,9 @@ def test_scheme_trains_and_round_trips(scheme, options, count):
     ids = ids_for()
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+
+
+@pytest.mark.parametrize("scheme,options", [("block_attnres", {}), ("mhar", {"heads": 4, "block_size": 2})])
+def test_two_phase_must_be_a_bool(scheme, options):
+    with pytest.raises(ValueError, match=rf"^{scheme}: two_phase must be True or False, found 'yes'"):
+        rewrite(tiny(), scheme, two_phase="yes", **options)

@@ -45,7 +45,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    _aligned, _backward_programs, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
+    _aligned, _backward_programs, _check_saved, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
     _src_ptr,
 )
 
@@ -298,15 +298,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
 
 
 def _check_saved_many(out, lse, values, s: int, heads: int) -> None:
-    # out and lse must be what the forward returned: a mismatch would be read out of bounds
-    lse_shape = tuple(values[0].shape[:-1]) + (heads,)
     if len(out) != s or len(lse) != s:
         raise ValueError(f"route_many (Triton): `out` and `lse` must hold one tensor per query ({s}); "
                          f"found {len(out)} and {len(lse)}")
-    for o, t in zip(out, lse):
-        if tuple(o.shape) != tuple(values[0].shape) or o.device != values[0].device:
-            raise ValueError(f"route_many (Triton): `out` must be the forward outputs, shaped like values[0] "
-                             f"{tuple(values[0].shape)}; found {tuple(o.shape)} on {o.device}")
-        if tuple(t.shape) != lse_shape or t.dtype != torch.float32:
-            raise ValueError(f"route_many (Triton): `lse` must be the forward's float32 log-sum-exps of shape "
-                             f"{lse_shape}; found {tuple(t.shape)}, {t.dtype}")
+    for i, (o, t) in enumerate(zip(out, lse)):
+        _check_saved(o, t, values, heads, op="route_many", which=f"[{i}]")

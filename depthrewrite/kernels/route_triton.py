@@ -498,16 +498,18 @@ def _norm_backward_pass(g, out, gn, weight, eps, part_n, tokens, d) -> Tensor:
     return total
 
 
-def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int) -> None:
+def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int, op: str = "route",
+                 which: str = "") -> None:
     # out and lse must be what the forward returned for these values: a mismatch would be
-    # read out of bounds by the kernel, not caught by it
+    # read out of bounds by the kernel, not caught by it. ``which`` names an entry of a list.
     lse_shape = tuple(values[0].shape[:-1]) + (heads,)
     if tuple(out.shape) != tuple(values[0].shape) or out.device != values[0].device:
-        raise ValueError(f"route (Triton): `out` must be the forward output, shaped like values[0] "
+        raise ValueError(f"{op} (Triton): `out{which}` must be the forward output, shaped like values[0] "
                          f"{tuple(values[0].shape)} on {values[0].device}; found {tuple(out.shape)} on {out.device}")
     if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or lse.device != values[0].device:
-        raise ValueError(f"route (Triton): `lse` must be the forward's float32 log-sum-exp of shape {lse_shape} "
-                         f"on {values[0].device}; found shape {tuple(lse.shape)}, dtype {lse.dtype}, device {lse.device}")
+        raise ValueError(f"{op} (Triton): `lse{which}` must be the forward's float32 log-sum-exp of shape "
+                         f"{lse_shape} on {values[0].device}; found shape {tuple(lse.shape)}, dtype {lse.dtype}, "
+                         f"device {lse.device}")
 
 
 def route_backward(

@@ -165,3 +165,17 @@ def test_one_source_without_lse_gradient_gives_exactly_zero_parameter_gradients(
                                                   q, w, 2, 1e-6)
     assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0
     torch.testing.assert_close(grads[0][0], sum(grad_out), rtol=1e-6, atol=1e-6)
+
+
+def test_backward_refuses_saved_tensors_that_are_not_the_forward_outputs():
+    """A mismatch would be read out of bounds by the kernel: it is refused, naming the entry."""
+    values = [torch.randn(3, 8, device=DEVICE)]
+    q, w = torch.randn(2, 8, device=DEVICE), torch.ones(2, 8, device=DEVICE)
+    out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6)
+    grads = ([torch.randn_like(o) for o in out], [torch.zeros_like(t) for t in lse])
+    with pytest.raises(ValueError, match=r"`out\[1\]` must be the forward output"):
+        route_many_triton.route_many_backward(*grads, [out[0], out[1][:, :4]], lse, values, q, w, 1, 1e-6)
+    with pytest.raises(ValueError, match=r"`lse\[0\]` must be the forward's float32"):
+        route_many_triton.route_many_backward(*grads, out, [lse[0].double(), lse[1]], values, q, w, 1, 1e-6)
+    with pytest.raises(ValueError, match="one tensor per query"):
+        route_many_triton.route_many_backward(*grads, out[:1], lse, values, q, w, 1, 1e-6)

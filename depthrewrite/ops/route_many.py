@@ -53,28 +53,22 @@ ROUTE_MANY_BACKWARD_SCHEMA = (
 
 def _forward_parts(values, queries, key_norm_weights, heads, eps, dtype):
     """``src (N, *batch, d)``, the key norm before its weight ``norm``, ``rstd (N, *batch, 1)``
-    and the softmax weights ``(S, N, *batch, H)``, in ``dtype``."""
+    and the logits ``z (S, N, *batch, H)``, in ``dtype`` (differentiable torch ops)."""
     src = torch.stack([v.to(dtype) for v in values])
     rstd = torch.rsqrt(src.square().mean(-1, keepdim=True) + eps)  # the key statistic: over the full width
     norm = src * rstd
-    logits = _logits(norm, queries.to(dtype) * key_norm_weights.to(dtype), heads)
-    return src, norm, rstd, torch.softmax(logits, dim=1)
-
-
-def _logits(norm: Tensor, per_query: Tensor, heads: int) -> Tensor:
-    """``z[s, i, *batch, h]`` from the normed sources and the rows ``w_s * g_s``."""
+    per_query = queries.to(dtype) * key_norm_weights.to(dtype)  # the rows w_s * g_s
     d = norm.shape[-1]
     shape = (per_query.shape[0], 1) + (1,) * (norm.dim() - 2) + (heads, d // heads)
-    return (norm.unflatten(-1, (heads, -1)).unsqueeze(0) * per_query.reshape(shape)).sum(-1)
+    logits = (norm.unflatten(-1, (heads, -1)).unsqueeze(0) * per_query.reshape(shape)).sum(-1)
+    return src, norm, rstd, logits
 
 
 def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float):
     """Differentiable torch ops: ``(out (S, *batch, d) in the values' dtype, lse (S, *batch, H)
     in the compute dtype)``, computed in float32 (float64 if any input is)."""
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
-    src = torch.stack([v.to(dtype) for v in values])
-    norm = F.rms_norm(src, (src.shape[-1],), eps=float(eps))
-    logits = _logits(norm, key_norm_weights.to(dtype) * queries.to(dtype), heads)  # (S, N, *batch, H)
+    src, _, _, logits = _forward_parts(values, queries, key_norm_weights, heads, eps, dtype)
     lse = torch.logsumexp(logits, dim=1)
     weights = torch.softmax(logits, dim=1)
     out = (weights.unsqueeze(-1) * src.unflatten(-1, (heads, -1)).unsqueeze(0)).sum(1).flatten(-2)
@@ -109,7 +103,8 @@ def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out:
     # the reference recomputes the forward and ignores out and lse (the fused kernel's
     # shortcut), so that it stays an independent check of the kernel
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
-    src, norm, rstd, weights = _forward_parts(values, queries, key_norm_weights, heads, eps, dtype)
+    src, norm, rstd, logits = _forward_parts(values, queries, key_norm_weights, heads, eps, dtype)
+    weights = torch.softmax(logits, dim=1)
     g = torch.stack(grad_out).to(dtype).unflatten(-1, (heads, -1)).unsqueeze(1)  # (S, 1, *batch, H, C)
     g_lse = torch.stack(grad_lse).to(dtype).unsqueeze(1)  # (S, 1, *batch, H)
     split = src.unflatten(-1, (heads, -1)).unsqueeze(0)  # (1, N, *batch, H, C)

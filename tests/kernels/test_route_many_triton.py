@@ -24,11 +24,8 @@ triton = pytest.importorskip("triton")
 
 from depthrewrite.kernels import route_many_triton  # noqa: E402
 from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# relative L2 error allowed against float64, by the dtype a tensor is returned in (as for route)
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# relative L2 error, and the error allowed against float64 by returned dtype: as for route
+from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
 
 
 def _make(n, s, batch, d, heads, dtype, seed):
@@ -71,10 +68,6 @@ def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
         loss = loss + (-(a.detach() * diff.unsqueeze(1)) * z).sum()
     grads = torch.autograd.grad(loss, [*values, queries, weights])
     return out.detach(), lse.detach(), list(grads)
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _run(inp, dtype, seed, config=None):

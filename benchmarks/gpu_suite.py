@@ -329,10 +329,16 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
 #: the phase-1 shapes of the e2e Block AttnRes and MHAR (tokens, d, completed blocks N, sites S, heads)
 BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1), (16384, 1024, 8, 6, 1), (16384, 1024, 4, 6, 16), (16384, 1024, 8, 6, 16),
                       (16384, 2048, 4, 6, 1)]
-#: launch variants of route_many timed at each shape (the defaults are chosen from them)
-BLOCK_PHASE_VARIANTS = {"": None, "_w8": {"num_warps": 8}, "_q4w4": {"many_elems": 4096, "num_warps": 4},
-                        "_q4w8": {"many_elems": 4096, "num_warps": 8}, "_q2w4": {"many_elems": 2048, "num_warps": 4},
-                        "_q2w8": {"many_elems": 2048, "num_warps": 8}}
+#: launch variants of route_many timed at each shape (the defaults are chosen from them):
+#: forward queries per program and warps; backward tokens per program (tiled) and warps,
+#: and the one-pass per-token backward
+BLOCK_PHASE_FWD_VARIANTS = {"": None, "_t2": {"mma_tokens": 2}, "_t8": {"mma_tokens": 8},
+                            "_c32": {"mma_columns": 32}, "_c128": {"mma_columns": 128}, "_w8": {"num_warps": 8},
+                            "_pertoken": {"forward": "per_token"}}
+BLOCK_PHASE_BWD_VARIANTS = {"": None, "_t2": {"mma_tokens": 2}, "_t8": {"mma_tokens": 8},
+                            "_c32": {"mma_columns": 32}, "_c128": {"mma_columns": 128}, "_w8": {"num_warps": 8},
+                            "_tiled": {"backward": "tiled", "block_t": 1, "num_warps": 1},
+                            "_pertoken": {"backward": "per_token"}}
 
 
 def block_phase_timing() -> list[dict]:
@@ -368,8 +374,9 @@ def block_phase_timing() -> list[dict]:
         row = dict(tokens=tokens, d=d, n=n, s=s, heads=heads,
                    floor=(2 * n + 3 * s + n) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
-            for name, cfg in BLOCK_PHASE_VARIANTS.items():
-                for part, fn in (("fwd", many_fwd), ("bwd", many_bwd)):
+            for part, fn, variants in (("fwd", many_fwd, BLOCK_PHASE_FWD_VARIANTS),
+                                       ("bwd", many_bwd, BLOCK_PHASE_BWD_VARIANTS)):
+                for name, cfg in variants.items():
                     try:
                         row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:

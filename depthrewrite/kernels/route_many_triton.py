@@ -44,8 +44,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .route_many_mma import _route_many_bwd_mma_kernel, _route_many_fwd_mma_kernel
 from .route_triton import (
-    _aligned, _backward_programs, _check_saved, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
+    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
     _src_ptr,
 )
 
@@ -65,6 +66,27 @@ FORWARD_QUERIES = 2
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
+#: which forward runs: "mma" (tiles of tokens, tensor cores: route_many_mma) or "per_token"
+FORWARD = "mma"
+#: the mma kernels: tokens per program, columns per chunk, the most (padded) sources and
+#: queries they take (more go to the per-token forward and the tiled backward), and the
+#: most elements of one (tokens, sources, columns) block
+MMA_TOKENS = 4
+MMA_COLUMNS = 64
+MMA_MAX_ROWS = 64
+MMA_ELEMS = 8192
+#: which backward runs: "mma" (as the forward), "tiled" (BLOCK_T tokens per program, the queries one at a time,
+#: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles)
+BACKWARD = "mma"
+KERNEL_CHOICES = {"forward": ("mma", "per_token"), "backward": ("mma", "tiled", "per_token")}
+#: tokens per program of the tiled backward
+TILED_TOKENS = 2
+#: the parameter-gradient reduction: queries and columns per program, fp32 elements of its
+#: (tokens, queries, columns) accumulator, programs per SM
+PARAM_QUERIES = 8
+PARAM_COLUMNS = 64
+PARAM_ELEMS = 8192
+PARAM_PER_SM = 4
 
 
 @triton.jit
@@ -204,6 +226,126 @@ def _route_many_bwd_kernel(
     tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
 
 
+@triton.jit
+def _query_base(i, s, S, T, H):
+    """Start of the ``(T, H)`` slab of source ``i`` and query ``s`` in an ``(N, S, T, H)``
+    buffer, in int64 (the buffer can pass 2**31 elements)."""
+    return ((tl.full((), 0, tl.int64) + i) * S + s) * T * H
+
+
+@triton.jit
+def _route_many_bwd_tiled_kernel(
+    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr,
+):
+    act = like_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
+    f32_ty = tl.pointer_type(tl.float32)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    cc = tl.arange(0, BLOCK_C)
+    tmask = tok < T
+    col = hh[:, None] * C + cc[None, :]
+    cmask = (hh[:, None] < H) & (cc[None, :] < C)
+    offs = tok[:, None, None] * D + col[None, :, :]
+    mask = tmask[:, None, None] & cmask[None, :, :]
+    hoffs = tok[:, None] * H + hh[None, :]
+    hmask = tmask[:, None] & (hh < H)[None, :]
+
+    # per query and head: <g_s, out_s> - d lse_s (with one source: d lse_s, the whole dz),
+    # into a scratch slab of this program's tokens, read back once per source below
+    for s in range(S):
+        g_lse = tl.load(_src_ptr(gltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
+        if ONE_SOURCE:
+            s_ada = g_lse
+        else:
+            g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            o = tl.load(_src_ptr(otab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            s_ada = tl.sum(g * o, 2) - g_lse
+        tl.store(sada_ptr + _query_base(0, s, S, T, H) + hoffs, s_ada, mask=hmask)
+    tl.debug_barrier()  # other threads of the program read these values back
+
+    if PREFETCH:
+        v_nx, _k = _load_source(vtab, vtab, 0, offs, mask, ptr_ty, ALIGNED, False)
+    for i in range(N):
+        if PREFETCH:
+            v = v_nx.to(tl.float32)
+            v_nx, _k = _load_source(vtab, vtab, tl.minimum(i + 1, N - 1), offs,
+                                    mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None], ptr_ty, ALIGNED, False)
+        else:
+            v_raw, _k = _load_source(vtab, vtab, i, offs, mask, ptr_ty, ALIGNED, False)
+            v = v_raw.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(tl.sum(v * v, 2), 1) / D + eps)
+        acc_g = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s a_s g_s
+        acc_q = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s dz_s w_s q_s
+        mt = tl.zeros((BLOCK_T,), tl.float32)  # sum_s sum_h dz_s z_s / rstd
+        # the queries one at a time: their output-gradient rows are read from cache once per
+        # source (the first source brought them in), so a program holds a few rows, not S
+        if PREFETCH:
+            g_nx = tl.load(_src_ptr(gtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+        for s in range(S):
+            qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
+            if PREFETCH:  # the next query's rows are requested before this one's are used
+                g = g_nx.to(tl.float32)
+                g_nx = tl.load(_src_ptr(gtab, tl.minimum(s + 1, S - 1), ptr_ty, ALIGNED) + offs,
+                               mask=mask & ((tl.zeros_like(tok) + s + 1) < S)[:, None, None], other=0.0)
+            else:
+                g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
+            zr = tl.sum(v * qw[None, :, :], 2) * rstd[:, None]
+            if ONE_SOURCE:
+                # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
+                a = tl.where(hmask, 1.0, 0.0)
+                dz = s_ada
+            else:
+                lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
+                a = tl.where(hmask, tl.exp(zr - lse), 0.0)
+                dz = a * (tl.sum(v * g, 2) - s_ada)
+            acc_g += a[:, :, None] * g
+            acc_q += dz[:, :, None] * qw[None, :, :]
+            mt += tl.sum(dz * zr, 1)
+            # d z / d (w q) is the normalized source: the parameter gradients are a separate
+            # reduction over tokens of dz * rstd * v (_route_many_param_kernel)
+            tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
+        d_src = acc_g + rstd[:, None, None] * (acc_q - v * (rstd * mt / D)[:, None, None])
+        tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, d_src.to(act), mask=mask)
+
+
+@triton.jit
+def _route_many_param_kernel(
+    like_ptr, vtab, coef_ptr, part_ptr, T, N, S, D, C, H, tokens_per_program, query_chunks,
+    BLOCK_TT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_CC: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """``r[s, col] = sum over tokens t and sources i of coef[i, s, t, head(col)] * v_i[t, col]``
+    for one head, one block of its columns, one chunk of queries and one range of tokens;
+    the ranges' partial sums are added in a fixed order afterwards (deterministic)."""
+    ptr_ty = tl.pointer_type(like_ptr.dtype.element_ty)
+    h = tl.program_id(0) // query_chunks
+    q0 = (tl.program_id(0) % query_chunks) * BLOCK_Q
+    split = tl.program_id(2)
+    cc = tl.program_id(1) * BLOCK_CC + tl.arange(0, BLOCK_CC)
+    col = h * C + cc
+    cmask = cc < C
+    qq = q0 + tl.arange(0, BLOCK_Q)
+    qmask = qq < S
+    t_start = split.to(tl.int64) * tokens_per_program
+    t_end = tl.minimum(t_start + tokens_per_program, T)
+    acc = tl.zeros((BLOCK_TT, BLOCK_Q, BLOCK_CC), tl.float32)
+    for i in range(N):
+        v_ptr = _src_ptr(vtab, i, ptr_ty, ALIGNED)
+        for t0 in range(t_start, t_end, BLOCK_TT):
+            tt = t0 + tl.arange(0, BLOCK_TT).to(tl.int64)
+            tm = tt < t_end
+            v = tl.load(v_ptr + tt[:, None] * D + col[None, :], mask=tm[:, None] & cmask[None, :], other=0.0)
+            cf = tl.load(coef_ptr + _query_base(i, 0, S, T, H) + (qq[None, :].to(tl.int64) * T + tt[:, None]) * H + h,
+                         mask=tm[:, None] & qmask[None, :], other=0.0)
+            acc += cf[:, :, None] * v.to(tl.float32)[:, None, :]
+    r = tl.sum(acc, 0)
+    out = part_ptr + split.to(tl.int64) * S * D
+    tl.store(out + qq[:, None] * D + col[None, :], r, mask=qmask[:, None] & cmask[None, :])
+
+
 # ------------------------------------------------------------------------ launchers
 
 
@@ -225,16 +367,19 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        config: dict | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
+    overrides the launch choices (``forward``: "mma" or "per_token"; ``mma_tokens``,
+    ``mma_columns``; ``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
     _check_supported(values, None, ("queries", queries), ("key_norm_weights", key_norm_weights))
-    cfg = {"prefetch": True, **(config or {})}
+    cfg = {"prefetch": True, "forward": FORWARD, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     flat_v = _flat(values, d)
     tokens = flat_v[0].shape[0]
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty((tokens, heads), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
-    if tokens > 0:
+    if _mma_shape(len(values), s, d, heads, cfg, "forward") and tokens > 0:
+        _mma_forward(flat_v, out, lse, queries, key_norm_weights, heads, eps, cfg)
+    elif tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab = _pointer_tables(flat_v[0].device, flat_v, out, lse)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
@@ -254,20 +399,145 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
                         heads: int, eps: float, config: dict | None = None) -> tuple[list[Tensor], Tensor, Tensor]:
     """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
-    returns. ``config`` overrides ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch``."""
+    returns. ``config`` overrides ``backward`` ("mma", "tiled" or "per_token"), ``mma_tokens``,
+    ``mma_columns``, ``block_t``,
+    ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch``."""
     _check_supported(values, None, ("queries", queries), ("key_norm_weights", key_norm_weights))
-    cfg = {"prefetch": True, "per_sm": 2, **(config or {})}
+    cfg = {"prefetch": True, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
-    block_h, block_c = _row_blocks(d, heads)
     _check_saved_many(out, lse, values, s, heads)
-    flat_v = _flat(values, d)
-    tokens, device = flat_v[0].shape[0], flat_v[0].device
     dtype = values[0].dtype
+    flat_v = _flat(values, d)
     g = [t.to(dtype).contiguous().reshape(-1, d) for t in grad_out]
     gl = [t.to(torch.float32).contiguous().reshape(-1, heads) for t in grad_lse]
     o = [t.contiguous().reshape(-1, d) for t in out]
     ls = [t.contiguous().reshape(-1, heads) for t in lse]
-    grad_v = [torch.empty_like(flat_v[0]) for _ in values]
+    if _mma_shape(len(values), s, d, heads, cfg, "backward"):
+        grad_v, r = _mma_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
+    elif cfg["backward"] == "per_token":
+        grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
+    else:  # tiled, or mma beyond its limits
+        grad_v, r = _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
+    grad_queries = (r * key_norm_weights.to(torch.float32)).to(queries.dtype)
+    grad_weights = (r * queries.to(torch.float32)).to(key_norm_weights.dtype)
+    return [t.reshape(values[0].shape) for t in grad_v], grad_queries, grad_weights
+
+
+def _mma_blocks(n: int, s: int, d: int, heads: int, cfg: dict) -> tuple[int, int, int, int]:
+    """Tokens per program, padded sources and queries, columns per chunk of the mma kernels."""
+    n_pad, s_pad = max(16, _next_pow2(n)), max(16, _next_pow2(s))
+    cols = max(16, min(_next_pow2(d // heads), cfg.get("mma_columns") or MMA_COLUMNS))
+    tokens = _check_block_t(cfg.get("mma_tokens") or MMA_TOKENS)
+    tokens = max(1, min(tokens, MMA_ELEMS // (n_pad * cols)))
+    return tokens, n_pad, s_pad, cols
+
+
+def _mma_shape(n: int, s: int, d: int, heads: int, cfg: dict, which: str) -> bool:
+    """Whether the mma kernels run: asked for (a checked choice), and the padded sources and
+    queries within MMA_MAX_ROWS (else the other kernels take the call)."""
+    if cfg[which] not in KERNEL_CHOICES[which]:
+        raise ValueError(f"route_many (Triton): config {which} must be one of {KERNEL_CHOICES[which]}; "
+                         f"found {cfg[which]!r}")
+    _tokens, n_pad, s_pad, _cols = _mma_blocks(n, s, d, heads, cfg)
+    return cfg[which] == "mma" and max(n_pad, s_pad) <= MMA_MAX_ROWS
+
+
+def _scaled_rows(queries: Tensor, key_norm_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """``w_s * q_s`` scaled by a power of two (exact) so that its largest entry is just under
+    2**14, and the inverse scale (a 1-element tensor, computed on the device: no host sync).
+    The mma kernels split these rows into fp16 parts; unscaled, the small parts of small
+    entries would be fp16 subnormals and lose their bits."""
+    qw = _per_query_rows(queries, key_norm_weights)
+    _mantissa, exponent = torch.frexp(qw.abs().amax())  # amax < 2**exponent
+    scale = torch.ldexp(torch.ones((), device=qw.device), 14 - exponent)
+    return qw * scale, (1.0 / scale).reshape(1)
+
+
+def _mma_forward(flat_v, out, lse, queries, key_norm_weights, heads, eps, cfg) -> None:
+    s, d = queries.shape
+    tokens = flat_v[0].shape[0]
+    bt, n_pad, s_pad, cols = _mma_blocks(len(flat_v), s, d, heads, cfg)
+    qw, unscale = _scaled_rows(queries, key_norm_weights)
+    vtab, otab, ltab = _pointer_tables(flat_v[0].device, flat_v, out, lse)
+    _route_many_fwd_mma_kernel[(triton.cdiv(tokens, bt),)](
+        flat_v[0], vtab, otab, ltab, qw, unscale, tokens, len(flat_v), s, d, d // heads, heads, float(eps),
+        BT=bt, NP=n_pad, SP=s_pad, BD=cols, ALIGNED=_aligned(flat_v, out), EXACT=flat_v[0].dtype == torch.float32,
+        ONE_HEAD=heads == 1, num_warps=cfg.get("num_warps") or NUM_WARPS,
+    )
+
+
+def _mma_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
+    """Source gradients from ``_route_many_bwd_mma_kernel``, then ``r`` from the parameter reduction."""
+    s, d = queries.shape
+    tokens, device, n = flat_v[0].shape[0], flat_v[0].device, len(flat_v)
+    bt, n_pad, s_pad, cols = _mma_blocks(n, s, d, heads, cfg)
+    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
+    if tokens == 0:
+        return [torch.zeros_like(t) for t in grad_v], torch.zeros((s, d), dtype=torch.float32, device=device)
+    weights = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
+    coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
+    qw, unscale = _scaled_rows(queries, key_norm_weights)
+    gtab, otab, ltab, gltab, vtab, gvtab = _pointer_tables(device, g, o, ls, gl, flat_v, grad_v)
+    _route_many_bwd_mma_kernel[(triton.cdiv(tokens, bt),)](
+        flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, qw, unscale, weights, coef, tokens, n, s, d, d // heads, heads,
+        float(eps), BT=bt, NP=n_pad, SP=s_pad, BD=cols, ALIGNED=_aligned(flat_v, grad_v, g, o),
+        EXACT=flat_v[0].dtype == torch.float32, ONE_HEAD=heads == 1, ONE_SOURCE=n == 1,
+        num_warps=cfg.get("num_warps") or NUM_WARPS,
+    )
+    return grad_v, _param_reduction(vtab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_v))
+
+
+def _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
+    """Source gradients from ``_route_many_bwd_tiled_kernel``, then ``r`` (the gradient of
+    ``w_s * q_s``, fp32 (S, d)) from ``_route_many_param_kernel``."""
+    s, d = queries.shape
+    block_h, block_c = _row_blocks(d, heads)
+    tokens, device = flat_v[0].shape[0], flat_v[0].device
+    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
+    if tokens == 0:
+        return [torch.zeros_like(t) for t in grad_v], torch.zeros((s, d), dtype=torch.float32, device=device)
+    n = len(flat_v)
+    block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS)
+    sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
+    coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
+    qw = _per_query_rows(queries, key_norm_weights)
+    gtab, otab, ltab, gltab, vtab, gvtab = _pointer_tables(device, g, o, ls, gl, flat_v, grad_v)
+    _route_many_bwd_tiled_kernel[(triton.cdiv(tokens, block_t),)](
+        flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, qw, sada, coef, tokens, n, s, d, d // heads, heads,
+        float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
+        ALIGNED=_aligned(flat_v, grad_v), ONE_SOURCE=n == 1, num_warps=cfg.get("num_warps") or NUM_WARPS,
+    )
+    return grad_v, _param_reduction(vtab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_v))
+
+
+def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tensor:
+    c = d // heads
+    block_q = min(_next_pow2(s), PARAM_QUERIES)
+    block_cc = min(_next_pow2(c), PARAM_COLUMNS)
+    block_tt = max(1, PARAM_ELEMS // (block_q * block_cc))
+    query_chunks = triton.cdiv(s, block_q)
+    column_blocks = triton.cdiv(c, block_cc)
+    others = heads * query_chunks * column_blocks
+    sms = torch.cuda.get_device_properties(like.device).multi_processor_count if like.device.type == "cuda" else 1
+    # token ranges: enough programs in all to fill the GPU, each range a whole number of tiles
+    splits = max(1, min(PARAM_PER_SM * sms // others, triton.cdiv(tokens, block_tt)))
+    per_program = triton.cdiv(triton.cdiv(tokens, splits), block_tt) * block_tt
+    splits = triton.cdiv(tokens, per_program)
+    part = torch.empty((splits, s, d), dtype=torch.float32, device=like.device)
+    _route_many_param_kernel[(heads * query_chunks, column_blocks, splits)](
+        like, vtab, coef, part, tokens, n, s, d, c, heads, per_program, query_chunks,
+        BLOCK_TT=block_tt, BLOCK_Q=block_q, BLOCK_CC=block_cc, ALIGNED=aligned, num_warps=NUM_WARPS,
+    )
+    return part.sum(0)  # fixed order: deterministic
+
+
+def _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
+    """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
+    s, d = queries.shape
+    block_h, block_c = _row_blocks(d, heads)
+    tokens, device = flat_v[0].shape[0], flat_v[0].device
+    dtype = flat_v[0].dtype
+    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     multi_head = heads > 1
     block_q = _query_block(s, block_h * block_c, cfg, MULTI_HEAD_BACKWARD_QUERIES if multi_head else None)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
@@ -283,18 +553,15 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         for c, q0 in enumerate(chunks):
             _route_many_bwd_kernel[(programs,)](
                 flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, qw[q0:], part[c],
-                tokens, len(values), d, d // heads, heads, min(block_q, s - q0), float(eps),
+                tokens, len(flat_v), d, d // heads, heads, min(block_q, s - q0), float(eps),
                 BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
                 ALIGNED=_aligned(flat_v, grad_v, partial), ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1,
-                ONE_SOURCE=len(values) == 1, num_warps=warps,
+                ONE_SOURCE=len(flat_v) == 1, num_warps=warps,
             )
     else:
         grad_v = [torch.zeros_like(t) for t in grad_v]
     # second pass of the deterministic reduction: a fixed-order sum over the programs
-    r = part.sum(1).reshape(-1, d)[:s]
-    grad_queries = (r * key_norm_weights.to(torch.float32)).to(queries.dtype)
-    grad_weights = (r * queries.to(torch.float32)).to(key_norm_weights.dtype)
-    return [t.reshape(values[0].shape) for t in grad_v], grad_queries, grad_weights
+    return grad_v, part.sum(1).reshape(-1, d)[:s]
 
 
 def _check_saved_many(out, lse, values, s: int, heads: int) -> None:

@@ -131,6 +131,42 @@ def test_query_chunks_match_one_launch():
         assert _rel(b, a) < TOL[torch.float32]
 
 
+VARIANTS = [
+    {"forward": "per_token", "backward": "per_token"},
+    {"backward": "tiled", "block_t": 1},
+    {"backward": "tiled", "block_t": 4, "num_warps": 2},
+    {"mma_tokens": 1, "mma_columns": 16},  # several column chunks per head
+    {"mma_tokens": 8, "mma_columns": 32},
+]
+
+
+@pytest.mark.parametrize("config", VARIANTS)
+@pytest.mark.parametrize("n,s,batch,d,heads", [(1, 3, (5,), 24, 1), (9, 6, (5,), 100, 1), (3, 5, (3,), 48, 3)])
+def test_kernel_variants_match_float64(n, s, batch, d, heads, config):
+    """The other kernels (per-token forward and backward, tiled backward) and other tile
+    sizes of the default ones, with odd token counts (partial tiles), in bf16: outputs and
+    log-sum-exps against float64, gradients against the float64 oracle that uses the saved
+    output."""
+    dtype = torch.bfloat16
+    inp = _make(n, s, batch, d, heads, dtype, 7)
+    out, lse, grads, grad_out, grad_lse = _run(inp, dtype, 7, config=config)
+    exact_out, exact_lse, _ = _oracle_f64(inp, grad_out, grad_lse)
+    assert all(_rel(o, e) < TOL[dtype] for o, e in zip(out, exact_out.unbind(0)))
+    assert all((t.double() - e).abs().max().item() < 1e-4 for t, e in zip(lse, exact_lse.unbind(0)))
+    _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=out)
+    for k, (got, want) in enumerate(zip(grads, oracle)):
+        limit = TOL[dtype] if k < n else 1e-5
+        assert _rel(got, want) < limit, (k, _rel(got, want))
+
+
+def test_unknown_backward_is_refused():
+    inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
+    with pytest.raises(ValueError, match=r"config backward must be one of \('mma', 'tiled', 'per_token'\); found 'fast'"):
+        _run(inp, torch.float32, 1, config={"backward": "fast"})
+    with pytest.raises(ValueError, match=r"config forward must be one of \('mma', 'per_token'\); found 'tiled'"):
+        _run(inp, torch.float32, 1, config={"forward": "tiled"})
+
+
 def test_backward_is_deterministic():
     inp = _make(9, 6, (6,), 64, 1, torch.bfloat16, 3)
     first, second = _run(inp, torch.bfloat16, 3), _run(inp, torch.bfloat16, 3)

@@ -44,6 +44,8 @@ CONFIGS = {
     "block_attnres": ("block_attnres", {}, 0.95),
     # the same, routed site by site (no goal: the comparison that shows what two-phase buys)
     "block_attnres_1p": ("block_attnres", {"two_phase": False}, None),
+    # two-phase keeping phase 1's outputs for the backward instead of recomputing them
+    "block_attnres_keep": ("block_attnres", {"recompute": False}, None),
     "mhar_block": ("mhar", {"block_size": 6}, 0.93),
     # the same with the two-phase computation (off by default for MHAR: slower with 16 heads)
     "mhar_block_2p": ("mhar", {"block_size": 6, "two_phase": True}, None),

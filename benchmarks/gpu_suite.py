@@ -332,13 +332,10 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1), (16384, 1024, 8, 6, 1), (16384, 10
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
-BLOCK_PHASE_FWD_VARIANTS = {"": None, "_t2": {"mma_tokens": 2}, "_t8": {"mma_tokens": 8},
-                            "_c32": {"mma_columns": 32}, "_c128": {"mma_columns": 128}, "_w8": {"num_warps": 8},
-                            "_pertoken": {"forward": "per_token"}}
-BLOCK_PHASE_BWD_VARIANTS = {"": None, "_t2": {"mma_tokens": 2}, "_t8": {"mma_tokens": 8},
-                            "_c32": {"mma_columns": 32}, "_c128": {"mma_columns": 128}, "_w8": {"num_warps": 8},
-                            "_tiled": {"backward": "tiled", "block_t": 1, "num_warps": 1},
-                            "_pertoken": {"backward": "per_token"}}
+BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}}
+BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
+                            "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
+                            "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
 
 
 def block_phase_timing() -> list[dict]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -123,15 +124,28 @@ def _node_implementation(node: fx.Node) -> str:
 
 
 def count_routing_ops(graph: fx.Graph) -> tuple[dict[str, int], dict[str, str]]:
-    """Routing op name -> count and -> implementation, for one graph."""
+    """Routing op name -> count and -> implementation, for one graph, counting the calls
+    inside the subgraphs it calls (the bodies of higher-order ops such as activation
+    checkpointing) once per call."""
     counts: dict[str, int] = collections.Counter()
     impls: dict[str, set[str]] = collections.defaultdict(set)
+    _count_into(graph, counts, impls)
+    return dict(counts), {k: "+".join(sorted(v, reverse=True)) for k, v in impls.items()}
+
+
+def _count_into(graph: fx.Graph, counts, impls) -> None:
+    owner = graph.owning_module
     for node in graph.nodes:
         name = _routing_op_name(node)
         if name is not None:
             counts[name] += 1
             impls[name].add(_node_implementation(node))
-    return dict(counts), {k: "+".join(sorted(v, reverse=True)) for k, v in impls.items()}
+        elif node.op == "call_function" and owner is not None:
+            for arg in node.args:
+                if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                    body = operator.attrgetter(arg.target)(owner)
+                    if isinstance(body, fx.GraphModule):
+                        _count_into(body.graph, counts, impls)
 
 
 def _graph_device(example_inputs) -> str:

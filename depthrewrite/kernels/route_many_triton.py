@@ -8,31 +8,40 @@ gradients one at a time).
 
 Forward: one program per token holds a ``(Q, H, C)`` fp32 accumulator for Q queries at a
 time (an online softmax per query and head, as the ``route`` kernel), and writes each
-query's output row and its log-sum-exp. Backward: a persistent grid (fixed token order per
-program, so every rounding is fixed: deterministic, no atomics); per token it loads the Q
-output gradients, the saved outputs, their log-sum-exps and the log-sum-exp gradients, forms
-``<g_s, out_s> - d lse_s`` per query and head, then walks the sources once: recomputes the
-key statistic and the Q logits, and writes ``sum_s a_s g_s + d key``. The parameter
-gradients go per program into a ``(programs, Q, d)`` fp32 buffer summed in a fixed order.
-
-Q queries per launch (measured choices: ``FORWARD_QUERIES`` and the constants below it), at
-most ``MANY_ELEMS / row``; the S queries are taken in chunks of Q, each chunk reading the
-sources again and (backward) adding into an fp32 partial gradient that the earlier chunks
-wrote, one launch after another (still deterministic; the gradient is rounded to the
-activation dtype once, by the last chunk). The register footprint of the ``(Q, H, C)`` tiles is
-what limits Q: the forward is fastest with 2 queries at a time, so it reads each source
+query's output row and its log-sum-exp. Q queries per launch (``FORWARD_QUERIES``, at most
+``MANY_ELEMS / row``): the forward is fastest with 2 at a time, so it reads each source
 S / 2 times (still S / 2 times fewer than one route per site).
+
+Two backward kernels, both deterministic (fixed summation order, no atomics), chosen per
+call by ``_backward_kernel`` (measured):
+
+- tiled (``_route_many_bwd_tiled_kernel``, the default up to d = 1024): ``BLOCK_T`` tokens
+  per program (1, with one warp: the row reductions stay inside the warp). It first stores
+  ``<g_s, out_s> - d lse_s`` per query and head in a small scratch table, then walks the
+  sources; for each source it walks the queries one at a time (their output-gradient rows
+  come from cache after the first source), accumulating ``sum_s a_s g_s`` and
+  ``sum_s dz_s w_s q_s``, and writes the source gradient once. It writes ``dz * rstd`` per
+  (source, query, token, head) to a table from which ``_route_many_param_kernel`` reduces
+  the parameter gradients over tokens (reading the sources once more), so no program
+  holds a ``(Q, d)`` accumulator;
+- per-token (``_route_many_bwd_kernel``, one-head rows wider than 1024): a persistent grid,
+  per token the Q output gradients, saved outputs and log-sum-exps as ``(Q, H, C)`` tiles,
+  one walk over the sources for all queries at once, the parameter gradients accumulated
+  per program in a ``(programs, Q, d)`` fp32 buffer; more queries than fit on chip are taken
+  in chunks, each adding into an fp32 partial gradient that the earlier chunks wrote (the
+  gradient is rounded to the activation dtype once, by the last chunk).
 
 Outputs and their gradients are separate tensors (the op returns lists): the kernels reach
 them through int64 pointer tables, as they reach the sources; all tables of a call go up in
 one host-to-device copy.
 
-Speed, measured (H200, docs/benchmarks.md): forward + backward at 4.2-5.1x the memory floor
-with one head and 7-9x with 16 heads: the ``(Q, H, C)`` tiles push the backward to 255
-registers (it spills with 16 heads), so few programs run per SM and each walks its tokens
-one at a time through dependent row reductions. Block AttnRes with them trains slightly
-faster than with one ``route`` per site (91.7 vs 93.4 ms a step at 350M), far from what the
-bytes allow: the next thing to rework.
+Speed, measured (H200, docs/benchmarks.md): forward + backward at 4-5x the memory floor.
+Both backward kernels are latency-bound: per (source, query) pair a token needs two row
+reductions before its gradient can be formed, and few tokens are in flight per SM (the
+per-token kernel holds ``(Q, H, C)`` fp32 tiles: 255 registers; the tiled one walks its
+pairs one after another). A tensor-core formulation (tiles of tokens, the reductions as
+``tl.dot``) was built and measured slower (2x in the backward at these shapes: N and S
+padded to 16, split fp32 factors); it is in the history (commit 9091829), not here.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .route_many_mma import _route_many_bwd_mma_kernel, _route_many_fwd_mma_kernel
 from .route_triton import (
     _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
     _src_ptr,
@@ -66,21 +74,17 @@ FORWARD_QUERIES = 2
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
-#: which forward runs: "mma" (tiles of tokens, tensor cores: route_many_mma) or "per_token"
-FORWARD = "mma"
-#: the mma kernels: tokens per program, columns per chunk, the most (padded) sources and
-#: queries they take (more go to the per-token forward and the tiled backward), and the
-#: most elements of one (tokens, sources, columns) block
-MMA_TOKENS = 4
-MMA_COLUMNS = 64
-MMA_MAX_ROWS = 64
-MMA_ELEMS = 8192
-#: which backward runs: "mma" (as the forward), "tiled" (BLOCK_T tokens per program, the queries one at a time,
-#: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles)
-BACKWARD = "mma"
-KERNEL_CHOICES = {"forward": ("mma", "per_token"), "backward": ("mma", "tiled", "per_token")}
-#: tokens per program of the tiled backward
-TILED_TOKENS = 2
+#: which backward runs: "tiled" (BLOCK_T tokens per program, the queries one at a time,
+#: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles);
+#: None: the measured choice (_backward_kernel)
+BACKWARD = None
+BACKWARD_CHOICES = ("tiled", "per_token")
+#: the tiled backward's tokens per program and warps, and the widest padded row it takes
+#: by default (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up
+#: to d = 1024; wider one-head rows go to the per-token backward)
+TILED_TOKENS = 1
+TILED_WARPS = 1
+TILED_MAX_ROW = 1024
 #: the parameter-gradient reduction: queries and columns per program, fp32 elements of its
 #: (tokens, queries, columns) accumulator, programs per SM
 PARAM_QUERIES = 8
@@ -367,19 +371,16 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        config: dict | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``forward``: "mma" or "per_token"; ``mma_tokens``,
-    ``mma_columns``; ``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
     _check_supported(values, None, ("queries", queries), ("key_norm_weights", key_norm_weights))
-    cfg = {"prefetch": True, "forward": FORWARD, **(config or {})}
+    cfg = {"prefetch": True, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     flat_v = _flat(values, d)
     tokens = flat_v[0].shape[0]
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty((tokens, heads), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
-    if _mma_shape(len(values), s, d, heads, cfg, "forward") and tokens > 0:
-        _mma_forward(flat_v, out, lse, queries, key_norm_weights, heads, eps, cfg)
-    elif tokens > 0:
+    if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab = _pointer_tables(flat_v[0].device, flat_v, out, lse)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
@@ -399,8 +400,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
                         heads: int, eps: float, config: dict | None = None) -> tuple[list[Tensor], Tensor, Tensor]:
     """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
-    returns. ``config`` overrides ``backward`` ("mma", "tiled" or "per_token"), ``mma_tokens``,
-    ``mma_columns``, ``block_t``,
+    returns. ``config`` overrides ``backward`` ("tiled" or "per_token"), ``block_t``,
     ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch``."""
     _check_supported(values, None, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, "per_sm": 2, "backward": BACKWARD, **(config or {})}
@@ -412,79 +412,25 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous().reshape(-1, heads) for t in grad_lse]
     o = [t.contiguous().reshape(-1, d) for t in out]
     ls = [t.contiguous().reshape(-1, heads) for t in lse]
-    if _mma_shape(len(values), s, d, heads, cfg, "backward"):
-        grad_v, r = _mma_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
-    elif cfg["backward"] == "per_token":
+    if _backward_kernel(d, heads, cfg) == "per_token":
         grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
-    else:  # tiled, or mma beyond its limits
+    else:
         grad_v, r = _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = (r * key_norm_weights.to(torch.float32)).to(queries.dtype)
     grad_weights = (r * queries.to(torch.float32)).to(key_norm_weights.dtype)
     return [t.reshape(values[0].shape) for t in grad_v], grad_queries, grad_weights
 
 
-def _mma_blocks(n: int, s: int, d: int, heads: int, cfg: dict) -> tuple[int, int, int, int]:
-    """Tokens per program, padded sources and queries, columns per chunk of the mma kernels."""
-    n_pad, s_pad = max(16, _next_pow2(n)), max(16, _next_pow2(s))
-    cols = max(16, min(_next_pow2(d // heads), cfg.get("mma_columns") or MMA_COLUMNS))
-    tokens = _check_block_t(cfg.get("mma_tokens") or MMA_TOKENS)
-    tokens = max(1, min(tokens, MMA_ELEMS // (n_pad * cols)))
-    return tokens, n_pad, s_pad, cols
-
-
-def _mma_shape(n: int, s: int, d: int, heads: int, cfg: dict, which: str) -> bool:
-    """Whether the mma kernels run: asked for (a checked choice), and the padded sources and
-    queries within MMA_MAX_ROWS (else the other kernels take the call)."""
-    if cfg[which] not in KERNEL_CHOICES[which]:
-        raise ValueError(f"route_many (Triton): config {which} must be one of {KERNEL_CHOICES[which]}; "
-                         f"found {cfg[which]!r}")
-    _tokens, n_pad, s_pad, _cols = _mma_blocks(n, s, d, heads, cfg)
-    return cfg[which] == "mma" and max(n_pad, s_pad) <= MMA_MAX_ROWS
-
-
-def _scaled_rows(queries: Tensor, key_norm_weights: Tensor) -> tuple[Tensor, Tensor]:
-    """``w_s * q_s`` scaled by a power of two (exact) so that its largest entry is just under
-    2**14, and the inverse scale (a 1-element tensor, computed on the device: no host sync).
-    The mma kernels split these rows into fp16 parts; unscaled, the small parts of small
-    entries would be fp16 subnormals and lose their bits."""
-    qw = _per_query_rows(queries, key_norm_weights)
-    _mantissa, exponent = torch.frexp(qw.abs().amax())  # amax < 2**exponent
-    scale = torch.ldexp(torch.ones((), device=qw.device), 14 - exponent)
-    return qw * scale, (1.0 / scale).reshape(1)
-
-
-def _mma_forward(flat_v, out, lse, queries, key_norm_weights, heads, eps, cfg) -> None:
-    s, d = queries.shape
-    tokens = flat_v[0].shape[0]
-    bt, n_pad, s_pad, cols = _mma_blocks(len(flat_v), s, d, heads, cfg)
-    qw, unscale = _scaled_rows(queries, key_norm_weights)
-    vtab, otab, ltab = _pointer_tables(flat_v[0].device, flat_v, out, lse)
-    _route_many_fwd_mma_kernel[(triton.cdiv(tokens, bt),)](
-        flat_v[0], vtab, otab, ltab, qw, unscale, tokens, len(flat_v), s, d, d // heads, heads, float(eps),
-        BT=bt, NP=n_pad, SP=s_pad, BD=cols, ALIGNED=_aligned(flat_v, out), EXACT=flat_v[0].dtype == torch.float32,
-        ONE_HEAD=heads == 1, num_warps=cfg.get("num_warps") or NUM_WARPS,
-    )
-
-
-def _mma_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
-    """Source gradients from ``_route_many_bwd_mma_kernel``, then ``r`` from the parameter reduction."""
-    s, d = queries.shape
-    tokens, device, n = flat_v[0].shape[0], flat_v[0].device, len(flat_v)
-    bt, n_pad, s_pad, cols = _mma_blocks(n, s, d, heads, cfg)
-    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
-    if tokens == 0:
-        return [torch.zeros_like(t) for t in grad_v], torch.zeros((s, d), dtype=torch.float32, device=device)
-    weights = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
-    coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
-    qw, unscale = _scaled_rows(queries, key_norm_weights)
-    gtab, otab, ltab, gltab, vtab, gvtab = _pointer_tables(device, g, o, ls, gl, flat_v, grad_v)
-    _route_many_bwd_mma_kernel[(triton.cdiv(tokens, bt),)](
-        flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, qw, unscale, weights, coef, tokens, n, s, d, d // heads, heads,
-        float(eps), BT=bt, NP=n_pad, SP=s_pad, BD=cols, ALIGNED=_aligned(flat_v, grad_v, g, o),
-        EXACT=flat_v[0].dtype == torch.float32, ONE_HEAD=heads == 1, ONE_SOURCE=n == 1,
-        num_warps=cfg.get("num_warps") or NUM_WARPS,
-    )
-    return grad_v, _param_reduction(vtab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_v))
+def _backward_kernel(d: int, heads: int, cfg: dict) -> str:
+    """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice:
+    tiled, except for one-head rows wider than TILED_MAX_ROW (per-token: faster there)."""
+    choice = cfg["backward"]
+    if choice is None:
+        block_h, block_c = _row_blocks(d, heads)
+        return "per_token" if heads == 1 and block_h * block_c > TILED_MAX_ROW else "tiled"
+    if choice not in BACKWARD_CHOICES:
+        raise ValueError(f"route_many (Triton): config backward must be one of {BACKWARD_CHOICES}; found {choice!r}")
+    return choice
 
 
 def _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
@@ -505,7 +451,8 @@ def _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps,
     _route_many_bwd_tiled_kernel[(triton.cdiv(tokens, block_t),)](
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, qw, sada, coef, tokens, n, s, d, d // heads, heads,
         float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-        ALIGNED=_aligned(flat_v, grad_v), ONE_SOURCE=n == 1, num_warps=cfg.get("num_warps") or NUM_WARPS,
+        ALIGNED=_aligned(flat_v, grad_v), ONE_SOURCE=n == 1,
+        num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
     )
     return grad_v, _param_reduction(vtab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_v))
 

@@ -23,6 +23,8 @@ class MharOptions(AttnResOptions):
     # with 16 heads its route_many kernels are slower than routing site by site (H200, e2e
     # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
     two_phase: bool = False
+    # two-phase: the backward recomputes phase 1 and the merges (attnres.TwoPhasePlan)
+    recompute: bool = True
 
 
 class _MultiHead:
@@ -75,7 +77,7 @@ class MharScheme(Scheme):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
         self.block_size = size
-        plan = two_phase_plan(self.name, options.two_phase)
+        plan = two_phase_plan(self.name, options.two_phase, options.recompute)
         self.plan = plan if size is not None else None  # the full form has no blocks
 
     def _resolve_heads(self, heads) -> int:

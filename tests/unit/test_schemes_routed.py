@@ -108,8 +108,8 @@ TWO_PHASE_CASES = [("block_attnres", {}), ("block_attnres", {"block_size": 1}), 
 
 
 
-def _logits_and_grads(scheme, options, dtype, two_phase):
-    model = rewrite(tiny(n_layer=3).to(dtype), scheme, two_phase=two_phase, **options)
+def _logits_and_grads(scheme, options, dtype, two_phase, recompute=False):
+    model = rewrite(tiny(n_layer=3).to(dtype), scheme, two_phase=two_phase, recompute=recompute, **options)
     randomize_routing(model)
     logits = model(ids_for())
     loss = (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=dtype)).sum()
@@ -142,6 +142,45 @@ def test_two_phase_equals_routing_site_by_site(scheme, options, monkeypatch):
     for a, b in zip(single, truth):
         # a query that only ever sees one source has exactly zero gradient (weight 1 always)
         assert ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() < 2e-5
+
+
+def _saved_bytes(fn):
+    """Bytes of the distinct tensors autograd saves for the backward while ``fn`` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+@pytest.mark.parametrize("scheme,options", [("block_attnres", {}), ("mhar", {"heads": 4, "block_size": 2})])
+def test_two_phase_recompute_gives_the_same_gradients_from_fewer_saved_tensors(scheme, options, monkeypatch):
+    """``recompute=True`` (activation checkpointing of phase 1 and the merges) is the same
+    computation, bit for bit, as keeping their results; the forward saves fewer bytes for
+    the backward, and the backward runs phase 1 again, once per block."""
+    from depthrewrite.passes import attnres
+
+    calls = []
+    real = attnres.route_many
+    monkeypatch.setattr(attnres, "route_many", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = {}
+    for recompute in (False, True):
+        model = rewrite(tiny(n_layer=3), scheme, two_phase=True, recompute=recompute, **options)
+        randomize_routing(model)
+        calls.clear()
+        logits, saved = _saved_bytes(lambda: model(ids_for()))
+        forward_calls = len(calls)
+        grads = torch.autograd.grad((logits * torch.linspace(-1, 1, logits.shape[-1])).sum(), list(model.parameters()))
+        results[recompute] = ([logits, *grads], saved, forward_calls, len(calls) - forward_calls)
+    (kept, kept_bytes, kept_fwd, kept_bwd), (redone, redone_bytes, fwd, bwd) = results[False], results[True]
+    for a, b in zip(redone, kept):
+        assert torch.equal(a, b)
+    assert redone_bytes < kept_bytes
+    assert (kept_fwd, kept_bwd) == (fwd, 0) and bwd == fwd  # phase 1 again, once per block
 
 
 def test_two_phase_is_skipped_for_sharded_routing_parameters(monkeypatch, caplog):
@@ -380,3 +419,5 @@ def test_scheme_trains_and_round_trips(scheme, options, count):
 def test_two_phase_must_be_a_bool(scheme, options):
     with pytest.raises(ValueError, match=rf"^{scheme}: two_phase must be True or False, found 'yes'"):
         rewrite(tiny(), scheme, two_phase="yes", **options)
+    with pytest.raises(ValueError, match=rf"^{scheme}: recompute must be True or False, found 'all'"):
+        rewrite(tiny(), scheme, recompute="all", **options)

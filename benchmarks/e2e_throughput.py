@@ -49,7 +49,6 @@ CONFIGS = {
     "mhar_block": ("mhar", {"block_size": 6}, 0.93),
     # the same with the two-phase computation (off by default for MHAR: slower with 16 heads)
     "mhar_block_2p": ("mhar", {"block_size": 6, "two_phase": True}, None),
-    "mhar_block_keep": ("mhar", {"block_size": 6, "recompute": False}, None),
     "wav": ("wav", {}, 0.90),
     "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
     "attnres": ("attnres", {}, 0.80),

@@ -214,12 +214,9 @@ class BlockRouter(DepthQuery):
     heads = 1
 
     def __init__(self, scheme: Scheme, closes_block: bool, plan: TwoPhasePlan | None = None, group: int = 0,
-                 position: int = 0, recompute: bool = False):
+                 position: int = 0):
         super().__init__(scheme)
         self.closes_block = closes_block
-        # routing site by site: the backward recomputes this site's route instead of keeping
-        # its output (the two-phase path has its plan's own switch)
-        self.recompute = recompute
         # a plain attribute: the plan holds the other routers, which are not submodules of this one
         self._plan, self.group, self.position = plan, group, position
         if plan is not None:
@@ -229,17 +226,11 @@ class BlockRouter(DepthQuery):
         blocks, partial = state[:2]
         first = state[2] if self._plan is not None else None
         if first is None:
-            sources = blocks if partial is None else blocks + (partial,)
-            if self.recompute:
-                return checkpoint(self._route_each, *sources, use_reentrant=False)
-            return self.route(sources)
+            return self.route(blocks if partial is None else blocks + (partial,))
         out, lse = first[0][self.position], first[1][self.position]
         if partial is None:
             return out
         return self._plan.merge(self, out, lse, partial)
-
-    def _route_each(self, *sources: torch.Tensor) -> torch.Tensor:
-        return self.route(sources)
 
     def write(self, state: State, u, x, h) -> State:
         blocks, partial = state[:2]
@@ -256,9 +247,8 @@ class BlockRouter(DepthQuery):
 
 
 class BlockReadout(BlockRouter):
-    def __init__(self, scheme: Scheme, plan: TwoPhasePlan | None = None, group: int = 0, position: int = 0,
-                 recompute: bool = False):
-        super().__init__(scheme, closes_block=False, plan=plan, group=group, position=position, recompute=recompute)
+    def __init__(self, scheme: Scheme, plan: TwoPhasePlan | None = None, group: int = 0, position: int = 0):
+        super().__init__(scheme, closes_block=False, plan=plan, group=group, position=position)
 
 
 def block_place(index: int, block_size: int) -> tuple[int, int]:
@@ -290,11 +280,11 @@ class BlockAttnResScheme(Scheme):
     def site_router(self, site: Site):
         group, position = block_place(site.index, self.block_size)
         return BlockRouter(self, closes_block=site.index % self.block_size == 0, plan=self.plan, group=group,
-                           position=position, recompute=self.options.recompute)
+                           position=position)
 
     def readout_router(self):
         group, position = block_place(self.stream.num_sites + 1, self.block_size)
-        return BlockReadout(self, plan=self.plan, group=group, position=position, recompute=self.options.recompute)
+        return BlockReadout(self, plan=self.plan, group=group, position=position)
 
     def describe(self) -> dict:
         return {**super().describe(), "block_size": self.block_size}

@@ -47,8 +47,7 @@ class MharFullRouter(_MultiHead, FullRouter):
 
 class MharBlockRouter(_MultiHead, BlockRouter):
     def __init__(self, scheme: "MharScheme", closes_block: bool, group: int, position: int):
-        super().__init__(scheme, closes_block, plan=scheme.plan, group=group, position=position,
-                         recompute=scheme.options.recompute)
+        super().__init__(scheme, closes_block, plan=scheme.plan, group=group, position=position)
         self.heads = scheme.heads
 
     def extra_repr(self) -> str:

@@ -283,7 +283,7 @@ def _route_many_bwd_tiled_kernel(
         rstd = tl.rsqrt(tl.sum(tl.sum(v * v, 2), 1) / D + eps)
         acc_g = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s a_s g_s
         acc_q = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s dz_s w_s q_s
-        mt = tl.zeros((BLOCK_T,), tl.float32)  # sum_s sum_h dz_s z_s / rstd
+        mt = tl.zeros((BLOCK_T,), tl.float32)  # sum over queries and heads of dz_s z_s (the norm's term)
         # the queries one at a time: their output-gradient rows are read from cache once per
         # source (the first source brought them in), so a program holds a few rows, not S
         if PREFETCH:
@@ -458,6 +458,8 @@ def _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps,
 
 
 def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tensor:
+    """``r`` (fp32 (S, d)) from the ``dz * rstd`` table ``coef`` and the sources: partial sums
+    over ranges of tokens by ``_route_many_param_kernel``, then added in a fixed order."""
     c = d // heads
     block_q = min(_next_pow2(s), PARAM_QUERIES)
     block_cc = min(_next_pow2(c), PARAM_COLUMNS)

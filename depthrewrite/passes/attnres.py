@@ -131,9 +131,8 @@ class TwoPhasePlan:
     and the partial sums (which it keeps anyway) instead of keeping every site's phase-1
     output and a float32 copy per block. Measured at 350M (docs/benchmarks.md): peak memory
     1.03x the baseline instead of 1.14x, 97.5 instead of 92.0 ms a step (one more
-    ``route_many`` forward per block). Recomputing only the merges saved little memory and
-    cost 3 ms (the checkpoint boundary keeps Inductor from fusing them with their
-    neighbours), so it is not offered.
+    ``route_many`` forward per block). Recomputing only the merges was measured too
+    (1.12x, 95.0 ms: worse than one or the other) and is not offered.
     """
 
     def __init__(self, recompute: bool = True):

@@ -63,7 +63,8 @@ class MharScheme(Scheme):
     ValueError asks for ``heads=`` when the model has none; must divide d),
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
     S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False by
-    default, measured slower with many heads), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
+    default, measured slower with many heads), ``recompute`` (two-phase: recompute phase 1
+    and the merges in the backward, True), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
     with the same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
 

@@ -97,8 +97,8 @@ class BlockAttnResOptions(AttnResOptions):
     block_size: int | None = None  # sites per block; None: the even S giving at most 8 blocks
     # the two-phase computation (TwoPhasePlan): the same function, fewer bytes moved
     two_phase: bool = True
-    # two-phase: the backward recomputes phase 1 and the merges instead of keeping their
-    # results (TwoPhasePlan): about the baseline's activation memory, ~5 % slower at 350M
+    # two-phase: the backward recomputes phase 1 instead of keeping its outputs
+    # (TwoPhasePlan): 1.06x the baseline's peak memory instead of 1.14x at 350M, ~3 % slower
     recompute: bool = True
 
 
@@ -126,13 +126,14 @@ class TwoPhasePlan:
       only when that block runs, and phase 1 for block ``k + 1`` runs inside block ``k``);
     - while ``enabled`` is False (the routing-weight recorder needs each site's route).
 
-    ``recompute`` (default True) trades time for activation memory by activation
-    checkpointing: the backward recomputes phase 1 and each merge from the block summaries
-    and the partial sums (which it keeps anyway) instead of keeping every site's phase-1
-    output and a float32 copy per block. Measured at 350M (docs/benchmarks.md): peak memory
-    1.03x the baseline instead of 1.14x, 97.5 instead of 92.0 ms a step (one more
-    ``route_many`` forward per block). Recomputing only the merges was measured too
-    (1.12x, 95.0 ms: worse than one or the other) and is not offered.
+    ``recompute`` (default True) trades time for activation memory: phase 1 runs under
+    non-reentrant activation checkpointing, so the backward recomputes it (one more
+    ``route_many`` forward per block) from the block summaries it keeps anyway instead of
+    keeping every site's phase-1 output. Measured at 350M (docs/benchmarks.md): peak memory
+    1.06x the baseline instead of 1.14x, 0.844x its throughput instead of 0.867-0.870x
+    (separate runs). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per
+    block that the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing
+    only the merges was worse than either: neither is offered.
     """
 
     def __init__(self, recompute: bool = True):
@@ -167,14 +168,6 @@ class TwoPhasePlan:
         if self.recompute:
             return checkpoint(phase, queries, weights, *blocks, use_reentrant=False)
         return phase(queries, weights, *blocks)
-
-    def merge(self, router: "BlockRouter", out: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-        """Phase 2 at ``router``: ``partial`` merged into its phase-1 result."""
-        merge = functools.partial(merge_partial, query=router.query, key_norm_weight=router.key_norm_weight,
-                                  heads=router.heads, eps=router.eps)
-        if self.recompute:
-            return checkpoint(merge, out, lse, partial, use_reentrant=False)
-        return merge(out, lse, partial)
 
 
 def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *blocks: torch.Tensor, heads: int,
@@ -229,7 +222,8 @@ class BlockRouter(DepthQuery):
         out, lse = first[0][self.position], first[1][self.position]
         if partial is None:
             return out
-        return self._plan.merge(self, out, lse, partial)
+        return merge_partial(out, lse, partial, query=self.query, key_norm_weight=self.key_norm_weight,
+                             heads=self.heads, eps=self.eps)
 
     def write(self, state: State, u, x, h) -> State:
         blocks, partial = state[:2]

@@ -23,7 +23,7 @@ class MharOptions(AttnResOptions):
     # with 16 heads its route_many kernels are slower than routing site by site (H200, e2e
     # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
     two_phase: bool = False
-    # two-phase: the backward recomputes phase 1 and the merges (attnres.TwoPhasePlan)
+    # two-phase: the backward recomputes phase 1 (attnres.TwoPhasePlan)
     recompute: bool = True
 
 
@@ -64,7 +64,7 @@ class MharScheme(Scheme):
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
     S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False by
     default, measured slower with many heads), ``recompute`` (two-phase: recompute phase 1
-    and the merges in the backward, True), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
+    in the backward instead of keeping its outputs, True), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
     with the same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
 

@@ -159,9 +159,9 @@ def _saved_bytes(fn):
 
 @pytest.mark.parametrize("scheme,options", [("block_attnres", {}), ("mhar", {"heads": 4, "block_size": 2})])
 def test_two_phase_recompute_gives_the_same_gradients_from_fewer_saved_tensors(scheme, options, monkeypatch):
-    """``recompute=True`` (activation checkpointing of phase 1 and the merges) is the same
-    computation, bit for bit, as keeping their results; the forward saves fewer bytes for
-    the backward, and the backward runs phase 1 again, once per block."""
+    """``recompute=True`` (activation checkpointing of phase 1) is the same computation, bit
+    for bit, as keeping its outputs; the forward saves fewer bytes for the backward, and the
+    backward runs phase 1 again, once per block."""
     from depthrewrite.passes import attnres
 
     calls = []

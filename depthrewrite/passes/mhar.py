@@ -64,8 +64,9 @@ class MharScheme(Scheme):
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
     S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False by
     default, measured slower with many heads), ``recompute`` (two-phase: recompute phase 1
-    in the backward instead of keeping its outputs, True), ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes
-    with the same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
+    in the backward instead of keeping its outputs, True), ``eps`` (key RMSNorm, 1e-6).
+    ``heads=1`` is exactly AttnRes / Block AttnRes with the same parameters. New
+    parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
 
     name = "mhar"

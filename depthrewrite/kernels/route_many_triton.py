@@ -54,8 +54,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _flat, _load_source, _next_pow2, _pointer_tables, _row_blocks,
-    _src_ptr,
+    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _flat, _load_source, _next_pow2,
+    _next_source, _pointer_tables, _row_blocks, _src_ptr,
 )
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
@@ -275,8 +275,8 @@ def _route_many_bwd_tiled_kernel(
     for i in range(N):
         if PREFETCH:
             v = v_nx.to(tl.float32)
-            v_nx, _k = _load_source(vtab, vtab, tl.minimum(i + 1, N - 1), offs,
-                                    mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None], ptr_ty, ALIGNED, False)
+            nxt, more = _next_source(tok, i, N, mask)
+            v_nx, _k = _load_source(vtab, vtab, nxt, offs, more, ptr_ty, ALIGNED, False)
         else:
             v_raw, _k = _load_source(vtab, vtab, i, offs, mask, ptr_ty, ALIGNED, False)
             v = v_raw.to(tl.float32)
@@ -292,8 +292,8 @@ def _route_many_bwd_tiled_kernel(
             qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
             if PREFETCH:  # the next query's rows are requested before this one's are used
                 g = g_nx.to(tl.float32)
-                g_nx = tl.load(_src_ptr(gtab, tl.minimum(s + 1, S - 1), ptr_ty, ALIGNED) + offs,
-                               mask=mask & ((tl.zeros_like(tok) + s + 1) < S)[:, None, None], other=0.0)
+                nxt, more = _next_source(tok, s, S, mask)
+                g_nx = tl.load(_src_ptr(gtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
             else:
                 g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
             s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
@@ -467,9 +467,9 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tenso
     query_chunks = triton.cdiv(s, block_q)
     column_blocks = triton.cdiv(c, block_cc)
     others = heads * query_chunks * column_blocks
-    sms = torch.cuda.get_device_properties(like.device).multi_processor_count if like.device.type == "cuda" else 1
     # token ranges: enough programs in all to fill the GPU, each range a whole number of tiles
-    splits = max(1, min(PARAM_PER_SM * sms // others, triton.cdiv(tokens, block_tt)))
+    tiles = triton.cdiv(tokens, block_tt)
+    splits = max(1, _backward_programs(like.device, tiles * others, PARAM_PER_SM) // others)
     per_program = triton.cdiv(triton.cdiv(tokens, splits), block_tt) * block_tt
     splits = triton.cdiv(tokens, per_program)
     part = torch.empty((splits, s, d), dtype=torch.float32, device=like.device)

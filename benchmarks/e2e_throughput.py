@@ -3,7 +3,7 @@ plain-residual baseline compiled with Inductor against each scheme compiled with
 ``depthrewrite`` backend (the kernels issue's e2e goals).
 
     python3 benchmarks/e2e_throughput.py [--out DIR] [--schemes baseline block_attnres ...]
-                                         [--wave 4] [--steps 10] [--trials 3]
+                                         [--wave 4] [--steps 10] [--trials 3] [--profile]
 
 Model: preset ``medium`` (d=1024, 24 layers, 16 heads, byte vocabulary), sequence 2048,
 batch 8, bf16 weights, fused AdamW, one optimizer step per measured step.
@@ -20,6 +20,11 @@ backend's lowering report (routing ops per graph and the implementation they wen
 recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
 are on the GPU at once (memory).
 
+``--profile``: after the timed trials, each process also records ``PROFILE_STEPS`` steps
+with ``torch.profiler`` and sums the GPU kernel time per category (``KERNEL_CATEGORIES``:
+our routing kernels, matmuls, attention, Inductor's fused kernels, the optimizer, the rest),
+per step; the profiler's own overhead makes these sums a breakdown, not a step time.
+
 Writes ``e2e.json`` under --out and prints a table last.
 """
 
@@ -31,6 +36,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue
+import re
 import statistics
 import sys
 import time
@@ -59,6 +65,16 @@ BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
 #: steps before timing: the first compiles; the rest let the allocator and caches settle
 WARMUP_STEPS = 5
+PROFILE_STEPS = 3
+#: (category, regular expression on the kernel name), first match wins
+KERNEL_CATEGORIES = (
+    ("inductor fused", r"^triton_"),  # first: a fused kernel's name lists the ops it holds
+    ("routing (ours)", r"_route|_out_norm"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|cublas|gemv|splitk"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("other", r""),
+)
 
 
 def _build(name: str):
@@ -80,7 +96,7 @@ def _build(name: str):
     return model, torch.compile(model, backend=backend)
 
 
-def _child(name: str, steps: int, trials: int, to_parent, go) -> None:
+def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = False) -> None:
     import torch
 
     try:
@@ -120,10 +136,41 @@ def _child(name: str, steps: int, trials: int, to_parent, go) -> None:
         row = dict(name=name, step_ms=ms, trial_ms=trial_ms, tokens_per_s=BATCH * SEQ / (ms * 1e-3),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, compile_and_warmup_s=warm_s,
                    loss=float(loss), lowering=_lowering(name))
+        if profile:
+            row["kernels"] = kernel_breakdown(step, PROFILE_STEPS)
         to_parent.put(("result", name, row))
     except Exception as exc:  # one configuration failing must not sink the others: record why
         to_parent.put(("result", name, dict(name=name, error=f"{type(exc).__name__}: {exc}",
                                             trace=traceback.format_exc()[-3000:])))
+
+
+def kernel_category(kernel: str) -> str:
+    return next(cat for cat, pattern in KERNEL_CATEGORIES if re.search(pattern, kernel, re.IGNORECASE))
+
+
+def kernel_breakdown(step, steps: int) -> dict:
+    """GPU kernel time per category and the 12 largest kernels, in ms per step, over
+    ``steps`` profiled steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list] = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA or not evt.self_device_time_total:
+            continue
+        entry = per_kernel.setdefault(evt.key, [0.0, 0])
+        entry[0] += evt.self_device_time_total / 1e3 / steps
+        entry[1] += evt.count // steps
+    categories: dict[str, float] = {cat: 0.0 for cat, _ in KERNEL_CATEGORIES}
+    for kernel, (ms, _) in per_kernel.items():
+        categories[kernel_category(kernel)] += ms
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
+    return dict(categories=categories, total_ms=sum(categories.values()),
+                top=[dict(kernel=k[:120], ms=ms, calls=n) for k, (ms, n) in top])
 
 
 def _lowering(name: str) -> dict | None:
@@ -135,11 +182,11 @@ def _lowering(name: str) -> dict | None:
     return dict(graphs=len(reports()), ops=lowered_ops())
 
 
-def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say) -> list[dict]:
+def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say, profile: bool = False) -> list[dict]:
     ctx = mp.get_context("spawn")
     to_parent = ctx.Queue()
     gos = {n: ctx.Event() for n in names}
-    procs = {n: ctx.Process(target=_child, args=(n, steps, trials, to_parent, gos[n])) for n in names}
+    procs = {n: ctx.Process(target=_child, args=(n, steps, trials, to_parent, gos[n], profile)) for n in names}
     for p in procs.values():
         p.start()
     rows, ready = {}, []
@@ -172,11 +219,29 @@ def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say) -
     return [rows.get(n, dict(name=n, error="did not compile within the time limit")) for n in names]
 
 
-def run(names: list[str], wave: int, steps: int, trials: int, timeout_s: float, say=print) -> list[dict]:
+def run(names: list[str], wave: int, steps: int, trials: int, timeout_s: float, say=print,
+        profile: bool = False) -> list[dict]:
     rows = []
     for i in range(0, len(names), wave):
-        rows += run_wave(names[i : i + wave], steps, trials, timeout_s, say)
+        rows += run_wave(names[i : i + wave], steps, trials, timeout_s, say, profile)
     return rows
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """GPU kernel ms per step and category (rows measured with --profile), and each
+    category's difference from the baseline's."""
+    rows = [r for r in rows if "kernels" in r]
+    if not rows:
+        return ""
+    cats = [cat for cat, _ in KERNEL_CATEGORIES]
+    base = next((r["kernels"]["categories"] for r in rows if r["name"] == "baseline"), None)
+    lines = ["| model | " + " | ".join(cats) + " | kernels total |", "| --- |" + " ---: |" * (len(cats) + 1)]
+    for r in rows:
+        k = r["kernels"]["categories"]
+        cells = [f"{k[c]:.1f}" + (f" ({k[c] - base[c]:+.1f})" if base and r["name"] != "baseline" else "")
+                 for c in cats]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {r['kernels']['total_ms']:.1f} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -212,13 +277,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--compile-timeout-s", type=float, default=400)
+    ap.add_argument("--profile", action="store_true", help="also a GPU kernel time breakdown per model")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    rows = run(args.schemes, args.wave, args.steps, args.trials, args.compile_timeout_s)
+    rows = run(args.schemes, args.wave, args.steps, args.trials, args.compile_timeout_s, profile=args.profile)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
+    print(breakdown_table(rows))
     return 0
 
 

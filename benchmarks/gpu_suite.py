@@ -402,11 +402,11 @@ def copy_bandwidth():
 # ------------------------------------------------------------------------- end to end
 
 
-def e2e(schemes: list[str]) -> list[dict]:
+def e2e(schemes: list[str], profile: bool = False) -> list[dict]:
     """Training throughput and peak memory, one process per model (benchmarks/e2e_throughput.py)."""
     import e2e_throughput
 
-    return e2e_throughput.run(schemes, wave=4, steps=10, trials=3, timeout_s=230, say=say)
+    return e2e_throughput.run(schemes, wave=4, steps=10, trials=3, timeout_s=230, say=say, profile=profile)
 
 
 def scheme_check() -> list[dict]:
@@ -459,7 +459,7 @@ def table(checks, rows, e2e_rows, bw, phase_rows=()):
     if e2e_rows:
         import e2e_throughput
 
-        lines += ["", e2e_throughput.table(e2e_rows)]
+        lines += ["", e2e_throughput.table(e2e_rows), "", e2e_throughput.breakdown_table(e2e_rows)]
     return "\n".join(lines)
 
 
@@ -472,6 +472,7 @@ def main() -> int:
     ap.add_argument("--e2e-schemes", default="baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar")
     ap.add_argument("--scheme-check", action="store_true", help="also compile every scheme against eager")
     ap.add_argument("--e2e-only", action="store_true", help="skip the op checks and timings")
+    ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
     ap.add_argument("--block-phase-only", action="store_true", help="only the two-phase Block AttnRes timings")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no e2e (a short re-run after a kernel change)")
@@ -506,7 +507,7 @@ def main() -> int:
     if args.scheme_check:
         results["scheme_check"] = scheme_check()
         dump()
-    results["e2e"] = e2e_rows = [] if skip_e2e else e2e(args.e2e_schemes.split(","))
+    results["e2e"] = e2e_rows = [] if skip_e2e else e2e(args.e2e_schemes.split(","), args.e2e_profile)
     summary = table(checks, rows, e2e_rows, bw, phase_rows)
     dump(summary)
     print("\n" + summary)

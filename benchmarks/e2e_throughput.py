@@ -70,8 +70,8 @@ PROFILE_STEPS = 3
 KERNEL_CATEGORIES = (
     ("inductor fused", r"^triton_"),  # first: a fused kernel's name lists the ops it holds
     ("routing (ours)", r"_route|_out_norm"),
+    ("attention", r"flash|fmha|attention|sdpa"),  # before matmul: cuDNN's attention kernels use wgmma
     ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|cublas|gemv|splitk"),
-    ("attention", r"flash|fmha|attention|sdpa"),
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("other", r""),
 )

@@ -31,6 +31,7 @@ Writes ``e2e.json`` under --out and prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -59,6 +60,18 @@ CONFIGS = {
     "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
     "attnres": ("attnres", {}, 0.80),
     "mhar": ("mhar", {}, 0.78),
+    "dar_block_unfenced": ("dar", {"layers_per_block": 3}, None),
+    "dar_block_sum8": ("dar", {"layers_per_block": 3}, None),
+    "wav_unfenced": ("wav", {}, None),
+    "attnres_unfenced": ("attnres", {}, None),
+}
+#: backend options per configuration (default: none)
+BACKEND_OPTIONS = {
+    # the long gradient sums fused whole, as Inductor does without the backend's fences
+    "dar_block_unfenced": {"max_sum_terms": None},
+    "wav_unfenced": {"max_sum_terms": None},
+    "attnres_unfenced": {"max_sum_terms": None},
+    "dar_block_sum8": {"max_sum_terms": 8},
 }
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
@@ -81,6 +94,7 @@ def _build(name: str):
     import torch
 
     import depthrewrite
+    from depthrewrite.backend import depthrewrite_backend
     from depthrewrite.models.gpt import gpt_from_preset
 
     scheme, options, _ = CONFIGS[name]
@@ -88,10 +102,9 @@ def _build(name: str):
     model = gpt_from_preset("medium", max_seq_len=SEQ)
     backend = "inductor"
     if scheme is not None:
-        from depthrewrite.backend import depthrewrite_backend
-
         model = depthrewrite.rewrite(model, scheme, **options)
-        backend = depthrewrite_backend  # the callable: the device has no pip-installed entry point
+        # the callable: the device has no pip-installed entry point
+        backend = functools.partial(depthrewrite_backend, options=BACKEND_OPTIONS.get(name, {}))
     model = model.cuda().to(torch.bfloat16).train()
     return model, torch.compile(model, backend=backend)
 

@@ -11,9 +11,13 @@ the fused kernels for the routing and Inductor's own kernels for everything else
 
 Options (``torch.compile(..., options={...})``): ``inner`` picks the compiler behind the
 backend, ``"inductor"`` (default) or ``"aot_eager"`` (AOTAutograd with no code generation:
-same graphs, no C++/Triton build; used by the CPU tests to keep them fast); every other
-key is an Inductor config patch applied to this compilation only (``config_patches``,
-never a global assignment). ``mode=`` takes Inductor's modes ("max-autotune", ...).
+same graphs, no C++/Triton build; used by the CPU tests to keep them fast);
+``max_sum_terms`` (default 4; None turns it off) bounds how many terms of a long gradient
+sum Inductor fuses into one kernel (:mod:`depthrewrite.sum_fences`: without it, the sum of
+the gradients a source gets from every later routing call is one kernel at the end of the
+backward, holding every term in memory until then); every other key is an Inductor config
+patch applied to this compilation only (``config_patches``, never a global assignment).
+``mode=`` takes Inductor's modes ("max-autotune", ...).
 
 ``last_report()`` returns the :class:`LoweringReport` of the most recent compilation;
 ``lowered_ops()`` sums the routing calls per implementation over every graph.
@@ -31,6 +35,7 @@ import torch
 from torch import fx
 
 from .kernels import implementation_for
+from .sum_fences import DEFAULT_MAX_TERMS, fence_gradient_sums
 
 __all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
 
@@ -57,6 +62,9 @@ class LoweringReport:
     implementation: dict[str, str]
     aot_graphs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     config_patches: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the ``max_sum_terms`` option; ``fences``: graph kind -> fences inserted
+    max_sum_terms: int | None = DEFAULT_MAX_TERMS
+    fences: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_routing_ops(self) -> int:
@@ -156,8 +164,18 @@ def _graph_device(example_inputs) -> str:
 # ------------------------------------------------------------------ the backend
 
 
+def _prepare(gm: fx.GraphModule, kind: str, report: LoweringReport) -> None:
+    """What the backend does to each AOT graph before compiling it: count its routing ops
+    and bound its long sums."""
+    report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
+    if report.max_sum_terms is not None:
+        report.fences[kind] = fence_gradient_sums(gm.graph, report.max_sum_terms)
+        if report.fences[kind]:
+            gm.recompile()
+
+
 def _counting(compile_fn, report: LoweringReport):
-    """Wrap an inner compiler so that each AOT graph's routing ops land in ``report``."""
+    """Wrap an inner compiler so that each AOT graph goes through :func:`_prepare`."""
 
     def inner(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         if kwargs.get("is_backward"):
@@ -166,7 +184,7 @@ def _counting(compile_fn, report: LoweringReport):
             kind = "inference"
         else:
             kind = "forward"
-        report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
+        _prepare(gm, kind, report)
         return compile_fn(gm, example_inputs, *args, **kwargs)
 
     return inner
@@ -177,11 +195,11 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
     from torch._dynamo.backends.common import aot_autograd
 
     def fw(g, _inputs):
-        report.aot_graphs["forward"] = count_routing_ops(g.graph)[0]
+        _prepare(g, "forward", report)
         return make_boxed_func(g.forward)
 
     def bw(g, _inputs):
-        report.aot_graphs["backward"] = count_routing_ops(g.graph)[0]
+        _prepare(g, "backward", report)
         return make_boxed_func(g.forward)
 
     return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
@@ -207,12 +225,18 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     inner = options.pop("inner", "inductor")
     if inner not in _INNER:
         raise ValueError(f"depthrewrite_backend: options['inner'] must be one of {_INNER}; found {inner!r}")
+    max_sum_terms = options.pop("max_sum_terms", DEFAULT_MAX_TERMS)
+    if max_sum_terms is not None and (isinstance(max_sum_terms, bool) or not isinstance(max_sum_terms, int)
+                                      or max_sum_terms < 2):
+        raise ValueError("depthrewrite_backend: options['max_sum_terms'] must be an int >= 2 or None; "
+                         f"found {max_sum_terms!r}")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
     if patches.get("triton.cudagraphs"):
         # under CUDA-graph capture the fused kernels defer to the reference (kernels/__init__)
         impls = {name: "reference" for name in impls}
-    report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches)
+    report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
+                            max_sum_terms=max_sum_terms)
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)

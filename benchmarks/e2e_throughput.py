@@ -64,6 +64,10 @@ CONFIGS = {
     "dar_block_sum8": ("dar", {"layers_per_block": 3}, None),
     "wav_unfenced": ("wav", {}, None),
     "attnres_unfenced": ("attnres", {}, None),
+    "attnres_sum8": ("attnres", {}, None),
+    "block_attnres_unfenced": ("block_attnres", {}, None),
+    "mhar_block_unfenced": ("mhar", {"block_size": 6}, None),
+    "mhar_unfenced": ("mhar", {}, None),
 }
 #: backend options per configuration (default: none)
 BACKEND_OPTIONS = {
@@ -72,6 +76,10 @@ BACKEND_OPTIONS = {
     "wav_unfenced": {"max_sum_terms": None},
     "attnres_unfenced": {"max_sum_terms": None},
     "dar_block_sum8": {"max_sum_terms": 8},
+    "attnres_sum8": {"max_sum_terms": 8},
+    "block_attnres_unfenced": {"max_sum_terms": None},
+    "mhar_block_unfenced": {"max_sum_terms": None},
+    "mhar_unfenced": {"max_sum_terms": None},
 }
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")

@@ -12,10 +12,11 @@ How it measures: compiling a 24-layer model takes a minute or more, so one proce
 configuration compiles and warms up at the same time as the others of its wave (the
 compiles use the CPUs; the GPU holds several models at once), then the processes are timed
 ONE AT A TIME while the others wait idle, so no two timed runs share the GPU. Each
-process runs 5 warm-up steps (the first compiles); when its turn comes, ``trials`` x
-``steps`` optimizer steps on fresh random tokens, CUDA events around each trial, and it
-reports the median trial; peak memory is
-``torch.cuda.max_memory_allocated`` over the timed steps (reset after the warm-up). The
+process runs 5 warm-up steps (the first compiles) and empties its allocator cache while it
+waits; when its turn comes, 2 more warm-up steps, then ``trials`` x ``steps`` optimizer
+steps on fresh random tokens, CUDA events around each trial, and it reports the median
+trial and the allocator's retries (cache flushes for lack of memory) during the trials;
+peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps. The
 backend's lowering report (routing ops per graph and the implementation they went to) is
 recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
 are on the GPU at once (memory).
@@ -86,6 +87,8 @@ BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
 #: steps before timing: the first compiles; the rest let the allocator and caches settle
 WARMUP_STEPS = 5
+#: steps when a process's turn comes, before its timed trials (its cache was emptied while it waited)
+REWARM_STEPS = 2
 PROFILE_STEPS = 3
 #: (category, regular expression on the kernel name), first match wins
 KERNEL_CATEGORIES = (
@@ -139,11 +142,18 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = Fa
             step()
         torch.cuda.synchronize()
         warm_s = time.time() - start
-        # no empty_cache() here: the caching allocator would have to grow again inside the
-        # first timed trial (the 2026-11-29 run did that: its first trials were 1-50 % slower)
-        torch.cuda.reset_peak_memory_stats()
+        # while waiting, hand the cached blocks back: the others of the wave are timed
+        # meanwhile, and a timed process short of memory has its allocator free and retry
+        # (session 5: the heavy models' trials varied by up to 25 %)
+        torch.cuda.empty_cache()
         to_parent.put(("ready", name, None))
         go.wait()
+        # the cache grows back here, not inside the first timed trial
+        for _ in range(REWARM_STEPS):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         trial_ms = []
         for _ in range(trials):
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -156,7 +166,8 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = Fa
         ms = statistics.median(trial_ms)
         row = dict(name=name, step_ms=ms, trial_ms=trial_ms, tokens_per_s=BATCH * SEQ / (ms * 1e-3),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, compile_and_warmup_s=warm_s,
-                   loss=float(loss), lowering=_lowering(name))
+                   loss=float(loss), lowering=_lowering(name),
+                   alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
         if profile:
             row["kernels"] = kernel_breakdown(step, PROFILE_STEPS)
         to_parent.put(("result", name, row))
@@ -267,11 +278,12 @@ def breakdown_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["name"] == "baseline" and "error" not in r), None)
-    lines = ["| model | backend | ms/step | tokens/s | x baseline (goal) | peak GiB | x baseline | routing ops lowered |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| model | backend | ms/step | tokens/s | x baseline (goal) | peak GiB | x baseline | alloc retries "
+             "| routing ops lowered |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['name']} | | error: {r['error'][:80]} | | | | | | |")
             continue
         goal = CONFIGS[r["name"]][2]
         speed = f"{base['step_ms'] / r['step_ms']:.3f}" if base else "-"
@@ -286,7 +298,7 @@ def table(rows: list[dict]) -> str:
             ops += f" in {low['graphs']} graph(s)"
         lines.append(f"| {r['name']} | {'inductor' if CONFIGS[r['name']][0] is None else 'depthrewrite'} | "
                      f"{r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} | "
-                     f"{ops or '-'} |")
+                     f"{r.get('alloc_retries', '-')} | {ops or '-'} |")
     return "\n".join(lines)
 
 

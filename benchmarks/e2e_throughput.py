@@ -15,8 +15,8 @@ ONE AT A TIME while the others wait idle, so no two timed runs share the GPU. Ea
 process runs 5 warm-up steps (the first compiles) and empties its allocator cache while it
 waits; when its turn comes, 2 more warm-up steps, then ``trials`` x ``steps`` optimizer
 steps on fresh random tokens, CUDA events around each trial, and it reports the median
-trial and the allocator's retries (cache flushes for lack of memory) during the trials;
-peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps. The
+trial and the allocator's retries (cache flushes for lack of memory) during the
+trials; peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps. The
 backend's lowering report (routing ops per graph and the implementation they went to) is
 recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
 are on the GPU at once (memory).

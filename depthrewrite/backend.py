@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from .kernels import implementation_for
-from .sum_fences import DEFAULT_MAX_TERMS, fence_gradient_sums
+from .sum_fences import DEFAULT_MAX_TERMS, FenceGradientSums, fence_gradient_sums
 
 __all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
 
@@ -54,6 +54,7 @@ class LoweringReport:
     after AOTAutograd split forward and backward ('forward', 'backward', 'inference'),
     filled in as each is compiled (the backward at the first backward call); a graph
     served from Inductor's caches without recompiling does not appear here.
+    ``fences``: fences the long-sum pass put in each graph compiled here (same caveat).
     """
 
     device: str
@@ -65,6 +66,7 @@ class LoweringReport:
     #: the ``max_sum_terms`` option; ``fences``: graph kind -> fences inserted
     max_sum_terms: int | None = DEFAULT_MAX_TERMS
     fences: dict[str, int] = dataclasses.field(default_factory=dict)
+    compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
     @property
     def num_routing_ops(self) -> int:
@@ -164,18 +166,9 @@ def _graph_device(example_inputs) -> str:
 # ------------------------------------------------------------------ the backend
 
 
-def _prepare(gm: fx.GraphModule, kind: str, report: LoweringReport) -> None:
-    """What the backend does to each AOT graph before compiling it: count its routing ops
-    and bound its long sums."""
-    report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
-    if report.max_sum_terms is not None:
-        report.fences[kind] = fence_gradient_sums(gm.graph, report.max_sum_terms)
-        if report.fences[kind]:
-            gm.recompile()
-
-
 def _counting(compile_fn, report: LoweringReport):
-    """Wrap an inner compiler so that each AOT graph goes through :func:`_prepare`."""
+    """Wrap an inner compiler so that each AOT graph's routing ops land in ``report``
+    (and, through ``report.compiling``, its fences: :func:`_fence_patch`)."""
 
     def inner(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         if kwargs.get("is_backward"):
@@ -184,22 +177,44 @@ def _counting(compile_fn, report: LoweringReport):
             kind = "inference"
         else:
             kind = "forward"
-        _prepare(gm, kind, report)
+        report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
+        report.compiling = kind
         return compile_fn(gm, example_inputs, *args, **kwargs)
 
     return inner
+
+
+def _fence_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, Any]:
+    """Inductor config patches with the long-sum fences as its post-grad pass (the user's
+    own, if any, runs after it): a pass Inductor runs, so that its settings are in the
+    cache keys."""
+    if report.max_sum_terms is None:
+        return patches
+
+    def record(fences: int) -> None:
+        report.fences[report.compiling] = fences
+
+    user_pass = patches.get("post_grad_custom_post_pass")
+    return {**patches, "post_grad_custom_post_pass": FenceGradientSums(report.max_sum_terms, then=user_pass,
+                                                                        on_fenced=record)}
 
 
 def _aot_eager(gm, example_inputs, report: LoweringReport):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    def prepare(g, kind):
+        report.aot_graphs[kind] = count_routing_ops(g.graph)[0]
+        if report.max_sum_terms is not None:  # the graph runs as it is: no Inductor pass
+            report.fences[kind] = fence_gradient_sums(g.graph, report.max_sum_terms)
+            g.recompile()
+
     def fw(g, _inputs):
-        _prepare(g, "forward", report)
+        prepare(g, "forward")
         return make_boxed_func(g.forward)
 
     def bw(g, _inputs):
-        _prepare(g, "backward", report)
+        prepare(g, "backward")
         return make_boxed_func(g.forward)
 
     return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
@@ -246,4 +261,4 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
 
     # config_patches: Inductor applies them for this compilation only
     return compile_fx(gm, example_inputs, inner_compile=_counting(compile_fx_inner, report),
-                      config_patches=patches)
+                      config_patches=_fence_patch(patches, report))

@@ -79,16 +79,21 @@ def test_bad_max_terms_is_refused(bad):
                                      options={"max_sum_terms": bad})
 
 
-def test_inductor_through_fences_matches_eager(monkeypatch):
-    """DAR (the scheme with the longest sums) compiled with Inductor on the CPU, with the
-    size threshold lowered so that the tiny model's sums are fenced too."""
-    monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
+def _dar_model():
     torch.manual_seed(0)
     model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "dar").train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "depth_route" in name:
                 p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_inductor_through_fences_matches_eager(monkeypatch):
+    """DAR (the scheme with the longest sums) compiled with Inductor on the CPU, with the
+    size threshold lowered so that the tiny model's sums are fenced too."""
+    monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
+    model = _dar_model()
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
 
     def loss_and_grads(fn):
@@ -100,7 +105,9 @@ def test_inductor_through_fences_matches_eager(monkeypatch):
     eager_loss, eager_grads = loss_and_grads(model)
     torch._dynamo.reset()
     backend.clear_reports()
-    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"max_sum_terms": 2})
+    # a fresh compilation, so that the pass runs here (the report counts its fences)
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
+                             options={"max_sum_terms": 2, "force_disable_caches": True})
     loss, grads = loss_and_grads(compiled)
     report = backend.last_report()
     assert report.max_sum_terms == 2 and report.fences["backward"] > 0
@@ -108,3 +115,26 @@ def test_inductor_through_fences_matches_eager(monkeypatch):
     assert grads.keys() == eager_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
+    """A graph compiled with fences is not served from Inductor's caches to a compilation
+    without them (or with another max_sum_terms): the pass's uuid differs."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
+    assert sum_fences.FenceGradientSums(2).uuid() != sum_fences.FenceGradientSums(4).uuid()
+    assert sum_fences.FenceGradientSums(2, then=lambda g: None).uuid() is None  # unknown user pass: no caching
+    model = _dar_model()
+    idx = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    reports = []
+    for terms in (2, None, 2):
+        torch._dynamo.reset()
+        backend.clear_reports()
+        compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"max_sum_terms": terms})
+        compiled(idx, idx)[1].backward()
+        reports.append(backend.last_report())
+    # an empty cache: compiled here, fenced
+    assert "backward" in reports[0].aot_graphs and reports[0].fences["backward"] > 0
+    # other settings: compiled anew, not loaded from the entry the first one left
+    assert "backward" in reports[1].aot_graphs and reports[1].fences == {}
+    # the third has the first one's settings: it may come from the caches, fences and all

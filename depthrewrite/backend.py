@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from .kernels import implementation_for
-from .sum_fences import DEFAULT_MAX_TERMS, FenceGradientSums, fence_gradient_sums
+from .sum_fences import DEFAULT_MAX_TERMS, fence_gradient_sums, fence_pass
 
 __all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
 
@@ -195,8 +195,7 @@ def _fence_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, A
         report.fences[report.compiling] = fences
 
     user_pass = patches.get("post_grad_custom_post_pass")
-    return {**patches, "post_grad_custom_post_pass": FenceGradientSums(report.max_sum_terms, then=user_pass,
-                                                                        on_fenced=record)}
+    return {**patches, "post_grad_custom_post_pass": fence_pass(report.max_sum_terms, then=user_pass, on_fenced=record)}
 
 
 def _aot_eager(gm, example_inputs, report: LoweringReport):

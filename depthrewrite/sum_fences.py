@@ -17,16 +17,16 @@ each fence (eager PyTorch stores every one).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fence_gradient_sums", "FenceGradientSums", "DEFAULT_MAX_TERMS", "MIN_NUMEL"]
+__all__ = ["fence_gradient_sums", "fence_pass", "DEFAULT_MAX_TERMS", "MIN_NUMEL"]
 
 #: terms per fused piece of a long sum (chosen from the session-5 H200 runs, docs/benchmarks.md)
 DEFAULT_MAX_TERMS = 4
@@ -74,29 +74,40 @@ def fence_gradient_sums(graph: fx.Graph, max_terms: int = DEFAULT_MAX_TERMS) -> 
     return fences
 
 
-class FenceGradientSums(CustomGraphPass):
-    """:func:`fence_gradient_sums` as Inductor's ``post_grad_custom_post_pass``: Inductor
-    runs it on each graph it compiles, and its ``uuid`` (this file's hash and
-    ``max_terms``) is part of Inductor's cache keys, so a graph compiled with other
+def fence_pass(max_terms: int, then: Callable | None = None, on_fenced: Callable[[int], None] | None = None):
+    """:func:`fence_gradient_sums` as an Inductor ``post_grad_custom_post_pass``: Inductor
+    runs it on each graph it compiles, and its ``uuid`` (this file's hash, ``max_terms``
+    and ``MIN_NUMEL``) is part of Inductor's cache keys, so a graph compiled with other
     settings is never served from the caches in its place. ``then`` is a pass of the
     user's to run after it (their own ``post_grad_custom_post_pass``); ``on_fenced`` is
     told the number of fences of each graph."""
+    return _pass_class()(max_terms, then, on_fenced)
 
-    def __init__(self, max_terms: int, then: Callable | None = None, on_fenced: Callable[[int], None] | None = None):
-        self.max_terms, self.then, self.on_fenced = max_terms, then, on_fenced
 
-    def __call__(self, graph: fx.Graph) -> None:
-        fences = fence_gradient_sums(graph, self.max_terms)
-        if self.on_fenced is not None:
-            self.on_fenced(fences)
-        if self.then is not None:
-            self.then(graph)
+@functools.cache
+def _pass_class():
+    # imported here: torch._inductor.custom_graph_pass imports triton.language, which
+    # ``import depthrewrite`` should not (Triton's interpreter, for one, must be switched
+    # on before triton.language is first imported)
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    def uuid(self):
-        if self.then is not None:
-            then = getattr(self.then, "uuid", lambda: None)()
-            if then is None:  # the user's pass has no identity: Inductor then skips its caches
-                return None
-        else:
+    class FenceGradientSums(CustomGraphPass):
+        def __init__(self, max_terms, then, on_fenced):
+            self.max_terms, self.then, self.on_fenced = max_terms, then, on_fenced
+
+        def __call__(self, graph: fx.Graph) -> None:
+            fences = fence_gradient_sums(graph, self.max_terms)
+            if self.on_fenced is not None:
+                self.on_fenced(fences)
+            if self.then is not None:
+                self.then(graph)
+
+        def uuid(self):
             then = ""
-        return (get_hash_for_files((__file__,)), self.max_terms, then, MIN_NUMEL)
+            if self.then is not None:
+                then = getattr(self.then, "uuid", lambda: None)()
+                if then is None:  # the user's pass has no identity: Inductor then skips its caches
+                    return None
+            return (get_hash_for_files((__file__,)), self.max_terms, then, MIN_NUMEL)
+
+    return FenceGradientSums

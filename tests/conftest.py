@@ -9,6 +9,11 @@ import pathlib
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton's interpreter for the kernel tests: it must be on before triton.language is
+    # first imported, which any test module may do (torch._inductor imports it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The test models are tiny: one thread is faster than two (and two stall badly when the
 # 2-core CI machine is busy).
 torch.set_num_threads(1)

@@ -206,7 +206,8 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
         report.aot_graphs[kind] = count_routing_ops(g.graph)[0]
         if report.max_sum_terms is not None:  # the graph runs as it is: no Inductor pass
             report.fences[kind] = fence_gradient_sums(g.graph, report.max_sum_terms)
-            g.recompile()
+            if report.fences[kind]:
+                g.recompile()
 
     def fw(g, _inputs):
         prepare(g, "forward")

@@ -1,4 +1,4 @@
-"""Bounded gradient sums: an FX pass the backend runs on every graph before Inductor.
+"""Bounded gradient sums: an FX pass the backend has Inductor run on every graph it compiles.
 
 A tensor read by many routing calls (an early block summary, ``e``, every source of full
 AttnRes) gets its gradient as the sum of one term per call: AOTAutograd writes a chain of
@@ -78,9 +78,10 @@ def fence_pass(max_terms: int, then: Callable | None = None, on_fenced: Callable
     """:func:`fence_gradient_sums` as an Inductor ``post_grad_custom_post_pass``: Inductor
     runs it on each graph it compiles, and its ``uuid`` (this file's hash, ``max_terms``
     and ``MIN_NUMEL``) is part of Inductor's cache keys, so a graph compiled with other
-    settings is never served from the caches in its place. ``then`` is a pass of the
-    user's to run after it (their own ``post_grad_custom_post_pass``); ``on_fenced`` is
-    told the number of fences of each graph."""
+    settings is never served from the caches in its place. ``then`` is the user's own
+    ``post_grad_custom_post_pass`` (a pass or a list of passes), run after it;
+    ``on_fenced`` is told the number of fences of each graph."""
+    then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
     return _pass_class()(max_terms, then, on_fenced)
 
 
@@ -99,15 +100,13 @@ def _pass_class():
             fences = fence_gradient_sums(graph, self.max_terms)
             if self.on_fenced is not None:
                 self.on_fenced(fences)
-            if self.then is not None:
-                self.then(graph)
+            for user_pass in self.then:
+                user_pass(graph)
 
         def uuid(self):
-            then = ""
-            if self.then is not None:
-                then = getattr(self.then, "uuid", lambda: None)()
-                if then is None:  # the user's pass has no identity: Inductor then skips its caches
-                    return None
+            then = tuple(getattr(p, "uuid", lambda: None)() for p in self.then)
+            if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
+                return None
             return (get_hash_for_files((__file__,)), self.max_terms, then, MIN_NUMEL)
 
     return FenceGradientSums

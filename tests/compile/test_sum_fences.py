@@ -138,3 +138,28 @@ def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
     # other settings: compiled anew, not loaded from the entry the first one left
     assert "backward" in reports[1].aot_graphs and reports[1].fences == {}
     # the third has the first one's settings: it may come from the caches, fences and all
+
+
+def test_user_post_grad_pass_still_runs(monkeypatch):
+    """A user's own ``post_grad_custom_post_pass`` (here a list of two) runs after the fences."""
+    monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
+    seen = []
+
+    def user_pass(name):
+        def run(graph):
+            seen.append((name, sum(n.target is FENCE for n in graph.nodes)))
+        return run
+
+    model = _dar_model()
+    idx = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    backend.clear_reports()
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
+                             options={"max_sum_terms": 2, "force_disable_caches": True,
+                                      "post_grad_custom_post_pass": [user_pass("a"), user_pass("b")]})
+    compiled(idx, idx)[1].backward()
+    fences = backend.last_report().fences
+    # forward then backward, each pass after the fences were in the graph
+    assert seen == [("a", fences["forward"]), ("b", fences["forward"]),
+                    ("a", fences["backward"]), ("b", fences["backward"])]
+    assert fences["backward"] > 0

@@ -15,7 +15,9 @@ same graphs, no C++/Triton build; used by the CPU tests to keep them fast);
 ``max_sum_terms`` (default 4; None turns it off) bounds how many terms of a long gradient
 sum Inductor fuses into one kernel (:mod:`depthrewrite.sum_fences`: without it, the sum of
 the gradients a source gets from every later routing call is one kernel at the end of the
-backward, holding every term in memory until then); every other key is an Inductor config
+backward, holding every term in memory until then); ``accumulate_grads`` (default False;
+:mod:`depthrewrite.grad_accumulation`: each ``route_backward`` adds its source gradients
+into the running sums instead, not yet timed on the GPU); every other key is an Inductor config
 patch applied to this compilation only (``config_patches``, never a global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...).
 
@@ -35,7 +37,9 @@ import torch
 from torch import fx
 
 from .kernels import implementation_for
-from .sum_fences import DEFAULT_MAX_TERMS, fence_gradient_sums, fence_pass
+from .grad_accumulation import accumulate_into_route_backward
+from .inductor_pass import backend_pass
+from .sum_fences import DEFAULT_MAX_TERMS, fence_gradient_sums
 
 __all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
 
@@ -54,7 +58,8 @@ class LoweringReport:
     after AOTAutograd split forward and backward ('forward', 'backward', 'inference'),
     filled in as each is compiled (the backward at the first backward call); a graph
     served from Inductor's caches without recompiling does not appear here.
-    ``fences``: fences the long-sum pass put in each graph compiled here (same caveat).
+    ``fences``: fences the long-sum pass put in each graph compiled here, ``accumulated``:
+    source gradients moved into ``route_backward`` calls (same caveat).
     """
 
     device: str
@@ -66,6 +71,8 @@ class LoweringReport:
     #: the ``max_sum_terms`` option; ``fences``: graph kind -> fences inserted
     max_sum_terms: int | None = DEFAULT_MAX_TERMS
     fences: dict[str, int] = dataclasses.field(default_factory=dict)
+    accumulate_grads: bool = False
+    accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
     @property
@@ -168,7 +175,7 @@ def _graph_device(example_inputs) -> str:
 
 def _counting(compile_fn, report: LoweringReport):
     """Wrap an inner compiler so that each AOT graph's routing ops land in ``report``
-    (and, through ``report.compiling``, its fences: :func:`_fence_patch`)."""
+    (and, through ``report.compiling``, what the backend pass did: :func:`_pass_patch`)."""
 
     def inner(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         if kwargs.get("is_backward"):
@@ -184,18 +191,19 @@ def _counting(compile_fn, report: LoweringReport):
     return inner
 
 
-def _fence_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, Any]:
-    """Inductor config patches with the long-sum fences as its post-grad pass (the user's
-    own, if any, runs after it): a pass Inductor runs, so that its settings are in the
-    cache keys."""
-    if report.max_sum_terms is None:
+def _pass_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, Any]:
+    """Inductor config patches with the backend's post-grad pass (the user's own, if any,
+    runs after it): a pass Inductor runs, so that its settings are in the cache keys."""
+    if report.max_sum_terms is None and not report.accumulate_grads:
         return patches
 
-    def record(fences: int) -> None:
+    def record(accumulated: int, fences: int) -> None:
+        report.accumulated[report.compiling] = accumulated
         report.fences[report.compiling] = fences
 
-    user_pass = patches.get("post_grad_custom_post_pass")
-    return {**patches, "post_grad_custom_post_pass": fence_pass(report.max_sum_terms, then=user_pass, on_fenced=record)}
+    the_pass = backend_pass(report.max_sum_terms, report.accumulate_grads,
+                            then=patches.get("post_grad_custom_post_pass"), on_done=record)
+    return {**patches, "post_grad_custom_post_pass": the_pass}
 
 
 def _aot_eager(gm, example_inputs, report: LoweringReport):
@@ -204,10 +212,13 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
 
     def prepare(g, kind):
         report.aot_graphs[kind] = count_routing_ops(g.graph)[0]
-        if report.max_sum_terms is not None:  # the graph runs as it is: no Inductor pass
+        # the graph runs as it is: no Inductor pass, the same rewrites here
+        if report.accumulate_grads:
+            report.accumulated[kind] = accumulate_into_route_backward(g.graph)
+        if report.max_sum_terms is not None:
             report.fences[kind] = fence_gradient_sums(g.graph, report.max_sum_terms)
-            if report.fences[kind]:
-                g.recompile()
+        if report.accumulated.get(kind) or report.fences.get(kind):
+            g.recompile()
 
     def fw(g, _inputs):
         prepare(g, "forward")
@@ -245,13 +256,17 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
                                       or max_sum_terms < 2):
         raise ValueError("depthrewrite_backend: options['max_sum_terms'] must be an int >= 2 or None; "
                          f"found {max_sum_terms!r}")
+    accumulate_grads = options.pop("accumulate_grads", False)
+    if not isinstance(accumulate_grads, bool):
+        raise ValueError(f"depthrewrite_backend: options['accumulate_grads'] must be True or False; "
+                         f"found {accumulate_grads!r}")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
     if patches.get("triton.cudagraphs"):
         # under CUDA-graph capture the fused kernels defer to the reference (kernels/__init__)
         impls = {name: "reference" for name in impls}
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
-                            max_sum_terms=max_sum_terms)
+                            max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads)
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)
@@ -261,4 +276,4 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
 
     # config_patches: Inductor applies them for this compilation only
     return compile_fx(gm, example_inputs, inner_compile=_counting(compile_fx_inner, report),
-                      config_patches=_fence_patch(patches, report))
+                      config_patches=_pass_patch(patches, report))

@@ -17,16 +17,14 @@ each fence (eager PyTorch stores every one).
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fence_gradient_sums", "fence_pass", "DEFAULT_MAX_TERMS", "MIN_NUMEL"]
+__all__ = ["fence_gradient_sums", "is_chain_add", "DEFAULT_MAX_TERMS", "MIN_NUMEL"]
 
 #: terms per fused piece of a long sum (chosen from the session-5 H200 runs, docs/benchmarks.md)
 DEFAULT_MAX_TERMS = 4
@@ -36,7 +34,7 @@ MIN_NUMEL = 1 << 16
 _ADD = torch.ops.aten.add.Tensor
 
 
-def _is_chain_add(node: fx.Node) -> bool:
+def is_chain_add(node: fx.Node) -> bool:
     """An ``add`` of two tensors of the same shape (no alpha, no broadcasting)."""
     if node.op != "call_function" or node.target is not _ADD or len(node.args) != 2 or node.kwargs:
         return False
@@ -57,11 +55,11 @@ def fence_gradient_sums(graph: fx.Graph, max_terms: int = DEFAULT_MAX_TERMS) -> 
     terms: dict[fx.Node, int] = {}  # unfenced chain add -> terms it fuses so far
     fences = 0
     for node in list(graph.nodes):
-        if not (_is_chain_add(node) and _big(node)):
+        if not (is_chain_add(node) and _big(node)):
             continue
         terms[node] = sum(terms.get(a, 1) for a in node.args)
         users = list(node.users)
-        feeds_chain = len(users) == 1 and _is_chain_add(users[0])
+        feeds_chain = len(users) == 1 and is_chain_add(users[0])
         if feeds_chain and terms[node] >= max_terms:
             with graph.inserting_after(node):
                 graph.call_function(torch.ops.depthrewrite.fence_.default, (node,))
@@ -72,41 +70,3 @@ def fence_gradient_sums(graph: fx.Graph, max_terms: int = DEFAULT_MAX_TERMS) -> 
     if fences:
         log.debug("depthrewrite: %d fences in long sums (at most %d terms per fused piece)", fences, max_terms)
     return fences
-
-
-def fence_pass(max_terms: int, then: Callable | None = None, on_fenced: Callable[[int], None] | None = None):
-    """:func:`fence_gradient_sums` as an Inductor ``post_grad_custom_post_pass``: Inductor
-    runs it on each graph it compiles, and its ``uuid`` (this file's hash, ``max_terms``
-    and ``MIN_NUMEL``) is part of Inductor's cache keys, so a graph compiled with other
-    settings is never served from the caches in its place. ``then`` is the user's own
-    ``post_grad_custom_post_pass`` (a pass or a list of passes), run after it;
-    ``on_fenced`` is told the number of fences of each graph."""
-    then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
-    return _pass_class()(max_terms, then, on_fenced)
-
-
-@functools.cache
-def _pass_class():
-    # imported here: torch._inductor.custom_graph_pass imports triton.language, which
-    # ``import depthrewrite`` should not (Triton's interpreter, for one, must be switched
-    # on before triton.language is first imported)
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class FenceGradientSums(CustomGraphPass):
-        def __init__(self, max_terms, then, on_fenced):
-            self.max_terms, self.then, self.on_fenced = max_terms, then, on_fenced
-
-        def __call__(self, graph: fx.Graph) -> None:
-            fences = fence_gradient_sums(graph, self.max_terms)
-            if self.on_fenced is not None:
-                self.on_fenced(fences)
-            for user_pass in self.then:
-                user_pass(graph)
-
-        def uuid(self):
-            then = tuple(getattr(p, "uuid", lambda: None)() for p in self.then)
-            if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
-                return None
-            return (get_hash_for_files((__file__,)), self.max_terms, then, MIN_NUMEL)
-
-    return FenceGradientSums

@@ -79,18 +79,20 @@ def _route_cuda(values, keys, query, key_norm_weight, logit_bias, source_scale, 
 
 
 def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
-                         heads, eps, grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6):
+                         heads, eps, grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6, grad_values_acc=None,
+                         grad_keys_acc=None):
     if not _use_fused(values, keys, query, key_norm_weight, logit_bias, out_norm_weight):
         return _route_backward_op._init_fn(
             grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
-            grad_normed, out_norm_weight, out_norm_eps,
+            grad_normed, out_norm_weight, out_norm_eps, grad_values_acc, grad_keys_acc,
         )
     from .route_triton import route_backward
 
     # out and lse may come from the reference forward (a call made during CUDA-graph
     # capture): it computes the same lse, so the one-pass backward still applies
     return route_backward(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
-                          heads, eps, grad_normed, out_norm_weight, out_norm_eps)
+                          heads, eps, grad_normed, out_norm_weight, out_norm_eps,
+                          grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
 def _route_many_cuda(values, queries, key_norm_weights, heads, eps):

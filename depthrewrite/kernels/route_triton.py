@@ -83,6 +83,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..ops.route import _check_acc
+
 __all__ = ["route_forward", "route_backward", "MAX_ROW", "SUPPORTED_DTYPES"]
 
 #: largest padded row (elements) a program holds on chip
@@ -116,6 +118,15 @@ def _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_K
     if HAS_KEYS:
         k = tl.load(_src_ptr(ktab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
     return v, k
+
+
+@triton.jit
+def _plus_acc(x, acctab, i, offs, mask, ptr_ty):
+    """``x`` plus row block ``offs`` of running sum ``i`` of a table (``x`` unchanged where
+    the entry is 0: no running sum for that source; the load is then masked off)."""
+    raw = tl.load(acctab + i)
+    has = (tl.zeros_like(offs) + raw) != 0  # a tensor also in the interpreter
+    return x + tl.load(raw.to(ptr_ty) + offs, mask=mask & has, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -210,12 +221,12 @@ def _route_fwd_kernel(
 
 @triton.jit
 def _route_bwd_kernel(
-    g_ptr, out_ptr, lse_ptr, vtab, ktab, gvtab, gktab, q_ptr, w_ptr, bias_ptr, scale_ptr,
+    g_ptr, out_ptr, lse_ptr, vtab, ktab, gvtab, gktab, gvacc, gkacc, q_ptr, w_ptr, bias_ptr, scale_ptr,
     part_r_ptr, part_b_ptr, gn_ptr, onw_ptr, part_n_ptr,
     T, N, D, C, H, eps, num_blocks, out_norm_eps,
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, HAS_NORM: tl.constexpr,
+    ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -302,12 +313,16 @@ def _route_bwd_kernel(
                 if HAS_KEYS:
                     if HAS_SCALE:
                         d_key = d_key * s[:, None, None]
+                    if HAS_ACC:
+                        d_key = _plus_acc(d_key, gkacc, i, offs, mask, ptr_ty)
                     gk_ptr = _src_ptr(gktab, i, ptr_ty, ALIGNED)
                     tl.store(gk_ptr + offs, d_key.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
                     d_src = d_src + d_key
             if HAS_SCALE:
                 d_src = d_src * s[:, None, None]
+            if HAS_ACC:
+                d_src = _plus_acc(d_src, gvacc, i, offs, mask, ptr_ty)
             gv_ptr = _src_ptr(gvtab, i, ptr_ty, ALIGNED)
             tl.store(gv_ptr + offs, d_src.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -382,10 +397,10 @@ def _num_warps(elements: int) -> int:
     return min(16, max(4, _next_pow2(elements) // 512))
 
 
-def _pointer_tables(device: torch.device, *groups: Sequence[Tensor]) -> list[Tensor]:
-    """One int64 table of data pointers per group of tensors: views of one tensor, uploaded
-    in one host-to-device copy."""
-    ptrs = [t.data_ptr() for group in groups for t in group]
+def _pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> list[Tensor]:
+    """One int64 table of data pointers per group of tensors (0 for None): views of one
+    tensor, uploaded in one host-to-device copy."""
+    ptrs = [0 if t is None else t.data_ptr() for group in groups for t in group]
     if device.type == "cuda":
         # pinned + non_blocking: a pageable copy would make the host wait for the GPU to drain
         # at every call; the caching host allocator keeps the block until the copy is done
@@ -397,6 +412,14 @@ def _pointer_tables(device: torch.device, *groups: Sequence[Tensor]) -> list[Ten
         views.append(flat[start : start + len(group)])
         start += len(group)
     return views
+
+
+def _acc_rows(acc: Sequence[Tensor | None] | None, n: int, d: int) -> list[Tensor | None]:
+    """Running sums as (tokens, d) rows, None where a source has none (the whole table when
+    none is given). Contiguous: the kernel reads them with the gradients' offsets."""
+    if acc is None:
+        return [None] * n
+    return [None if a is None else a.contiguous().reshape(-1, d) for a in acc]
 
 
 def _aligned(*groups) -> bool:
@@ -516,16 +539,21 @@ def route_backward(
     grad_out: Tensor, out: Tensor, lse: Tensor, values: Sequence[Tensor], keys: Sequence[Tensor] | None,
     query: Tensor, key_norm_weight: Tensor, logit_bias: Tensor | None, source_scale: Tensor | None, heads: int,
     eps: float, grad_normed: Tensor | None = None, out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6,
-    config: dict | None = None,
+    config: dict | None = None, grad_values_acc: Sequence[Tensor | None] | None = None,
+    grad_keys_acc: Sequence[Tensor | None] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     """Fused one-pass backward; ``out`` and ``lse`` are what :func:`route_forward` (or the
     reference op) returned for these inputs; ``grad_normed`` is the gradient of the fused
-    output norm's result (None: that result was not used). Returns what
+    output norm's result (None: that result was not used); ``grad_values_acc`` /
+    ``grad_keys_acc``: running sums (None or one entry per source, None or a tensor shaped
+    like it) that the gradients are added to as they are written. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
     (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
+    _check_acc("grad_values_acc", grad_values_acc, values)
+    _check_acc("grad_keys_acc", grad_keys_acc, keys)
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     shape = values[0].shape
@@ -558,19 +586,27 @@ def route_backward(
     if has_norm and not fused_norm and tokens > 0:
         # the norm's backward as a pass of its own: g becomes the fp32 total gradient of out
         g = _norm_backward_pass(g, flat_out, gn, out_norm_weight, out_norm_eps, part_n, tokens, d)
+    if n == 1 and flat_k is not None and grad_keys_acc is not None and grad_keys_acc[0] is not None:
+        # one source: the key's own gradient is zero, so its running sum passes through as is
+        grad_k[0].copy_(grad_keys_acc[0].reshape(-1, d))
+    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
-        vtab, gvtab, ktab, gktab = _pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k)
+        acc_v, acc_k = _acc_rows(grad_values_acc, n, d), _acc_rows(grad_keys_acc, n, d)
+        vtab, gvtab, ktab, gktab, vacc, kacc = _pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k,
+                                                               acc_v, acc_k)
         if flat_k is None:
             ktab, gktab = vtab, gvtab
         scale = _scale_table(source_scale, n, tokens)
         _route_bwd_kernel[(programs,)](
-            g, flat_out, flat_lse, vtab, ktab, gvtab, gktab, query.contiguous(), key_norm_weight.contiguous(),
+            g, flat_out, flat_lse, vtab, ktab, gvtab, gktab, vacc if has_acc else vtab, kacc if has_acc else vtab,
+            query.contiguous(), key_norm_weight.contiguous(),
             logit_bias if logit_bias is not None else query, scale if scale is not None else query,
             part_r, part_b, gn, out_norm_weight.contiguous() if fused_norm else query, part_n,
             tokens, n, d, d // heads, heads, float(eps), num_blocks, float(out_norm_eps),
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k), PREFETCH=cfg["prefetch"], HAS_NORM=fused_norm,
+            HAS_ACC=has_acc,
             num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs

@@ -56,7 +56,8 @@ ROUTE_SCHEMA = (
 ROUTE_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor out, Tensor lse, Tensor[] values, Tensor[]? keys, Tensor query, "
     "Tensor key_norm_weight, Tensor? logit_bias, Tensor? source_scale, int heads, "
-    "float eps, Tensor? grad_normed=None, Tensor? out_norm_weight=None, float out_norm_eps=1e-06) "
+    "float eps, Tensor? grad_normed=None, Tensor? out_norm_weight=None, float out_norm_eps=1e-06, "
+    "Tensor?[]? grad_values_acc=None, Tensor?[]? grad_keys_acc=None) "
     "-> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_query, "
     "Tensor grad_key_norm_weight, Tensor grad_logit_bias, Tensor grad_out_norm_weight)"
 )
@@ -126,9 +127,29 @@ def _all_but_last(t: Tensor) -> tuple[int, ...]:
     return tuple(range(t.dim() - 1))
 
 
-def _split_fresh(stacked: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    # custom-op outputs may not alias each other, so no views of one stacked buffer
-    return [t.to(dtype, copy=True) for t in stacked.unbind(0)]
+def _split_fresh(stacked: Tensor, dtype: torch.dtype, acc: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+    """One fresh tensor per source (custom-op outputs may not alias each other, so no views
+    of one stacked buffer), each plus its running sum ``acc[i]`` where one is given (in the
+    compute dtype, then rounded once)."""
+    parts = stacked.unbind(0)
+    if acc is not None:
+        parts = [t if a is None else t + a.to(t.dtype) for t, a in zip(parts, acc)]
+    return [t.to(dtype, copy=True) for t in parts]
+
+
+def _check_acc(name: str, acc, like: Sequence[Tensor] | None) -> None:
+    """``grad_values_acc`` / ``grad_keys_acc``: None, or one entry per source, each None or
+    a tensor shaped and typed like that source's gradient."""
+    if acc is None:
+        return
+    if like is None:
+        raise ValueError(f"route_backward: `{name}` must be None when there are no keys; found {len(acc)} entries")
+    if len(acc) != len(like):
+        raise ValueError(f"route_backward: `{name}` must have one entry per source ({len(like)}); found {len(acc)}")
+    for i, (a, t) in enumerate(zip(acc, like)):
+        if a is not None and (a.shape != t.shape or a.dtype != t.dtype or a.device != t.device):
+            raise ValueError(f"route_backward: `{name}[{i}]` must be None or shaped and typed like source {i} "
+                             f"({_describe(t)}); found {_describe(a)}")
 
 
 # ---------------------------------------------------------------------- the ops
@@ -194,9 +215,14 @@ def _route_backward_op(
     grad_normed: Tensor | None = None,
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float = 1e-6,
+    grad_values_acc: list[Tensor | None] | None = None,
+    grad_keys_acc: list[Tensor | None] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     # the reference recomputes everything and ignores out and lse (the fused kernel's
-    # shortcut), so that it stays an independent check of the kernel
+    # shortcut), so that it stays an independent check of the kernel. grad_*_acc: running
+    # sums the gradients are added to (depthrewrite.grad_accumulation puts them there)
+    _check_acc("grad_values_acc", grad_values_acc, values)
+    _check_acc("grad_keys_acc", grad_keys_acc, keys)
     p = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
     a = p.weights  # (N, *batch, H)
     g = grad_out.to(p.dtype)
@@ -228,8 +254,8 @@ def _route_backward_op(
         d_src = d_src * scale
         d_key = d_key * scale
 
-    grad_values = _split_fresh(d_src, values[0].dtype)
-    grad_keys = [] if keys is None else _split_fresh(d_key, keys[0].dtype)
+    grad_values = _split_fresh(d_src, values[0].dtype, grad_values_acc)
+    grad_keys = [] if keys is None else _split_fresh(d_key, keys[0].dtype, grad_keys_acc)
     if logit_bias is None:
         grad_bias = query.new_empty((0,))
     else:
@@ -261,7 +287,8 @@ def _out_norm_backward(routed: Tensor, grad_normed: Tensor | None, weight: Tenso
 
 @_route_backward_op.register_fake
 def _route_backward_fake(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
-                         grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6):
+                         grad_normed=None, out_norm_weight=None, out_norm_eps=1e-6, grad_values_acc=None,
+                         grad_keys_acc=None):
     return (
         [v.new_empty(v.shape) for v in values],  # contiguous, as the implementations return them
         [] if keys is None else [k.new_empty(k.shape) for k in keys],

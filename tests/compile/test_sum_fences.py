@@ -9,7 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import depthrewrite
-from depthrewrite import backend, sum_fences
+from depthrewrite import backend, inductor_pass, sum_fences
 from depthrewrite.models.gpt import gpt_from_preset
 
 FENCE = torch.ops.depthrewrite.fence_.default
@@ -122,8 +122,8 @@ def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
     without them (or with another max_sum_terms): the pass's uuid differs."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
-    assert sum_fences.fence_pass(2).uuid() != sum_fences.fence_pass(4).uuid()
-    assert sum_fences.fence_pass(2, then=lambda g: None).uuid() is None  # unknown user pass: no caching
+    assert inductor_pass.backend_pass(2, False).uuid() != inductor_pass.backend_pass(4, False).uuid()
+    assert inductor_pass.backend_pass(2, False, then=lambda g: None).uuid() is None  # unknown user pass: no caching
     model = _dar_model()
     idx = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     reports = []

@@ -292,3 +292,57 @@ def test_float64_is_rejected_by_the_kernel_and_reported_as_reference():
     assert implementation_for("cuda", torch.float64) == "reference"
     assert implementation_for("cpu", torch.bfloat16) == "reference"
     assert implementation_for("cuda", torch.bfloat16, torch.float32) == "triton"
+
+
+ACC_CASES = [CASES[0], CASES[1], CASES[4], CASES[6]]  # one source with keys, two, nine with keys, 33 with keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ACC_CASES, ids=_case_id)
+def test_running_sums_are_added_to_the_gradients(case, dtype):
+    """``grad_values_acc`` / ``grad_keys_acc`` (what depthrewrite.grad_accumulation passes):
+    each gradient with a running sum comes back as that sum plus the gradient, the others
+    bit for bit as without; the reference op does the same."""
+    n, batch, d, heads, keys, bias, scale = case
+    inp = _on(_make(n, batch, d, heads, keys, bias, scale, dtype, seed=n * 1000 + d), DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    grad_out = torch.randn(*batch, d, generator=gen).to(dtype).to(DEVICE)
+
+    def running_sums(like):
+        picks = torch.rand(len(like), generator=gen) < 0.6
+        picks[0] = True  # at least one
+        return [torch.randn(*t.shape, generator=gen).to(dtype).to(DEVICE) if p else None for t, p in zip(like, picks)]
+
+    acc_v = running_sums(inp["values"])
+    acc_k = running_sums(inp["keys"]) if keys else None
+    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
+    plain = route_triton.route_backward(grad_out, out, lse, *_args(inp))
+    summed = route_triton.route_backward(grad_out, out, lse, *_args(inp), grad_values_acc=acc_v, grad_keys_acc=acc_k)
+    from depthrewrite.ops.route import _route_backward_op
+
+    ref_plain = _route_backward_op._init_fn(grad_out, out, lse, *_args(inp))
+    ref_summed = _route_backward_op._init_fn(grad_out, out, lse, *_args(inp), None, None, 1e-6, acc_v, acc_k)
+    for group, accs in ((0, acc_v), (1, acc_k or [])):
+        for i, acc in enumerate(accs):
+            for got, base in ((summed[group][i], plain[group][i]), (ref_summed[group][i], ref_plain[group][i])):
+                assert got.dtype == dtype and got.shape == base.shape
+                if acc is None:
+                    assert torch.equal(got, base)
+                else:  # added in fp32 before the one rounding
+                    assert _rel(got, base.double() + acc.double()) < TOL[dtype]
+    # parameter gradients do not change
+    for j in range(2, 6):
+        assert torch.equal(summed[j], plain[j])
+
+
+def test_bad_running_sums_are_value_errors():
+    inp = _on(_make(3, (4,), 16, 1, False, False, False, torch.float32, seed=0), DEVICE)
+    grad_out = torch.randn(4, 16).to(DEVICE)
+    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
+    with pytest.raises(ValueError, match="one entry per source"):
+        route_triton.route_backward(grad_out, out, lse, *_args(inp), grad_values_acc=[None])
+    with pytest.raises(ValueError, match=r"grad_values_acc\[1\]"):
+        route_triton.route_backward(grad_out, out, lse, *_args(inp),
+                                    grad_values_acc=[None, torch.zeros(4, 8, device=DEVICE), None])
+    with pytest.raises(ValueError, match="no keys"):
+        route_triton.route_backward(grad_out, out, lse, *_args(inp), grad_keys_acc=[None, None, None])

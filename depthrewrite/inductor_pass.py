@@ -1,0 +1,64 @@
+"""The post-grad pass the backend gives Inductor (``post_grad_custom_post_pass``): on each
+graph Inductor compiles, first the source gradients moved into the routing backward
+(:mod:`depthrewrite.grad_accumulation`, option ``accumulate_grads``), then the remaining
+long sums fenced (:mod:`depthrewrite.sum_fences`, option ``max_sum_terms``), then the
+user's own post-grad passes, if any. A pass that Inductor runs, rather than a change to
+the graph before Inductor sees it, so that its ``uuid`` (this package's pass files and the
+settings) is part of Inductor's cache keys: a graph compiled with other settings is never
+loaded from the caches in its place.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from collections.abc import Callable
+
+from torch import fx
+
+from . import sum_fences
+from .grad_accumulation import accumulate_into_route_backward
+
+__all__ = ["backend_pass"]
+
+
+def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
+                 on_done: Callable[[int, int], None] | None = None):
+    """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
+    user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
+    told ``(gradients accumulated, fences)`` for each graph."""
+    then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
+    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done)
+
+
+@functools.cache
+def _pass_class():
+    # imported here: torch._inductor.custom_graph_pass imports triton.language, which
+    # ``import depthrewrite`` should not (Triton's interpreter, for one, must be switched
+    # on before triton.language is first imported)
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    here = pathlib.Path(__file__).parent
+    sources = tuple(str(here / name) for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py"))
+
+    class BackendPass(CustomGraphPass):
+        def __init__(self, max_sum_terms, accumulate_grads, then, on_done):
+            self.max_sum_terms, self.accumulate_grads = max_sum_terms, accumulate_grads
+            self.then, self.on_done = then, on_done
+
+        def __call__(self, graph: fx.Graph) -> None:
+            accumulated = accumulate_into_route_backward(graph) if self.accumulate_grads else 0
+            fences = 0 if self.max_sum_terms is None else sum_fences.fence_gradient_sums(graph, self.max_sum_terms)
+            if self.on_done is not None:
+                self.on_done(accumulated, fences)
+            for user_pass in self.then:
+                user_pass(graph)
+
+        def uuid(self):
+            then = tuple(getattr(p, "uuid", lambda: None)() for p in self.then)
+            if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
+                return None
+            return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads, sum_fences.MIN_NUMEL,
+                    then)
+
+    return BackendPass

@@ -69,6 +69,10 @@ CONFIGS = {
     "block_attnres_unfenced": ("block_attnres", {}, None),
     "mhar_block_unfenced": ("mhar", {"block_size": 6}, None),
     "mhar_unfenced": ("mhar", {}, None),
+    "attnres_acc": ("attnres", {}, None),
+    "mhar_acc": ("mhar", {}, None),
+    "wav_acc": ("wav", {}, None),
+    "dar_block_acc": ("dar", {"layers_per_block": 3}, None),
 }
 #: backend options per configuration (default: none)
 BACKEND_OPTIONS = {
@@ -81,6 +85,11 @@ BACKEND_OPTIONS = {
     "block_attnres_unfenced": {"max_sum_terms": None},
     "mhar_block_unfenced": {"max_sum_terms": None},
     "mhar_unfenced": {"max_sum_terms": None},
+    # source gradients summed inside route_backward (then the remaining sums fenced)
+    "attnres_acc": {"accumulate_grads": True},
+    "mhar_acc": {"accumulate_grads": True},
+    "wav_acc": {"accumulate_grads": True},
+    "dar_block_acc": {"accumulate_grads": True},
 }
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")

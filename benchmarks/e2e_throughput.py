@@ -24,7 +24,8 @@ are on the GPU at once (memory).
 ``--profile``: after the timed trials, each process also records ``PROFILE_STEPS`` steps
 with ``torch.profiler`` and sums the GPU kernel time per category (``KERNEL_CATEGORIES``:
 our routing kernels, matmuls, attention, Inductor's fused kernels, the optimizer, the rest),
-per step; the profiler's own overhead makes these sums a breakdown, not a step time.
+per step, and the GPU's idle time between its first and last activity (waiting for the
+host); the profiler's own overhead makes these a breakdown, not a step time.
 
 Writes ``e2e.json`` under --out and prints a table last.
 """
@@ -189,9 +190,20 @@ def kernel_category(kernel: str) -> str:
     return next(cat for cat, pattern in KERNEL_CATEGORIES if re.search(pattern, kernel, re.IGNORECASE))
 
 
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
 def kernel_breakdown(step, steps: int) -> dict:
     """GPU kernel time per category and the 12 largest kernels, in ms per step, over
-    ``steps`` profiled steps."""
+    ``steps`` profiled steps; and ``gpu_idle_ms``: per step, the time between the first
+    and the last GPU activity in which none ran (the GPU waiting for the host)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -199,6 +211,12 @@ def kernel_breakdown(step, steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    idle_ms = None
+    if spans:
+        span = max(end for _, end in spans) - min(start for start, _ in spans)
+        idle_ms = (span - busy_time(spans)) / 1e3 / steps
     per_kernel: dict[str, list] = {}
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA or not evt.self_device_time_total:
@@ -210,7 +228,7 @@ def kernel_breakdown(step, steps: int) -> dict:
     for kernel, (ms, _) in per_kernel.items():
         categories[kernel_category(kernel)] += ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
-    return dict(categories=categories, total_ms=sum(categories.values()),
+    return dict(categories=categories, total_ms=sum(categories.values()), gpu_idle_ms=idle_ms,
                 top=[dict(kernel=k[:120], ms=ms, calls=n) for k, (ms, n) in top])
 
 
@@ -276,12 +294,14 @@ def breakdown_table(rows: list[dict]) -> str:
         return ""
     cats = [cat for cat, _ in KERNEL_CATEGORIES]
     base = next((r["kernels"]["categories"] for r in rows if r["name"] == "baseline"), None)
-    lines = ["| model | " + " | ".join(cats) + " | kernels total |", "| --- |" + " ---: |" * (len(cats) + 1)]
+    lines = ["| model | " + " | ".join(cats) + " | kernels total | GPU idle |", "| --- |" + " ---: |" * (len(cats) + 2)]
     for r in rows:
         k = r["kernels"]["categories"]
         cells = [f"{k[c]:.1f}" + (f" ({k[c] - base[c]:+.1f})" if base and r["name"] != "baseline" else "")
                  for c in cats]
-        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {r['kernels']['total_ms']:.1f} |")
+        idle = r["kernels"].get("gpu_idle_ms")
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {r['kernels']['total_ms']:.1f} | "
+                     + ("-" if idle is None else f"{idle:.1f}") + " |")
     return "\n".join(lines)
 
 

@@ -37,9 +37,8 @@ import torch
 from torch import fx
 
 from .kernels import implementation_for
-from .grad_accumulation import accumulate_into_route_backward
-from .inductor_pass import backend_pass
-from .sum_fences import DEFAULT_MAX_TERMS, fence_gradient_sums
+from .inductor_pass import backend_pass, rewrite_gradient_sums
+from .sum_fences import DEFAULT_MAX_TERMS, check_max_terms
 
 __all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
 
@@ -74,6 +73,18 @@ class LoweringReport:
     accumulate_grads: bool = False
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether the backend rewrites the graphs it compiles (long sums, accumulation)."""
+        return self.max_sum_terms is not None or self.accumulate_grads
+
+    def record_rewrites(self, accumulated: int, fences: int) -> None:
+        """What the backend's rewrites that are on did to the graph being compiled (``compiling``)."""
+        if self.accumulate_grads:
+            self.accumulated[self.compiling] = accumulated
+        if self.max_sum_terms is not None:
+            self.fences[self.compiling] = fences
 
     @property
     def num_routing_ops(self) -> int:
@@ -194,15 +205,11 @@ def _counting(compile_fn, report: LoweringReport):
 def _pass_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, Any]:
     """Inductor config patches with the backend's post-grad pass (the user's own, if any,
     runs after it): a pass Inductor runs, so that its settings are in the cache keys."""
-    if report.max_sum_terms is None and not report.accumulate_grads:
+    if not report.rewrites:
         return patches
 
-    def record(accumulated: int, fences: int) -> None:
-        report.accumulated[report.compiling] = accumulated
-        report.fences[report.compiling] = fences
-
     the_pass = backend_pass(report.max_sum_terms, report.accumulate_grads,
-                            then=patches.get("post_grad_custom_post_pass"), on_done=record)
+                            then=patches.get("post_grad_custom_post_pass"), on_done=report.record_rewrites)
     return {**patches, "post_grad_custom_post_pass": the_pass}
 
 
@@ -212,12 +219,13 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
 
     def prepare(g, kind):
         report.aot_graphs[kind] = count_routing_ops(g.graph)[0]
+        if not report.rewrites:
+            return
         # the graph runs as it is: no Inductor pass, the same rewrites here
-        if report.accumulate_grads:
-            report.accumulated[kind] = accumulate_into_route_backward(g.graph)
-        if report.max_sum_terms is not None:
-            report.fences[kind] = fence_gradient_sums(g.graph, report.max_sum_terms)
-        if report.accumulated.get(kind) or report.fences.get(kind):
+        report.compiling = kind
+        done = rewrite_gradient_sums(g.graph, report.max_sum_terms, report.accumulate_grads)
+        report.record_rewrites(*done)
+        if any(done):
             g.recompile()
 
     def fw(g, _inputs):
@@ -252,10 +260,8 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     if inner not in _INNER:
         raise ValueError(f"depthrewrite_backend: options['inner'] must be one of {_INNER}; found {inner!r}")
     max_sum_terms = options.pop("max_sum_terms", DEFAULT_MAX_TERMS)
-    if max_sum_terms is not None and (isinstance(max_sum_terms, bool) or not isinstance(max_sum_terms, int)
-                                      or max_sum_terms < 2):
-        raise ValueError("depthrewrite_backend: options['max_sum_terms'] must be an int >= 2 or None; "
-                         f"found {max_sum_terms!r}")
+    if max_sum_terms is not None:
+        check_max_terms(max_sum_terms, "depthrewrite_backend: options['max_sum_terms'] (None turns it off)")
     accumulate_grads = options.pop("accumulate_grads", False)
     if not isinstance(accumulate_grads, bool):
         raise ValueError(f"depthrewrite_backend: options['accumulate_grads'] must be True or False; "

@@ -19,7 +19,14 @@ from torch import fx
 from . import sum_fences
 from .grad_accumulation import accumulate_into_route_backward
 
-__all__ = ["backend_pass"]
+__all__ = ["backend_pass", "rewrite_gradient_sums"]
+
+
+def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate_grads: bool) -> tuple[int, int]:
+    """The backend's rewrites of one graph, in order: ``(gradients accumulated, fences)``."""
+    accumulated = accumulate_into_route_backward(graph) if accumulate_grads else 0
+    fences = 0 if max_sum_terms is None else sum_fences.fence_gradient_sums(graph, max_sum_terms)
+    return accumulated, fences
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
@@ -47,10 +54,9 @@ def _pass_class():
             self.then, self.on_done = then, on_done
 
         def __call__(self, graph: fx.Graph) -> None:
-            accumulated = accumulate_into_route_backward(graph) if self.accumulate_grads else 0
-            fences = 0 if self.max_sum_terms is None else sum_fences.fence_gradient_sums(graph, self.max_sum_terms)
+            done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads)
             if self.on_done is not None:
-                self.on_done(accumulated, fences)
+                self.on_done(*done)
             for user_pass in self.then:
                 user_pass(graph)
 

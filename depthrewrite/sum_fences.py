@@ -24,7 +24,7 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fence_gradient_sums", "is_chain_add", "DEFAULT_MAX_TERMS", "MIN_NUMEL"]
+__all__ = ["fence_gradient_sums", "check_max_terms", "is_chain_add", "DEFAULT_MAX_TERMS", "MIN_NUMEL"]
 
 #: terms per fused piece of a long sum (chosen from the session-5 H200 runs, docs/benchmarks.md)
 DEFAULT_MAX_TERMS = 4
@@ -47,11 +47,16 @@ def _big(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.numel() >= MIN_NUMEL
 
 
+def check_max_terms(max_terms: object, where: str) -> None:
+    """``max_terms`` must be an int >= 2 (``where`` names the argument in the error)."""
+    if isinstance(max_terms, bool) or not isinstance(max_terms, int) or max_terms < 2:
+        raise ValueError(f"{where} must be an int >= 2, found {max_terms!r}")
+
+
 def fence_gradient_sums(graph: fx.Graph, max_terms: int = DEFAULT_MAX_TERMS) -> int:
     """Fence every chain of same-shape ``add`` nodes (each feeding only the next) after
     every ``max_terms`` terms; returns the number of fences inserted."""
-    if isinstance(max_terms, bool) or not isinstance(max_terms, int) or max_terms < 2:
-        raise ValueError(f"fence_gradient_sums: max_terms must be an int >= 2, found {max_terms!r}")
+    check_max_terms(max_terms, "fence_gradient_sums: max_terms")
     terms: dict[fx.Node, int] = {}  # unfenced chain add -> terms it fuses so far
     fences = 0
     for node in list(graph.nodes):

@@ -414,14 +414,6 @@ def _pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> l
     return views
 
 
-def _acc_rows(acc: Sequence[Tensor | None] | None, n: int, d: int) -> list[Tensor | None]:
-    """Running sums as (tokens, d) rows, None where a source has none (the whole table when
-    none is given). Contiguous: the kernel reads them with the gradients' offsets."""
-    if acc is None:
-        return [None] * n
-    return [None if a is None else a.contiguous().reshape(-1, d) for a in acc]
-
-
 def _aligned(*groups) -> bool:
     return all(t.data_ptr() % 16 == 0 for group in groups if group for t in group)
 
@@ -432,9 +424,10 @@ def _check_supported(values: Sequence[Tensor], keys, *params) -> None:
             raise ValueError(f"route (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
 
 
-def _flat(tensors: Sequence[Tensor], d: int) -> list[Tensor]:
-    # contiguous() is a no-op for the usual contiguous activations; reshape then never copies
-    return [t.contiguous().reshape(-1, d) for t in tensors]
+def _flat(tensors: Sequence[Tensor | None], d: int) -> list[Tensor | None]:
+    # contiguous() is a no-op for the usual contiguous activations; reshape then never copies.
+    # None stays None (a source without a running sum)
+    return [None if t is None else t.contiguous().reshape(-1, d) for t in tensors]
 
 
 def _scale_table(source_scale: Tensor | None, n: int, tokens: int) -> Tensor | None:
@@ -591,7 +584,8 @@ def route_backward(
         grad_k[0].copy_(grad_keys_acc[0].reshape(-1, d))
     has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
-        acc_v, acc_k = _acc_rows(grad_values_acc, n, d), _acc_rows(grad_keys_acc, n, d)
+        # running sums as rows; no list given: a table of 0 entries (no source has one)
+        acc_v, acc_k = (_flat(acc or [None] * n, d) for acc in (grad_values_acc, grad_keys_acc))
         vtab, gvtab, ktab, gktab, vacc, kacc = _pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k,
                                                                acc_v, acc_k)
         if flat_k is None:

@@ -62,36 +62,30 @@ CONFIGS = {
     "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
     "attnres": ("attnres", {}, 0.80),
     "mhar": ("mhar", {}, 0.78),
-    "dar_block_unfenced": ("dar", {"layers_per_block": 3}, None),
-    "dar_block_sum8": ("dar", {"layers_per_block": 3}, None),
-    "wav_unfenced": ("wav", {}, None),
-    "attnres_unfenced": ("attnres", {}, None),
-    "attnres_sum8": ("attnres", {}, None),
-    "block_attnres_unfenced": ("block_attnres", {}, None),
-    "mhar_block_unfenced": ("mhar", {"block_size": 6}, None),
-    "mhar_unfenced": ("mhar", {}, None),
-    "attnres_acc": ("attnres", {}, None),
-    "mhar_acc": ("mhar", {}, None),
-    "wav_acc": ("wav", {}, None),
-    "dar_block_acc": ("dar", {"layers_per_block": 3}, None),
+}
+#: backend-option variants of the configurations above: their scheme and options, no goal.
+#: Suffix -> backend options
+BACKEND_VARIANTS = {
+    # the long gradient sums fused whole, as Inductor does without the backend's fences
+    "unfenced": {"max_sum_terms": None},
+    "sum8": {"max_sum_terms": 8},
+    # source gradients summed inside route_backward (then the remaining sums fenced)
+    "acc": {"accumulate_grads": True},
+}
+#: the variants measured: base configuration -> suffixes
+VARIANTS_OF = {
+    "dar_block": ("unfenced", "sum8", "acc"),
+    "attnres": ("unfenced", "sum8", "acc"),
+    "wav": ("unfenced", "acc"),
+    "mhar": ("unfenced", "acc"),
+    "block_attnres": ("unfenced",),
+    "mhar_block": ("unfenced",),
 }
 #: backend options per configuration (default: none)
-BACKEND_OPTIONS = {
-    # the long gradient sums fused whole, as Inductor does without the backend's fences
-    "dar_block_unfenced": {"max_sum_terms": None},
-    "wav_unfenced": {"max_sum_terms": None},
-    "attnres_unfenced": {"max_sum_terms": None},
-    "dar_block_sum8": {"max_sum_terms": 8},
-    "attnres_sum8": {"max_sum_terms": 8},
-    "block_attnres_unfenced": {"max_sum_terms": None},
-    "mhar_block_unfenced": {"max_sum_terms": None},
-    "mhar_unfenced": {"max_sum_terms": None},
-    # source gradients summed inside route_backward (then the remaining sums fenced)
-    "attnres_acc": {"accumulate_grads": True},
-    "mhar_acc": {"accumulate_grads": True},
-    "wav_acc": {"accumulate_grads": True},
-    "dar_block_acc": {"accumulate_grads": True},
-}
+BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffixes in VARIANTS_OF.items()
+                   for suffix in suffixes}
+CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffixes in VARIANTS_OF.items()
+                for suffix in suffixes})
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048

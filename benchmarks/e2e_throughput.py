@@ -67,25 +67,30 @@ CONFIGS = {
 #: Suffix -> backend options
 BACKEND_VARIANTS = {
     # the long gradient sums fused whole, as Inductor does without the backend's fences
-    "unfenced": {"max_sum_terms": None},
-    "sum8": {"max_sum_terms": 8},
-    # source gradients summed inside route_backward (then the remaining sums fenced)
-    "acc": {"accumulate_grads": True},
+    "unfenced": {"max_sum_terms": None, "accumulate_grads": False},
+    "sum8": {"max_sum_terms": 8, "accumulate_grads": False},
+    # the gradient terms left for Inductor to sum (fenced), not added inside route_backward
+    "noacc": {"accumulate_grads": False},
+    # the whole compiled step recorded as CUDA graphs (Inductor's mode="reduce-overhead")
+    "cg": {"triton.cudagraphs": True},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
-    "dar_block": ("unfenced", "sum8", "acc"),
-    "attnres": ("unfenced", "sum8", "acc"),
-    "wav": ("unfenced", "acc"),
-    "mhar": ("unfenced", "acc"),
-    "block_attnres": ("unfenced",),
-    "mhar_block": ("unfenced",),
+    "dar_block": ("unfenced", "sum8", "noacc", "cg"),
+    "attnres": ("unfenced", "sum8", "noacc", "cg"),
+    "wav": ("unfenced", "noacc", "cg"),
+    "mhar": ("unfenced", "noacc", "cg"),
+    "block_attnres": ("unfenced", "cg"),
+    "mhar_block": ("unfenced", "cg"),
 }
 #: backend options per configuration (default: none)
 BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffixes in VARIANTS_OF.items()
                    for suffix in suffixes}
 CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffixes in VARIANTS_OF.items()
                 for suffix in suffixes})
+#: the baseline recorded as CUDA graphs too, the reference of the "_cg" variants
+CONFIGS["baseline_cg"] = (None, {}, None)
+BACKEND_OPTIONS["baseline_cg"] = BACKEND_VARIANTS["cg"]
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
@@ -115,13 +120,14 @@ def _build(name: str):
     scheme, options, _ = CONFIGS[name]
     torch.manual_seed(0)
     model = gpt_from_preset("medium", max_seq_len=SEQ)
-    backend = "inductor"
+    backend_options = BACKEND_OPTIONS.get(name, {})
     if scheme is not None:
         model = depthrewrite.rewrite(model, scheme, **options)
-        # the callable: the device has no pip-installed entry point
-        backend = functools.partial(depthrewrite_backend, options=BACKEND_OPTIONS.get(name, {}))
     model = model.cuda().to(torch.bfloat16).train()
-    return model, torch.compile(model, backend=backend)
+    if scheme is None:
+        return model, torch.compile(model, backend="inductor", options=backend_options or None)
+    # the callable: the device has no pip-installed entry point
+    return model, torch.compile(model, backend=functools.partial(depthrewrite_backend, options=backend_options))
 
 
 def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = False) -> None:
@@ -133,7 +139,11 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = Fa
         vocab = model.config.vocab_size
         gen = torch.Generator(device="cuda").manual_seed(1)
 
+        cudagraphs = BACKEND_OPTIONS.get(name, {}).get("triton.cudagraphs", False)
+
         def step():
+            if cudagraphs:  # a new iteration: the previous step's graph outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             x = torch.randint(0, vocab, (BATCH, SEQ), device="cuda", generator=gen)
             opt.zero_grad(set_to_none=True)
             _, loss = compiled(x, x)
@@ -172,8 +182,10 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = Fa
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, compile_and_warmup_s=warm_s,
                    loss=float(loss), lowering=_lowering(name),
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
+        row["host_ms"] = host_issue_ms(step, steps)
         if profile:
             row["kernels"] = kernel_breakdown(step, PROFILE_STEPS)
+            row["host"] = host_breakdown(step, PROFILE_STEPS)
         to_parent.put(("result", name, row))
     except Exception as exc:  # one configuration failing must not sink the others: record why
         to_parent.put(("result", name, dict(name=name, error=f"{type(exc).__name__}: {exc}",
@@ -224,6 +236,40 @@ def kernel_breakdown(step, steps: int) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
     return dict(categories=categories, total_ms=sum(categories.values()), gpu_idle_ms=idle_ms,
                 top=[dict(kernel=k[:120], ms=ms, calls=n) for k, (ms, n) in top])
+
+
+def host_issue_ms(step, steps: int) -> float:
+    """Median host time to issue one step (``step()`` returning, no synchronisation): when
+    it is close to the step time, the GPU waits for the host."""
+    import torch
+
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()  # the next step starts on an idle GPU: its queue never throttles the host
+    return statistics.median(times)
+
+
+def host_breakdown(step, steps: int, top: int = 15) -> dict:
+    """Host (CPU) time per step of the ``top`` ops and kernel launches with the largest
+    self time, from ``torch.profiler`` (its own overhead included: a breakdown, not a step time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    return dict(total_ms=total, top=[dict(op=e.key[:100], self_ms=e.self_cpu_time_total / 1e3 / steps,
+                                          total_ms=e.cpu_time_total / 1e3 / steps, calls=e.count // steps)
+                                     for e in events[:top]])
 
 
 def _lowering(name: str) -> dict | None:
@@ -299,16 +345,35 @@ def breakdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def host_table(rows: list[dict]) -> str:
+    """The largest host-side costs per model (rows measured with --profile)."""
+    lines = []
+    for r in rows:
+        if "host" not in r:
+            continue
+        lines.append(f"host {r['name']}: issue {r['host_ms']:.1f} ms/step, profiled self time "
+                     f"{r['host']['total_ms']:.1f} ms/step; largest (self ms, total ms, calls per step):")
+        lines += [f"    {e['self_ms']:7.2f} {e['total_ms']:7.2f} {e['calls']:5d}  {e['op']}" for e in r["host"]["top"]]
+    return "\n".join(lines)
+
+
+def baseline_of(name: str) -> str:
+    """The configuration a row is compared with: the CUDA-graph variants with the baseline
+    recorded as CUDA graphs, the others with the plain Inductor baseline."""
+    return "baseline_cg" if name.endswith("_cg") else "baseline"
+
+
 def table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["name"] == "baseline" and "error" not in r), None)
-    lines = ["| model | backend | ms/step | tokens/s | x baseline (goal) | peak GiB | x baseline | alloc retries "
-             "| routing ops lowered |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    bases = {r["name"]: r for r in rows if r["name"].startswith("baseline") and "error" not in r}
+    lines = ["| model | backend | ms/step | host ms/step | tokens/s | x baseline (goal) | peak GiB | x baseline "
+             "| alloc retries | routing ops lowered |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | | error: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['name']} | | error: {r['error'][:80]} | | | | | | | |")
             continue
         goal = CONFIGS[r["name"]][2]
+        base = bases.get(baseline_of(r["name"]))
         speed = f"{base['step_ms'] / r['step_ms']:.3f}" if base else "-"
         if goal is not None:
             speed += f" (>= {goal:.2f})"
@@ -320,7 +385,7 @@ def table(rows: list[dict]) -> str:
         if low:
             ops += f" in {low['graphs']} graph(s)"
         lines.append(f"| {r['name']} | {'inductor' if CONFIGS[r['name']][0] is None else 'depthrewrite'} | "
-                     f"{r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} | "
+                     f"{r['step_ms']:.1f} | {r.get('host_ms', float('nan')):.1f} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} | "
                      f"{r.get('alloc_retries', '-')} | {ops or '-'} |")
     return "\n".join(lines)
 
@@ -340,6 +405,7 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(rows, indent=1))
+    print(host_table(rows))
     print(table(rows))
     print(breakdown_table(rows))
     return 0

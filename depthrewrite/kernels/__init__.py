@@ -9,8 +9,10 @@ compiled graphs (Inductor calls custom ops through the dispatcher) both reach th
 Triton itself is imported on the first CUDA call, so importing the package costs nothing
 on machines without a GPU.
 
-float64 (any input) is not a kernel dtype: such calls run the reference implementation;
-so do calls made while a CUDA graph is being captured (``mode="reduce-overhead"``).
+float64 (any input) is not a kernel dtype: such calls run the reference implementation.
+The kernels can be captured in CUDA graphs (``torch.compile(..., mode="reduce-overhead")``):
+their pointer tables are then copied inside the graph from host memory kept for it
+(:mod:`.pointer_tables`).
 """
 
 from __future__ import annotations
@@ -59,11 +61,6 @@ def implementation_for(device: torch.device | str, *dtypes: torch.dtype) -> str:
 
 def _use_fused(values, keys, query, key_norm_weight, logit_bias, out_norm_weight=None) -> bool:
     keys0 = keys[0] if keys else None
-    if torch.cuda.is_current_stream_capturing():
-        # the kernels upload a table of source pointers from pinned host memory at each
-        # call; a captured CUDA graph would replay that copy from a host block the caching
-        # allocator may have reused since. The reference ops are capture-safe.
-        return False
     return _enabled and _fused_dtypes(values[0], keys0, query, key_norm_weight, logit_bias, out_norm_weight)
 
 
@@ -88,8 +85,8 @@ def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weigh
         )
     from .route_triton import route_backward
 
-    # out and lse may come from the reference forward (a call made during CUDA-graph
-    # capture): it computes the same lse, so the one-pass backward still applies
+    # out and lse may come from the reference forward (the fused kernels switched off
+    # for it): it computes the same lse, so the one-pass backward still applies
     return route_backward(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
                           heads, eps, grad_normed, out_norm_weight, out_norm_eps,
                           grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)

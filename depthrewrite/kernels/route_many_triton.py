@@ -55,8 +55,9 @@ from torch import Tensor
 
 from .route_triton import (
     _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _flat, _load_source, _next_pow2,
-    _next_source, _pointer_tables, _row_blocks, _src_ptr,
+    _next_source, _row_blocks, _src_ptr,
 )
+from .pointer_tables import pointer_tables
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
 
@@ -382,7 +383,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     lse = [torch.empty((tokens, heads), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
-        vtab, otab, ltab = _pointer_tables(flat_v[0].device, flat_v, out, lse)
+        vtab, otab, ltab = pointer_tables(flat_v[0].device, flat_v, out, lse)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
@@ -447,7 +448,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps,
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
     coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
     qw = _per_query_rows(queries, key_norm_weights)
-    gtab, otab, ltab, gltab, vtab, gvtab = _pointer_tables(device, g, o, ls, gl, flat_v, grad_v)
+    gtab, otab, ltab, gltab, vtab, gvtab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v)
     _route_many_bwd_tiled_kernel[(triton.cdiv(tokens, block_t),)](
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, qw, sada, coef, tokens, n, s, d, d // heads, heads,
         float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
@@ -498,7 +499,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, 
         # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
         partial = grad_v if dtype == torch.float32 or len(chunks) == 1 else [
             torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
-        gtab, otab, ltab, gltab, vtab, gvtab, acctab = _pointer_tables(device, g, o, ls, gl, flat_v, grad_v, partial)
+        gtab, otab, ltab, gltab, vtab, gvtab, acctab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, partial)
         for c, q0 in enumerate(chunks):
             _route_many_bwd_kernel[(programs,)](
                 flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, qw[q0:], part[c],

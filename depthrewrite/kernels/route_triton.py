@@ -76,6 +76,8 @@ at most ``MAX_ROW`` elements (a program holds a row on chip). Any number of sour
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -84,6 +86,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..ops.route import _check_acc
+from .pointer_tables import pointer_tables
 
 __all__ = ["route_forward", "route_backward", "MAX_ROW", "SUPPORTED_DTYPES"]
 
@@ -397,23 +400,6 @@ def _num_warps(elements: int) -> int:
     return min(16, max(4, _next_pow2(elements) // 512))
 
 
-def _pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> list[Tensor]:
-    """One int64 table of data pointers per group of tensors (0 for None): views of one
-    tensor, uploaded in one host-to-device copy."""
-    ptrs = [0 if t is None else t.data_ptr() for group in groups for t in group]
-    if device.type == "cuda":
-        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to drain
-        # at every call; the caching host allocator keeps the block until the copy is done
-        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-    else:
-        flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
-    views, start = [], 0
-    for group in groups:
-        views.append(flat[start : start + len(group)])
-        start += len(group)
-    return views
-
-
 def _aligned(*groups) -> bool:
     return all(t.data_ptr() % 16 == 0 for group in groups if group for t in group)
 
@@ -428,6 +414,12 @@ def _flat(tensors: Sequence[Tensor | None], d: int) -> list[Tensor | None]:
     # contiguous() is a no-op for the usual contiguous activations; reshape then never copies.
     # None stays None (a source without a running sum)
     return [None if t is None else t.contiguous().reshape(-1, d) for t in tensors]
+
+
+def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
+    # the kernels take (tokens, d) rows behind each pointer: no reshape needed, which
+    # saves the host a view per tensor and call. None stays None (no running sum)
+    return [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
 
 
 def _scale_table(source_scale: Tensor | None, n: int, tokens: int) -> Tensor | None:
@@ -450,22 +442,17 @@ def route_forward(
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
-    flat_v = _flat(values, d)
-    tokens = flat_v[0].shape[0]
-    out = torch.empty_like(flat_v[0])
-    lse = torch.empty((tokens, heads), dtype=torch.float32, device=out.device)
+    flat_v = _contiguous(values)
+    shape, device = values[0].shape, values[0].device
+    tokens = math.prod(values[0].shape[:-1])
+    out = torch.empty(shape, dtype=values[0].dtype, device=device)
+    lse = torch.empty(shape[:-1] + (heads,), dtype=torch.float32, device=device)
     has_norm = out_norm_weight is not None
     normed = torch.empty_like(out) if has_norm else out.new_empty((0,))
-    lse_shape = values[0].shape[:-1] + (heads,)
-
-    def result():
-        return out.reshape(values[0].shape), lse.reshape(lse_shape), normed.reshape(values[0].shape) if has_norm else normed
-
     if tokens == 0:
-        return result()
-    flat_k = _flat(keys, d) if keys is not None else None
-    device = flat_v[0].device
-    vtab, ktab = _pointer_tables(device, flat_v, flat_k if flat_k is not None else [])
+        return out, lse, normed
+    flat_k = _contiguous(keys) if keys is not None else None
+    vtab, ktab = pointer_tables(device, flat_v, flat_k if flat_k is not None else [])
     if flat_k is None:
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
@@ -492,13 +479,17 @@ def route_forward(
             out, out_norm_weight.contiguous(), normed, tokens, d, float(out_norm_eps),
             BLOCK_T=norm_t, BLOCK_D=block_d, num_warps=_num_warps(norm_t * block_d),
         )
-    return result()
+    return out, lse, normed
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _backward_programs(device: torch.device, num_blocks: int, per_sm: int) -> int:
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(num_blocks, per_sm * sms))
+        return max(1, min(num_blocks, per_sm * _multiprocessors(device)))
     return max(1, min(num_blocks, 4))  # the interpreter: few programs, same code path
 
 
@@ -550,17 +541,17 @@ def route_backward(
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     shape = values[0].shape
-    flat_v = _flat(values, d)
-    flat_k = _flat(keys, d) if keys is not None else None
-    tokens = flat_v[0].shape[0]
-    device = flat_v[0].device
-    g = grad_out.to(values[0].dtype).contiguous().reshape(-1, d)
-    flat_out = out.contiguous().reshape(-1, d)
-    flat_lse = lse.contiguous().reshape(-1, heads)
-    grad_v = [torch.empty_like(flat_v[0]) for _ in range(n)]
+    flat_v = _contiguous(values)
+    flat_k = _contiguous(keys) if keys is not None else None
+    tokens = math.prod(values[0].shape[:-1])
+    device, dtype = values[0].device, values[0].dtype
+    g = grad_out.to(dtype).contiguous()
+    flat_out = out.contiguous()
+    flat_lse = lse.contiguous()
+    grad_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
     # one source: the weight is the constant 1, so the keys get exactly zero gradient
-    new_k = torch.zeros_like if n == 1 else torch.empty_like
-    grad_k = [new_k(flat_k[0]) for _ in range(n)] if flat_k is not None else []
+    new_k = torch.zeros if n == 1 else torch.empty
+    grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
     # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
     cfg = {"block_t": max(1, min(64, 2048 // row)), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
@@ -568,25 +559,28 @@ def route_backward(
     block_t = _check_block_t(cfg["block_t"])
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, cfg["per_sm"])
-    part_r = torch.zeros((programs, d), dtype=torch.float32, device=device)
+    # the kernel writes every entry of these partial sums (one row per program, one entry
+    # per source and token), except with no tokens (no launch) or one source (no logits)
+    new_part = torch.zeros if tokens == 0 else torch.empty
+    part_r = new_part((programs, d), dtype=torch.float32, device=device)
     # per source and token: sum over heads of d z (the bias gradient before the token sum)
-    part_b = torch.zeros((n, tokens), dtype=torch.float32, device=device)
+    part_b = (torch.zeros if n == 1 else new_part)((n, tokens), dtype=torch.float32, device=device)
     has_norm = out_norm_weight is not None and grad_normed is not None
     # per program: sum over its tokens of grad_normed * rms_norm(out) (the norm weight's gradient)
-    part_n = torch.zeros((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
-    gn = grad_normed.to(values[0].dtype).contiguous().reshape(-1, d) if has_norm else g
+    part_n = new_part((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
+    gn = grad_normed.to(dtype).contiguous() if has_norm else g
     fused_norm = has_norm and cfg["fuse_norm"]
     if has_norm and not fused_norm and tokens > 0:
         # the norm's backward as a pass of its own: g becomes the fp32 total gradient of out
         g = _norm_backward_pass(g, flat_out, gn, out_norm_weight, out_norm_eps, part_n, tokens, d)
     if n == 1 and flat_k is not None and grad_keys_acc is not None and grad_keys_acc[0] is not None:
         # one source: the key's own gradient is zero, so its running sum passes through as is
-        grad_k[0].copy_(grad_keys_acc[0].reshape(-1, d))
+        grad_k[0].copy_(grad_keys_acc[0])
     has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)
-        acc_v, acc_k = (_flat(acc or [None] * n, d) for acc in (grad_values_acc, grad_keys_acc))
-        vtab, gvtab, ktab, gktab, vacc, kacc = _pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k,
+        acc_v, acc_k = (_contiguous(acc or [None] * n) for acc in (grad_values_acc, grad_keys_acc))
+        vtab, gvtab, ktab, gktab, vacc, kacc = pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k,
                                                                acc_v, acc_k)
         if flat_k is None:
             ktab, gktab = vtab, gvtab
@@ -617,6 +611,4 @@ def route_backward(
         grad_norm_weight = part_n.sum(0).to(out_norm_weight.dtype)
     else:  # normed was not used
         grad_norm_weight = torch.zeros_like(out_norm_weight)
-    grad_values = [t.reshape(shape) for t in grad_v]
-    grad_keys = [t.reshape(shape) for t in grad_k]
-    return grad_values, grad_keys, grad_query, grad_weight, grad_bias, grad_norm_weight
+    return grad_v, grad_k, grad_query, grad_weight, grad_bias, grad_norm_weight

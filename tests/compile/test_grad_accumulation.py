@@ -57,8 +57,10 @@ def test_inductor_with_accumulation_and_fences_matches_eager(monkeypatch):
     assert report.accumulated["backward"] > 0 and report.fences["backward"] > 0
 
 
-def test_accumulation_is_off_by_default_and_checked():
+def test_accumulation_is_on_by_default_can_be_turned_off_and_is_checked():
     report = _compare("attnres", {"inner": "aot_eager"})
+    assert report.accumulate_grads and report.accumulated["backward"] > 0
+    report = _compare("attnres", {"inner": "aot_eager", "accumulate_grads": False})
     assert not report.accumulate_grads and report.accumulated == {}
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="accumulate_grads"):

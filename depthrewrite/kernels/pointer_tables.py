@@ -1,0 +1,77 @@
+"""Device tables of data pointers, the way the routing kernels take a list of tensors.
+
+The kernels read the N sources (and gradients, running sums, ...) through int64 tables of
+their addresses, so the sources are never stacked into a copy. Uploading a table costs the
+host a pinned allocation and a copy per call; in a training loop the caching allocator
+hands the same addresses to the same call step after step, so the tables repeat.
+
+- Outside CUDA-graph capture, :func:`pointer_tables` keeps the most recent
+  ``CACHE_ENTRIES`` tables on their device (host memory for the Triton interpreter),
+  keyed by (device, stream, group sizes, addresses),
+  and a repeated call reuses its table with no upload. The content of a table is its key,
+  so a hit is always right. The stream is in the key because an entry is ordered only
+  after the copy on the stream that made it (and freed in that stream's order when evicted).
+- During capture (``torch.compile(..., mode="reduce-overhead")``: Inductor records the
+  compiled graphs as CUDA graphs), the table is copied from pinned host memory inside the
+  graph, and the host tensor is kept for the life of the process: every replay repeats the
+  copy from that same host block, which must still hold these addresses. It is small (8
+  bytes an entry) and made once per captured call.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["pointer_tables", "CACHE_ENTRIES", "clear_cache"]
+
+#: tables kept on each device (a few hundred bytes each); a step of a 24-layer DAR model
+#: makes about 200 distinct ones
+CACHE_ENTRIES = 4096
+
+_cache: collections.OrderedDict[tuple, list[Tensor]] = collections.OrderedDict()
+#: pinned host tables read by the copies of captured CUDA graphs (never freed: see above)
+_captured_host_tables: list[Tensor] = []
+
+
+def clear_cache() -> None:
+    """Drop the cached device tables (the captured graphs' host tables stay)."""
+    _cache.clear()
+
+
+def _views(flat: Tensor, groups) -> list[Tensor]:
+    views, start = [], 0
+    for group in groups:
+        views.append(flat[start : start + len(group)])
+        start += len(group)
+    return views
+
+
+def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> list[Tensor]:
+    """One int64 table of data pointers per group of tensors (0 for None): views of one
+    device tensor. The tables are read-only: kernels must not write them."""
+    ptrs = tuple(0 if t is None else t.data_ptr() for group in groups for t in group)
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True)
+        _captured_host_tables.append(host)
+        return _views(host.to(device, non_blocking=True), groups)
+    stream = torch.cuda.current_stream(device).cuda_stream if cuda else None
+    key = (device, stream, tuple(len(g) for g in groups), ptrs)
+    tables = _cache.get(key)
+    if tables is not None:
+        _cache.move_to_end(key)
+        return tables
+    if cuda:
+        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to
+        # drain; the caching host allocator keeps the pinned block until the copy is done
+        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    else:  # the Triton interpreter reads host memory
+        flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
+    tables = _cache[key] = _views(flat, groups)
+    if len(_cache) > CACHE_ENTRIES:
+        _cache.popitem(last=False)
+    return tables

@@ -9,8 +9,10 @@ hands the same addresses to the same call step after step, so the tables repeat.
   ``CACHE_ENTRIES`` tables on their device (host memory for the Triton interpreter),
   keyed by (device, stream, group sizes, addresses),
   and a repeated call reuses its table with no upload. The content of a table is its key,
-  so a hit is always right. The stream is in the key because an entry is ordered only
-  after the copy on the stream that made it (and freed in that stream's order when evicted).
+  so a hit is always right. Tables are uploaded on a stream of the module's own (see
+  :func:`_upload` for why) that the calling stream waits for; the calling stream is in the
+  key, so every stream that reads a table has waited for its copy, and an evicted table's
+  block is reused only after that stream's reads.
 - During capture (``torch.compile(..., mode="reduce-overhead")``: Inductor records the
   compiled graphs as CUDA graphs), the table is copied from pinned host memory inside the
   graph, and the host tensor is kept for the life of the process: every replay repeats the
@@ -33,6 +35,7 @@ __all__ = ["pointer_tables", "CACHE_ENTRIES", "clear_cache"]
 CACHE_ENTRIES = 4096
 
 _cache: collections.OrderedDict[tuple, list[Tensor]] = collections.OrderedDict()
+_upload_streams: dict[torch.device, torch.cuda.Stream] = {}
 #: pinned host tables read by the copies of captured CUDA graphs (never freed: see above)
 _captured_host_tables: list[Tensor] = []
 
@@ -50,6 +53,24 @@ def _views(flat: Tensor, groups) -> list[Tensor]:
     return views
 
 
+def _upload(ptrs: tuple[int, ...], device: torch.device, consumer: torch.cuda.Stream) -> Tensor:
+    """A cached table, allocated and copied on a stream of our own, which ``consumer``
+    waits for. Not on the current stream: during the warm-up runs of Inductor's CUDA-graph
+    trees, allocations on the current stream go to the graphs' private pool, where a
+    tensor that outlives the run is refused (only tracked outputs may stay alive)."""
+    side = _upload_streams.get(device)
+    if side is None:
+        side = _upload_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to
+        # drain; the caching host allocator keeps the pinned block until the copy is done
+        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    consumer.wait_stream(side)
+    # only `consumer` reads it: when evicted, its block is reused once that stream is past the reads
+    flat.record_stream(consumer)
+    return flat
+
+
 def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> list[Tensor]:
     """One int64 table of data pointers per group of tensors (0 for None): views of one
     device tensor. The tables are read-only: kernels must not write them."""
@@ -59,16 +80,14 @@ def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> li
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True)
         _captured_host_tables.append(host)
         return _views(host.to(device, non_blocking=True), groups)
-    stream = torch.cuda.current_stream(device).cuda_stream if cuda else None
-    key = (device, stream, tuple(len(g) for g in groups), ptrs)
+    stream = torch.cuda.current_stream(device) if cuda else None
+    key = (device, stream and stream.cuda_stream, tuple(len(g) for g in groups), ptrs)
     tables = _cache.get(key)
     if tables is not None:
         _cache.move_to_end(key)
         return tables
     if cuda:
-        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to
-        # drain; the caching host allocator keeps the pinned block until the copy is done
-        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        flat = _upload(ptrs, device, stream)
     else:  # the Triton interpreter reads host memory
         flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
     tables = _cache[key] = _views(flat, groups)

@@ -9,9 +9,9 @@ hands the same addresses to the same call step after step, so the tables repeat.
   ``CACHE_ENTRIES`` tables on their device (host memory for the Triton interpreter),
   keyed by (device, stream, group sizes, addresses),
   and a repeated call reuses its table with no upload. The content of a table is its key,
-  so a hit is always right. Tables are uploaded on a stream of the module's own (see
-  :func:`_upload` for why) that the calling stream waits for; the calling stream is in the
-  key, so every stream that reads a table has waited for its copy, and an evicted table's
+  so a hit is always right. Tables are allocated on a thread of the module's own (see
+  :func:`_allocate` for why) and copied on a stream of its own that the calling stream
+  waits for; the calling stream is in the key, so every stream that reads a table has waited for its copy, and an evicted table's
   block is reused only after that stream's reads.
 - During capture (``torch.compile(..., mode="reduce-overhead")``: Inductor records the
   compiled graphs as CUDA graphs), the table is copied from pinned host memory inside the
@@ -23,6 +23,7 @@ hands the same addresses to the same call step after step, so the tables repeat.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,7 @@ CACHE_ENTRIES = 4096
 
 _cache: collections.OrderedDict[tuple, list[Tensor]] = collections.OrderedDict()
 _upload_streams: dict[torch.device, torch.cuda.Stream] = {}
+_allocator: concurrent.futures.ThreadPoolExecutor | None = None
 #: pinned host tables read by the copies of captured CUDA graphs (never freed: see above)
 _captured_host_tables: list[Tensor] = []
 
@@ -53,18 +55,33 @@ def _views(flat: Tensor, groups) -> list[Tensor]:
     return views
 
 
+def _allocate(size: int, device: torch.device, stream: torch.cuda.Stream) -> Tensor:
+    """An int64 device buffer allocated on a thread of our own. Not on the calling thread:
+    during the warm-up runs of Inductor's CUDA-graph trees every allocation of that thread
+    goes to the graphs' private pool, where a tensor that outlives the run is refused (only
+    tracked outputs may stay alive), and a cached table outlives it."""
+    global _allocator
+    if _allocator is None:
+        _allocator = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="depthrewrite-tables")
+
+    def allocate():
+        with torch.cuda.stream(stream):
+            return torch.empty(size, dtype=torch.int64, device=device)
+
+    return _allocator.submit(allocate).result()
+
+
 def _upload(ptrs: tuple[int, ...], device: torch.device, consumer: torch.cuda.Stream) -> Tensor:
-    """A cached table, allocated and copied on a stream of our own, which ``consumer``
-    waits for. Not on the current stream: during the warm-up runs of Inductor's CUDA-graph
-    trees, allocations on the current stream go to the graphs' private pool, where a
-    tensor that outlives the run is refused (only tracked outputs may stay alive)."""
+    """A table to cache, copied on a stream of our own that ``consumer`` then waits for."""
     side = _upload_streams.get(device)
     if side is None:
         side = _upload_streams[device] = torch.cuda.Stream(device)
+    flat = _allocate(len(ptrs), device, side)
+    # pinned + non_blocking: a pageable copy would make the host wait for the GPU to drain;
+    # the caching host allocator keeps the pinned block until the copy is done
+    host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True)
     with torch.cuda.stream(side):
-        # pinned + non_blocking: a pageable copy would make the host wait for the GPU to
-        # drain; the caching host allocator keeps the pinned block until the copy is done
-        flat = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        flat.copy_(host, non_blocking=True)
     consumer.wait_stream(side)
     # only `consumer` reads it: when evicted, its block is reused once that stream is past the reads
     flat.record_stream(consumer)

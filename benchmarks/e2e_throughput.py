@@ -21,11 +21,19 @@ backend's lowering report (routing ops per graph and the implementation they wen
 recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
 are on the GPU at once (memory).
 
+Also recorded: the host's time to issue a step (``host_ms``: ``step()`` returning, with the
+GPU idle when it starts; close to the step time means the GPU waits for the host) and the
+allocator's peak reserved memory. The ``_cg`` configurations record the compiled step as
+CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets) and are
+compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
+memory misses the graphs' pool, so their memory is compared by reserved GiB.
+
 ``--profile``: after the timed trials, each process also records ``PROFILE_STEPS`` steps
 with ``torch.profiler`` and sums the GPU kernel time per category (``KERNEL_CATEGORIES``:
 our routing kernels, matmuls, attention, Inductor's fused kernels, the optimizer, the rest),
 per step, and the GPU's idle time between its first and last activity (waiting for the
-host); the profiler's own overhead makes these a breakdown, not a step time.
+host), and the host's largest costs (CPU self time per op); the profiler's own overhead
+makes these a breakdown, not a step time.
 
 Writes ``e2e.json`` under --out and prints a table last.
 """
@@ -381,14 +389,18 @@ def table(rows: list[dict]) -> str:
         if goal is not None:
             speed += f" (>= {goal:.2f})"
         mem = f"{r['peak_gib'] / base['peak_gib']:.3f}" if base else "-"
-        if r["name"] in BLOCK_SCHEMES:
+        if baseline_of(r["name"]) == "baseline_cg":  # peak_gib misses the graphs' pool: compare reserved GiB
+            both = base and "reserved_gib" in r and "reserved_gib" in base
+            mem = f"- (reserved: {r['reserved_gib'] / base['reserved_gib']:.3f})" if both else "-"
+        elif r["name"] in BLOCK_SCHEMES:
             mem += " (<= 1.10)"
         low = r.get("lowering") or {}
         ops = ", ".join(f"{k}: {v}" for k, v in (low.get("ops") or {}).items())
         if low:
             ops += f" in {low['graphs']} graph(s)"
         lines.append(f"| {r['name']} | {'inductor' if CONFIGS[r['name']][0] is None else 'depthrewrite'} | "
-                     f"{r['step_ms']:.1f} | {r.get('host_ms', float('nan')):.1f} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | {mem} | "
+                     f"{r['step_ms']:.1f} | {r.get('host_ms', float('nan')):.1f} | {r['tokens_per_s']:,.0f} | {speed} | "
+                     f"{r['peak_gib']:.2f} | {mem} | "
                      f"{r.get('reserved_gib', float('nan')):.2f} | {r.get('alloc_retries', '-')} | {ops or '-'} |")
     return "\n".join(lines)
 

@@ -18,10 +18,12 @@ the gradients a source gets from every later routing call is one kernel at the e
 backward, holding every term in memory until then); ``accumulate_grads`` (default True;
 :mod:`depthrewrite.grad_accumulation`: each ``route_backward`` adds its source gradients
 into the running sums instead of leaving a term to sum; measured on H200 at 350M, DAR
-block 15 % faster and WAV 14 % faster than with the fences alone, full AttnRes 3 %, each
-with less memory: docs/benchmarks.md); every other key is an Inductor config
+block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
+less memory; MHAR full not compared yet: docs/benchmarks.md); every other key is an Inductor config
 patch applied to this compilation only (``config_patches``, never a global assignment).
-``mode=`` takes Inductor's modes ("max-autotune", ...).
+``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
+the compiled graphs as CUDA graphs with the fused routing kernels inside
+(:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.
 
 ``last_report()`` returns the :class:`LoweringReport` of the most recent compilation;
 ``lowered_ops()`` sums the routing calls per implementation over every graph.

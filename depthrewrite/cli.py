@@ -17,7 +17,7 @@ import sys
 from .errors import DepthRewriteError
 from .train.compare import DEFAULT_SCHEMES, CompareConfig, compare, default_compare_train_config
 from .train.distributed import MODES
-from .train.loop import PRECISIONS, TrainConfig, train
+from .train.loop import COMPILE_MODES, PRECISIONS, TrainConfig, train
 from .train.model import preset_names
 
 
@@ -71,6 +71,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--precision", choices=PRECISIONS)
     t.add_argument("--compile", choices=("off", "on"))
     t.add_argument("--backend", help="torch.compile backend (default inductor)")
+    t.add_argument("--compile-mode", choices=COMPILE_MODES,
+                   help="torch.compile mode (default: default; reduce-overhead records CUDA graphs on a GPU)")
     t.add_argument("--seed", type=int)
     t.add_argument("--device")
     t.add_argument("--threads", type=int, help="torch CPU threads (train default: torch's; compare default: 1)")
@@ -84,8 +86,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 _DATA_ARGS = {"data": "source", "max_bytes": "max_bytes", "doc_bytes": "doc_bytes", "val_fraction": "val_fraction",
               "hf_dataset": "hf_dataset", "hf_split": "hf_split", "hf_text_field": "hf_text_field"}
 _TRAIN_ARGS = ("model", "layers", "d_model", "steps", "stop_after", "batch_size", "seq_len", "lr", "min_lr_ratio",
-               "warmup_steps", "weight_decay", "grad_clip", "precision", "backend", "seed", "device", "threads",
-               "eval_every", "eval_batches", "out", "save_every", "keep_checkpoints", "distributed", "scheme")
+               "warmup_steps", "weight_decay", "grad_clip", "precision", "backend", "compile_mode", "seed", "device",
+               "threads", "eval_every", "eval_batches", "out", "save_every", "keep_checkpoints", "distributed", "scheme")
 
 
 def _train_config(args: argparse.Namespace, base: TrainConfig, options: dict) -> TrainConfig:

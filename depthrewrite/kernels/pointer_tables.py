@@ -7,11 +7,11 @@ hands the same addresses to the same call step after step, so the tables repeat.
 
 - Outside CUDA-graph capture, :func:`pointer_tables` keeps the most recent
   ``CACHE_ENTRIES`` tables on their device (host memory for the Triton interpreter),
-  keyed by (device, stream, group sizes, addresses),
-  and a repeated call reuses its table with no upload. The content of a table is its key,
-  so a hit is always right. Tables are allocated on a thread of the module's own (see
-  :func:`_allocate` for why) and copied on a stream of its own that the calling stream
-  waits for; the calling stream is in the key, so every stream that reads a table has waited for its copy, and an evicted table's
+  keyed by (device, stream, group sizes, addresses), and a repeated call reuses its table
+  with no upload. The content of a table is its key, so a hit is always right. Tables are
+  allocated on a thread of the module's own (see :func:`_allocate` for why) and copied on
+  a stream of its own that the calling stream waits for; the calling stream is in the
+  key, so every stream that reads a table has waited for its copy, and an evicted table's
   block is reused only after that stream's reads.
 - During capture (``torch.compile(..., mode="reduce-overhead")``: Inductor records the
   compiled graphs as CUDA graphs), the table is copied from pinned host memory inside the

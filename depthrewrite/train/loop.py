@@ -35,6 +35,10 @@ from .model import build_model, parse_model_name
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16")
+#: torch.compile modes; "reduce-overhead" (and "max-autotune") record the compiled step as
+#: CUDA graphs on a GPU, which the schemes with many routing calls need (docs/benchmarks.md)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 METRICS_FILE = "metrics.jsonl"
 #: config fields that must match a checkpoint for ``resume`` (steps may grow)
 _RESUME_MUST_MATCH = ("model", "layers", "d_model", "model_options", "scheme", "options", "batch_size",
@@ -62,6 +66,7 @@ class TrainConfig:
     precision: str = "fp32"
     compile: bool = False
     backend: str = "inductor"
+    compile_mode: str = "default"  # one of COMPILE_MODES
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # torch intra-op CPU threads for this run (None: leave torch's setting)
@@ -92,6 +97,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, found {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, found {self.compile_mode!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, found {self.precision!r}")
         parse_model_name(self.model)
@@ -290,7 +297,8 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
     metrics = Metrics(config.out, info.is_main, step if config.resume else None)
     runner = distributed.wrap(model, info, device) if info.mode == "ddp" else model
     if config.compile:
-        runner = torch.compile(runner, backend=config.backend)
+        mode = None if config.compile_mode == "default" else config.compile_mode
+        runner = torch.compile(runner, backend=config.backend, mode=mode)
     return _Run(config, info, device, splits, model, runner, optimizer, scheduler, metrics, step)
 
 
@@ -337,6 +345,9 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
                 info: distributed.DistInfo, device: torch.device) -> float:
     x, y = batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size, seq_len=config.seq_len,
                     rank=info.rank, world_size=info.world_size, stream=TRAIN_STREAM)
+    if config.compile and config.compile_mode in _CUDAGRAPH_MODES:
+        # a new iteration for the CUDA-graph trees: the last step's graph outputs may be reused
+        torch.compiler.cudagraph_mark_step_begin()
     with _autocast(config, device):
         _, loss = runner(x.to(device), y.to(device))
     loss.backward()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,7 @@ __all__ = ["pointer_tables", "CACHE_ENTRIES", "clear_cache"]
 CACHE_ENTRIES = 4096
 
 _cache: collections.OrderedDict[tuple, list[Tensor]] = collections.OrderedDict()
+_cache_lock = threading.Lock()  # calls from several threads: a lookup and its refresh are one step
 _upload_streams: dict[torch.device, torch.cuda.Stream] = {}
 _allocator: concurrent.futures.ThreadPoolExecutor | None = None
 #: pinned host tables read by the copies of captured CUDA graphs (never freed: see above)
@@ -44,7 +46,8 @@ _captured_host_tables: list[Tensor] = []
 
 def clear_cache() -> None:
     """Drop the cached device tables (the captured graphs' host tables stay)."""
-    _cache.clear()
+    with _cache_lock:
+        _cache.clear()
 
 
 def _views(flat: Tensor, groups) -> list[Tensor]:
@@ -99,15 +102,19 @@ def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> li
         return _views(host.to(device, non_blocking=True), groups)
     stream = torch.cuda.current_stream(device) if cuda else None
     key = (device, stream and stream.cuda_stream, tuple(len(g) for g in groups), ptrs)
-    tables = _cache.get(key)
-    if tables is not None:
-        _cache.move_to_end(key)
-        return tables
+    with _cache_lock:
+        tables = _cache.get(key)
+        if tables is not None:
+            _cache.move_to_end(key)
+            return tables
     if cuda:
         flat = _upload(ptrs, device, stream)
     else:  # the Triton interpreter reads host memory
         flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
-    tables = _cache[key] = _views(flat, groups)
-    if len(_cache) > CACHE_ENTRIES:
-        _cache.popitem(last=False)
+    tables = _views(flat, groups)
+    with _cache_lock:  # two threads that missed the same key both store it: same content
+        _cache[key] = tables
+        _cache.move_to_end(key)
+        while len(_cache) > CACHE_ENTRIES:
+            _cache.popitem(last=False)
     return tables

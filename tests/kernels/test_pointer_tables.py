@@ -5,6 +5,7 @@ path ``torch.compile(..., mode="reduce-overhead")`` takes."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -59,6 +60,33 @@ def test_the_cache_keeps_the_most_recent_entries(monkeypatch):
     pt.pointer_tables(DEVICE, groups[2])  # evicts groups[1], the least recent
     assert pt.pointer_tables(DEVICE, groups[0]) is first
     assert len(pt._cache) == 2
+
+
+def test_threads_sharing_the_cache_get_the_right_tables(monkeypatch):
+    """Several threads looking up, inserting and evicting at once (a small cache): every
+    returned table holds the addresses it was asked for."""
+    import concurrent.futures
+
+    monkeypatch.setattr(pt, "CACHE_ENTRIES", 8)
+    groups = [_tensors(3) for _ in range(24)]
+
+    def work(seed):
+        rng = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            a, b = (groups[int(i)] for i in torch.randint(0, len(groups), (2,), generator=rng))
+            first, second = pt.pointer_tables(DEVICE, a, b[:2])
+            if first.tolist() != [t.data_ptr() for t in a] or second.tolist() != [t.data_ptr() for t in b[:2]]:
+                return False
+        return True
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: between a lookup and its refresh too
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(work, range(4)))
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(pt._cache) <= 8
 
 
 @gpu_only

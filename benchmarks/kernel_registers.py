@@ -1,0 +1,89 @@
+"""Registers and spills of the routing backward kernel for sm_90, on a machine without a GPU.
+
+    python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH]
+
+Compiles ``_route_bwd_kernel`` with the installed Triton for ``GPUTarget("cuda", 90, 32)``
+at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
+without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), and runs ``ptxas -v``
+on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
+on H100/H200). The Triton and ptxas here are this machine's, not necessarily the device's:
+a lead, not a measurement of what the device runs. Prints one line per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+#: Triton argument types of the kernel's tensors and scalars (bf16 activations)
+ARG_TYPES = dict(g_ptr="*bf16", out_ptr="*bf16", lse_ptr="*fp32", vtab="*i64", ktab="*i64", gvtab="*i64",
+                 gktab="*i64", gvacc="*i64", gkacc="*i64", q_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32",
+                 scale_ptr="*fp32", part_r_ptr="*fp32", part_b_ptr="*fp32", gn_ptr="*bf16", onw_ptr="*fp32",
+                 part_n_ptr="*fp32", T="i32", N="i32", D="i32", C="i32", H="i32", eps="fp32", num_blocks="i32",
+                 out_norm_eps="fp32")
+
+
+def ptxas_report(ptx: str, ptxas: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes stored) that ``ptxas -v`` reports for sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+    if out.returncode or not regs:
+        raise RuntimeError(f"{ptxas} failed on the kernel's PTX:\n{text[-800:]}")
+    return int(regs.group(1)), int(spills.group(1)) if spills else 0
+
+
+def compile_backward(d: int, heads: int, has_acc: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from depthrewrite.kernels.route_triton import _num_warps, _route_bwd_kernel, _row_blocks
+
+    block_h, block_c = _row_blocks(d, heads)
+    row = block_h * block_c
+    block_t = max(1, min(64, 2048 // row))  # as route_backward chooses
+    constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
+                      BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False, HAS_ACC=has_acc)
+    names = inspect.signature(_route_bwd_kernel.fn).parameters
+    signature = {n: ARG_TYPES.get(n, "constexpr") for n in names}
+    warps = _num_warps(block_t * row)
+    kernel = triton.compile(ASTSource(fn=_route_bwd_kernel, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return kernel.asm["ptx"], block_t, warps
+
+
+def main() -> int:
+    import triton
+
+    default_ptxas = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--heads", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--ptxas", default=str(default_ptxas), help="a ptxas that reads the PTX version Triton emits")
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16")
+    for heads in args.heads:
+        for has_acc in (False, True):
+            ptx, block_t, warps = compile_backward(args.width, heads, has_acc)
+            regs, spills = ptxas_report(ptx, args.ptxas)
+            resident = 65536 // (regs * warps * 32)
+            print(f"heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
+                  f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -50,11 +50,11 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from depthrewrite.kernels.route_triton import _num_warps, _route_bwd_kernel, _row_blocks
+    from depthrewrite.kernels.route_triton import _num_warps, _route_bwd_kernel, _row_blocks, _tokens_per_program
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
-    block_t = max(1, min(64, 2048 // row))  # as route_backward chooses
+    block_t = _tokens_per_program(row)  # as route_backward chooses
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False, HAS_ACC=has_acc)
     names = inspect.signature(_route_bwd_kernel.fn).parameters

@@ -396,6 +396,12 @@ def _check_block_t(block_t: int) -> int:
     return block_t
 
 
+def _tokens_per_program(row: int) -> int:
+    """Tokens a program takes for rows of ``row`` (padded) elements: about 2048 elements in
+    flight, one token from d = 2048 up (measured on H200: docs/benchmarks.md)."""
+    return max(1, min(64, 2048 // row))
+
+
 def _num_warps(elements: int) -> int:
     return min(16, max(4, _next_pow2(elements) // 512))
 
@@ -410,10 +416,9 @@ def _check_supported(values: Sequence[Tensor], keys, *params) -> None:
             raise ValueError(f"route (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
 
 
-def _flat(tensors: Sequence[Tensor | None], d: int) -> list[Tensor | None]:
-    # contiguous() is a no-op for the usual contiguous activations; reshape then never copies.
-    # None stays None (a source without a running sum)
-    return [None if t is None else t.contiguous().reshape(-1, d) for t in tensors]
+def _flat(tensors: Sequence[Tensor], d: int) -> list[Tensor]:
+    # contiguous() is a no-op for the usual contiguous activations; reshape then never copies
+    return [t.contiguous().reshape(-1, d) for t in tensors]
 
 
 def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -457,8 +462,7 @@ def route_forward(
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
     row = block_h * block_c
-    # one token per program from d = 2048 up (measured on H200: docs/benchmarks.md)
-    cfg = {"block_t": max(1, min(64, 2048 // row)), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
+    cfg = {"block_t": _tokens_per_program(row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     grid = (triton.cdiv(tokens, block_t),)
     fused_norm = has_norm and cfg["fuse_norm"]
@@ -474,7 +478,7 @@ def route_forward(
     )
     if has_norm and not fused_norm:
         block_d = _next_pow2(d)
-        norm_t = max(1, min(64, 2048 // block_d))
+        norm_t = _tokens_per_program(block_d)
         _out_norm_fwd_kernel[(triton.cdiv(tokens, norm_t),)](
             out, out_norm_weight.contiguous(), normed, tokens, d, float(out_norm_eps),
             BLOCK_T=norm_t, BLOCK_D=block_d, num_warps=_num_warps(norm_t * block_d),
@@ -495,7 +499,7 @@ def _backward_programs(device: torch.device, num_blocks: int, per_sm: int) -> in
 
 def _norm_backward_pass(g, out, gn, weight, eps, part_n, tokens, d) -> Tensor:
     block_d = _next_pow2(d)
-    block_t = max(1, min(64, 2048 // block_d))
+    block_t = _tokens_per_program(block_d)
     num_blocks = triton.cdiv(tokens, block_t)
     total = torch.empty((tokens, d), dtype=torch.float32, device=g.device)
     _out_norm_bwd_kernel[(part_n.shape[0],)](
@@ -554,7 +558,7 @@ def route_backward(
     grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
     # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
-    cfg = {"block_t": max(1, min(64, 2048 // row)), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
+    cfg = {"block_t": _tokens_per_program(row), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     num_blocks = triton.cdiv(tokens, block_t)

@@ -92,21 +92,22 @@ def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weigh
                           grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
-def _route_many_cuda(values, queries, key_norm_weights, heads, eps):
-    if not _use_fused(values, None, queries, key_norm_weights, None):
-        return _route_many_op._init_fn(values, queries, key_norm_weights, heads, eps)
+def _route_many_cuda(values, queries, key_norm_weights, heads, eps, keys):
+    if not _use_fused(values, keys, queries, key_norm_weights, None):
+        return _route_many_op._init_fn(values, queries, key_norm_weights, heads, eps, keys)
     from .route_many_triton import route_many_forward
 
-    return route_many_forward(values, queries, key_norm_weights, heads, eps)
+    return route_many_forward(values, queries, key_norm_weights, heads, eps, keys=keys)
 
 
-def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps):
-    if not _use_fused(values, None, queries, key_norm_weights, None):
+def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, keys):
+    if not _use_fused(values, keys, queries, key_norm_weights, None):
         return _route_many_backward_op._init_fn(grad_out, grad_lse, out, lse, values, queries, key_norm_weights,
-                                                heads, eps)
+                                                heads, eps, keys)
     from .route_many_triton import route_many_backward
 
-    return route_many_backward(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps)
+    return route_many_backward(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps,
+                               keys=keys)
 
 
 def _register() -> None:

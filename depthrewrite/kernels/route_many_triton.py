@@ -12,6 +12,11 @@ query's output row and its log-sum-exp. Q queries per launch (``FORWARD_QUERIES`
 ``MANY_ELEMS / row``): the forward is fastest with 2 at a time, so it reads each source
 S / 2 times (still S / 2 times fewer than one route per site).
 
+With separate keys (DAR) every kernel reads each source's key row next to its value row:
+the logits and the key RMSNorm come from the key, the output from the value, and the
+backward writes the value and key gradients separately (the per-token backward takes no
+keys; with keys the tiled one runs at every width).
+
 Two backward kernels, both deterministic (fixed summation order, no atomics), chosen per
 call by ``_backward_kernel`` (measured):
 
@@ -125,9 +130,9 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
 
 @triton.jit
 def _route_many_fwd_kernel(
-    like_ptr, vtab, otab, ltab, qw_ptr, N, D, C, H, S_CHUNK, eps,
+    like_ptr, vtab, ktab, otab, ltab, qw_ptr, N, D, C, H, S_CHUNK, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)  # one token per program; int64: tok * D overflows int32
     act = like_ptr.dtype.element_ty  # the activation dtype: sources and outputs
@@ -140,16 +145,17 @@ def _route_many_fwd_kernel(
     acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
     # PREFETCH: source i + 1 is requested before source i is used (two rows in flight)
     if PREFETCH:
-        v_raw, _k = _load_source(vtab, vtab, 0, offs, cmask, ptr_ty, ALIGNED, False)
+        v_raw, k_raw = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
     for i in range(N):
         if not PREFETCH:
-            v_raw, _k = _load_source(vtab, vtab, i, offs, cmask, ptr_ty, ALIGNED, False)
+            v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         v = v_raw.to(tl.float32)
+        k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
         if PREFETCH:
-            v_raw, _k = _load_source(vtab, vtab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
-                                     ptr_ty, ALIGNED, False)
-        rstd = tl.rsqrt(tl.sum(tl.sum(v * v, 1), 0) / D + eps)
-        z = tl.sum(v[None, :, :] * qw, 2) * rstd
+            v_raw, k_raw = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
+                                        ptr_ty, ALIGNED, HAS_KEYS)
+        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+        z = tl.sum(k[None, :, :] * qw, 2) * rstd
         m_new = tl.maximum(m, z)
         alpha = tl.exp(m - m_new)
         p = tl.exp(z - m_new)
@@ -240,9 +246,9 @@ def _query_base(i, s, S, T, H):
 
 @triton.jit
 def _route_many_bwd_tiled_kernel(
-    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
+    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr,
 ):
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -272,16 +278,18 @@ def _route_many_bwd_tiled_kernel(
     tl.debug_barrier()  # other threads of the program read these values back
 
     if PREFETCH:
-        v_nx, _k = _load_source(vtab, vtab, 0, offs, mask, ptr_ty, ALIGNED, False)
+        v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
     for i in range(N):
         if PREFETCH:
             v = v_nx.to(tl.float32)
+            k = k_nx.to(tl.float32)
             nxt, more = _next_source(tok, i, N, mask)
-            v_nx, _k = _load_source(vtab, vtab, nxt, offs, more, ptr_ty, ALIGNED, False)
+            v_nx, k_nx = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
         else:
-            v_raw, _k = _load_source(vtab, vtab, i, offs, mask, ptr_ty, ALIGNED, False)
+            v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
             v = v_raw.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(tl.sum(v * v, 2), 1) / D + eps)
+            k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
+        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
         acc_g = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s a_s g_s
         acc_q = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s dz_s w_s q_s
         mt = tl.zeros((BLOCK_T,), tl.float32)  # sum over queries and heads of dz_s z_s (the norm's term)
@@ -298,7 +306,7 @@ def _route_many_bwd_tiled_kernel(
             else:
                 g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
             s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
-            zr = tl.sum(v * qw[None, :, :], 2) * rstd[:, None]
+            zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
             if ONE_SOURCE:
                 # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
                 a = tl.where(hmask, 1.0, 0.0)
@@ -310,11 +318,15 @@ def _route_many_bwd_tiled_kernel(
             acc_g += a[:, :, None] * g
             acc_q += dz[:, :, None] * qw[None, :, :]
             mt += tl.sum(dz * zr, 1)
-            # d z / d (w q) is the normalized source: the parameter gradients are a separate
-            # reduction over tokens of dz * rstd * v (_route_many_param_kernel)
+            # d z / d (w q) is the normalized key: the parameter gradients are a separate
+            # reduction over tokens of dz * rstd * k (_route_many_param_kernel)
             tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
-        d_src = acc_g + rstd[:, None, None] * (acc_q - v * (rstd * mt / D)[:, None, None])
-        tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, d_src.to(act), mask=mask)
+        d_key = rstd[:, None, None] * (acc_q - k * (rstd * mt / D)[:, None, None])
+        if HAS_KEYS:
+            tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, acc_g.to(act), mask=mask)
+            tl.store(_src_ptr(gktab, i, ptr_ty, ALIGNED) + offs, d_key.to(act), mask=mask)
+        else:
+            tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, (acc_g + d_key).to(act), mask=mask)
 
 
 @triton.jit
@@ -369,28 +381,31 @@ def _per_query_rows(queries: Tensor, key_norm_weights: Tensor) -> Tensor:
 
 
 def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float,
-                       config: dict | None = None) -> tuple[list[Tensor], list[Tensor]]:
+                       config: dict | None = None, keys: Sequence[Tensor] | None = None
+                       ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
-    _check_supported(values, None, ("queries", queries), ("key_norm_weights", key_norm_weights))
+    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     flat_v = _flat(values, d)
+    flat_k = _flat(keys, d) if keys is not None else []
     tokens = flat_v[0].shape[0]
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty((tokens, heads), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
-        vtab, otab, ltab = pointer_tables(flat_v[0].device, flat_v, out, lse)
+        vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
             _route_many_fwd_kernel[(tokens,)](
-                flat_v[0], vtab, otab[q0:], ltab[q0:], qw[q0:], len(values), d, d // heads, heads, chunk, float(eps),
-                BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-                ALIGNED=_aligned(flat_v, out), num_warps=cfg.get("num_warps") or NUM_WARPS,
+                flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:], len(values), d,
+                d // heads, heads, chunk, float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
+                PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
+                num_warps=cfg.get("num_warps") or NUM_WARPS,
             )
     shape, lse_shape = values[0].shape, values[0].shape[:-1] + (heads,)
     return [o.reshape(shape) for o in out], [t.reshape(lse_shape) for t in lse]
@@ -398,64 +413,82 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],
                         lse: Sequence[Tensor], values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor,
-                        heads: int, eps: float, config: dict | None = None) -> tuple[list[Tensor], Tensor, Tensor]:
+                        heads: int, eps: float, config: dict | None = None, keys: Sequence[Tensor] | None = None
+                        ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
-    returns. ``config`` overrides ``backward`` ("tiled" or "per_token"), ``block_t``,
-    ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch``."""
-    _check_supported(values, None, ("queries", queries), ("key_norm_weights", key_norm_weights))
+    returns (the key gradients empty without keys). ``config`` overrides ``backward``
+    ("tiled" or "per_token"), ``block_t``, ``block_q``, ``many_elems``, ``num_warps``,
+    ``per_sm``, ``prefetch``."""
+    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
     _check_saved_many(out, lse, values, s, heads)
     dtype = values[0].dtype
     flat_v = _flat(values, d)
+    flat_k = _flat(keys, d) if keys is not None else []
     g = [t.to(dtype).contiguous().reshape(-1, d) for t in grad_out]
     gl = [t.to(torch.float32).contiguous().reshape(-1, heads) for t in grad_lse]
     o = [t.contiguous().reshape(-1, d) for t in out]
     ls = [t.contiguous().reshape(-1, heads) for t in lse]
-    if _backward_kernel(d, heads, cfg) == "per_token":
+    grad_k = []
+    if _backward_kernel(d, heads, cfg, bool(flat_k)) == "per_token":
         grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
     else:
-        grad_v, r = _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
+        grad_v, grad_k, r = _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = (r * key_norm_weights.to(torch.float32)).to(queries.dtype)
     grad_weights = (r * queries.to(torch.float32)).to(key_norm_weights.dtype)
-    return [t.reshape(values[0].shape) for t in grad_v], grad_queries, grad_weights
+    shape = values[0].shape
+    return [t.reshape(shape) for t in grad_v], [t.reshape(shape) for t in grad_k], grad_queries, grad_weights
 
 
-def _backward_kernel(d: int, heads: int, cfg: dict) -> str:
+def _backward_kernel(d: int, heads: int, cfg: dict, has_keys: bool = False) -> str:
     """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice:
-    tiled, except for one-head rows wider than TILED_MAX_ROW (per-token: faster there)."""
+    tiled, except for one-head rows wider than TILED_MAX_ROW without keys (per-token:
+    faster there; it does not take separate keys, the tiled kernel takes any width)."""
     choice = cfg["backward"]
     if choice is None:
         block_h, block_c = _row_blocks(d, heads)
-        return "per_token" if heads == 1 and block_h * block_c > TILED_MAX_ROW else "tiled"
+        wide = heads == 1 and block_h * block_c > TILED_MAX_ROW
+        return "per_token" if wide and not has_keys else "tiled"
     if choice not in BACKWARD_CHOICES:
         raise ValueError(f"route_many (Triton): config backward must be one of {BACKWARD_CHOICES}; found {choice!r}")
+    if choice == "per_token" and has_keys:
+        raise ValueError("route_many (Triton): config backward 'per_token' does not take separate `keys`; "
+                         "found keys (use 'tiled' or leave the choice to the launcher)")
     return choice
 
 
-def _tiled_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
-    """Source gradients from ``_route_many_bwd_tiled_kernel``, then ``r`` (the gradient of
-    ``w_s * q_s``, fp32 (S, d)) from ``_route_many_param_kernel``."""
+def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,
+                    cfg) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
+    then ``r`` (the gradient of ``w_s * q_s``, fp32 (S, d)) from ``_route_many_param_kernel``."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads)
     tokens, device = flat_v[0].shape[0], flat_v[0].device
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
+    grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
     if tokens == 0:
-        return [torch.zeros_like(t) for t in grad_v], torch.zeros((s, d), dtype=torch.float32, device=device)
+        return ([torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k],
+                torch.zeros((s, d), dtype=torch.float32, device=device))
     n = len(flat_v)
     block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS)
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
     coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
     qw = _per_query_rows(queries, key_norm_weights)
-    gtab, otab, ltab, gltab, vtab, gvtab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v)
+    gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, flat_k,
+                                                                       grad_k)
+    if not flat_k:  # the keys are the values (empty tables are never read)
+        ktab, gktab = vtab, gvtab
     _route_many_bwd_tiled_kernel[(triton.cdiv(tokens, block_t),)](
-        flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, qw, sada, coef, tokens, n, s, d, d // heads, heads,
-        float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-        ALIGNED=_aligned(flat_v, grad_v), ONE_SOURCE=n == 1,
+        flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
+        heads, float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
+        ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
     )
-    return grad_v, _param_reduction(vtab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_v))
+    # the logits' normalized rows are the keys': the parameter reduction reads them
+    r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_k or flat_v))
+    return grad_v, grad_k, r
 
 
 def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tensor:

@@ -4,10 +4,12 @@ The first phase of the two-phase Block AttnRes computation (SPEC section 3; the 
 Residuals paper's inference/training trick): all S sites of a block read the same completed
 block summaries ``b_0 .. b_{n-1}``, so their softmaxes over those summaries are computed in
 ONE pass that reads each summary once, and each site later merges its block's partial sum
-into its result by online softmax (:func:`merge_partial`). For query ``s`` (with its own key
-RMSNorm weight ``g_s``), as in ``depthrewrite::route`` without keys, bias or scale::
+into its result by online softmax (:func:`merge_partial`, or :func:`merge_routes` for several
+groups of sources: WAV). DAR's phase 1 routes values with separate keys. For query ``s``
+(with its own key RMSNorm weight ``g_s``), as in ``depthrewrite::route`` without bias or
+scale::
 
-    z[s, i, h] = sum_{c in head h} w_s[c] * RMSNorm_{g_s}(v_i)[c]
+    z[s, i, h] = sum_{c in head h} w_s[c] * RMSNorm_{g_s}(k_i)[c]   (k_i = keys[i], else v_i)
     lse[s, h]  = logsumexp_i z[s, i, h]              (the real one, also for one source)
     out[s]     = sum_i softmax_i(z[s, :, h]) * v_i   (per head h)
 
@@ -35,28 +37,30 @@ from torch import Tensor
 
 from .route import _check_eps, _check_sources, _compute_dtype, _describe
 
-__all__ = ["route_many", "route_many_reference", "merge_partial"]
+__all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
 
 ROUTE_MANY_SCHEMA = (
-    "(Tensor[] values, Tensor queries, Tensor key_norm_weights, int heads, float eps) "
+    "(Tensor[] values, Tensor queries, Tensor key_norm_weights, int heads, float eps, Tensor[]? keys) "
     "-> (Tensor[] out, Tensor[] lse)"
 )
 ROUTE_MANY_BACKWARD_SCHEMA = (
     "(Tensor[] grad_out, Tensor[] grad_lse, Tensor[] out, Tensor[] lse, Tensor[] values, Tensor queries, "
-    "Tensor key_norm_weights, int heads, float eps) "
-    "-> (Tensor[] grad_values, Tensor grad_queries, Tensor grad_key_norm_weights)"
+    "Tensor key_norm_weights, int heads, float eps, Tensor[]? keys) "
+    "-> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_queries, Tensor grad_key_norm_weights)"
 )
 
 
 # --------------------------------------------------------------------------- math
 
 
-def _forward_parts(values, queries, key_norm_weights, heads, eps, dtype):
-    """``src (N, *batch, d)``, the key norm before its weight ``norm``, ``rstd (N, *batch, 1)``
-    and the logits ``z (S, N, *batch, H)``, in ``dtype`` (differentiable torch ops)."""
+def _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype):
+    """``src (N, *batch, d)`` (the values), the key norm before its weight ``norm``, ``rstd
+    (N, *batch, 1)`` (of the keys: the values unless ``keys``) and the logits
+    ``z (S, N, *batch, H)``, in ``dtype`` (differentiable torch ops)."""
     src = torch.stack([v.to(dtype) for v in values])
-    rstd = torch.rsqrt(src.square().mean(-1, keepdim=True) + eps)  # the key statistic: over the full width
-    norm = src * rstd
+    key = src if keys is None else torch.stack([k.to(dtype) for k in keys])
+    rstd = torch.rsqrt(key.square().mean(-1, keepdim=True) + eps)  # the key statistic: over the full width
+    norm = key * rstd
     per_query = queries.to(dtype) * key_norm_weights.to(dtype)  # the rows w_s * g_s
     d = norm.shape[-1]
     shape = (per_query.shape[0], 1) + (1,) * (norm.dim() - 2) + (heads, d // heads)
@@ -64,11 +68,12 @@ def _forward_parts(values, queries, key_norm_weights, heads, eps, dtype):
     return src, norm, rstd, logits
 
 
-def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float):
+def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float,
+               keys: Sequence[Tensor] | None = None):
     """Differentiable torch ops: ``(out (S, *batch, d) in the values' dtype, lse (S, *batch, H)
     in the compute dtype)``, computed in float32 (float64 if any input is)."""
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
-    src, _, _, logits = _forward_parts(values, queries, key_norm_weights, heads, eps, dtype)
+    src, _, _, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
     lse = torch.logsumexp(logits, dim=1)
     weights = torch.softmax(logits, dim=1)
     out = (weights.unsqueeze(-1) * src.unflatten(-1, (heads, -1)).unsqueeze(0)).sum(1).flatten(-2)
@@ -80,14 +85,14 @@ def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tens
 
 @torch.library.custom_op("depthrewrite::route_many", mutates_args=(), schema=ROUTE_MANY_SCHEMA)
 def _route_many_op(values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
-                   eps: float) -> tuple[list[Tensor], list[Tensor]]:
-    out, lse = _reference(values, queries, key_norm_weights, heads, eps)
+                   eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor]]:
+    out, lse = _reference(values, queries, key_norm_weights, heads, eps, keys)
     # custom-op outputs may not alias each other: one fresh tensor per query
     return [o.clone() for o in out.unbind(0)], [t.clone() for t in lse.unbind(0)]
 
 
 @_route_many_op.register_fake
-def _route_many_fake(values, queries, key_norm_weights, heads, eps):
+def _route_many_fake(values, queries, key_norm_weights, heads, eps, keys):
     lse_shape = values[0].shape[:-1] + (heads,)
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
     s = queries.shape[0]
@@ -99,11 +104,11 @@ def _route_many_fake(values, queries, key_norm_weights, heads, eps):
 @torch.library.custom_op("depthrewrite::route_many_backward", mutates_args=(), schema=ROUTE_MANY_BACKWARD_SCHEMA)
 def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out: list[Tensor], lse: list[Tensor],
                             values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
-                            eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
+                            eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     # the reference recomputes the forward and ignores out and lse (the fused kernel's
     # shortcut), so that it stays an independent check of the kernel
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
-    src, norm, rstd, logits = _forward_parts(values, queries, key_norm_weights, heads, eps, dtype)
+    src, norm, rstd, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
     weights = torch.softmax(logits, dim=1)
     g = torch.stack(grad_out).to(dtype).unflatten(-1, (heads, -1)).unsqueeze(1)  # (S, 1, *batch, H, C)
     g_lse = torch.stack(grad_lse).to(dtype).unsqueeze(1)  # (S, 1, *batch, H)
@@ -120,34 +125,42 @@ def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out:
     # RMSNorm backward: the statistic couples all d channels of a source
     d_key = rstd * (d_norm - norm * (d_norm * norm).mean(-1, keepdim=True))
     # copies: custom-op outputs may not alias each other (unbind gives views)
-    grad_values = [t.to(values[0].dtype, copy=True) for t in (d_src + d_key).unbind(0)]
-    return grad_values, (r * w).to(queries.dtype), (r * q).to(key_norm_weights.dtype)
+    act = values[0].dtype
+    if keys is None:
+        grad_values, grad_keys = [t.to(act, copy=True) for t in (d_src + d_key).unbind(0)], []
+    else:
+        grad_values = [t.to(act, copy=True) for t in d_src.unbind(0)]
+        grad_keys = [t.to(act, copy=True) for t in d_key.unbind(0)]
+    return grad_values, grad_keys, (r * w).to(queries.dtype), (r * q).to(key_norm_weights.dtype)
 
 
 @_route_many_backward_op.register_fake
-def _route_many_backward_fake(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps):
-    return [v.new_empty(v.shape) for v in values], torch.empty_like(queries), torch.empty_like(key_norm_weights)
+def _route_many_backward_fake(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, keys):
+    grad_keys = [] if keys is None else [k.new_empty(k.shape) for k in keys]
+    return ([v.new_empty(v.shape) for v in values], grad_keys, torch.empty_like(queries),
+            torch.empty_like(key_norm_weights))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    values, queries, key_norm_weights, heads, eps = inputs
+    values, queries, key_norm_weights, heads, eps, keys = inputs
     out, lse = output
-    ctx.num_sources, ctx.num_queries = len(values), len(out)
+    ctx.num_sources, ctx.num_queries, ctx.has_keys = len(values), len(out), keys is not None
     ctx.heads, ctx.eps = heads, eps
-    ctx.save_for_backward(*out, *lse, *values, queries, key_norm_weights)
+    ctx.save_for_backward(*out, *lse, *values, *(keys or ()), queries, key_norm_weights)
 
 
 def _backward(ctx, grad_out, grad_lse):
     s, n = ctx.num_queries, ctx.num_sources
     saved = ctx.saved_tensors
     out, lse, values = list(saved[:s]), list(saved[s : 2 * s]), list(saved[2 * s : 2 * s + n])
-    queries, key_norm_weights = saved[2 * s + n :]
+    keys = list(saved[2 * s + n : 2 * s + 2 * n]) if ctx.has_keys else None
+    queries, key_norm_weights = saved[-2:]
     # an output nobody used arrives as None: its gradient is zero
     grad_out = [g if g is not None else torch.zeros_like(o) for g, o in zip(grad_out, out)]
     grad_lse = [g if g is not None else torch.zeros_like(t) for g, t in zip(grad_lse, lse)]
-    grad_values, grad_queries, grad_weights = _route_many_backward_op(
-        grad_out, grad_lse, out, lse, values, queries, key_norm_weights, ctx.heads, ctx.eps)
-    return grad_values, grad_queries, grad_weights, None, None
+    grad_values, grad_keys, grad_queries, grad_weights = _route_many_backward_op(
+        grad_out, grad_lse, out, lse, values, queries, key_norm_weights, ctx.heads, ctx.eps, keys)
+    return grad_values, grad_queries, grad_weights, None, None, grad_keys if ctx.has_keys else None
 
 
 _route_many_op.register_autograd(_backward, setup_context=_setup_context)
@@ -160,8 +173,10 @@ def _fail(arg: str, expected: str, found: object) -> ValueError:
     return ValueError(f"route_many: `{arg}` must be {expected}; found {found}")
 
 
-def _check_inputs(values, queries, key_norm_weights, heads, eps) -> None:
+def _check_inputs(values, queries, key_norm_weights, heads, eps, keys=None) -> None:
     values = _check_sources("values", values, None, None, op="route_many")
+    if keys is not None:
+        _check_sources("keys", keys, len(values), values[0], op="route_many")
     d, device = values[0].shape[-1], values[0].device
     for arg, t in (("queries", queries), ("key_norm_weights", key_norm_weights)):
         if not isinstance(t, Tensor):
@@ -178,25 +193,29 @@ def _check_inputs(values, queries, key_norm_weights, heads, eps) -> None:
 # ------------------------------------------------------------------- public API
 
 
-def route_many(values: Sequence[Tensor], *, queries: Tensor, key_norm_weights: Tensor, heads: int = 1,
-               eps: float = 1e-6) -> tuple[list[Tensor], list[Tensor]]:
+def route_many(values: Sequence[Tensor], keys: Sequence[Tensor] | None = None, *, queries: Tensor,
+               key_norm_weights: Tensor, heads: int = 1, eps: float = 1e-6) -> tuple[list[Tensor], list[Tensor]]:
     """Route ``values`` (N tensors of shape ``(*batch, d)``) once for each of S queries.
 
     ``queries`` and ``key_norm_weights`` have shape ``(S, d)`` (row ``s``: one site's
-    pseudo-query and key-norm weight). Returns ``(out, lse)``: S tensors shaped and typed
-    like the values, and S log-sum-exps of shape ``(*batch, heads)``, float32 (float64 for
-    float64 inputs); both differentiable. ``route_many(v, queries=q[None], key_norm_weights=g[None])[0][0]`` is
-    ``route(v, query=q, key_norm_weight=g)``."""
-    _check_inputs(values, queries, key_norm_weights, heads, eps)
-    out, lse = torch.ops.depthrewrite.route_many(list(values), queries, key_norm_weights, heads, float(eps))
+    pseudo-query and key-norm weight). ``keys``: N tensors like the values whose RMSNorm
+    gives the logits instead of the values' (DAR's reciprocal keys); None: the values.
+    Returns ``(out, lse)``: S tensors shaped and typed like the values, and S log-sum-exps
+    of shape ``(*batch, heads)``, float32 (float64 for float64 inputs); both
+    differentiable. ``route_many(v, k, queries=q[None], key_norm_weights=g[None])[0][0]``
+    is ``route(v, k, query=q, key_norm_weight=g)``."""
+    _check_inputs(values, queries, key_norm_weights, heads, eps, keys)
+    out, lse = torch.ops.depthrewrite.route_many(list(values), queries, key_norm_weights, heads, float(eps),
+                                                 None if keys is None else list(keys))
     return list(out), list(lse)
 
 
-def route_many_reference(values: Sequence[Tensor], *, queries: Tensor, key_norm_weights: Tensor, heads: int = 1,
-                         eps: float = 1e-6) -> tuple[list[Tensor], list[Tensor]]:
+def route_many_reference(values: Sequence[Tensor], keys: Sequence[Tensor] | None = None, *, queries: Tensor,
+                         key_norm_weights: Tensor, heads: int = 1, eps: float = 1e-6
+                         ) -> tuple[list[Tensor], list[Tensor]]:
     """``route_many`` written with plain differentiable torch ops (the test oracle)."""
-    _check_inputs(values, queries, key_norm_weights, heads, eps)
-    out, lse = _reference(values, queries, key_norm_weights, heads, eps)
+    _check_inputs(values, queries, key_norm_weights, heads, eps, keys)
+    out, lse = _reference(values, queries, key_norm_weights, heads, eps, keys)
     return list(out.unbind(0)), list(lse.unbind(0))
 
 
@@ -204,35 +223,88 @@ def route_many_reference(values: Sequence[Tensor], *, queries: Tensor, key_norm_
 
 
 def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, key_norm_weight: Tensor,
-                  heads: int = 1, eps: float = 1e-6) -> Tensor:
+                  heads: int = 1, eps: float = 1e-6, partial_key: Tensor | None = None) -> Tensor:
     """Add one more source, ``partial``, to a finished routing result by online softmax.
 
     ``out`` and ``lse`` are one query's result over some sources (from :func:`route_many`);
     the return value is what ``route`` over those sources plus ``partial`` gives with the
     same ``query`` and ``key_norm_weight``: with the partial's logit ``z`` (per head), its
     weight is ``sigmoid(z - lse)`` and ``result = out + sigmoid(z - lse) * (partial - out)``.
-    Plain torch ops (Inductor fuses them with their neighbours), float32 math, the result in
-    ``out``'s dtype."""
+    ``partial_key``: the partial's key, when the logit comes from another tensor (DAR);
+    None: the partial itself. Plain torch ops (Inductor fuses them with their neighbours),
+    float32 math, the result in ``out``'s dtype."""
     _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps)
-    d = partial.shape[-1]
+    if partial_key is not None:
+        _check_merge_inputs(out, lse, partial_key, query, key_norm_weight, heads, eps, partial_name="partial_key")
     dtype = _compute_dtype(out, partial, query, key_norm_weight)
     p = partial.to(dtype)
-    z = (F.rms_norm(p, (d,), eps=float(eps)) * (key_norm_weight.to(dtype) * query.to(dtype))).unflatten(-1, (heads, -1)).sum(-1)
+    z = _source_logit(p if partial_key is None else partial_key.to(dtype), query, key_norm_weight, heads, eps)
     weight = torch.sigmoid(z - lse.to(dtype)).unsqueeze(-1)  # (*batch, H, 1)
     o = out.to(dtype).unflatten(-1, (heads, -1))
     return (o + weight * (p.unflatten(-1, (heads, -1)) - o)).flatten(-2).to(out.dtype)
 
 
-def _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps) -> None:
-    def fail(arg, expected, found):
-        return ValueError(f"merge_partial: `{arg}` must be {expected}; found {found}")
+def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, query: Tensor, key_norm_weight: Tensor,
+                 heads: int = 1, eps: float = 1e-6) -> Tensor:
+    """One query's routing result over several groups of sources, from each group's result,
+    plus more sources routed directly: the general second phase (WAV's, SPEC 5).
 
-    for arg, t in (("out", out), ("partial", partial), ("lse", lse), ("query", query),
+    ``results``: ``(out, lse, bias)`` per group, ``out`` and ``lse`` one query's
+    :func:`route_many` result over that group, ``bias`` None or a scalar tensor added to
+    the logit of every source of the group. A softmax over the union of the groups is the
+    softmax over the groups' ``lse + bias`` times each group's own softmax (a bias that is
+    the same for a whole group cancels inside it), so WAV's per-basis detail biases need no
+    bias in phase 1. ``sources``: ``(value, bias, scale)`` per extra source (the partial
+    block's), ``bias`` as above, ``scale`` None or a per-token factor of shape ``(*batch,)``
+    applied to value and key as ``route``'s ``source_scale``. Returns what ``route`` over
+    all those sources gives (up to rounding), in the first ``out``'s dtype. Plain torch ops
+    in float32 (Inductor fuses them with their neighbours)."""
+    if not results:
+        raise ValueError("merge_routes: `results` must hold at least one (out, lse, bias); found none")
+    for k, (out, lse, _) in enumerate(results):
+        _check_merge_inputs(results[0][0], lse, out, query, key_norm_weight, heads, eps, "merge_routes",
+                            f"results[{k}] out")
+    for k, (value, _, scale) in enumerate(sources):
+        _check_merge_inputs(results[0][0], results[0][1], value, query, key_norm_weight, heads, eps, "merge_routes",
+                            f"sources[{k}] value")
+        if scale is not None and (not isinstance(scale, Tensor) or tuple(scale.shape) != tuple(value.shape[:-1])):
+            raise ValueError(f"merge_routes: a source's `scale` must be None or of shape {tuple(value.shape[:-1])}; "
+                             f"found {_describe(scale) if isinstance(scale, Tensor) else type(scale).__name__}")
+    first = results[0][0]
+    dtype = _compute_dtype(first, query, key_norm_weight)
+    logits, values = [], []
+    for out, lse, bias in results:
+        logits.append(lse.to(dtype) if bias is None else lse.to(dtype) + bias.to(dtype))
+        values.append(out.to(dtype))
+    for value, bias, scale in sources:
+        v = value.to(dtype) if scale is None else value.to(dtype) * scale.to(dtype).unsqueeze(-1)
+        z = _source_logit(v, query, key_norm_weight, heads, eps)
+        logits.append(z if bias is None else z + bias.to(dtype))
+        values.append(v)
+    weights = torch.softmax(torch.stack(logits), dim=0).unsqueeze(-1)  # (K, *batch, H, 1)
+    merged = sum(w * v.unflatten(-1, (heads, -1)) for w, v in zip(weights.unbind(0), values))
+    return merged.flatten(-2).to(first.dtype)
+
+
+def _source_logit(value: Tensor, query: Tensor, key_norm_weight: Tensor, heads: int, eps: float) -> Tensor:
+    """``z[..., h] = sum_{c in head h} w[c] RMSNorm_g(value)[c]`` (statistic over the full
+    width), in ``value``'s dtype: one source's logit, as ``route`` computes it."""
+    dtype = value.dtype
+    normed = F.rms_norm(value, (value.shape[-1],), eps=float(eps))
+    return (normed * (key_norm_weight.to(dtype) * query.to(dtype))).unflatten(-1, (heads, -1)).sum(-1)
+
+
+def _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps, op="merge_partial",
+                        partial_name="partial") -> None:
+    def fail(arg, expected, found):
+        return ValueError(f"{op}: `{arg}` must be {expected}; found {found}")
+
+    for arg, t in (("out", out), (partial_name, partial), ("lse", lse), ("query", query),
                    ("key_norm_weight", key_norm_weight)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise fail(arg, "a floating-point tensor", type(t).__name__ if not isinstance(t, Tensor) else _describe(t))
     if out.dim() == 0 or partial.shape != out.shape or partial.device != out.device:
-        raise fail("partial", f"shaped like out ({_describe(out)})", _describe(partial))
+        raise fail(partial_name, f"shaped like out ({_describe(out)})", _describe(partial))
     d = out.shape[-1]
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads != 0:
         raise fail("heads", f"a positive int dividing the width d={d}", repr(heads))
@@ -241,4 +313,4 @@ def _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps) -
     for arg, t in (("query", query), ("key_norm_weight", key_norm_weight)):
         if tuple(t.shape) != (d,):
             raise fail(arg, f"of shape ({d},)", _describe(t))
-    _check_eps("eps", eps, op="merge_partial")
+    _check_eps("eps", eps, op=op)

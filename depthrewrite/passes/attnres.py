@@ -119,6 +119,10 @@ class TwoPhasePlan:
     partial sum by online softmax (``merge_partial``). Same function as one route per site
     (up to rounding: the phase-1 result is stored in the activation dtype).
 
+    WAV (passes/wav.py) uses the same plan with three source lists per block: the
+    summaries, and each detail basis, whose per-site logit bias is added in phase 2
+    (:func:`merge_routes`).
+
     The plan knows each group of routers (the sites of one block, then the readout, in
     order); the state carries the phase-1 result of the current group as a third entry,
     ``None`` where phase 1 was skipped, and the routers then route per site:
@@ -142,16 +146,21 @@ class TwoPhasePlan:
         self.recompute = recompute
         self._told_sharded = False
 
-    def add(self, router: "BlockRouter", group: int, position: int) -> None:
+    def add(self, router: nn.Module, group: int, position: int) -> None:
         members = self.groups.setdefault(group, [])
         if position != len(members):
             raise RuntimeError(f"block_attnres: router {position} of block {group} was made out of order "
                                f"(block has {len(members)} so far)")
         members.append(router)
 
-    def first_phase(self, group: int, blocks: tuple) -> tuple | None:
-        """Phase 1 for ``group`` over the completed ``blocks``: ``(outputs, lses)``, one per
-        router of the group, or None (module docstring)."""
+    def first_phase(self, group: int, *source_lists: tuple, key_lists: tuple | None = None,
+                    query_rows: tuple | None = None) -> tuple | None:
+        """Phase 1 for ``group``: for each list of sources (Block AttnRes: one, the completed
+        blocks; WAV: summaries, then each detail basis; DAR: one per stream),
+        ``(outputs, lses)``, one per router of the group, all routed with the group's
+        queries; or None (class docstring). ``key_lists``: per list, its keys or None (the
+        sources themselves); ``query_rows``: per list, the row of each router's 2-D query
+        that routes it (DAR: one row per stream), or None for 1-D queries."""
         routers = self.groups.get(group)
         if not self.enabled or not routers:
             return None
@@ -164,16 +173,29 @@ class TwoPhasePlan:
         first = routers[0]
         queries = torch.stack([r.query for r in routers])
         weights = torch.stack([r.key_norm_weight for r in routers])
-        phase = functools.partial(_phase_one, heads=first.heads, eps=first.eps)
+        key_lists = key_lists or (None,) * len(source_lists)
+        query_rows = query_rows or (None,) * len(source_lists)
+        # (values, keys, query row) per list; the tensors go to the checkpoint flat
+        layout = tuple((len(v), len(k or ()), row) for v, k, row in zip(source_lists, key_lists, query_rows))
+        sources = [t for v, k in zip(source_lists, key_lists) for t in (*v, *(k or ()))]
+        phase = functools.partial(_phase_one, layout=layout, heads=first.heads, eps=first.eps)
         if self.recompute:
-            return checkpoint(phase, queries, weights, *blocks, use_reentrant=False)
-        return phase(queries, weights, *blocks)
+            return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
+        return phase(queries, weights, *sources)
 
 
-def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *blocks: torch.Tensor, heads: int,
-               eps: float) -> tuple[tuple, tuple]:
-    outs, lses = route_many(blocks, queries=queries, key_norm_weights=key_norm_weights, heads=heads, eps=eps)
-    return tuple(outs), tuple(lses)
+def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *sources: torch.Tensor, layout: tuple,
+               heads: int, eps: float) -> tuple:
+    """``route_many`` per list of ``layout`` ``(values, keys, query row)`` counts, taking
+    consecutive runs of ``sources``: ``((outs, lses), ...)``."""
+    results, start = [], 0
+    for num_values, num_keys, row in layout:
+        values, keys = sources[start:start + num_values], sources[start + num_values:start + num_values + num_keys]
+        start += num_values + num_keys
+        q, w = (queries, key_norm_weights) if row is None else (queries[:, row], key_norm_weights[:, row])
+        outs, lses = route_many(values, keys or None, queries=q, key_norm_weights=w, heads=heads, eps=eps)
+        results.append((tuple(outs), tuple(lses)))
+    return tuple(results)
 
 
 def two_phase_plan(scheme: str, two_phase: object, recompute: object = True) -> TwoPhasePlan | None:
@@ -219,7 +241,8 @@ class BlockRouter(DepthQuery):
         first = state[2] if self._plan is not None else None
         if first is None:
             return self.route(blocks if partial is None else blocks + (partial,))
-        out, lse = first[0][self.position], first[1][self.position]
+        outs, lses = first[0]
+        out, lse = outs[self.position], lses[self.position]
         if partial is None:
             return out
         return merge_partial(out, lse, partial, query=self.query, key_norm_weight=self.key_norm_weight,

@@ -5,6 +5,13 @@ a partial entry ``P^j``. A site routes each stream (keys and values taken from t
 the variant names), mixes the two results with a learned gate, and writes its update into
 both partial entries through a doubly stochastic transport. Blocks are counted in layers
 (blocks of the stack): a DAR block ends after the last site of every K-th layer.
+
+By default the sites of a DAR block route as Block AttnRes's two-phase computation
+(``attnres.TwoPhasePlan``): when a block closes, phase 1 routes each stream's completed
+entries (values and keys from the streams the variant names) once for all sites of the
+next block, one ``route_many`` call per stream; each site then adds the partial entries by
+online softmax (``merge_partial``). ``two_phase=False`` routes every site over all its
+entries.
 """
 
 from __future__ import annotations
@@ -15,8 +22,8 @@ import torch
 from torch import nn
 
 from ..analysis import Site
-from ..ops import route
-from .attnres import AttnResOptions
+from ..ops import merge_partial, route
+from .attnres import AttnResOptions, TwoPhasePlan, two_phase_plan
 from .base import Scheme, State
 
 #: for each variant and target stream j: (stream giving the values, stream giving the keys)
@@ -36,27 +43,42 @@ class DarOptions(AttnResOptions):
     # streams must start different or they stay identical (SPEC 6, our choice)
     beta_init: tuple[float, float] = (1.0, 0.5)
     transport_init: float = 2.0  # c; rho = sigmoid(c) is the share a stream keeps of itself
+    # the two-phase computation of Block AttnRes (attnres.TwoPhasePlan), one list per stream
+    two_phase: bool = True
+    recompute: bool = True  # two-phase: the backward recomputes phase 1
 
 
 class DualRoute(nn.Module):
     """Route both streams and mix them: ``x = s r^0 + (1 - s) r^1``, ``s = sigmoid(mix)``.
-    ``query`` and ``key_norm_weight`` hold one row per target stream."""
+    ``query`` and ``key_norm_weight`` hold one row per target stream. State:
+    ``(history, partial)``, with a :class:`TwoPhasePlan` a third entry: the phase-1 result
+    of the current group (DAR block) for both streams."""
 
     reads_stream = False
     replaces_stream = True
+    heads = 1
 
-    def __init__(self, scheme: "DarScheme"):
+    def __init__(self, scheme: "DarScheme", group: int = 0):
         super().__init__()
         self.query = scheme.param(2, scheme.d, fill=0.0)
         self.key_norm_weight = scheme.param(2, scheme.d, fill=1.0)
         self.mix = scheme.param(1, fill=0.0)
         self.eps = scheme.options.eps
         self.variant = scheme.options.variant
+        # a plain attribute: the plan holds the other routers, which are not submodules of this one
+        self._plan, self.group = scheme.plan, group
+        if self._plan is not None:
+            self.position = len(self._plan.groups.get(group, ()))
+            self._plan.add(self, group, self.position)
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        history, partial = state
-        streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
-        r0, r1 = (self._route(streams, j) for j in (0, 1))
+        history, partial = state[:2]
+        first = state[2] if self._plan is not None else None
+        if first is None:
+            streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
+            r0, r1 = (self._route(streams, j) for j in (0, 1))
+        else:
+            r0, r1 = (self._merge(first[j], partial, j) for j in (0, 1))
         s = torch.sigmoid(self.mix)
         return s * r0 + (1 - s) * r1
 
@@ -65,6 +87,17 @@ class DualRoute(nn.Module):
         keys = None if key_stream == value_stream else streams[key_stream]
         return route(streams[value_stream], keys, query=self.query[j], key_norm_weight=self.key_norm_weight[j],
                      eps=self.eps)
+
+    def _merge(self, first: tuple, partial, j: int) -> torch.Tensor:
+        """Two-phase: stream j's phase-1 result for this router, plus the partial entries."""
+        outs, lses = first
+        out, lse = outs[self.position], lses[self.position]
+        if partial is None:
+            return out
+        value_stream, key_stream = VARIANTS[self.variant](j)
+        key = None if key_stream == value_stream else partial[key_stream]
+        return merge_partial(out, lse, partial[value_stream], partial_key=key, query=self.query[j],
+                             key_norm_weight=self.key_norm_weight[j], eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}"
@@ -75,7 +108,7 @@ class DarRouter(DualRoute):
     ``[P^0, P^1] <- M(sigmoid(transport)) [P^0, P^1] + beta u``."""
 
     def __init__(self, scheme: "DarScheme", site: Site, closes_block: bool):
-        super().__init__(scheme)
+        super().__init__(scheme, group=site.block // scheme.layers_per_block)
         self.transport = scheme.param(1, fill=float(scheme.options.transport_init))
         even, odd = scheme.options.beta_init
         self.beta = nn.Parameter(torch.tensor(
@@ -83,7 +116,7 @@ class DarRouter(DualRoute):
         self.closes_block = closes_block
 
     def write(self, state: State, u, x, h) -> State:
-        history, partial = state
+        history, partial = state[:2]
         if partial is None:  # a fresh block: nothing to transport yet
             p0, p1 = self.beta[0] * u, self.beta[1] * u
         else:
@@ -94,12 +127,26 @@ class DarRouter(DualRoute):
         # the scalars are float32 parameters: keep the streams in the sources' dtype (bf16
         # under autocast), as routing reads all sources in one dtype
         p0, p1 = p0.to(u.dtype), p1.to(u.dtype)
-        if self.closes_block:
-            return (history[0] + (p0,), history[1] + (p1,)), None
-        return history, (p0, p1)
+        if not self.closes_block:
+            return (history, (p0, p1)) + tuple(state[2:])
+        history = (history[0] + (p0,), history[1] + (p1,))
+        if self._plan is None:
+            return history, None
+        return history, None, first_phase(self._plan, self.group + 1, history, self.variant)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}, closes_block={self.closes_block}"
+
+
+def first_phase(plan: TwoPhasePlan, group: int, history: tuple, variant: str) -> tuple | None:
+    """DAR's phase 1 for ``group``: per target stream j, its completed entries routed with
+    every router's query row j (values and keys from the streams the variant names)."""
+    values, keys = [], []
+    for j in (0, 1):
+        value_stream, key_stream = VARIANTS[variant](j)
+        values.append(history[value_stream])
+        keys.append(None if key_stream == value_stream else history[key_stream])
+    return plan.first_phase(group, *values, key_lists=tuple(keys), query_rows=(0, 1))
 
 
 class DarScheme(Scheme):
@@ -112,7 +159,8 @@ class DarScheme(Scheme):
 
     Options: ``variant`` ('dar'), ``layers_per_block`` K (1: full DAR, one entry per
     layer), ``beta_init`` ((1.0, 0.5): the value where site index + j is even / odd),
-    ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6). Init: queries 0, key norm
+    ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6), ``two_phase`` (True) and
+    ``recompute`` (True) as for block_attnres. Init: queries 0, key norm
     weights 1, mixing gate a = 0. New parameters: ``(4 d + 4) L + 4 d + 1``.
     """
 
@@ -134,9 +182,13 @@ class DarScheme(Scheme):
             raise ValueError(f"dar: transport_init must be a number, found {options.transport_init!r}")
         self.layers_per_block = k
         self._sites_per_layer = stream.sites_per_block()
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute)
 
     def init_state(self, e):
-        return ((e,), (e,)), None
+        history = ((e,), (e,))
+        if self.plan is None:
+            return history, None
+        return history, None, first_phase(self.plan, 0, history, self.options.variant)
 
     def site_router(self, site: Site) -> nn.Module:
         last_of_layer = site.position == self._sites_per_layer[site.block]
@@ -144,4 +196,5 @@ class DarScheme(Scheme):
         return DarRouter(self, site, closes_block=closes)
 
     def readout_router(self) -> nn.Module:
-        return DualRoute(self)
+        # after the last layer: with the sites of an unfinished last block, else alone
+        return DualRoute(self, group=len(self._sites_per_layer) // self.layers_per_block)

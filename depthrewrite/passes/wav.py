@@ -8,8 +8,16 @@ bases accumulated online:
 
 A site routes over ``e`` and, per completed block and for the partial block, the summary
 and both details. Details are RMS-matched to their block's summary with a detached factor
-``min(rho, rms(C) / (rms(D) + eps))`` (the route op's ``source_scale``, which gets no
-gradient) and carry a learned logit bias per site and basis.
+``min(rho, rms(C) / (rms(D) + eps))`` and carry a learned logit bias per site and basis.
+A finished block's details are multiplied by their factor once, when the block closes; the
+partial block's, whose factor changes at every site, through the route op's
+``source_scale`` (no gradient to the factor either way).
+
+By default the sites of a block route as Block AttnRes's two-phase computation
+(``attnres.TwoPhasePlan``): phase 1 reads the finished blocks' summaries and details once
+per block (three ``route_many`` calls, one per list: a detail bias is the same for a whole
+list, so it is added in phase 2), phase 2 merges them with the partial block per site
+(``merge_routes``). ``two_phase=False`` routes every site over all its sources.
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..analysis import Site
-from ..ops import route
-from .attnres import AttnResOptions, BlockReadout, BlockRouter, DepthQuery, default_block_size
+from ..ops import merge_partial, merge_routes, route
+from .attnres import (
+    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, TwoPhasePlan, block_place, default_block_size,
+    initial_block_state, two_phase_plan,
+)
 from .base import Scheme, State
 
 
@@ -33,6 +44,9 @@ class WavOptions(AttnResOptions):
     rho: float = 2.0  # cap of the detail RMS-matching factor (SPEC 5, our choice)
     detail_bias_init: float = -2.0  # initial logit bias of every detail source
     details: bool = True  # False: exactly block_attnres (same routers, same parameters)
+    # the two-phase computation of Block AttnRes (attnres.TwoPhasePlan), per source list
+    two_phase: bool = True
+    recompute: bool = True  # two-phase: the backward recomputes phase 1
 
 
 def rms_match(summary: torch.Tensor, detail: torch.Tensor, rho: float, eps: float) -> torch.Tensor:
@@ -46,43 +60,85 @@ def rms_match(summary: torch.Tensor, detail: torch.Tensor, rho: float, eps: floa
     return torch.clamp(rms(summary) / (rms(detail) + eps), max=rho)
 
 
-class WavRouter(DepthQuery):
-    """A WAV site. State: ``(e, completed, partial)``; ``completed`` holds one
-    ``(C, Dphase, Dsplit, scale_phase, scale_split)`` per finished block (the detached
-    matching factors are fixed once the block is finished), ``partial`` is ``None`` or
-    ``(P, Pphase, Psplit)``. ``detail_bias`` = (phase bias, split bias)."""
+class _PlanMember(DepthQuery):
+    """A WAV router that may belong to a :class:`TwoPhasePlan` (its ``group`` and
+    ``position``); the state then carries the group's phase-1 result as a fourth entry."""
+
+    heads = 1
+    reads_details = True
+
+    def __init__(self, scheme: "WavScheme", group: int, position: int):
+        super().__init__(scheme)
+        # a plain attribute: the plan holds the other routers, which are not submodules of this one
+        self._plan, self.group, self.position = scheme.plan, group, position
+        if self._plan is not None:
+            self._plan.add(self, group, position)
+
+    def _first(self, state: State) -> tuple | None:
+        return state[3] if self._plan is not None else None
+
+
+class WavRouter(_PlanMember):
+    """A WAV site. State: ``(e, completed, partial[, phase 1])``; ``completed`` holds one
+    ``(C, ~Dphase, ~Dsplit)`` per finished block (the details RMS-matched when the block
+    closed: the detached factors are fixed from then on), ``partial`` is ``None`` or
+    ``(P, Pphase, Psplit)``. ``detail_bias`` = (phase bias, split bias).
+
+    Two-phase: phase 1 routes the summaries ``(e, C_0, ..)``, the phase details and the
+    split details of the completed blocks as three lists for all sites of the block; each
+    site merges the three results, its detail biases and its partial block's three sources
+    by softmax (:func:`merge_routes`)."""
 
     wants_parts = True
 
-    def __init__(self, scheme: "WavScheme", site: Site):
-        super().__init__(scheme)
+    def __init__(self, scheme: "WavScheme", site: Site, group: int, position: int):
+        super().__init__(scheme, group, position)
         self.detail_bias = scheme.param(2, fill=float(scheme.options.detail_bias_init))
         self.rho = float(scheme.options.rho)
         size = scheme.block_size
-        position = (site.index - 1) % size + 1
-        self.closes_block = position == size
-        self.split_sign = 1 if position <= math.ceil(size / 2) else -1
+        self.closes_block = position + 1 == size
+        self.split_sign = 1 if position + 1 <= math.ceil(size / 2) else -1
         self.kind, self.part_kinds = site.kind, site.parts
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        e, completed, partial = state
-        groups = list(completed)
+        e, completed, partial = state[:3]
+        first = self._first(state)
+        return self._route(e, completed, partial) if first is None else self._merge(first, partial)
+
+    def _route(self, e, completed, partial) -> torch.Tensor:
+        """Site by site: one route over every source."""
+        if not completed and partial is None:  # only e: one source, nothing to weigh
+            return self.route([e])
+        values = [e] + [t for block in completed for t in block]
+        scale = None
         if partial is not None:
             P, Pphase, Psplit = partial
-            groups.append((P, Pphase, Psplit, self._match(P, Pphase), self._match(P, Psplit)))
-        if not groups:  # only e: one source, nothing to weigh
-            return route([e], query=self.query, key_norm_weight=self.key_norm_weight, eps=self.eps)
-        values = [e] + [t for C, Dp, Ds, _, _ in groups for t in (C, Dp, Ds)]
-        one = torch.ones_like(groups[0][3])
-        scale = torch.stack([one] + [t for _, _, _, fp, fs in groups for t in (one, fp, fs)])
+            values += [P, Pphase, Psplit]
+            one = torch.ones(P.shape[:-1], dtype=torch.float32, device=P.device)
+            scale = torch.stack([one] * (len(values) - 2) + [self._match(P, Pphase), self._match(P, Psplit)])
         # logits: 0 for e and every summary, the learned bias for each detail
-        per_group = F.pad(self.detail_bias, (1, 0))
-        bias = torch.cat([per_group.new_zeros(1), per_group.repeat(len(groups))])
+        per_block = F.pad(self.detail_bias, (1, 0))
+        blocks = len(completed) + (partial is not None)
+        bias = torch.cat([per_block.new_zeros(1), per_block.repeat(blocks)])
         return route(values, query=self.query, key_norm_weight=self.key_norm_weight, logit_bias=bias,
                      source_scale=scale, eps=self.eps)
 
+    def _merge(self, first: tuple, partial) -> torch.Tensor:
+        """Two-phase: the phase-1 results of this site, plus its partial block."""
+        phase_bias, split_bias = self.detail_bias.unbind(0)
+        results = [(outs[self.position], lses[self.position], bias)
+                   for (outs, lses), bias in zip(first, (None, phase_bias, split_bias))]
+        sources = []
+        if partial is not None:
+            P, Pphase, Psplit = partial
+            sources = [(P, None, None), (Pphase, phase_bias, self._match(P, Pphase)),
+                       (Psplit, split_bias, self._match(P, Psplit))]
+        if len(results) == 1 and not sources:
+            return results[0][0]
+        return merge_routes(results, sources, query=self.query, key_norm_weight=self.key_norm_weight, eps=self.eps)
+
     def write(self, state: State, u, x, h, parts: tuple | None = None) -> State:
-        e, completed, partial = state
+        e, completed, partial = state[:3]
         phase = self._phase(u, parts)
         split = u if self.split_sign > 0 else -u
         if partial is None:
@@ -90,10 +146,13 @@ class WavRouter(DepthQuery):
         else:
             P, Pphase, Psplit = partial
             partial = (P + u, Pphase if phase is None else Pphase + phase, Psplit + split)
-        if self.closes_block:
-            P, Pphase, Psplit = partial
-            return e, completed + ((P, Pphase, Psplit, self._match(P, Pphase), self._match(P, Psplit)),), None
-        return e, completed, partial
+        if not self.closes_block:
+            return (e, completed, partial) + tuple(state[3:])
+        P, Pphase, Psplit = partial
+        completed = completed + ((P, self._matched(P, Pphase), self._matched(P, Psplit)),)
+        if self._plan is None:
+            return e, completed, None
+        return e, completed, None, first_phase(self._plan, self.group + 1, e, completed)
 
     def _phase(self, u: torch.Tensor, parts: tuple | None) -> torch.Tensor | None:
         """``a_i u_i``; ``None`` for a parallel site whose parts the graph does not expose (0)."""
@@ -109,17 +168,39 @@ class WavRouter(DepthQuery):
     def _match(self, summary: torch.Tensor, detail: torch.Tensor) -> torch.Tensor:
         return rms_match(summary, detail, self.rho, self.eps)
 
+    def _matched(self, summary: torch.Tensor, detail: torch.Tensor) -> torch.Tensor:
+        """``~D``: the detail times its detached matching factor, in the detail's dtype."""
+        return (detail * self._match(summary, detail).unsqueeze(-1)).to(detail.dtype)
+
     def extra_repr(self) -> str:
         return f"kind={self.kind}, split_sign={self.split_sign:+d}, closes_block={self.closes_block}"
 
 
-class WavReadout(DepthQuery):
+def first_phase(plan: TwoPhasePlan, group: int, e: torch.Tensor, completed: tuple) -> tuple | None:
+    """WAV's phase 1 for ``group``: the summaries ``(e, C_0, ..)``, then (when a router of
+    the group reads details and a block is complete) the phase and split details."""
+    summaries = (e,) + tuple(block[0] for block in completed)
+    if not completed or not any(r.reads_details for r in plan.groups.get(group, ())):
+        return plan.first_phase(group, summaries)
+    return plan.first_phase(group, summaries, tuple(b[1] for b in completed), tuple(b[2] for b in completed))
+
+
+class WavReadout(_PlanMember):
     """Conservative readout: ``{e, C_0, .., P}`` only, no details (SPEC 5)."""
 
+    reads_details = False
+
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        e, completed, partial = state
-        sources = [e] + [group[0] for group in completed] + ([] if partial is None else [partial[0]])
-        return self.route(sources)
+        e, completed, partial = state[:3]
+        first = self._first(state)
+        if first is None:
+            sources = [e] + [block[0] for block in completed] + ([] if partial is None else [partial[0]])
+            return self.route(sources)
+        outs, lses = first[0]
+        if partial is None:
+            return outs[self.position]
+        return merge_partial(outs[self.position], lses[self.position], partial[0], query=self.query,
+                             key_norm_weight=self.key_norm_weight, eps=self.eps)
 
 
 class WavScheme(Scheme):
@@ -129,7 +210,8 @@ class WavScheme(Scheme):
 
     Options: ``block_size`` (sites per block; default as block_attnres), ``rho`` (cap of
     the detached RMS-matching factor, 2.0), ``detail_bias_init`` (-2.0), ``details``
-    (False: exactly block_attnres), ``eps`` (key RMSNorm and matching, 1e-6). New
+    (False: exactly block_attnres), ``eps`` (key RMSNorm and matching, 1e-6),
+    ``two_phase`` (True) and ``recompute`` (True) as for block_attnres. New
     parameters: ``2 d (L + 1) + 2 L`` (``2 d (L + 1)`` with ``details=False``).
     """
 
@@ -149,17 +231,27 @@ class WavScheme(Scheme):
         if not isinstance(options.details, bool):
             raise ValueError(f"wav: details must be True or False, found {options.details!r}")
         self.block_size = size
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute)
 
     def init_state(self, e):
-        return ((e,), None) if not self.options.details else (e, (), None)
+        if not self.options.details:
+            return initial_block_state(e, self.plan)
+        if self.plan is None:
+            return e, (), None
+        return e, (), None, first_phase(self.plan, 0, e, ())
 
     def site_router(self, site: Site) -> nn.Module:
+        group, position = block_place(site.index, self.block_size)
         if not self.options.details:
-            return BlockRouter(self, closes_block=site.index % self.block_size == 0)
-        return WavRouter(self, site)
+            return BlockRouter(self, closes_block=site.index % self.block_size == 0, plan=self.plan, group=group,
+                               position=position)
+        return WavRouter(self, site, group, position)
 
     def readout_router(self) -> nn.Module:
-        return WavReadout(self) if self.options.details else BlockReadout(self)
+        group, position = block_place(self.stream.num_sites + 1, self.block_size)
+        if not self.options.details:
+            return BlockReadout(self, plan=self.plan, group=group, position=position)
+        return WavReadout(self, group, position)
 
     def describe(self) -> dict:
         return {**super().describe(), "block_size": self.block_size}

@@ -104,8 +104,7 @@ def record_dar_streams(model: nn.Module, input_ids: torch.Tensor):
         model.train(was_training)
     if "state" not in seen:
         raise RuntimeError("stream similarity: the DAR readout did not run during the forward pass")
-    history, _partial = seen["state"]
-    return history
+    return seen["state"][0]  # (history, partial[, the two-phase plan's phase-1 result])
 
 
 def stream_similarity(model: nn.Module, input_ids: torch.Tensor, scheme: str = "") -> StreamSimilarity | None:

@@ -28,7 +28,7 @@ from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
 from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
 
 
-def _make(n, s, batch, d, heads, dtype, seed):
+def _make(n, s, batch, d, heads, dtype, seed, keys=False):
     gen = torch.Generator().manual_seed(seed)
     return dict(
         values=[torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(n)],
@@ -36,28 +36,31 @@ def _make(n, s, batch, d, heads, dtype, seed):
         queries=torch.randn(s, d, generator=gen) * 2.0 / d**0.5 * heads**0.5,
         key_norm_weights=torch.rand(s, d, generator=gen) + 0.5,
         heads=heads,
+        # separate keys (DAR), scaled unlike the values: the key statistic is the keys'
+        keys=[3.0 * torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(n)] if keys else None,
     )
 
 
-def _logits_f64(values, queries, weights, heads):
-    d = values[0].shape[-1]
-    norm = F.rms_norm(torch.stack(values), (d,), eps=1e-6).unflatten(-1, (heads, -1))  # (N, *batch, H, C)
+def _logits_f64(keys, queries, weights, heads):
+    d = keys[0].shape[-1]
+    norm = F.rms_norm(torch.stack(keys), (d,), eps=1e-6).unflatten(-1, (heads, -1))  # (N, *batch, H, C)
     per_query = (queries * weights).unflatten(-1, (heads, -1))  # (S, H, C)
     shape = (per_query.shape[0], 1) + (1,) * (norm.dim() - 3) + per_query.shape[1:]
     return (norm.unsqueeze(0) * per_query.reshape(shape)).sum(-1)  # (S, N, *batch, H)
 
 
 def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
-    """Outputs, lses and gradients (sources, queries, weights) in float64 for the loss
+    """Outputs, lses and gradients (sources, queries, weights, then keys if any) in float64 for the loss
     ``sum_s <grad_out_s, out_s> + <grad_lse_s, lse_s>``. With ``saved_out`` the gradients are
     the one-pass backward's given that saved output: the term ``sum_i c_i z_i`` with the
     constant ``c_i = -a_i <g, saved_out - out>`` (per query and head) shifts the logits'
     gradient by exactly that difference."""
     values = [v.detach().double().requires_grad_() for v in inp["values"]]
+    keys = [k.detach().double().requires_grad_() for k in inp["keys"] or ()]
     queries = inp["queries"].double().requires_grad_()
     weights = inp["key_norm_weights"].double().requires_grad_()
     heads = inp["heads"]
-    z = _logits_f64(values, queries, weights, heads)
+    z = _logits_f64(keys or values, queries, weights, heads)
     a = torch.softmax(z, dim=1)
     out = (a.unsqueeze(-1) * torch.stack(values).unflatten(-1, (heads, -1)).unsqueeze(0)).sum(1).flatten(-2)
     lse = torch.logsumexp(z, dim=1)
@@ -66,7 +69,7 @@ def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
     if saved_out is not None:
         diff = (g * (torch.stack([t.double() for t in saved_out]) - out.detach())).unflatten(-1, (heads, -1)).sum(-1)
         loss = loss + (-(a.detach() * diff.unsqueeze(1)) * z).sum()
-    grads = torch.autograd.grad(loss, [*values, queries, weights])
+    grads = torch.autograd.grad(loss, [*values, queries, weights, *keys])
     return out.detach(), lse.detach(), list(grads)
 
 
@@ -74,14 +77,16 @@ def _run(inp, dtype, seed, config=None):
     gen = torch.Generator().manual_seed(seed + 1)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     values = [dev(v) for v in inp["values"]]
+    keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
     out, lse = route_many_triton.route_many_forward(values, dev(inp["queries"]), dev(inp["key_norm_weights"]),
-                                                    inp["heads"], 1e-6, config)
+                                                    inp["heads"], 1e-6, config, keys=keys)
     grad_out = [torch.randn(o.shape, generator=gen).to(dtype) for o in out]
     grad_lse = [torch.randn(t.shape, generator=gen) for t in lse]
-    grads = route_many_triton.route_many_backward(
+    grad_v, grad_k, grad_q, grad_w = route_many_triton.route_many_backward(
         [dev(g) for g in grad_out], [dev(g) for g in grad_lse], out, lse, values, dev(inp["queries"]),
-        dev(inp["key_norm_weights"]), inp["heads"], 1e-6, config)
-    flat = [*grads[0], grads[1], grads[2]]
+        dev(inp["key_norm_weights"]), inp["heads"], 1e-6, config, keys=keys)
+    assert len(grad_k) == (0 if keys is None else len(keys))
+    flat = [*grad_v, grad_q, grad_w, *grad_k]  # the oracle's order
     return [o.cpu() for o in out], [t.cpu() for t in lse], [t.cpu() for t in flat], grad_out, grad_lse
 
 
@@ -97,11 +102,15 @@ CASES = [
 ]
 
 
+#: with separate keys (DAR's phase 1): a few of the shapes above
+KEY_CASES = [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,s,batch,d,heads", CASES)
-def test_route_many_kernels_match_float64(n, s, batch, d, heads, dtype):
+@pytest.mark.parametrize("n,s,batch,d,heads,keys", [c + (False,) for c in CASES] + [c + (True,) for c in KEY_CASES])
+def test_route_many_kernels_match_float64(n, s, batch, d, heads, keys, dtype):
     seed = n * 100 + s
-    inp = _make(n, s, batch, d, heads, dtype, seed)
+    inp = _make(n, s, batch, d, heads, dtype, seed, keys)
     out, lse, grads, grad_out, grad_lse = _run(inp, dtype, seed)
     exact_out, exact_lse, exact_grads = _oracle_f64(inp, grad_out, grad_lse)
     tol = TOL[dtype]
@@ -111,9 +120,11 @@ def test_route_many_kernels_match_float64(n, s, batch, d, heads, dtype):
         assert t.dtype == torch.float32 and (t.double() - e).abs().max().item() < 1e-4
     _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=out)
     names = [f"values[{i}]" for i in range(n)] + ["queries", "key_norm_weights"]
+    names += [f"keys[{i}]" for i in range(n)] if keys else []
+    assert len(grads) == len(oracle) == len(names)
     for name, got, want in zip(names, grads, oracle):
         # activation gradients are returned in the activation dtype, parameter gradients in fp32
-        limit = tol if name.startswith("values") else 1e-5
+        limit = 1e-5 if name in ("queries", "key_norm_weights") else tol
         assert _rel(got, want) < limit, (name, _rel(got, want))
     if dtype == torch.float32:
         for name, got, want in zip(names, grads, exact_grads):
@@ -139,21 +150,26 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("config", VARIANTS)
-@pytest.mark.parametrize("n,s,batch,d,heads", [(1, 3, (5,), 24, 1), (9, 6, (5,), 100, 1), (3, 5, (3,), 48, 3)])
-def test_kernel_variants_match_float64(n, s, batch, d, heads, config):
+@pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
+                                                     (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True)])
+def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
     """The backward kernel not chosen by default at these widths (per-token) and other tile
     sizes of the tiled one, with odd token counts (partial tiles), in bf16: outputs and
     log-sum-exps against float64, gradients against the float64 oracle that uses the saved
-    output."""
+    output. The per-token kernel does not take keys: asked for with keys, it is refused."""
     dtype = torch.bfloat16
-    inp = _make(n, s, batch, d, heads, dtype, 7)
+    inp = _make(n, s, batch, d, heads, dtype, 7, keys)
+    if keys and config["backward"] == "per_token":
+        with pytest.raises(ValueError, match="'per_token' does not take separate `keys`"):
+            _run(inp, dtype, 7, config=config)
+        return
     out, lse, grads, grad_out, grad_lse = _run(inp, dtype, 7, config=config)
     exact_out, exact_lse, _ = _oracle_f64(inp, grad_out, grad_lse)
     assert all(_rel(o, e) < TOL[dtype] for o, e in zip(out, exact_out.unbind(0)))
     assert all((t.double() - e).abs().max().item() < 1e-4 for t, e in zip(lse, exact_lse.unbind(0)))
     _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=out)
     for k, (got, want) in enumerate(zip(grads, oracle)):
-        limit = TOL[dtype] if k < n else 1e-5
+        limit = 1e-5 if k in (n, n + 1) else TOL[dtype]  # queries, key-norm weights: fp32
         assert _rel(got, want) < limit, (k, _rel(got, want))
 
 
@@ -188,7 +204,8 @@ def test_one_source_without_lse_gradient_gives_exactly_zero_parameter_gradients(
     grad_out = [torch.randn_like(o) for o in out]
     grads = route_many_triton.route_many_backward(grad_out, [torch.zeros_like(t) for t in lse], out, lse, values,
                                                   q, w, 2, 1e-6)
-    assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0
+    assert grads[1] == []  # no keys
+    assert torch.count_nonzero(grads[2]) == 0 and torch.count_nonzero(grads[3]) == 0
     torch.testing.assert_close(grads[0][0], sum(grad_out), rtol=1e-6, atol=1e-6)
 
 

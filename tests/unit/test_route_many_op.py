@@ -1,5 +1,6 @@
-"""depthrewrite::route_many, route_many_backward and merge_partial against route, the
-reference and autograd (the two-phase Block AttnRes computation, SPEC section 3)."""
+"""depthrewrite::route_many, route_many_backward, merge_partial and merge_routes against
+route, the reference and autograd (the two-phase Block AttnRes computation, SPEC section 3,
+and WAV's, section 5)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from depthrewrite.ops import merge_partial, route, route_many, route_many_reference
+from depthrewrite.ops import merge_partial, merge_routes, route, route_many, route_many_reference
 from depthrewrite.ops.route import route_logits_reference
 
 
@@ -93,16 +94,107 @@ OPCHECK_CASES = [
 def test_opcheck_route_many(case):
     inp = make_inputs(case, torch.float32).cast(torch.float32, torch.float32, requires_grad=True)
     torch.library.opcheck(torch.ops.depthrewrite.route_many.default,
-                          (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6))
+                          (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6, None))
 
 
 @pytest.mark.parametrize("case", [OPCHECK_CASES[1], OPCHECK_CASES[3], OPCHECK_CASES[4]], ids=repr)
 def test_opcheck_route_many_backward(case):
     inp = make_inputs(case, torch.float32)
-    fwd = (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6)
+    fwd = (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6, None)
     out, lse = torch.ops.depthrewrite.route_many(*fwd)
     grad_out, grad_lse = random_like(out, seed=1), random_like(lse, seed=2)
     torch.library.opcheck(torch.ops.depthrewrite.route_many_backward.default, (grad_out, grad_lse, out, lse, *fwd))
+
+
+# ------------------------------------------------------------ separate keys (DAR)
+
+KEY_CASES = [Case(1, 2, (3,), 8, heads=1), Case(3, 3, (2, 3), 8, heads=2), Case(4, 2, (), 12, heads=3)]
+
+
+def _keys(case: Case, dtype, seed) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*case.batch, case.d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(case.n)]
+
+
+@pytest.mark.parametrize("case", KEY_CASES, ids=repr)
+def test_keys_each_row_is_route_with_those_keys(case):
+    """With keys, row s is ``route(values, keys, query_s)``: outputs and every gradient
+    (values, keys, queries, key-norm weights; lse's gradient included), float64; the
+    value and key gradients come back separately."""
+    base = make_inputs(case, torch.float64, seed=30)
+    keys = _keys(case, torch.float64, seed=31)
+    results = []
+    for many in (True, False):
+        inp = base.cast(torch.float64, torch.float64, True)
+        k = [t.clone().requires_grad_() for t in keys]
+        if many:
+            out, lse = route_many(inp.values, k, **inp.kwargs())
+            used = out + lse
+        else:
+            used = [route(inp.values, k, query=inp.queries[s], key_norm_weight=inp.key_norm_weights[s],
+                          heads=case.heads) for s in range(case.s)]
+            # route's lse is a saved statistic: the real log-sum-exp from the logits
+            used += [torch.logsumexp(route_logits_reference(inp.values, k, query=inp.queries[s],
+                                                            key_norm_weight=inp.key_norm_weights[s],
+                                                            heads=case.heads), dim=0) for s in range(case.s)]
+        grads_out = random_like(used, seed=32)
+        results.append((used, torch.autograd.grad(used, inp.leaves() + k, grads_out)))
+    (many_out, many_grads), (route_out, route_grads) = results
+    assert_all_rel([t.detach() for t in many_out], [t.detach() for t in route_out], 1e-12)
+    assert_all_rel(list(many_grads), list(route_grads), 1e-12)
+    # the keys really give the logits: routing the values alone differs
+    alone, _ = route_many(base.values, **base.kwargs())
+    if case.n > 1:
+        assert all((a - m).abs().max() > 1e-3 for a, m in zip(alone, many_out))
+
+
+@pytest.mark.parametrize("case", KEY_CASES[1:], ids=repr)
+def test_keys_opcheck_and_gradcheck(case):
+    inp = make_inputs(case, torch.float64, seed=33).cast(torch.float64, torch.float64, requires_grad=True)
+    keys = [k.requires_grad_() for k in _keys(case, torch.float64, seed=34)]
+    fwd = (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6, keys)
+    torch.library.opcheck(torch.ops.depthrewrite.route_many.default, fwd)
+    out, lse = torch.ops.depthrewrite.route_many(*fwd)
+    grads = (random_like(out, seed=35), random_like(lse, seed=36))
+    plain = (inp.values, inp.queries, inp.key_norm_weights, keys)
+    values, queries, weights, plain_keys = ([t.detach() for t in x] if isinstance(x, list) else x.detach()
+                                            for x in plain)
+    torch.library.opcheck(torch.ops.depthrewrite.route_many_backward.default,
+                          (*grads, [o.detach() for o in out], [t.detach() for t in lse], values, queries, weights,
+                           case.heads, 1e-6, plain_keys))
+    n = case.n
+
+    def f(*flat):
+        out, lse = route_many(list(flat[:n]), list(flat[n + 2:]), queries=flat[n], key_norm_weights=flat[n + 1],
+                              heads=case.heads)
+        return (*out, *lse)
+
+    assert torch.autograd.gradcheck(f, tuple(inp.leaves() + keys), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", KEY_CASES, ids=repr)
+def test_merge_partial_with_a_key_is_route_with_keys(case):
+    """DAR's second phase: the partial's logit from its own key."""
+    base = make_inputs(case, torch.float64, seed=37)
+    keys = _keys(case, torch.float64, seed=38)
+    partial, partial_key = _partial(case, torch.float64, 39), _partial(case, torch.float64, 40)
+    out, lse = route_many(base.values, keys, **base.kwargs())
+    for s in range(case.s):
+        kw = dict(query=base.queries[s], key_norm_weight=base.key_norm_weights[s], heads=case.heads)
+        merged = merge_partial(out[s], lse[s], partial, partial_key=partial_key, **kw)
+        assert_rel(merged, route(base.values + [partial], keys + [partial_key], **kw), 1e-12)
+        assert (merged - merge_partial(out[s], lse[s], partial, **kw)).abs().max() > 1e-3  # the key is used
+    with pytest.raises(ValueError, match=r"^merge_partial: `partial_key` must be shaped like out"):
+        merge_partial(out[0], lse[0], partial, partial_key=partial_key[..., :4], query=base.queries[0],
+                      key_norm_weight=base.key_norm_weights[0], heads=case.heads)
+
+
+def test_keys_must_match_the_values():
+    inp = make_inputs(Case(3, 2, (2, 5), 8), torch.float32)
+    for keys, found in ((inp.values[:2], r"`keys` must be 3 tensors"), ([v.double() for v in inp.values],
+                                                                      r"`keys\[0\]` must be like values\[0\]")):
+        with pytest.raises(ValueError, match=rf"^route_many: {found}"):
+            route_many(inp.values, keys, **inp.kwargs())
 
 
 # ---------------------------------------------------------------------- gradcheck
@@ -236,9 +328,11 @@ def test_backward_op_matches_autograd_through_reference_float64(case):
     ref_grads = torch.autograd.grad(ref_out + ref_lse, inp.leaves(), grad_out + grad_lse)
 
     # the backward op called directly
-    out, lse = torch.ops.depthrewrite.route_many(base.values, base.queries, base.key_norm_weights, case.heads, 1e-6)
-    grad_values, grad_queries, grad_weights = torch.ops.depthrewrite.route_many_backward(
-        grad_out, grad_lse, out, lse, base.values, base.queries, base.key_norm_weights, case.heads, 1e-6)
+    out, lse = torch.ops.depthrewrite.route_many(base.values, base.queries, base.key_norm_weights, case.heads, 1e-6,
+                                                 None)
+    grad_values, grad_keys, grad_queries, grad_weights = torch.ops.depthrewrite.route_many_backward(
+        grad_out, grad_lse, out, lse, base.values, base.queries, base.key_norm_weights, case.heads, 1e-6, None)
+    assert grad_keys == []  # no keys: the key gradient is in the values' gradient
     assert_all_rel([*grad_values, grad_queries, grad_weights], list(ref_grads), 1e-12)
 
     # and through route_many's autograd
@@ -247,9 +341,9 @@ def test_backward_op_matches_autograd_through_reference_float64(case):
     grads = torch.autograd.grad(out + lse, inp.leaves(), grad_out + grad_lse)
     assert_all_rel(list(grads), list(ref_grads), 1e-12)
     # lse's gradient takes part: without it the op's gradients differ
-    _, grad_q_no_lse, _ = torch.ops.depthrewrite.route_many_backward(
+    _, _, grad_q_no_lse, _ = torch.ops.depthrewrite.route_many_backward(
         grad_out, [torch.zeros_like(t) for t in lse], out, lse, base.values, base.queries, base.key_norm_weights,
-        case.heads, 1e-6)
+        case.heads, 1e-6, None)
     assert (grad_q_no_lse - ref_grads[-2]).abs().max() > 1e-3
 
 
@@ -320,6 +414,91 @@ def test_merge_partial_gradients_match_route_over_sources_and_partial(case):
     assert_all_rel(list(grads), list(ref_grads), 1e-12)
 
 
+# ------------------------------------------------------------------ merge_routes
+
+#: (sources per group, groups with a bias, extra sources: (has bias, has scale))
+MERGE_ROUTES_CASES = [
+    (Case(4, 3, (3, 5), 8, heads=1), (1, 2, 1), (False, True, True), ((False, False), (True, True), (True, True))),
+    (Case(5, 2, (3, 5), 8, heads=4), (3, 2), (False, True), ((True, False),)),
+    (Case(1, 2, (7,), 12, heads=2), (1,), (False,), ((False, False), (True, True))),
+    (Case(3, 2, (2, 3), 8, heads=1), (1, 1, 1), (True, True, False), ()),
+]
+
+
+def _merge_routes_inputs(case, groups, group_bias, extras, dtype, requires_grad):
+    """(inp, the extra sources, per-group biases, per-extra (bias, scale)), all leaves."""
+    inp = make_inputs(case, dtype, seed=21).cast(dtype, dtype, requires_grad)
+    gen = torch.Generator().manual_seed(22)
+    extra = [torch.randn(*case.batch, case.d, generator=gen, dtype=dtype).requires_grad_(requires_grad)
+             for _ in extras]
+    biases = [torch.randn((), generator=gen, dtype=dtype).requires_grad_(requires_grad) if b else None
+              for b in group_bias]
+    extra_args = [(torch.randn((), generator=gen, dtype=dtype).requires_grad_(requires_grad) if b else None,
+                   torch.rand(case.batch, generator=gen, dtype=dtype) * 2 + 0.1 if sc else None) for b, sc in extras]
+    return inp, extra, biases, extra_args
+
+
+def _merge_routes_both(case, groups, group_bias, extras, dtype, requires_grad=False):
+    """merge_routes over route_many results per group, and route over all sources with
+    ``logit_bias`` and ``source_scale``, for every query; and the leaves."""
+    inp, extra, biases, extra_args = _merge_routes_inputs(case, groups, group_bias, extras, dtype, requires_grad)
+    starts = [sum(groups[:k]) for k in range(len(groups))]
+    per_group = [route_many(inp.values[a:a + n], **inp.kwargs()) for a, n in zip(starts, groups)]
+    zero = torch.zeros((), dtype=dtype)
+    bias = torch.stack([b if b is not None else zero for b, n in zip(biases, groups) for _ in range(n)]
+                       + [b if b is not None else zero for b, _ in extra_args])
+    one = torch.ones(case.batch, dtype=dtype)
+    scale = torch.stack([one] * case.n + [sc if sc is not None else one for _, sc in extra_args])
+    merged, routed = [], []
+    for s in range(case.s):
+        results = [(outs[s], lses[s], b) for (outs, lses), b in zip(per_group, biases)]
+        sources = [(v, b, sc) for v, (b, sc) in zip(extra, extra_args)]
+        q, w = inp.queries[s], inp.key_norm_weights[s]
+        merged.append(merge_routes(results, sources, query=q, key_norm_weight=w, heads=case.heads))
+        routed.append(route(inp.values + extra, query=q, key_norm_weight=w, logit_bias=bias, source_scale=scale,
+                            heads=case.heads))
+    leaves = inp.leaves() + extra + [b for b in biases if b is not None] + [b for b, _ in extra_args if b is not None]
+    return merged, routed, leaves, per_group[0][0]
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float64, 1e-12), (torch.float32, 2e-6)], ids=["f64", "f32"])
+@pytest.mark.parametrize("case, groups, group_bias, extras", MERGE_ROUTES_CASES, ids=repr)
+def test_merge_routes_is_route_over_every_source(case, groups, group_bias, extras, dtype, rel):
+    """Groups routed apart (each with a bias common to the group) and extra sources (with
+    a bias and a per-token scale) merged by softmax give route over all of them."""
+    merged, routed, _, first = _merge_routes_both(case, groups, group_bias, extras, dtype)
+    for m, r in zip(merged, routed):
+        assert m.dtype == dtype
+        assert_rel(m, r, rel)
+    # the other groups and sources take part: the result is not the first group's own
+    assert all((m - f).abs().max() > 1e-3 for m, f in zip(merged, first))
+
+
+@pytest.mark.parametrize("case, groups, group_bias, extras", MERGE_ROUTES_CASES, ids=repr)
+def test_merge_routes_gradients_match_route(case, groups, group_bias, extras):
+    merged, routed, leaves, _ = _merge_routes_both(case, groups, group_bias, extras, torch.float64, True)
+    grads_out = random_like(merged, seed=23)
+    got = torch.autograd.grad(merged, leaves, grads_out)
+    want = torch.autograd.grad(routed, leaves, grads_out)
+    assert_all_rel(list(got), list(want), 1e-11)
+
+
+@pytest.mark.parametrize("arg, change", [
+    (r"results\[1\] out", lambda r, s: r.__setitem__(1, (r[1][0][..., :4], r[1][1], None))),
+    ("lse", lambda r, s: r.__setitem__(0, (r[0][0], r[0][1][..., :1], None))),
+    (r"sources\[0\] value", lambda r, s: s.__setitem__(0, (s[0][0][:1], None, None))),
+    ("scale", lambda r, s: s.__setitem__(0, (s[0][0], None, torch.ones(3)))),
+    ("results", lambda r, s: r.clear()),
+])
+def test_merge_routes_bad_inputs_name_the_argument(arg, change):
+    out, lse = torch.randn(2, 3, 8), torch.randn(2, 3, 2)
+    results = [(out, lse, None), (out.clone(), lse.clone(), torch.zeros(()))]
+    sources = [(torch.randn(2, 3, 8), None, torch.ones(2, 3))]
+    change(results, sources)
+    with pytest.raises(ValueError, match=rf"^merge_routes: (a source's )?`{arg}` must"):
+        merge_routes(results, sources, query=torch.randn(8), key_norm_weight=torch.ones(8), heads=2)
+
+
 # ------------------------------------------------------------------ input checks
 
 
@@ -386,7 +565,7 @@ def test_non_contiguous_sources_get_the_layout_the_op_declares(op):
     (compile-time) implementations must declare the same layout."""
     values = [torch.randn(8, 3).t() for _ in range(2)]  # (3, 8), strides (1, 3)
     if op == "route_many":
-        args = (values, torch.randn(2, 8), torch.rand(2, 8) + 0.5, 1, 1e-6)
+        args = (values, torch.randn(2, 8), torch.rand(2, 8) + 0.5, 1, 1e-6, None)
     else:
         args = (values, None, torch.randn(8), torch.rand(8) + 0.5, None, None, 1, 1e-6)
     torch.library.opcheck(getattr(torch.ops.depthrewrite, op).default, args)

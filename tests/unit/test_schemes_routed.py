@@ -75,12 +75,12 @@ def test_mhar_one_head_equals_attnres(cfg, block_size, two_phase):
 
 
 @FEW
-@given(cfg=models, block_size=st.sampled_from([1, 2, 3]))
-def test_wav_without_details_equals_block_attnres(cfg, block_size):
+@given(cfg=models, block_size=st.sampled_from([1, 2, 3]), two_phase=st.booleans())
+def test_wav_without_details_equals_block_attnres(cfg, block_size, two_phase):
     seed = cfg.pop("seed")
-    # bit-identical to Block AttnRes routed site by site (WAV has no two-phase form)
-    reference = rewrite(tiny(seed, **cfg), "block_attnres", block_size=block_size, two_phase=False)
-    model = rewrite(tiny(seed, **cfg), "wav", block_size=block_size, details=False)
+    # bit-identical to Block AttnRes computed the same way (site by site, or two-phase)
+    reference = rewrite(tiny(seed, **cfg), "block_attnres", block_size=block_size, two_phase=two_phase)
+    model = rewrite(tiny(seed, **cfg), "wav", block_size=block_size, details=False, two_phase=two_phase)
     randomize_routing(reference)
     model.load_state_dict(reference.state_dict())
     ids = ids_for(seed)
@@ -108,12 +108,14 @@ TWO_PHASE_CASES = [("block_attnres", {}), ("block_attnres", {"block_size": 1}), 
 
 
 
-def _logits_and_grads(scheme, options, dtype, two_phase, recompute=False):
-    model = rewrite(tiny(n_layer=3).to(dtype), scheme, two_phase=two_phase, recompute=recompute, **options)
+def _logits_and_grads(scheme, options, dtype, two_phase, recompute=False, **model_options):
+    model = rewrite(tiny(**model_options).to(dtype), scheme, two_phase=two_phase, recompute=recompute, **options)
     randomize_routing(model)
     logits = model(ids_for())
     loss = (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=dtype)).sum()
-    return [logits, *torch.autograd.grad(loss, list(model.parameters()))], model
+    # a parameter that never reaches the output (WAV's first site: only e, no detail) gets zeros
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True, materialize_grads=True)
+    return [logits, *grads], model
 
 
 @pytest.mark.parametrize("scheme,options", TWO_PHASE_CASES)
@@ -142,6 +144,78 @@ def test_two_phase_equals_routing_site_by_site(scheme, options, monkeypatch):
     for a, b in zip(single, truth):
         # a query that only ever sees one source has exactly zero gradient (weight 1 always)
         assert ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() < 2e-5
+
+
+@pytest.mark.parametrize("block_size,parallel,phase_one_sources", [
+    # (sources of each route_many call in the forward: group 0 routes e; each closed block
+    # adds a call per list, summaries / phase details / split details; a group holding only
+    # the readout routes the summaries alone, the readout reading no details)
+    (2, False, [1, 2, 1, 1, 3, 2, 2, 4]),
+    (4, False, [1, 2, 1, 1]),  # the last block is unfinished and holds the readout
+    (1, True, [1, 2, 1, 1, 3, 2, 2, 4]),  # parallel blocks: one site per layer
+])
+def test_wav_two_phase_equals_routing_site_by_site(block_size, parallel, phase_one_sources, monkeypatch):
+    """WAV's two-phase computation (three route_many lists per block, detail biases and the
+    partial block merged per site by merge_routes) is the same function as one route per
+    site over every source: logits and every parameter gradient, detail biases included,
+    in float64; in float32 both are equally close to the float64 result."""
+    from depthrewrite.passes import attnres
+
+    calls = []
+    real = attnres.route_many
+    monkeypatch.setattr(attnres, "route_many",
+                        lambda values, keys=None, **k: calls.append(len(values)) or real(values, keys, **k))
+    options = {"block_size": block_size}
+    truth, one_phase = _logits_and_grads("wav", options, torch.float64, False, parallel_block=parallel)
+    assert calls == []
+    exact, two_phase = _logits_and_grads("wav", options, torch.float64, True, parallel_block=parallel)
+    assert calls == phase_one_sources
+    assert list(two_phase.state_dict()) == list(one_phase.state_dict())  # no parameter added or renamed
+    names = [n for n, _ in two_phase.named_parameters()]
+    bias_grads = [g for n, g in zip(names, exact[1:]) if n.endswith("detail_bias")]
+    # the biases are trained through phase 2: every site's but the first's (it routes e alone)
+    assert len(bias_grads) == 6 // (2 if parallel else 1) and all(g.abs().min() > 0 for g in bias_grads[1:])
+    for a, b in zip(exact, truth):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    single, _ = _logits_and_grads("wav", options, torch.float32, True, parallel_block=parallel)
+    for a, b in zip(single, truth):
+        assert ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() < 2e-5
+
+
+@pytest.mark.parametrize("variant", ["dar", "selfkv", "crossv", "fixedkv"])
+@pytest.mark.parametrize("layers_per_block,parallel", [(1, False), (2, False), (2, True)])
+def test_dar_two_phase_equals_routing_site_by_site(variant, layers_per_block, parallel, monkeypatch):
+    """DAR's two-phase computation (per DAR block, one route_many per stream with the
+    variant's keys; each site merges the partial entries) is the same function as routing
+    every site over all entries: logits and every parameter gradient in float64; float32
+    as close to it as site by site."""
+    from depthrewrite.passes import attnres
+    from depthrewrite.passes.dar import VARIANTS
+
+    calls = []
+    real = attnres.route_many
+    monkeypatch.setattr(attnres, "route_many", lambda values, keys=None, **k: calls.append(
+        (len(values), keys is not None)) or real(values, keys, **k))
+    options = {"variant": variant, "layers_per_block": layers_per_block}
+    truth, one_phase = _logits_and_grads("dar", options, torch.float64, False, parallel_block=parallel)
+    assert calls == []
+    exact, two_phase = _logits_and_grads("dar", options, torch.float64, True, parallel_block=parallel)
+    # 3 layers: phase 1 for each DAR block (its first: e alone), the readout's group last
+    # (its own when the last block closed); both streams each time, keys where they differ
+    blocks = -(-3 // layers_per_block) + (3 % layers_per_block == 0)
+    keyed = [VARIANTS[variant](j)[0] != VARIANTS[variant](j)[1] for j in (0, 1)]
+    assert calls == [(b + 1, keyed[j]) for b in range(blocks) for j in (0, 1)]
+    assert list(two_phase.state_dict()) == list(one_phase.state_dict())
+    for a, b in zip(exact, truth):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # float32: DAR's scalar gradients (mix, transport) cancel heavily, so site by site is
+    # itself up to ~3e-5 off (relative L2 per tensor, measured); two-phase rounds in other
+    # places (its phase-1 result is stored): its worst tensor within 4x of site by site's
+    errors = {}
+    for two in (False, True):
+        single, _ = _logits_and_grads("dar", options, torch.float32, two, parallel_block=parallel)
+        errors[two] = max(((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(single, truth))
+    assert errors[True] <= 4 * errors[False] and errors[True] < 1e-4, errors
 
 
 def _saved_bytes(fn):
@@ -333,7 +407,7 @@ def test_dar_streams_differ_after_one_forward_at_init():
     ids = ids_for()
     with torch.no_grad():
         got = model(ids)
-        (h0, h1), partial = seen[0]
+        (h0, h1), partial = seen[0][:2]  # (a third entry: the two-phase plan's phase-1 result)
         assert partial is None and len(h0) == len(h1) == 4  # e + one entry per layer
         assert torch.equal(h0[0], h1[0])  # both start from e
         for a, b in zip(h0[1:], h1[1:]):

@@ -67,8 +67,8 @@ CONFIGS = {
     # the same with the two-phase computation (off by default for MHAR: slower with 16 heads)
     "mhar_block_2p": ("mhar", {"block_size": 6, "two_phase": True}, None),
     "wav": ("wav", {}, 0.90),
-    # WAV and DAR routed site by site (two-phase is their default since session 7)
-    "wav_1p": ("wav", {"two_phase": False}, None),
+    # WAV two-phase (off by default: slower), DAR site by site (two-phase is its default)
+    "wav_2p": ("wav", {"two_phase": True}, None),
     "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
     "dar_block_1p": ("dar", {"layers_per_block": 3, "two_phase": False}, None),
     "attnres": ("attnres", {}, 0.80),

@@ -9,6 +9,12 @@ of ``add`` nodes (see :mod:`depthrewrite.sum_fences`). Where a term comes straig
 running sum and writes running sum plus its gradient, added in float32 and rounded once,
 in place of the fresh gradient it wrote before. The same bytes as writing the term and
 reading it back in a separate sum, with no sum kernels and no term kept waiting.
+
+Only calls with at most ``MAX_HEADS`` heads are rewritten: with MHAR's 16 heads the fused
+backward with running sums measured twice as slow (H200, 350M GPT, full MHAR: routing
+kernels 78.3 ms a step against 38.6 ms without, step 154.5 ms against 139.1 ms;
+docs/benchmarks.md, session 7), more than the sum kernels it saves; with one head it is
+the faster choice (full AttnRes, DAR, WAV, session 6).
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ __all__ = ["accumulate_into_route_backward"]
 #: route_backward's outputs that are per-source gradient lists, and the argument that takes
 #: each one's running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
+#: the most heads of a route_backward call that gets running sums (module docstring)
+MAX_HEADS = 1
+#: position of ``heads`` in route_backward's arguments
+_HEADS_ARG = 9
 
 
 def _route_gradient(node: fx.Node) -> tuple[fx.Node, int, int] | None:
@@ -38,7 +48,13 @@ def _route_gradient(node: fx.Node) -> tuple[fx.Node, int, int] | None:
     call, which = group.args
     if not (isinstance(call, fx.Node) and call.target is torch.ops.depthrewrite.route_backward.default):
         return None
+    if _heads(call) > MAX_HEADS:
+        return None
     return (call, which, source) if which in _ACC_ARG else None
+
+
+def _heads(call: fx.Node) -> int:
+    return call.args[_HEADS_ARG] if len(call.args) > _HEADS_ARG else call.kwargs["heads"]
 
 
 def _source_count(call: fx.Node, which: int) -> int:
@@ -47,9 +63,10 @@ def _source_count(call: fx.Node, which: int) -> int:
 
 
 def accumulate_into_route_backward(graph: fx.Graph) -> int:
-    """Rewrite every ``add(running_sum, route_backward(...)[g][i])`` that can be (the term
-    has no other user, the running sum is defined before the call and has the term's
-    dtype, the call has no running sum for that source yet); returns how many."""
+    """Rewrite every ``add(running_sum, route_backward(...)[g][i])`` that can be (the call
+    has at most MAX_HEADS heads, the term has no other user, the running sum is defined
+    before the call and has the term's dtype, the call has no running sum for that source
+    yet); returns how many."""
     position = {node: k for k, node in enumerate(graph.nodes)}
     rewritten = 0
     for node in list(graph.nodes):

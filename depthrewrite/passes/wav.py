@@ -13,11 +13,15 @@ A finished block's details are multiplied by their factor once, when the block c
 partial block's, whose factor changes at every site, through the route op's
 ``source_scale`` (no gradient to the factor either way).
 
-By default the sites of a block route as Block AttnRes's two-phase computation
+With ``two_phase=True`` the sites of a block route as Block AttnRes's two-phase computation
 (``attnres.TwoPhasePlan``): phase 1 reads the finished blocks' summaries and details once
 per block (three ``route_many`` calls, one per list: a detail bias is the same for a whole
 list, so it is added in phase 2), phase 2 merges them with the partial block per site
-(``merge_routes``). ``two_phase=False`` routes every site over all its sources.
+(``merge_routes``). Same function; off by default because it measured slower (H200, 350M
+GPT, docs/benchmarks.md session 7: 133.8 ms a step against 127.0 site by site): each
+site's merge weighs three phase-1 results and the partial block's three sources, whose
+RMSNorms and softmax Inductor runs as separate kernels (+17 ms a step), more than phase 1
+saves.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ class WavOptions(AttnResOptions):
     rho: float = 2.0  # cap of the detail RMS-matching factor (SPEC 5, our choice)
     detail_bias_init: float = -2.0  # initial logit bias of every detail source
     details: bool = True  # False: exactly block_attnres (same routers, same parameters)
-    # the two-phase computation of Block AttnRes (attnres.TwoPhasePlan), per source list
-    two_phase: bool = True
+    # the two-phase computation of Block AttnRes (attnres.TwoPhasePlan), per source list;
+    # off by default: measured slower for WAV (its merge weighs six terms per site)
+    two_phase: bool = False
     recompute: bool = True  # two-phase: the backward recomputes phase 1
 
 
@@ -211,7 +216,8 @@ class WavScheme(Scheme):
     Options: ``block_size`` (sites per block; default as block_attnres), ``rho`` (cap of
     the detached RMS-matching factor, 2.0), ``detail_bias_init`` (-2.0), ``details``
     (False: exactly block_attnres), ``eps`` (key RMSNorm and matching, 1e-6),
-    ``two_phase`` (True) and ``recompute`` (True) as for block_attnres. New
+    ``two_phase`` (False: measured slower for WAV, see the module docstring) and
+    ``recompute`` (True) as for block_attnres. New
     parameters: ``2 d (L + 1) + 2 L`` (``2 d (L + 1)`` with ``details=False``).
     """
 

@@ -71,6 +71,8 @@ CONFIGS = {
     "wav_2p": ("wav", {"two_phase": True}, None),
     "dar_block": ("dar", {"layers_per_block": 3}, 0.88),
     "dar_block_1p": ("dar", {"layers_per_block": 3, "two_phase": False}, None),
+    # DAR two-phase keeping phase 1's outputs for the backward instead of recomputing them
+    "dar_block_keep": ("dar", {"layers_per_block": 3, "recompute": False}, None),
     "attnres": ("attnres", {}, 0.80),
     "mhar": ("mhar", {}, 0.78),
 }

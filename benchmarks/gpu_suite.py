@@ -326,13 +326,16 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
     return rows
 
 
-#: the phase-1 shapes of the e2e Block AttnRes and MHAR (tokens, d, completed blocks N, sites S, heads)
-BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1), (16384, 1024, 8, 6, 1), (16384, 1024, 4, 6, 16), (16384, 1024, 8, 6, 16),
-                      (16384, 2048, 4, 6, 1)]
+#: the phase-1 shapes of the e2e Block AttnRes, MHAR and DAR (tokens, d, completed blocks N,
+#: sites S, heads, separate keys: DAR's reciprocal keys)
+BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, False), (16384, 1024, 4, 6, 16, False),
+                      (16384, 1024, 8, 6, 16, False), (16384, 2048, 4, 6, 1, False), (16384, 1024, 4, 6, 1, True),
+                      (16384, 1024, 8, 6, 1, True)]
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
-BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}}
+BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}, "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
+                            "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
@@ -342,38 +345,45 @@ def block_phase_timing() -> list[dict]:
     """Phase 1 of two-phase Block AttnRes: ``route_many`` (S queries, each source read once)
     against S separate routes over the same N sources (what site-by-site routing costs for
     the completed blocks), both as kernels called directly, forward + backward, bf16. The
-    floor of route_many: forward N + S rows, backward N + 2S read and N written."""
+    floor of route_many: forward N + S rows, backward N + 2S read and N written (each N
+    twice with keys: values and keys read, both gradients written)."""
     from depthrewrite.kernels import route_many_triton
 
     rows = []
-    for tokens, d, n, s, heads in BLOCK_PHASE_SHAPES:
+    for tokens, d, n, s, heads, with_keys in BLOCK_PHASE_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + s)
         vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
+        keys = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] \
+            if with_keys else None
         q = torch.randn(s, d, device="cuda", generator=gen) / d**0.5
         w = torch.rand(s, d, device="cuda", generator=gen) + 0.5
         g = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(s)]
         gl = [torch.randn(tokens, heads, device="cuda", generator=gen) for _ in range(s)]
 
         with torch.no_grad():
-            saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6)
+            saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, keys=keys)
 
         def many_fwd(cfg=None):
-            return route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, cfg)
+            return route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, cfg, keys=keys)
 
         def many_bwd(cfg=None):
-            return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg)
+            return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg,
+                                                         keys=keys)
 
         def per_site():
             for j in range(s):
-                o, l, _ = route_triton.route_forward(vals, None, q[j], w[j], None, None, heads, 1e-6)
-                route_triton.route_backward(g[j], o, l, vals, None, q[j], w[j], None, None, heads, 1e-6)
+                o, l, _ = route_triton.route_forward(vals, keys, q[j], w[j], None, None, heads, 1e-6)
+                route_triton.route_backward(g[j], o, l, vals, keys, q[j], w[j], None, None, heads, 1e-6)
 
-        row = dict(tokens=tokens, d=d, n=n, s=s, heads=heads,
-                   floor=(2 * n + 3 * s + n) * tokens * d * 2 / HBM_BPS * 1e3)
+        m = 2 * n if with_keys else n  # source rows per token
+        row = dict(tokens=tokens, d=d, n=n, s=s, heads=heads, keys=with_keys,
+                   floor=(2 * m + 3 * s + m) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
             for part, fn, variants in (("fwd", many_fwd, BLOCK_PHASE_FWD_VARIANTS),
                                        ("bwd", many_bwd, BLOCK_PHASE_BWD_VARIANTS)):
                 for name, cfg in variants.items():
+                    if with_keys and cfg and cfg.get("backward") == "per_token":
+                        continue  # the per-token backward takes no keys
                     try:
                         row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:
@@ -385,7 +395,7 @@ def block_phase_timing() -> list[dict]:
         row["best_fwd"], row["best_bwd"] = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
         say("block-phase " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
-        del vals, g, gl, saved
+        del vals, keys, g, gl, saved
         torch.cuda.empty_cache()
     return rows
 
@@ -421,9 +431,9 @@ def scheme_check() -> list[dict]:
 
 def block_phase_table(rows) -> list[str]:
     lines = ["", "block phase 1 (fwd+bwd kernels, ms): route_many for S sites vs S routes over the same N sources",
-             "tokens  d    N  S  H | fwd    bwd    best   per_site floor | best/floor per_site/best  (best variants)"]
+             "tokens  d    N  S  H keys | fwd    bwd    best   per_site floor | best/floor per_site/best  (best variants)"]
     for r in rows:
-        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['s']:2d} {r['heads']:2d} | "
+        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['s']:2d} {r['heads']:2d} {'yes' if r['keys'] else ' no'}  | "
                      f"{r.get('many_fwd') or float('nan'):6.3f} "
                      f"{r.get('many_bwd') or float('nan'):6.3f} {r['many_best']:6.3f} {r['per_site']:6.3f} "
                      f"{r['floor']:6.3f} | {r['many_best'] / r['floor']:5.2f}      {r['per_site'] / r['many_best']:5.2f}"

@@ -270,6 +270,13 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
         if scale is not None and (not isinstance(scale, Tensor) or tuple(scale.shape) != tuple(value.shape[:-1])):
             raise ValueError(f"merge_routes: a source's `scale` must be None or of shape {tuple(value.shape[:-1])}; "
                              f"found {_describe(scale) if isinstance(scale, Tensor) else type(scale).__name__}")
+    for where, entries in (("results", results), ("sources", sources)):
+        for k, entry in enumerate(entries):
+            bias = entry[1] if where == "sources" else entry[2]
+            if bias is not None and not (isinstance(bias, Tensor) and bias.dim() == 0 and bias.is_floating_point()):
+                found = _describe(bias) if isinstance(bias, Tensor) else type(bias).__name__
+                raise ValueError(f"merge_routes: the bias of {where}[{k}] must be None or a floating-point "
+                                 f"scalar tensor; found {found}")
     first = results[0][0]
     dtype = _compute_dtype(first, query, key_norm_weight)
     logits, values = [], []

@@ -119,9 +119,11 @@ class TwoPhasePlan:
     partial sum by online softmax (``merge_partial``). Same function as one route per site
     (up to rounding: the phase-1 result is stored in the activation dtype).
 
-    WAV (passes/wav.py) uses the same plan with three source lists per block: the
-    summaries, and each detail basis, whose per-site logit bias is added in phase 2
-    (:func:`merge_routes`).
+    WAV (``two_phase=True``) and DAR use the same plan (design.md "Two-phase WAV and
+    DAR"): WAV with three source lists per block (the summaries and each detail basis,
+    whose per-site logit bias is added in phase 2 by :func:`merge_routes`), DAR with one
+    list per stream, its keys from the stream the variant names and one row of each
+    router's ``(2, d)`` query per list.
 
     The plan knows each group of routers (the sites of one block, then the readout, in
     order); the state carries the phase-1 result of the current group as a third entry,

@@ -489,13 +489,16 @@ def test_merge_routes_gradients_match_route(case, groups, group_bias, extras):
     (r"sources\[0\] value", lambda r, s: s.__setitem__(0, (s[0][0][:1], None, None))),
     ("scale", lambda r, s: s.__setitem__(0, (s[0][0], None, torch.ones(3)))),
     ("results", lambda r, s: r.clear()),
+    (None, lambda r, s: r.__setitem__(1, (r[1][0], r[1][1], 0.5))),  # a bias that is not a scalar tensor
+    (None, lambda r, s: s.__setitem__(0, (s[0][0], torch.zeros(1), None))),
 ])
 def test_merge_routes_bad_inputs_name_the_argument(arg, change):
     out, lse = torch.randn(2, 3, 8), torch.randn(2, 3, 2)
     results = [(out, lse, None), (out.clone(), lse.clone(), torch.zeros(()))]
     sources = [(torch.randn(2, 3, 8), None, torch.ones(2, 3))]
     change(results, sources)
-    with pytest.raises(ValueError, match=rf"^merge_routes: (a source's )?`{arg}` must"):
+    pattern = rf"^merge_routes: (a source's )?`{arg}` must" if arg else r"^merge_routes: the bias of \w+\[\d\] must"
+    with pytest.raises(ValueError, match=pattern):
         merge_routes(results, sources, query=torch.randn(8), key_norm_weight=torch.ones(8), heads=2)
 
 

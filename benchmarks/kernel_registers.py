@@ -1,4 +1,5 @@
-"""Registers and spills of the routing backward kernel for sm_90, on a machine without a GPU.
+"""Registers, spills and global memory instructions of the routing backward kernel for
+sm_90, on a machine without a GPU.
 
     python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH]
 
@@ -6,8 +7,12 @@ Compiles ``_route_bwd_kernel`` with the installed Triton for ``GPUTarget("cuda",
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
 without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), and runs ``ptxas -v``
 on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
-on H100/H200). The Triton and ptxas here are this machine's, not necessarily the device's:
-a lead, not a measurement of what the device runs. Prints one line per variant.
+on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
+Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
+global loads and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes,
+``ld.global.b16`` 2) are the ones the launch compiles. The Triton and ptxas here are this
+machine's, not necessarily the device's: a lead, not a measurement of what the device runs.
+Prints one line per variant.
 """
 
 from __future__ import annotations
@@ -57,12 +62,26 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     block_t = _tokens_per_program(row)  # as route_backward chooses
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False, HAS_ACC=has_acc)
-    names = inspect.signature(_route_bwd_kernel.fn).parameters
+    names = list(inspect.signature(_route_bwd_kernel.fn).parameters)
     signature = {n: ARG_TYPES.get(n, "constexpr") for n in names}
+    # what a launch specializes: 16-byte aligned pointers, widths divisible by 16
+    attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
+             if signature[n].startswith("*") or n in ("D", "C")}
     warps = _num_warps(block_t * row)
-    kernel = triton.compile(ASTSource(fn=_route_bwd_kernel, signature=signature, constexprs=constexprs),
+    kernel = triton.compile(ASTSource(fn=_route_bwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     return kernel.asm["ptx"], block_t, warps
+
+
+def memory_instructions(ptx: str) -> dict[str, int]:
+    """Global loads and stores of the PTX by kind (``ld.global.v4.b32``: 16 bytes each)."""
+    counts: dict[str, int] = {}
+    for line in ptx.splitlines():
+        words = line.split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+        if op.startswith(("ld.global", "st.global")):
+            counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def main() -> int:
@@ -81,7 +100,8 @@ def main() -> int:
             regs, spills = ptxas_report(ptx, args.ptxas)
             resident = 65536 // (regs * warps * 32)
             print(f"heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
-                  f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers")
+                  f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers; "
+                  f"global memory instructions {memory_instructions(ptx)}")
     return 0
 
 

@@ -19,7 +19,9 @@ backward, holding every term in memory until then); ``accumulate_grads`` (defaul
 :mod:`depthrewrite.grad_accumulation`: each ``route_backward`` adds its source gradients
 into the running sums instead of leaving a term to sum; measured on H200 at 350M, DAR
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
-less memory; MHAR full not compared yet: docs/benchmarks.md); every other key is an Inductor config
+less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default 1): only calls with at
+most that many heads get running sums (16-head MHAR measured slower with them); every
+other key is an Inductor config
 patch applied to this compilation only (``config_patches``, never a global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .grad_accumulation import MAX_HEADS
 from .kernels import implementation_for
 from .inductor_pass import backend_pass, rewrite_gradient_sums
 from .sum_fences import DEFAULT_MAX_TERMS, check_max_terms
@@ -75,6 +78,7 @@ class LoweringReport:
     max_sum_terms: int | None = DEFAULT_MAX_TERMS
     fences: dict[str, int] = dataclasses.field(default_factory=dict)
     accumulate_grads: bool = True
+    accumulate_max_heads: int = MAX_HEADS
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
@@ -213,7 +217,8 @@ def _pass_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, An
         return patches
 
     the_pass = backend_pass(report.max_sum_terms, report.accumulate_grads,
-                            then=patches.get("post_grad_custom_post_pass"), on_done=report.record_rewrites)
+                            then=patches.get("post_grad_custom_post_pass"), on_done=report.record_rewrites,
+                            accumulate_max_heads=report.accumulate_max_heads)
     return {**patches, "post_grad_custom_post_pass": the_pass}
 
 
@@ -227,7 +232,8 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
             return
         # the graph runs as it is: no Inductor pass, the same rewrites here
         report.compiling = kind
-        done = rewrite_gradient_sums(g.graph, report.max_sum_terms, report.accumulate_grads)
+        done = rewrite_gradient_sums(g.graph, report.max_sum_terms, report.accumulate_grads,
+                                     report.accumulate_max_heads)
         report.record_rewrites(*done)
         if any(done):
             g.recompile()
@@ -270,10 +276,15 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     if not isinstance(accumulate_grads, bool):
         raise ValueError(f"depthrewrite_backend: options['accumulate_grads'] must be True or False; "
                          f"found {accumulate_grads!r}")
+    max_heads = options.pop("accumulate_max_heads", MAX_HEADS)
+    if isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1:
+        raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int; "
+                         f"found {max_heads!r}")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
-                            max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads)
+                            max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
+                            accumulate_max_heads=max_heads)
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)

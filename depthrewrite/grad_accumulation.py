@@ -10,7 +10,8 @@ running sum and writes running sum plus its gradient, added in float32 and round
 in place of the fresh gradient it wrote before. The same bytes as writing the term and
 reading it back in a separate sum, with no sum kernels and no term kept waiting.
 
-Only calls with at most ``MAX_HEADS`` heads are rewritten: with MHAR's 16 heads the fused
+Only calls with at most ``max_heads`` heads are rewritten (backend option
+``accumulate_max_heads``, default ``MAX_HEADS`` = 1): with MHAR's 16 heads the fused
 backward with running sums measured twice as slow (H200, 350M GPT, full MHAR: routing
 kernels 78.3 ms a step against 38.6 ms without, step 154.5 ms against 139.1 ms;
 docs/benchmarks.md, session 7), more than the sum kernels it saves; with one head it is
@@ -31,13 +32,13 @@ __all__ = ["accumulate_into_route_backward"]
 #: route_backward's outputs that are per-source gradient lists, and the argument that takes
 #: each one's running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
-#: the most heads of a route_backward call that gets running sums (module docstring)
+#: the default most heads of a route_backward call that gets running sums (module docstring)
 MAX_HEADS = 1
 #: position of ``heads`` in route_backward's arguments
 _HEADS_ARG = 9
 
 
-def _route_gradient(node: fx.Node) -> tuple[fx.Node, int, int] | None:
+def _route_gradient(node: fx.Node, max_heads: int) -> tuple[fx.Node, int, int] | None:
     """``(route_backward call, output list, source)`` when ``node`` is
     ``route_backward(...)[list][source]`` for a per-source gradient list, else None."""
     if node.op != "call_function" or node.target is not operator.getitem:
@@ -48,7 +49,7 @@ def _route_gradient(node: fx.Node) -> tuple[fx.Node, int, int] | None:
     call, which = group.args
     if not (isinstance(call, fx.Node) and call.target is torch.ops.depthrewrite.route_backward.default):
         return None
-    if _heads(call) > MAX_HEADS:
+    if _heads(call) > max_heads:
         return None
     return (call, which, source) if which in _ACC_ARG else None
 
@@ -62,9 +63,9 @@ def _source_count(call: fx.Node, which: int) -> int:
     return len(values) if which == 0 else len(keys or ())
 
 
-def accumulate_into_route_backward(graph: fx.Graph) -> int:
+def accumulate_into_route_backward(graph: fx.Graph, max_heads: int = MAX_HEADS) -> int:
     """Rewrite every ``add(running_sum, route_backward(...)[g][i])`` that can be (the call
-    has at most MAX_HEADS heads, the term has no other user, the running sum is defined
+    has at most ``max_heads`` heads, the term has no other user, the running sum is defined
     before the call and has the term's dtype, the call has no running sum for that source
     yet); returns how many."""
     position = {node: k for k, node in enumerate(graph.nodes)}
@@ -73,7 +74,7 @@ def accumulate_into_route_backward(graph: fx.Graph) -> int:
         if not is_chain_add(node):
             continue
         for term, running in (node.args, node.args[::-1]):
-            found = _route_gradient(term)
+            found = _route_gradient(term, max_heads)
             if found is None or len(term.users) != 1:
                 continue
             call, which, source = found

@@ -17,25 +17,26 @@ from collections.abc import Callable
 from torch import fx
 
 from . import sum_fences
-from .grad_accumulation import accumulate_into_route_backward
+from .grad_accumulation import MAX_HEADS, accumulate_into_route_backward
 
 __all__ = ["backend_pass", "rewrite_gradient_sums"]
 
 
-def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate_grads: bool) -> tuple[int, int]:
+def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate_grads: bool,
+                          accumulate_max_heads: int = MAX_HEADS) -> tuple[int, int]:
     """The backend's rewrites of one graph, in order: ``(gradients accumulated, fences)``."""
-    accumulated = accumulate_into_route_backward(graph) if accumulate_grads else 0
+    accumulated = accumulate_into_route_backward(graph, accumulate_max_heads) if accumulate_grads else 0
     fences = 0 if max_sum_terms is None else sum_fences.fence_gradient_sums(graph, max_sum_terms)
     return accumulated, fences
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
-                 on_done: Callable[[int, int], None] | None = None):
+                 on_done: Callable[[int, int], None] | None = None, accumulate_max_heads: int = MAX_HEADS):
     """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
     user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
     told ``(gradients accumulated, fences)`` for each graph."""
     then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
-    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done)
+    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads)
 
 
 @functools.cache
@@ -49,12 +50,12 @@ def _pass_class():
     sources = tuple(str(here / name) for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py"))
 
     class BackendPass(CustomGraphPass):
-        def __init__(self, max_sum_terms, accumulate_grads, then, on_done):
+        def __init__(self, max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads):
             self.max_sum_terms, self.accumulate_grads = max_sum_terms, accumulate_grads
-            self.then, self.on_done = then, on_done
+            self.then, self.on_done, self.accumulate_max_heads = then, on_done, accumulate_max_heads
 
         def __call__(self, graph: fx.Graph) -> None:
-            done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads)
+            done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads, self.accumulate_max_heads)
             if self.on_done is not None:
                 self.on_done(*done)
             for user_pass in self.then:
@@ -64,7 +65,7 @@ def _pass_class():
             then = tuple(getattr(p, "uuid", lambda: None)() for p in self.then)
             if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
                 return None
-            return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads, sum_fences.MIN_NUMEL,
-                    then)
+            return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads,
+                    self.accumulate_max_heads, sum_fences.MIN_NUMEL, then)
 
     return BackendPass

@@ -124,12 +124,17 @@ def _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_K
 
 
 @triton.jit
-def _plus_acc(x, acctab, i, offs, mask, ptr_ty):
+def _plus_acc(x, acctab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
     """``x`` plus row block ``offs`` of running sum ``i`` of a table (``x`` unchanged where
-    the entry is 0: no running sum for that source; the load is then masked off)."""
+    the entry is 0: no running sum for that source; the load is then masked off). ALIGNED
+    (the running sums are 16-byte aligned too) makes the row loads vector loads: without
+    the hint each element was a 2-byte load of its own (sm_90 PTX)."""
     raw = tl.load(acctab + i)
     has = (tl.zeros_like(offs) + raw) != 0  # a tensor also in the interpreter
-    return x + tl.load(raw.to(ptr_ty) + offs, mask=mask & has, other=0.0).to(tl.float32)
+    p = raw.to(ptr_ty)
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)  # 0 (no running sum) is a multiple too
+    return x + tl.load(p + offs, mask=mask & has, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -317,7 +322,7 @@ def _route_bwd_kernel(
                     if HAS_SCALE:
                         d_key = d_key * s[:, None, None]
                     if HAS_ACC:
-                        d_key = _plus_acc(d_key, gkacc, i, offs, mask, ptr_ty)
+                        d_key = _plus_acc(d_key, gkacc, i, offs, mask, ptr_ty, ALIGNED)
                     gk_ptr = _src_ptr(gktab, i, ptr_ty, ALIGNED)
                     tl.store(gk_ptr + offs, d_key.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
@@ -325,7 +330,7 @@ def _route_bwd_kernel(
             if HAS_SCALE:
                 d_src = d_src * s[:, None, None]
             if HAS_ACC:
-                d_src = _plus_acc(d_src, gvacc, i, offs, mask, ptr_ty)
+                d_src = _plus_acc(d_src, gvacc, i, offs, mask, ptr_ty, ALIGNED)
             gv_ptr = _src_ptr(gvtab, i, ptr_ty, ALIGNED)
             tl.store(gv_ptr + offs, d_src.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -597,8 +602,8 @@ def route_backward(
             tokens, n, d, d // heads, heads, float(eps), num_blocks, float(out_norm_eps),
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
-            ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k), PREFETCH=cfg["prefetch"], HAS_NORM=fused_norm,
-            HAS_ACC=has_acc,
+            ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
+            PREFETCH=cfg["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc,
             num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs

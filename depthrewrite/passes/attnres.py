@@ -169,7 +169,7 @@ class TwoPhasePlan:
         if any(_is_sharded(r.query) for r in routers):
             if not self._told_sharded and not torch.compiler.is_compiling():  # logging would break a graph
                 self._told_sharded = True
-                log.info("two-phase Block AttnRes: the routing parameters of block %d are sharded (FSDP2); "
+                log.info("two-phase routing: the routing parameters of block %d are sharded (FSDP2); "
                          "its sites route one by one (same function, more bytes moved)", group)
             return None
         first = routers[0]

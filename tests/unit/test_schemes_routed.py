@@ -257,13 +257,15 @@ def test_two_phase_recompute_gives_the_same_gradients_from_fewer_saved_tensors(s
     assert (kept_fwd, kept_bwd) == (fwd, 0) and bwd == fwd  # phase 1 again, once per block
 
 
-def test_two_phase_is_skipped_for_sharded_routing_parameters(monkeypatch, caplog):
+@pytest.mark.parametrize("scheme,options", [("block_attnres", {"block_size": 2}), ("dar", {"layers_per_block": 2}),
+                                            ("wav", {"block_size": 2})])
+def test_two_phase_is_skipped_for_sharded_routing_parameters(scheme, options, monkeypatch, caplog):
     """Phase 1 for block k + 1 runs inside block k: with FSDP2 the next block's queries are
     shards there, so the plan falls back to routing site by site (same result)."""
     from depthrewrite.passes import attnres
 
-    model = rewrite(tiny(), "block_attnres", block_size=2)
-    reference = rewrite(tiny(), "block_attnres", block_size=2, two_phase=False)
+    model = rewrite(tiny(), scheme, two_phase=True, **options)
+    reference = rewrite(tiny(), scheme, two_phase=False, **options)
     randomize_routing(model)
     reference.load_state_dict(model.state_dict())
     monkeypatch.setattr(attnres, "_is_sharded", lambda p: True)
@@ -489,7 +491,8 @@ def test_scheme_trains_and_round_trips(scheme, options, count):
         assert torch.equal(loaded(ids), model(ids))
 
 
-@pytest.mark.parametrize("scheme,options", [("block_attnres", {}), ("mhar", {"heads": 4, "block_size": 2})])
+@pytest.mark.parametrize("scheme,options", [("block_attnres", {}), ("mhar", {"heads": 4, "block_size": 2}),
+                                            ("wav", {}), ("dar", {})])
 def test_two_phase_must_be_a_bool(scheme, options):
     with pytest.raises(ValueError, match=rf"^{scheme}: two_phase must be True or False, found 'yes'"):
         rewrite(tiny(), scheme, two_phase="yes", **options)

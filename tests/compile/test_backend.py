@@ -64,10 +64,12 @@ def _expected_routing_calls(scheme: str, model) -> tuple[str, int]:
     sites = 2 * model.config.n_layer  # attention + MLP site per layer
     if scheme == "block_attnres":  # two-phase: one route_many per block (block_size 2), the readout's included
         return ROUTE_MANY, sites // 2 + 1
+    if scheme == "dar":  # two-phase: per DAR block (one layer) and the readout's, one route_many per stream
+        return ROUTE_MANY, 2 * (model.config.n_layer + 1)
     return ROUTE, sites + 1  # one route per site and the readout
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "block_attnres"])
+@pytest.mark.parametrize("scheme", ["attnres", "block_attnres", "dar"])
 def test_aot_eager_matches_eager_and_reports_every_routing_call(scheme):
     model, reports = _compile_and_compare(scheme, {"inner": "aot_eager"}, rtol=1e-6, atol=1e-7)
     assert len(reports) == 1  # fullgraph: one graph
@@ -77,8 +79,8 @@ def test_aot_eager_matches_eager_and_reports_every_routing_call(scheme):
     assert report.implementation == {op: "reference"}  # CPU
     assert report.device == "cpu" and report.inner == "aot_eager"
     assert report.aot_graphs["forward"] == {op: expected}
-    # two-phase Block AttnRes recomputes phase 1 in the backward (recompute=True, the default)
-    recomputed = {op: expected} if scheme == "block_attnres" else {}
+    # the two-phase forms recompute phase 1 in the backward (recompute=True, the default)
+    recomputed = {op: expected} if scheme in ("block_attnres", "dar") else {}
     assert report.aot_graphs["backward"] == {f"{op}_backward": expected, **recomputed}
     assert backend.lowered_ops() == {f"{op} (reference)": expected}  # summed over graphs, by implementation
 

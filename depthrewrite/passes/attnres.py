@@ -151,7 +151,7 @@ class TwoPhasePlan:
     def add(self, router: nn.Module, group: int, position: int) -> None:
         members = self.groups.setdefault(group, [])
         if position != len(members):
-            raise RuntimeError(f"block_attnres: router {position} of block {group} was made out of order "
+            raise RuntimeError(f"two-phase routing: router {position} of block {group} was made out of order "
                                f"(block has {len(members)} so far)")
         members.append(router)
 
@@ -200,6 +200,17 @@ def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *sources: 
     return tuple(results)
 
 
+def join_plan(router: nn.Module, plan: TwoPhasePlan | None, group: int, position: int | None = None) -> None:
+    """Give ``router`` its ``_plan``, ``group`` and ``position`` (None: the next of its
+    group) and make it a member of ``plan``'s group. ``_plan`` is a plain attribute: the
+    plan holds the other routers, which are not submodules of this one."""
+    if position is None and plan is not None:
+        position = len(plan.groups.get(group, ()))
+    router._plan, router.group, router.position = plan, group, position
+    if plan is not None:
+        plan.add(router, group, position)
+
+
 def two_phase_plan(scheme: str, two_phase: object, recompute: object = True) -> TwoPhasePlan | None:
     """The plan of a block scheme's ``two_phase`` and ``recompute`` options (checked), None
     when two-phase is off."""
@@ -233,10 +244,7 @@ class BlockRouter(DepthQuery):
                  position: int = 0):
         super().__init__(scheme)
         self.closes_block = closes_block
-        # a plain attribute: the plan holds the other routers, which are not submodules of this one
-        self._plan, self.group, self.position = plan, group, position
-        if plan is not None:
-            plan.add(self, group, position)
+        join_plan(self, plan, group, position)
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
         blocks, partial = state[:2]

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..analysis import Site
 from ..ops import merge_partial, route
-from .attnres import AttnResOptions, TwoPhasePlan, two_phase_plan
+from .attnres import AttnResOptions, TwoPhasePlan, join_plan, two_phase_plan
 from .base import Scheme, State
 
 #: for each variant and target stream j: (stream giving the values, stream giving the keys)
@@ -65,11 +65,7 @@ class DualRoute(nn.Module):
         self.mix = scheme.param(1, fill=0.0)
         self.eps = scheme.options.eps
         self.variant = scheme.options.variant
-        # a plain attribute: the plan holds the other routers, which are not submodules of this one
-        self._plan, self.group = scheme.plan, group
-        if self._plan is not None:
-            self.position = len(self._plan.groups.get(group, ()))
-            self._plan.add(self, group, self.position)
+        join_plan(self, scheme.plan, group)  # in the order the rewriter makes the routers
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
         history, partial = state[:2]

@@ -37,7 +37,7 @@ from ..analysis import Site
 from ..ops import merge_partial, merge_routes, route
 from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, TwoPhasePlan, block_place, default_block_size,
-    initial_block_state, two_phase_plan,
+    initial_block_state, join_plan, two_phase_plan,
 )
 from .base import Scheme, State
 
@@ -74,10 +74,7 @@ class _PlanMember(DepthQuery):
 
     def __init__(self, scheme: "WavScheme", group: int, position: int):
         super().__init__(scheme)
-        # a plain attribute: the plan holds the other routers, which are not submodules of this one
-        self._plan, self.group, self.position = scheme.plan, group, position
-        if self._plan is not None:
-            self._plan.add(self, group, position)
+        join_plan(self, scheme.plan, group, position)
 
     def _first(self, state: State) -> tuple | None:
         return state[3] if self._plan is not None else None

@@ -51,6 +51,7 @@ padded to 16, split fp32 factors); it is in the history (commit 9091829), not he
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -59,7 +60,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _flat, _load_source, _next_pow2,
+    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous, _load_source, _next_pow2,
     _next_source, _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
@@ -390,11 +391,13 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     cfg = {"prefetch": True, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
-    flat_v = _flat(values, d)
-    flat_k = _flat(keys, d) if keys is not None else []
-    tokens = flat_v[0].shape[0]
+    # the kernels take (tokens, d) rows behind each pointer: contiguous tensors of any batch shape
+    flat_v = _contiguous(values)
+    flat_k = _contiguous(keys) if keys is not None else []
+    shape = values[0].shape
+    tokens = _tokens(flat_v)
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
-    lse = [torch.empty((tokens, heads), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
+    lse = [torch.empty(shape[:-1] + (heads,), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
@@ -407,8 +410,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                 PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
                 num_warps=cfg.get("num_warps") or NUM_WARPS,
             )
-    shape, lse_shape = values[0].shape, values[0].shape[:-1] + (heads,)
-    return [o.reshape(shape) for o in out], [t.reshape(lse_shape) for t in lse]
+    return out, lse
 
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],
@@ -425,12 +427,11 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     s, d = queries.shape[0], values[0].shape[-1]
     _check_saved_many(out, lse, values, s, heads)
     dtype = values[0].dtype
-    flat_v = _flat(values, d)
-    flat_k = _flat(keys, d) if keys is not None else []
-    g = [t.to(dtype).contiguous().reshape(-1, d) for t in grad_out]
-    gl = [t.to(torch.float32).contiguous().reshape(-1, heads) for t in grad_lse]
-    o = [t.contiguous().reshape(-1, d) for t in out]
-    ls = [t.contiguous().reshape(-1, heads) for t in lse]
+    flat_v = _contiguous(values)
+    flat_k = _contiguous(keys) if keys is not None else []
+    g = [t.to(dtype).contiguous() for t in grad_out]
+    gl = [t.to(torch.float32).contiguous() for t in grad_lse]
+    o, ls = _contiguous(out), _contiguous(lse)
     grad_k = []
     if _backward_kernel(d, heads, cfg, bool(flat_k)) == "per_token":
         grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
@@ -438,8 +439,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         grad_v, grad_k, r = _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = (r * key_norm_weights.to(torch.float32)).to(queries.dtype)
     grad_weights = (r * queries.to(torch.float32)).to(key_norm_weights.dtype)
-    shape = values[0].shape
-    return [t.reshape(shape) for t in grad_v], [t.reshape(shape) for t in grad_k], grad_queries, grad_weights
+    return grad_v, grad_k, grad_queries, grad_weights
 
 
 def _backward_kernel(d: int, heads: int, cfg: dict, has_keys: bool = False) -> str:
@@ -465,7 +465,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     then ``r`` (the gradient of ``w_s * q_s``, fp32 (S, d)) from ``_route_many_param_kernel``."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads)
-    tokens, device = flat_v[0].shape[0], flat_v[0].device
+    tokens, device = _tokens(flat_v), flat_v[0].device
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
     if tokens == 0:
@@ -518,7 +518,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, 
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads)
-    tokens, device = flat_v[0].shape[0], flat_v[0].device
+    tokens, device = _tokens(flat_v), flat_v[0].device
     dtype = flat_v[0].dtype
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     multi_head = heads > 1
@@ -545,6 +545,10 @@ def _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, 
         grad_v = [torch.zeros_like(t) for t in grad_v]
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     return grad_v, part.sum(1).reshape(-1, d)[:s]
+
+
+def _tokens(sources: Sequence[Tensor]) -> int:
+    return math.prod(sources[0].shape[:-1])
 
 
 def _check_saved_many(out, lse, values, s: int, heads: int) -> None:

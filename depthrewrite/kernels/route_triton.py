@@ -421,11 +421,6 @@ def _check_supported(values: Sequence[Tensor], keys, *params) -> None:
             raise ValueError(f"route (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
 
 
-def _flat(tensors: Sequence[Tensor], d: int) -> list[Tensor]:
-    # contiguous() is a no-op for the usual contiguous activations; reshape then never copies
-    return [t.contiguous().reshape(-1, d) for t in tensors]
-
-
 def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
     # the kernels take (tokens, d) rows behind each pointer: no reshape needed, which
     # saves the host a view per tensor and call. None stays None (no running sum)

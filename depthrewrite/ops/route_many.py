@@ -261,22 +261,17 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
     in float32 (Inductor fuses them with their neighbours)."""
     if not results:
         raise ValueError("merge_routes: `results` must hold at least one (out, lse, bias); found none")
-    for k, (out, lse, _) in enumerate(results):
+    for k, (out, lse, bias) in enumerate(results):
         _check_merge_inputs(results[0][0], lse, out, query, key_norm_weight, heads, eps, "merge_routes",
                             f"results[{k}] out")
-    for k, (value, _, scale) in enumerate(sources):
+        _check_bias(bias, f"results[{k}]")
+    for k, (value, bias, scale) in enumerate(sources):
         _check_merge_inputs(results[0][0], results[0][1], value, query, key_norm_weight, heads, eps, "merge_routes",
                             f"sources[{k}] value")
+        _check_bias(bias, f"sources[{k}]")
         if scale is not None and (not isinstance(scale, Tensor) or tuple(scale.shape) != tuple(value.shape[:-1])):
             raise ValueError(f"merge_routes: a source's `scale` must be None or of shape {tuple(value.shape[:-1])}; "
                              f"found {_describe(scale) if isinstance(scale, Tensor) else type(scale).__name__}")
-    for where, entries in (("results", results), ("sources", sources)):
-        for k, entry in enumerate(entries):
-            bias = entry[1] if where == "sources" else entry[2]
-            if bias is not None and not (isinstance(bias, Tensor) and bias.dim() == 0 and bias.is_floating_point()):
-                found = _describe(bias) if isinstance(bias, Tensor) else type(bias).__name__
-                raise ValueError(f"merge_routes: the bias of {where}[{k}] must be None or a floating-point "
-                                 f"scalar tensor; found {found}")
     first = results[0][0]
     dtype = _compute_dtype(first, query, key_norm_weight)
     logits, values = [], []
@@ -291,6 +286,13 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
     weights = torch.softmax(torch.stack(logits), dim=0).unsqueeze(-1)  # (K, *batch, H, 1)
     merged = sum(w * v.unflatten(-1, (heads, -1)) for w, v in zip(weights.unbind(0), values))
     return merged.flatten(-2).to(first.dtype)
+
+
+def _check_bias(bias: object, where: str) -> None:
+    if bias is not None and not (isinstance(bias, Tensor) and bias.dim() == 0 and bias.is_floating_point()):
+        found = _describe(bias) if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"merge_routes: the bias of {where} must be None or a floating-point scalar tensor; "
+                         f"found {found}")
 
 
 def _source_logit(value: Tensor, query: Tensor, key_norm_weight: Tensor, heads: int, eps: float) -> Tensor:

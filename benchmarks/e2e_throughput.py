@@ -84,8 +84,8 @@ BACKEND_VARIANTS = {
     "sum8": {"max_sum_terms": 8, "accumulate_grads": False},
     # the gradient terms left for Inductor to sum (fenced), not added inside route_backward
     "noacc": {"accumulate_grads": False},
-    # running sums for multi-head calls too (the default gives them to one-head calls only)
-    "acc16": {"accumulate_max_heads": 16},
+    # running sums for one-head calls only (session 7's default; multi-head calls fenced)
+    "acc1": {"accumulate_max_heads": 1},
     # the whole compiled step recorded as CUDA graphs (Inductor's mode="reduce-overhead")
     "cg": {"triton.cudagraphs": True},
 }
@@ -94,9 +94,9 @@ VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
     "wav": ("unfenced", "noacc", "cg"),
-    "mhar": ("unfenced", "noacc", "acc16", "cg"),
+    "mhar": ("unfenced", "noacc", "acc1", "cg"),
     "block_attnres": ("unfenced", "cg"),
-    "mhar_block": ("unfenced", "acc16", "cg"),
+    "mhar_block": ("unfenced", "acc1", "cg"),
 }
 #: backend options per configuration (default: none)
 BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffixes in VARIANTS_OF.items()

@@ -19,8 +19,8 @@ backward, holding every term in memory until then); ``accumulate_grads`` (defaul
 :mod:`depthrewrite.grad_accumulation`: each ``route_backward`` adds its source gradients
 into the running sums instead of leaving a term to sum; measured on H200 at 350M, DAR
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
-less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default 1): only calls with at
-most that many heads get running sums (16-head MHAR measured slower with them); every
+less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only calls with at
+most that many heads get running sums (an A/B knob; with them 16-head MHAR is faster); every
 other key is an Inductor config
 patch applied to this compilation only (``config_patches``, never a global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
@@ -78,7 +78,7 @@ class LoweringReport:
     max_sum_terms: int | None = DEFAULT_MAX_TERMS
     fences: dict[str, int] = dataclasses.field(default_factory=dict)
     accumulate_grads: bool = True
-    accumulate_max_heads: int = MAX_HEADS
+    accumulate_max_heads: int | None = MAX_HEADS
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
@@ -277,8 +277,9 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
         raise ValueError(f"depthrewrite_backend: options['accumulate_grads'] must be True or False; "
                          f"found {accumulate_grads!r}")
     max_heads = options.pop("accumulate_max_heads", MAX_HEADS)
-    if isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1:
-        raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int; "
+    if max_heads is not None and (isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1):
+        raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int "
+                         f"or None (no limit); "
                          f"found {max_heads!r}")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)

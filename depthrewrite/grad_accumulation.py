@@ -11,11 +11,13 @@ in place of the fresh gradient it wrote before. The same bytes as writing the te
 reading it back in a separate sum, with no sum kernels and no term kept waiting.
 
 Only calls with at most ``max_heads`` heads are rewritten (backend option
-``accumulate_max_heads``, default ``MAX_HEADS`` = 1): with MHAR's 16 heads the fused
-backward with running sums measured twice as slow (H200, 350M GPT, full MHAR: routing
-kernels 78.3 ms a step against 38.6 ms without, step 154.5 ms against 139.1 ms;
-docs/benchmarks.md, session 7), more than the sum kernels it saves; with one head it is
-the faster choice (full AttnRes, DAR, WAV, session 6).
+``accumulate_max_heads``, default ``MAX_HEADS`` = None: every call). Session 7 measured the
+16-head fused backward with running sums twice as slow and limited them to one-head calls;
+the cause was the running sums' loads, 16 scalar 2-byte loads per thread where the row
+loads were vector loads. With the 16-byte alignment hint (``_plus_acc``) full MHAR with
+running sums is faster and smaller than without (H200, 350M GPT: 130.8 ms / 1.26x peak
+against 133.9 ms / 1.39x; MHAR block 93.1 ms against 95.6 ms; docs/benchmarks.md, session
+8), so the default is no limit again; the option stays for A/B runs.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ __all__ = ["accumulate_into_route_backward"]
 #: route_backward's outputs that are per-source gradient lists, and the argument that takes
 #: each one's running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
-#: the default most heads of a route_backward call that gets running sums (module docstring)
-MAX_HEADS = 1
+#: the default most heads of a route_backward call that gets running sums; None: no limit
+#: (module docstring)
+MAX_HEADS: int | None = None
 #: position of ``heads`` in route_backward's arguments
 _HEADS_ARG = 9
 
 
-def _route_gradient(node: fx.Node, max_heads: int) -> tuple[fx.Node, int, int] | None:
+def _route_gradient(node: fx.Node, max_heads: int | None) -> tuple[fx.Node, int, int] | None:
     """``(route_backward call, output list, source)`` when ``node`` is
     ``route_backward(...)[list][source]`` for a per-source gradient list, else None."""
     if node.op != "call_function" or node.target is not operator.getitem:
@@ -49,7 +52,7 @@ def _route_gradient(node: fx.Node, max_heads: int) -> tuple[fx.Node, int, int] |
     call, which = group.args
     if not (isinstance(call, fx.Node) and call.target is torch.ops.depthrewrite.route_backward.default):
         return None
-    if _heads(call) > max_heads:
+    if max_heads is not None and _heads(call) > max_heads:
         return None
     return (call, which, source) if which in _ACC_ARG else None
 
@@ -63,9 +66,9 @@ def _source_count(call: fx.Node, which: int) -> int:
     return len(values) if which == 0 else len(keys or ())
 
 
-def accumulate_into_route_backward(graph: fx.Graph, max_heads: int = MAX_HEADS) -> int:
+def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_HEADS) -> int:
     """Rewrite every ``add(running_sum, route_backward(...)[g][i])`` that can be (the call
-    has at most ``max_heads`` heads, the term has no other user, the running sum is defined
+    has at most ``max_heads`` heads when that is not None, the term has no other user, the running sum is defined
     before the call and has the term's dtype, the call has no running sum for that source
     yet); returns how many."""
     position = {node: k for k, node in enumerate(graph.nodes)}

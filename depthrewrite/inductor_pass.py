@@ -23,7 +23,7 @@ __all__ = ["backend_pass", "rewrite_gradient_sums"]
 
 
 def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate_grads: bool,
-                          accumulate_max_heads: int = MAX_HEADS) -> tuple[int, int]:
+                          accumulate_max_heads: int | None = MAX_HEADS) -> tuple[int, int]:
     """The backend's rewrites of one graph, in order: ``(gradients accumulated, fences)``."""
     accumulated = accumulate_into_route_backward(graph, accumulate_max_heads) if accumulate_grads else 0
     fences = 0 if max_sum_terms is None else sum_fences.fence_gradient_sums(graph, max_sum_terms)
@@ -31,7 +31,7 @@ def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
-                 on_done: Callable[[int, int], None] | None = None, accumulate_max_heads: int = MAX_HEADS):
+                 on_done: Callable[[int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS):
     """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
     user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
     told ``(gradients accumulated, fences)`` for each graph."""

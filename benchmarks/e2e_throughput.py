@@ -3,7 +3,7 @@ plain-residual baseline compiled with Inductor against each scheme compiled with
 ``depthrewrite`` backend (the kernels issue's e2e goals).
 
     python3 benchmarks/e2e_throughput.py [--out DIR] [--schemes baseline block_attnres ...]
-                                         [--wave 4] [--steps 10] [--trials 3] [--profile]
+                                         [--wave 4] [--steps 10] [--trials 3] [--profile [TOP]]
 
 Model: preset ``medium`` (d=1024, 24 layers, 16 heads, byte vocabulary), sequence 2048,
 batch 8, bf16 weights, fused AdamW, one optimizer step per measured step.
@@ -145,7 +145,7 @@ def _build(name: str):
     return model, torch.compile(model, backend=functools.partial(depthrewrite_backend, options=backend_options))
 
 
-def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = False) -> None:
+def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) -> None:
     import torch
 
     try:
@@ -202,7 +202,7 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: bool = Fa
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
         row["host_ms"] = host_issue_ms(step, steps)
         if profile:
-            row["kernels"] = kernel_breakdown(step, PROFILE_STEPS)
+            row["kernels"] = kernel_breakdown(step, PROFILE_STEPS, top=profile)
             row["host"] = host_breakdown(step, PROFILE_STEPS)
         to_parent.put(("result", name, row))
     except Exception as exc:  # one configuration failing must not sink the others: record why
@@ -224,8 +224,8 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def kernel_breakdown(step, steps: int) -> dict:
-    """GPU kernel time per category and the 12 largest kernels, in ms per step, over
+def kernel_breakdown(step, steps: int, top: int = 12) -> dict:
+    """GPU kernel time per category and the ``top`` largest kernels, in ms per step, over
     ``steps`` profiled steps; and ``gpu_idle_ms``: per step, the time between the first
     and the last GPU activity in which none ran (the GPU waiting for the host)."""
     import torch
@@ -251,9 +251,9 @@ def kernel_breakdown(step, steps: int) -> dict:
     categories: dict[str, float] = {cat: 0.0 for cat, _ in KERNEL_CATEGORIES}
     for kernel, (ms, _) in per_kernel.items():
         categories[kernel_category(kernel)] += ms
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
+    largest = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(categories=categories, total_ms=sum(categories.values()), gpu_idle_ms=idle_ms,
-                top=[dict(kernel=k[:120], ms=ms, calls=n) for k, (ms, n) in top])
+                top=[dict(kernel=k[:120], ms=ms, calls=n) for k, (ms, n) in largest])
 
 
 def host_issue_ms(step, steps: int) -> float:
@@ -299,7 +299,7 @@ def _lowering(name: str) -> dict | None:
     return dict(graphs=len(reports()), ops=lowered_ops())
 
 
-def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say, profile: bool = False) -> list[dict]:
+def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say, profile: int = 0) -> list[dict]:
     ctx = mp.get_context("spawn")
     to_parent = ctx.Queue()
     gos = {n: ctx.Event() for n in names}
@@ -337,7 +337,7 @@ def run_wave(names: list[str], steps: int, trials: int, timeout_s: float, say, p
 
 
 def run(names: list[str], wave: int, steps: int, trials: int, timeout_s: float, say=print,
-        profile: bool = False) -> list[dict]:
+        profile: int = 0) -> list[dict]:
     rows = []
     for i in range(0, len(names), wave):
         rows += run_wave(names[i : i + wave], steps, trials, timeout_s, say, profile)
@@ -420,7 +420,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--compile-timeout-s", type=float, default=400)
-    ap.add_argument("--profile", action="store_true", help="also a GPU kernel time breakdown per model")
+    ap.add_argument("--profile", type=int, nargs="?", const=12, default=0, metavar="TOP",
+                    help="also a GPU kernel time breakdown per model, with its TOP (12) largest kernels")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     rows = run(args.schemes, args.wave, args.steps, args.trials, args.compile_timeout_s, profile=args.profile)

@@ -332,13 +332,10 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
                       (16384, 1024, 8, 6, 16, False), (16384, 2048, 4, 6, 1, False), (16384, 1024, 4, 6, 1, True),
                       (16384, 1024, 8, 6, 1, True)]
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
-#: forward queries per program, warps and persistent grids; backward tokens per program (tiled) and warps,
+#: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}, "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
-                            "_q8w8": {"block_q": 8, "num_warps": 8},
-                            # persistent grids: fwd_per_sm programs per SM walk the tokens
-                            "_p8": {"fwd_per_sm": 8}, "_p16": {"fwd_per_sm": 16}, "_w2p16": {"num_warps": 2, "fwd_per_sm": 16},
-                            "_q4p8": {"block_q": 4, "fwd_per_sm": 8}, "_q8w8p4": {"block_q": 8, "num_warps": 8, "fwd_per_sm": 4}}
+                            "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}

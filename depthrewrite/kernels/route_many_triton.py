@@ -78,9 +78,6 @@ MANY_ELEMS = 8192
 #: queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
 #: registers). 4 warps otherwise (the per-source reductions cross fewer warps).
 FORWARD_QUERIES = 2
-#: forward grid: None, one program per token; an int, a persistent grid of that many
-#: programs per SM (each loads its query tile once)
-FORWARD_PER_SM = None
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -134,39 +131,16 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
 
 @triton.jit
 def _route_many_fwd_kernel(
-    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, D, C, H, S_CHUNK, eps,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, PERSISTENT: tl.constexpr,
-):
-    """One token per program, or (PERSISTENT) a fixed grid whose programs walk the tokens
-    ``pid, pid + programs, ...``: the ``(Q, H, C)`` query tile is then loaded once per
-    program instead of once per token."""
-    ptr_ty = tl.pointer_type(like_ptr.dtype.element_ty)  # the activation dtype: sources and outputs
-    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
-    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty)
-    lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
-    if PERSISTENT:
-        for t in range(tl.program_id(0), T, tl.num_programs(0)):
-            tok = tl.full((), 0, tl.int64) + t  # int64: tok * D overflows int32
-            _route_many_fwd_token(tok, vtab, ktab, out_ptrs, lse_ptrs, qw, hh, col, cmask, qmask3, hq, N, D, H, eps,
-                                  BLOCK_Q, BLOCK_H, BLOCK_C, PREFETCH, ALIGNED, HAS_KEYS)
-    else:
-        tok = tl.program_id(0).to(tl.int64)
-        _route_many_fwd_token(tok, vtab, ktab, out_ptrs, lse_ptrs, qw, hh, col, cmask, qmask3, hq, N, D, H, eps,
-                              BLOCK_Q, BLOCK_H, BLOCK_C, PREFETCH, ALIGNED, HAS_KEYS)
-
-
-@triton.jit
-def _route_many_fwd_token(
-    tok, vtab, ktab, out_ptrs, lse_ptrs, qw, hh, col, cmask, qmask3, hq, N, D, H, eps,
+    like_ptr, vtab, ktab, otab, ltab, qw_ptr, N, D, C, H, S_CHUNK, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
 ):
-    """One token's outputs and log-sum-exps for a chunk of queries (online softmax per
-    query and head over the N sources)."""
-    ptr_ty = out_ptrs.dtype  # a pointer to the activation dtype: sources and outputs
-    act = ptr_ty.element_ty
+    tok = tl.program_id(0).to(tl.int64)  # one token per program; int64: tok * D overflows int32
+    act = like_ptr.dtype.element_ty  # the activation dtype: sources and outputs
+    ptr_ty = tl.pointer_type(act)
+    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
     offs = tok * D + col
+
     m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
@@ -191,7 +165,9 @@ def _route_many_fwd_token(
         m = m_new
     acc = acc / l[:, :, None]
     lse = m + tl.log(l)
+    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty)
     tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
+    lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
     tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
 
 
@@ -410,10 +386,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
-    ``fwd_per_sm``: programs per SM of a persistent grid, None for one program per token)."""
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
-    cfg = {"prefetch": True, "fwd_per_sm": FORWARD_PER_SM, **(config or {})}
+    cfg = {"prefetch": True, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     # the kernels take (tokens, d) rows behind each pointer: contiguous tensors of any batch shape
@@ -427,15 +402,13 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
-        persistent = cfg.get("fwd_per_sm") is not None
-        programs = _backward_programs(flat_v[0].device, tokens, cfg["fwd_per_sm"]) if persistent else tokens
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
-            _route_many_fwd_kernel[(programs,)](
-                flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:], tokens, len(values), d,
+            _route_many_fwd_kernel[(tokens,)](
+                flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:], len(values), d,
                 d // heads, heads, chunk, float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
                 PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                PERSISTENT=persistent, num_warps=cfg.get("num_warps") or NUM_WARPS,
+                num_warps=cfg.get("num_warps") or NUM_WARPS,
             )
     return out, lse
 

@@ -146,8 +146,6 @@ VARIANTS = [
     {"backward": "per_token"},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
-    # the forward's persistent grid (programs walk the tokens) with 4 queries per launch
-    {"backward": "tiled", "fwd_per_sm": 1, "block_q": 4},
 ]
 
 
@@ -155,8 +153,8 @@ VARIANTS = [
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
                                                      (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True)])
 def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
-    """The backward kernel not chosen by default at these widths (per-token), other tile
-    sizes of the tiled one and the forward's persistent grid, with odd token counts (partial tiles), in bf16: outputs and
+    """The backward kernel not chosen by default at these widths (per-token) and other tile
+    sizes of the tiled one, with odd token counts (partial tiles), in bf16: outputs and
     log-sum-exps against float64, gradients against the float64 oracle that uses the saved
     output. The per-token kernel does not take keys: asked for with keys, it is refused."""
     dtype = torch.bfloat16

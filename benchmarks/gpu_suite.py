@@ -334,7 +334,7 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
-BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}, "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
+BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4}, "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
                             "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},

@@ -78,6 +78,12 @@ MANY_ELEMS = 8192
 #: queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
 #: registers). 4 warps otherwise (the per-source reductions cross fewer warps).
 FORWARD_QUERIES = 2
+#: forward warps: 2 for padded rows up to FORWARD_NARROW_ROW elements, else NUM_WARPS
+#: (measured twice, session 7 run 4 and session 8 run 3: 2 warps 3-11 % faster at d = 1024
+#: with one head, with and without keys; the same within 1.5 % at 16 heads; 5 % slower at
+#: d = 2048)
+FORWARD_NARROW_WARPS = 2
+FORWARD_NARROW_ROW = 1024
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -408,9 +414,13 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                 flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:], len(values), d,
                 d // heads, heads, chunk, float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
                 PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                num_warps=cfg.get("num_warps") or NUM_WARPS,
+                num_warps=cfg.get("num_warps") or _forward_warps(block_h * block_c),
             )
     return out, lse
+
+
+def _forward_warps(row: int) -> int:
+    return FORWARD_NARROW_WARPS if row <= FORWARD_NARROW_ROW else NUM_WARPS
 
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],

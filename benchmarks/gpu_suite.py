@@ -336,6 +336,8 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 #: and the one-pass per-token backward
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4}, "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
                             "_q8w8": {"block_q": 8, "num_warps": 8}}
+BLOCK_PHASE_FWD_VARIANTS.update({"_w1": {"num_warps": 1}, "_q1w1": {"block_q": 1, "num_warps": 1},
+                                 "_q1w2": {"block_q": 1, "num_warps": 2}})
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
@@ -398,6 +400,61 @@ def block_phase_timing() -> list[dict]:
         del vals, keys, g, gl, saved
         torch.cuda.empty_cache()
     return rows
+
+
+#: per-site ``route`` launch variants (tokens, d, N sources, heads): the shapes of MHAR
+#: block, WAV and full AttnRes sites at 350M; "" is the default launch
+SITE_ROUTE_SHAPES = [(16384, 1024, 4, 1), (16384, 1024, 8, 16), (16384, 1024, 16, 1), (16384, 1024, 33, 1),
+                     (16384, 1024, 33, 16)]
+SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
+                           "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
+                           "_t4w8": {"block_t": 4, "num_warps": 8}}
+SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
+                           "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
+                           "_ps8": {"per_sm": 8}}
+
+
+def site_route_timing() -> list[dict]:
+    """``route`` (one query) forward and backward kernels called directly with launch
+    variants, bf16, against the HBM floor of each (rows moved per token: forward N read
+    and 1 written; backward N sources, the output gradient and the output read, N source
+    gradients written)."""
+    rows = []
+    for tokens, d, n, heads in SITE_ROUTE_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
+        vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
+        q = torch.randn(d, device="cuda", generator=gen) / d**0.5
+        w = torch.rand(d, device="cuda", generator=gen) + 0.5
+        g = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            out, lse, _ = route_triton.route_forward(vals, None, q, w, None, None, heads, 1e-6)
+        row = dict(tokens=tokens, d=d, n=n, heads=heads, floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
+                   floor_bwd=(2 * n + 2) * tokens * d * 2 / HBM_BPS * 1e3)
+        with torch.no_grad():
+            for name, cfg in SITE_ROUTE_FWD_VARIANTS.items():
+                row[f"fwd{name}"] = bench(lambda cfg=cfg: route_triton.route_forward(
+                    vals, None, q, w, None, None, heads, 1e-6, config=cfg))
+            for name, cfg in SITE_ROUTE_BWD_VARIANTS.items():
+                row[f"bwd{name}"] = bench(lambda cfg=cfg: route_triton.route_backward(
+                    g, out, lse, vals, None, q, w, None, None, heads, 1e-6, config=cfg))
+        say("site-route " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+        del vals, g, out, lse
+        torch.cuda.empty_cache()
+    return rows
+
+
+def site_route_table(rows) -> list[str]:
+    lines = ["", "site route kernels (ms): default launch, best variant, floor",
+             "tokens  d    N  H | fwd    best   (variant)   floor | bwd    best   (variant)   floor"]
+    for r in rows:
+        parts = []
+        for part in ("fwd", "bwd"):
+            times = {k: v for k, v in r.items() if k.startswith(part) and not k.startswith("floor")}
+            best = min(times, key=times.get)
+            parts.append(f"{r[part]:6.3f} {times[best]:6.3f} ({best[3:] or 'default':9s}) {r['floor_' + part]:6.3f}")
+        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d} | " + " | ".join(parts))
+    return lines
 
 
 def copy_bandwidth():
@@ -483,7 +540,8 @@ def main() -> int:
     ap.add_argument("--scheme-check", action="store_true", help="also compile every scheme against eager")
     ap.add_argument("--e2e-only", action="store_true", help="skip the op checks and timings")
     ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
-    ap.add_argument("--block-phase-only", action="store_true", help="only the two-phase Block AttnRes timings")
+    ap.add_argument("--block-phase-only", action="store_true",
+                    help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no e2e (a short re-run after a kernel change)")
     args = ap.parse_args()
@@ -500,7 +558,9 @@ def main() -> int:
 
     if args.block_phase_only:
         results["block_phase"] = phase_rows = block_phase_timing()
-        summary = "\n".join(block_phase_table(phase_rows))
+        dump()
+        results["site_route"] = site_rows = site_route_timing()
+        summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))
         dump(summary)
         print(summary)
         return 0

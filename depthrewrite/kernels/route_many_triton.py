@@ -60,8 +60,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous, _load_source, _next_pow2,
-    _next_source, _row_blocks, _src_ptr,
+    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous, _forward_warps,
+    _load_source, _next_pow2, _next_source, _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
 
@@ -76,14 +76,9 @@ MANY_ELEMS = 8192
 #: accumulator stays small: 0.29 ms vs 0.40 with all 6 queries at d = 1024, N = 4). Backward,
 #: one head: as many queries as MANY_ELEMS allows (0.73 ms vs 1.19 with 2); 16 heads: 2
 #: queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
-#: registers). 4 warps otherwise (the per-source reductions cross fewer warps).
+#: registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
+#: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps).
 FORWARD_QUERIES = 2
-#: forward warps: 2 for padded rows up to FORWARD_NARROW_ROW elements, else NUM_WARPS
-#: (measured twice, session 7 run 4 and session 8 run 3: 2 warps 3-11 % faster at d = 1024
-#: with one head, with and without keys; the same within 1.5 % at 16 heads; 5 % slower at
-#: d = 2048)
-FORWARD_NARROW_WARPS = 2
-FORWARD_NARROW_ROW = 1024
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -414,13 +409,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                 flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:], len(values), d,
                 d // heads, heads, chunk, float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
                 PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                num_warps=cfg.get("num_warps") or _forward_warps(block_h * block_c),
+                num_warps=cfg.get("num_warps") or _forward_warps(heads, block_h * block_c, NUM_WARPS),
             )
     return out, lse
-
-
-def _forward_warps(row: int) -> int:
-    return FORWARD_NARROW_WARPS if row <= FORWARD_NARROW_ROW else NUM_WARPS
 
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],

@@ -411,6 +411,19 @@ def _num_warps(elements: int) -> int:
     return min(16, max(4, _next_pow2(elements) // 512))
 
 
+#: forward kernels (route, route_many): warps for one-head rows of at most NARROW_ROW padded
+#: elements (H200, bf16, 16384 tokens, d = 1024, docs/benchmarks.md session 8: route 2
+#: tokens per program 0.055 / 0.160 / 0.302 ms with 2 warps against 0.111 / 0.169 / 0.326
+#: with 4 at N = 4 / 16 / 33; route_many 3-11 % faster in two runs). Multi-head rows keep
+#: the wider default (16 heads: 4 warps as fast or faster, and in one run 20 % faster).
+NARROW_FORWARD_WARPS = 2
+NARROW_ROW = 1024
+
+
+def _forward_warps(heads: int, row: int, otherwise: int) -> int:
+    return NARROW_FORWARD_WARPS if heads == 1 and row <= NARROW_ROW else otherwise
+
+
 def _aligned(*groups) -> bool:
     return all(t.data_ptr() % 16 == 0 for group in groups if group for t in group)
 
@@ -474,7 +487,7 @@ def route_forward(
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
         ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm,
-        num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
+        num_warps=cfg.get("num_warps") or _forward_warps(heads, row, _num_warps(block_t * row)),
     )
     if has_norm and not fused_norm:
         block_d = _next_pow2(d)

@@ -61,7 +61,7 @@ from torch import Tensor
 
 from .route_triton import (
     _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous, _forward_warps,
-    _load_source, _next_pow2, _next_source, _row_blocks, _src_ptr,
+    _load_source, _next_pow2, _next_source, _product_as, _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
 
@@ -438,8 +438,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
     else:
         grad_v, grad_k, r = _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
-    grad_queries = (r * key_norm_weights.to(torch.float32)).to(queries.dtype)
-    grad_weights = (r * queries.to(torch.float32)).to(key_norm_weights.dtype)
+    grad_queries = _product_as(r, key_norm_weights, queries)
+    grad_weights = _product_as(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
 

@@ -424,6 +424,13 @@ def _forward_warps(heads: int, row: int, otherwise: int) -> int:
     return NARROW_FORWARD_WARPS if heads == 1 and row <= NARROW_ROW else otherwise
 
 
+def _product_as(r: Tensor, weight: Tensor, like: Tensor) -> Tensor:
+    """``r * weight`` in float32 (``r`` is float32), rounded once to ``like``'s dtype: one
+    kernel, where ``(r * weight.float()).to(dtype)`` launched three (host time: the schemes
+    with a routing call per site wait for the host)."""
+    return torch.mul(r, weight, out=torch.empty_like(like, memory_format=torch.contiguous_format))
+
+
 def _aligned(*groups) -> bool:
     return all(t.data_ptr() % 16 == 0 for group in groups if group for t in group)
 
@@ -616,8 +623,8 @@ def route_backward(
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     r = part_r.sum(0)
-    grad_query = (r * key_norm_weight.to(torch.float32)).to(query.dtype)
-    grad_weight = (r * query.to(torch.float32)).to(key_norm_weight.dtype)
+    grad_query = _product_as(r, key_norm_weight, query)
+    grad_weight = _product_as(r, query, key_norm_weight)
     if logit_bias is None:
         grad_bias = query.new_empty((0,))
     else:

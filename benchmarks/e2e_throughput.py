@@ -74,7 +74,11 @@ CONFIGS = {
     # DAR two-phase keeping phase 1's outputs for the backward instead of recomputing them
     "dar_block_keep": ("dar", {"layers_per_block": 3, "recompute": False}, None),
     "attnres": ("attnres", {}, 0.80),
+    # full routing grouped: the two-phase computation over groups of 6 sites (not yet timed)
+    "attnres_g6": ("attnres", {"group_size": 6}, None),
+    "attnres_g6_keep": ("attnres", {"group_size": 6, "recompute": False}, None),
     "mhar": ("mhar", {}, 0.78),
+    "mhar_g6": ("mhar", {"group_size": 6}, None),
 }
 #: backend-option variants of the configurations above: their scheme and options, no goal.
 #: Suffix -> backend options

@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu_scheme_check.py [--device cuda] [--schemes ...]
 
-For each scheme in ``depthrewrite.SCHEMES``: the bundled tiny GPT (2 layers) is rewritten,
+For each scheme in ``depthrewrite.SCHEMES`` (and the option sets of ``CONFIGS``): the bundled tiny GPT (2 layers) is rewritten,
 its routing queries moved off zero (zero queries give uniform weights and symmetric
 gradients), then
 
@@ -48,14 +48,20 @@ from depthrewrite import backend  # noqa: E402
 from depthrewrite.kernels import set_fused_enabled  # noqa: E402
 from depthrewrite.models.gpt import gpt_from_preset  # noqa: E402
 
+#: what is checked: every scheme with its defaults, plus option sets with a code path of
+#: their own (grouped full routing: groups of 3 over the 4 sites and the readout reach every
+#: kind of phase 2)
+CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
+           "attnres_g3": ("attnres", {"group_size": 3}), "mhar_g3": ("mhar", {"group_size": 3})}
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 #: bf16: the candidate's error against float64 may be this many times the reference's
 BF16_FACTOR = 4.0
 
 
-def _model(scheme: str, device: str):
+def _model(name: str, device: str):
+    scheme, options = CONFIGS[name]
     torch.manual_seed(0)
-    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme)
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme, **options)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("query"):
@@ -129,7 +135,7 @@ def run(schemes: list[str], device: str, say=print) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--schemes", nargs="+", default=sorted(depthrewrite.SCHEMES))
+    ap.add_argument("--schemes", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     rows = run(args.schemes, args.device)
     bad = [f"{r['scheme']}/{r['precision']}" for r in rows if not r["ok"]]

@@ -480,7 +480,7 @@ def scheme_check() -> list[dict]:
     """Every scheme compiled with the backend against eager (benchmarks/gpu_scheme_check.py)."""
     import gpu_scheme_check
 
-    return gpu_scheme_check.run(sorted(depthrewrite.SCHEMES), "cuda", say=say)
+    return gpu_scheme_check.run(list(gpu_scheme_check.CONFIGS), "cuda", say=say)
 
 
 # ---------------------------------------------------------------------------- table

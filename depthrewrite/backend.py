@@ -19,11 +19,11 @@ backward, holding every term in memory until then); ``accumulate_grads`` (defaul
 :mod:`depthrewrite.grad_accumulation`: each ``route_backward`` adds its source gradients
 into the running sums instead of leaving a term to sum; measured on H200 at 350M, DAR
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
-less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only calls with at
-most that many heads get running sums (an A/B knob; with them 16-head MHAR is faster); every
-other key is an Inductor config
-patch applied to this compilation only (``config_patches``, never a global assignment).
-``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
+less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only
+calls with at most that many heads get running sums (an A/B knob; 16-head MHAR is faster
+with them); every other key is an Inductor config patch applied to this compilation only
+(``config_patches``, never a global assignment). ``mode=`` takes Inductor's modes
+("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
 (:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.
 
@@ -279,8 +279,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     max_heads = options.pop("accumulate_max_heads", MAX_HEADS)
     if max_heads is not None and (isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1):
         raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int "
-                         f"or None (no limit); "
-                         f"found {max_heads!r}")
+                         f"or None (no limit); found {max_heads!r}")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..analysis import Site
-from ..ops import merge_partial, route, route_many
+from ..ops import merge_partial, merge_routes, route, route_many
 from .base import PassThrough, Scheme, SchemeOptions, State
 
 log = logging.getLogger(__name__)
@@ -64,31 +64,117 @@ class DepthQuery(nn.Module):
 
 
 class FullRouter(DepthQuery):
-    """Full AttnRes: the state is the tuple of all sources so far ``(e, u_1, ..., u_{l-1})``."""
+    """Full AttnRes: the state is the tuple of all sources so far ``(e, u_1, ..., u_{l-1})``;
+    with a :class:`TwoPhasePlan` (``group_size``), ``(sources, phase 1)``: the phase-1
+    result of the current group of sites over the entries made before it."""
+
+    heads = 1
+
+    def __init__(self, scheme: Scheme, plan: TwoPhasePlan | None = None, group: int = 0, position: int = 0,
+                 closes_group: bool = False):
+        super().__init__(scheme)
+        self.closes_group = closes_group
+        join_plan(self, plan, group, position)
 
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
-        return self.route(state)
+        if self._plan is None:
+            return self.route(state)
+        sources, first = state
+        if first is None:
+            return self.route(sources)
+        outs, lses = first[0]
+        out, lse = outs[self.position], lses[self.position]
+        # the group's own entries so far: one per router before this one in the group
+        return merge_group_entries(self, out, lse, sources[len(sources) - self.position:])
 
     def write(self, state: State, u, x, h) -> State:
-        return state + (u,)
+        if self._plan is None:
+            return state + (u,)
+        sources = state[0] + (u,)
+        if not self.closes_group:
+            return sources, state[1]
+        return sources, self._plan.first_phase(self.group + 1, sources)
+
+    def extra_repr(self) -> str:
+        return f"closes_group={self.closes_group}" if self._plan is not None else ""
+
+
+def merge_group_entries(router: DepthQuery, out: torch.Tensor, lse: torch.Tensor, entries: tuple) -> torch.Tensor:
+    """Grouped full routing, phase 2: ``router``'s phase-1 result ``(out, lse)`` over the
+    entries made before its group, plus the group's own ``entries`` so far. One entry: by
+    online softmax (``merge_partial``); more: routed together (``route_many``, one query)
+    and the two results merged by their log-sum-exps (``merge_routes``). The same function
+    as one route over all the entries."""
+    params = dict(key_norm_weight=router.key_norm_weight, heads=router.heads, eps=router.eps)
+    if not entries:
+        return out
+    if len(entries) == 1:
+        return merge_partial(out, lse, entries[0], query=router.query, **params)
+    outs, lses = route_many(entries, queries=router.query[None], key_norm_weights=router.key_norm_weight[None],
+                            heads=router.heads, eps=router.eps)
+    return merge_routes([(out, lse, None), (outs[0], lses[0], None)], query=router.query, **params)
+
+
+@dataclasses.dataclass(frozen=True)
+class FullAttnResOptions(AttnResOptions):
+    # the two-phase computation over groups of this many consecutive sites (TwoPhasePlan):
+    # phase 1 routes the entries made before a group once for all of its sites
+    # (route_many), each site adds its group's own entries so far (merge_group_entries).
+    # The same function, fewer bytes moved. None: one route per site over every entry.
+    # Off by default: not timed on the GPU yet (docs/benchmarks.md session 8).
+    group_size: int | None = None
+    recompute: bool = True  # grouped: the backward recomputes phase 1 (TwoPhasePlan)
+
+
+def full_routing_plan(scheme: str, group_size: object, recompute: object) -> TwoPhasePlan | None:
+    """The plan of a full scheme's ``group_size`` and ``recompute`` options (checked)."""
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"{scheme}: group_size must be None (one route per site) or a positive int, "
+                         f"found {group_size!r}")
+    return two_phase_plan(scheme, group_size is not None, recompute)
+
+
+def full_router(scheme: Scheme, index: int, cls: type = FullRouter) -> nn.Module:
+    """The full-routing router of site ``index`` (1-based; the readout is ``num_sites +
+    1``), placed in its group when ``scheme.plan`` groups the sites."""
+    if scheme.plan is None:
+        return cls(scheme)
+    group, position = block_place(index, scheme.group_size)
+    closes = index % scheme.group_size == 0 and index <= scheme.stream.num_sites
+    return cls(scheme, scheme.plan, group, position, closes_group=closes)
+
+
+def full_initial_state(e: torch.Tensor, plan: TwoPhasePlan | None) -> State:
+    return (e,) if plan is None else ((e,), plan.first_phase(0, (e,)))
 
 
 class AttnResScheme(Scheme):
     """``attnres``: each site reads a softmax over depth of all earlier sources,
     ``x_l = sum_i a_{l,i} v_i`` with ``a = softmax(w_l . RMSNorm_{g_l}(v_i))``.
+    Options: ``eps`` (key RMSNorm, 1e-6), ``group_size`` (None; an int G: the two-phase
+    computation over groups of G consecutive sites, see :class:`FullAttnResOptions`),
+    ``recompute`` (True; grouped: phase 1 recomputed in the backward).
     New parameters: ``2 d (L + 1)``."""
 
     name = "attnres"
-    Options = AttnResOptions
+    Options = FullAttnResOptions
+
+    def __init__(self, options, stream, dtype, device, hints=None):
+        super().__init__(options, stream, dtype, device, hints)
+        self.group_size = options.group_size
+        self.plan = full_routing_plan(self.name, options.group_size, options.recompute)
 
     def init_state(self, e):
-        return (e,)
+        return full_initial_state(e, self.plan)
 
     def site_router(self, site: Site):
-        return FullRouter(self)
+        return full_router(self, site.index)
 
     def readout_router(self):
-        return FullRouter(self)
+        return full_router(self, self.stream.num_sites + 1)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "group_size": self.group_size}
 
 
 # --------------------------------------------------------------------- Block AttnRes

@@ -11,7 +11,10 @@ import dataclasses
 
 from ..analysis import Site
 from ..ops import route
-from .attnres import AttnResOptions, BlockRouter, FullRouter, block_place, initial_block_state, two_phase_plan
+from .attnres import (
+    AttnResOptions, BlockRouter, FullRouter, block_place, full_initial_state, full_router, full_routing_plan,
+    initial_block_state, two_phase_plan,
+)
 from .base import Scheme
 
 
@@ -23,7 +26,10 @@ class MharOptions(AttnResOptions):
     # with 16 heads its route_many kernels are slower than routing site by site (H200, e2e
     # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
     two_phase: bool = False
-    # two-phase: the backward recomputes phase 1 (attnres.TwoPhasePlan)
+    # full form: the two-phase computation over groups of this many sites
+    # (attnres.FullAttnResOptions); None: one route per site. Not timed on the GPU yet.
+    group_size: int | None = None
+    # two-phase (block form) or grouped (full form): the backward recomputes phase 1
     recompute: bool = True
 
 
@@ -37,12 +43,13 @@ class _MultiHead:
 
 
 class MharFullRouter(_MultiHead, FullRouter):
-    def __init__(self, scheme: "MharScheme"):
-        super().__init__(scheme)
+    def __init__(self, scheme: "MharScheme", *placement, **kw):
+        super().__init__(scheme, *placement, **kw)
         self.heads = scheme.heads
 
     def extra_repr(self) -> str:
-        return f"heads={self.heads}"
+        grouped = super().extra_repr()
+        return f"heads={self.heads}" + (f", {grouped}" if grouped else "")
 
 
 class MharBlockRouter(_MultiHead, BlockRouter):
@@ -63,8 +70,10 @@ class MharScheme(Scheme):
     ValueError asks for ``heads=`` when the model has none; must divide d),
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
     S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False by
-    default, measured slower with many heads), ``recompute`` (two-phase: recompute phase 1
-    in the backward instead of keeping its outputs, True), ``eps`` (key RMSNorm, 1e-6).
+    default, measured slower with many heads), ``group_size`` (full form: None, or the
+    two-phase computation over groups of that many sites, as ``attnres``), ``recompute``
+    (two-phase or grouped: recompute phase 1 in the backward instead of keeping its
+    outputs, True), ``eps`` (key RMSNorm, 1e-6).
     ``heads=1`` is exactly AttnRes / Block AttnRes with the same parameters. New
     parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
@@ -79,8 +88,14 @@ class MharScheme(Scheme):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
         self.block_size = size
-        plan = two_phase_plan(self.name, options.two_phase, options.recompute)
-        self.plan = plan if size is not None else None  # the full form has no blocks
+        self.group_size = options.group_size
+        if size is None:
+            self.plan = full_routing_plan(self.name, options.group_size, options.recompute)
+        elif options.group_size is not None:
+            raise ValueError(f"mhar: group_size groups the sites of the full form; with block_size={size} "
+                             f"use two_phase=True instead, found group_size={options.group_size!r}")
+        else:
+            self.plan = two_phase_plan(self.name, options.two_phase, options.recompute)
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:
@@ -98,17 +113,17 @@ class MharScheme(Scheme):
         return heads
 
     def init_state(self, e):
-        return (e,) if self.block_size is None else initial_block_state(e, self.plan)
+        return full_initial_state(e, self.plan) if self.block_size is None else initial_block_state(e, self.plan)
 
     def site_router(self, site: Site):
         if self.block_size is None:
-            return MharFullRouter(self)
+            return full_router(self, site.index, MharFullRouter)
         return MharBlockRouter(self, site.index % self.block_size == 0, *block_place(site.index, self.block_size))
 
     def readout_router(self):
         if self.block_size is None:
-            return MharFullRouter(self)
+            return full_router(self, self.stream.num_sites + 1, MharFullRouter)
         return MharBlockRouter(self, False, *block_place(self.stream.num_sites + 1, self.block_size))
 
     def describe(self) -> dict:
-        return {**super().describe(), "heads": self.heads}
+        return {**super().describe(), "heads": self.heads, "group_size": self.group_size}

@@ -1,0 +1,153 @@
+"""Grouped full routing (``attnres`` / ``mhar`` full form, option ``group_size``): the
+two-phase computation over groups of consecutive sites is the same function as one route
+per site."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthrewrite.passes import attnres
+from tests.unit.test_schemes_routed import ids_for, randomize_routing, rewrite, tiny
+
+CASES = [("attnres", {"group_size": 1}), ("attnres", {"group_size": 2}), ("attnres", {"group_size": 3}),
+         ("attnres", {"group_size": 4}), ("attnres", {"group_size": 50}), ("mhar", {"heads": 4, "group_size": 3})]
+
+
+def _logits_and_grads(scheme, options, dtype, recompute=False, **model_options):
+    model = rewrite(tiny(**model_options).to(dtype), scheme, recompute=recompute, **options)
+    randomize_routing(model)
+    logits = model(ids_for())
+    loss = (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=dtype)).sum()
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True, materialize_grads=True)
+    return [logits, *grads], model
+
+
+def _count_calls(monkeypatch, names=("route", "route_many", "merge_partial", "merge_routes")) -> dict:
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(attnres, name)
+        monkeypatch.setattr(attnres, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("scheme,options", CASES)
+def test_grouped_routing_equals_routing_site_by_site(scheme, options, parallel, monkeypatch):
+    """Logits and every parameter gradient in float64 equal one route per site (groups that
+    do not divide the sites, a group longer than the model, groups of one); the calls are
+    the plan's: one ``route_many`` per group for phase 1, then per router the group's own
+    entries so far: none, one (``merge_partial``) or more (``route_many`` with one query and
+    ``merge_routes``). In float32 as close to float64 as site-by-site routing is."""
+    model_options = {"parallel_block": parallel}
+    truth, site_by_site = _logits_and_grads(scheme, {k: v for k, v in options.items() if k != "group_size"},
+                                            torch.float64, **model_options)
+    calls = _count_calls(monkeypatch)
+    exact, grouped = _logits_and_grads(scheme, options, torch.float64, **model_options)
+    assert list(grouped.state_dict()) == list(site_by_site.state_dict())  # no parameter added or renamed
+    size = options["group_size"]
+    routers = len([n for n in grouped.state_dict() if n.endswith(".query")])  # sites and readout
+    positions = [(i - 1) % size for i in range(1, routers + 1)]
+    groups = (routers - 1) // size + 1
+    assert calls == {"route": 0, "route_many": groups + sum(p >= 2 for p in positions),
+                     "merge_partial": positions.count(1), "merge_routes": sum(p >= 2 for p in positions)}
+    for a, b in zip(exact, truth):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    single, _ = _logits_and_grads(scheme, options, torch.float32, **model_options)
+    plain, _ = _logits_and_grads(scheme, {k: v for k, v in options.items() if k != "group_size"}, torch.float32,
+                                 **model_options)
+    for a, p, b in zip(single, plain, truth):
+        scale = b.norm().clamp_min(1e-30)
+        # within 4x of site by site's own float32 error (and a floor for tensors it gets exact)
+        assert ((a.double() - b).norm() / scale).item() <= max(4 * ((p.double() - b).norm() / scale).item(), 1e-6)
+
+
+def test_recompute_gives_the_same_gradients_from_fewer_saved_tensors(monkeypatch):
+    """``recompute=True`` (phase 1 under activation checkpointing): bit for bit the result of
+    keeping phase 1's outputs, fewer bytes saved for the backward, phase 1 run again once
+    per group in the backward."""
+    from tests.unit.test_schemes_routed import _saved_bytes
+
+    groups = []
+    real = attnres.TwoPhasePlan.first_phase
+    monkeypatch.setattr(attnres.TwoPhasePlan, "first_phase", lambda self, *a, **k: groups.append(1) or real(self, *a, **k))
+    results = {}
+    for recompute in (False, True):
+        model = rewrite(tiny(n_layer=3), "attnres", group_size=3, recompute=recompute)
+        randomize_routing(model)
+        logits, saved = _saved_bytes(lambda: model(ids_for()))
+        grads = torch.autograd.grad((logits * torch.linspace(-1, 1, logits.shape[-1])).sum(), list(model.parameters()))
+        results[recompute] = ([logits, *grads], saved)
+    (kept, kept_bytes), (redone, redone_bytes) = results[False], results[True]
+    for a, b in zip(redone, kept):
+        assert torch.equal(a, b)
+    assert redone_bytes < kept_bytes
+    assert len(groups) == 2 * 3  # 7 routers in groups of 3: three groups, once per model
+
+
+def test_grouped_routing_is_skipped_for_sharded_routing_parameters(monkeypatch):
+    """As for the block schemes: with FSDP2's sharded queries the plan routes site by site."""
+    model = rewrite(tiny(), "attnres", group_size=2)
+    reference = rewrite(tiny(), "attnres")
+    randomize_routing(model)
+    reference.load_state_dict(model.state_dict())
+    monkeypatch.setattr(attnres, "_is_sharded", lambda p: True)
+    monkeypatch.setattr(attnres, "route_many", lambda *a, **k: pytest.fail("phase 1 ran on sharded parameters"))
+    ids = ids_for()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids), rtol=1e-6, atol=1e-6)
+
+
+def test_routing_weights_are_recorded_per_site_with_groups():
+    """The routing-weight recorder switches the plan off: every site routes over all its
+    entries, and the weights are the site-by-site model's."""
+    from depthrewrite.train.routing_weights import record_routing_weights
+
+    model = rewrite(tiny(), "attnres", group_size=2)
+    reference = rewrite(tiny(), "attnres")
+    randomize_routing(model)
+    reference.load_state_dict(model.state_dict())
+    got, want = record_routing_weights(model, ids_for()), record_routing_weights(reference, ids_for())
+    assert got.labels == want.labels and got.source_labels == want.source_labels
+    for a, b in zip(got.weights, want.weights):
+        torch.testing.assert_close(a, b)
+    # the plan is back on afterwards: the next forward groups again
+    plans = {id(r._plan) for r in model.modules() if getattr(r, "_plan", None) is not None}
+    assert len(plans) == 1 and all(r._plan.enabled for r in model.modules() if getattr(r, "_plan", None))
+
+
+@pytest.mark.parametrize("scheme,options,message", [
+    ("attnres", {"group_size": 0}, r"attnres: group_size must be None \(one route per site\) or a positive int, "
+                                   r"found 0"),
+    ("attnres", {"group_size": True}, r"attnres: group_size must be None .* found True"),
+    ("mhar", {"heads": 2, "group_size": "6"}, r"mhar: group_size must be None .* found '6'"),
+    ("mhar", {"heads": 2, "block_size": 2, "group_size": 3}, r"mhar: group_size groups the sites of the full form; "
+                                                             r"with block_size=2 use two_phase=True instead"),
+    ("attnres", {"group_size": 2, "recompute": 1}, r"attnres: recompute must be True or False, found 1"),
+])
+def test_bad_group_options_are_value_errors_naming_them(scheme, options, message):
+    with pytest.raises(ValueError, match=message):
+        rewrite(tiny(), scheme, **options)
+
+
+@pytest.mark.parametrize("scheme,options", [("attnres", {"group_size": 3}), ("mhar", {"heads": 4, "group_size": 2})])
+def test_grouped_routing_compiles_fullgraph_and_matches_eager(scheme, options):
+    """With the backend (AOTAutograd, fullgraph): the same loss and gradients as eager, and
+    the phase-1 and phase-2 ``route_many`` calls reach the backend as routing ops."""
+    from depthrewrite import backend
+    from tests.compile.test_backend import _loss_and_grads as loss_and_grads
+
+    model = rewrite(tiny(n_layer=2), scheme, **options).train()
+    randomize_routing(model)
+    idx = ids_for(seed=3)
+    eager_loss, eager_grads = loss_and_grads(model, model, idx)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+    loss, grads = loss_and_grads(model, compiled, idx)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    ops = backend.last_report().ops
+    assert ops.get("depthrewrite::route_many", 0) > 0 and "depthrewrite::route" not in ops

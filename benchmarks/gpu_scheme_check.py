@@ -2,9 +2,9 @@
 
     python3 benchmarks/gpu_scheme_check.py [--device cuda] [--schemes ...]
 
-For each scheme in ``depthrewrite.SCHEMES`` (and the option sets of ``CONFIGS``): the bundled tiny GPT (2 layers) is rewritten,
-its routing queries moved off zero (zero queries give uniform weights and symmetric
-gradients), then
+For each entry of ``CONFIGS`` (every scheme of ``depthrewrite.SCHEMES``, and option sets
+with code paths of their own): the bundled tiny GPT (2 layers) is rewritten, its routing
+queries moved off zero (zero queries give uniform weights and symmetric gradients), then
 
 - the reference: eager, with the fused kernels switched off (``set_fused_enabled(False)``:
   the pure-PyTorch routing runs on the GPU too);

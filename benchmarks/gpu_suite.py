@@ -334,10 +334,10 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
-BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4}, "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
+BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
+                            "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
+                            "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
                             "_q8w8": {"block_q": 8, "num_warps": 8}}
-BLOCK_PHASE_FWD_VARIANTS.update({"_w1": {"num_warps": 1}, "_q1w1": {"block_q": 1, "num_warps": 1},
-                                 "_q1w2": {"block_q": 1, "num_warps": 2}})
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
@@ -407,8 +407,8 @@ def block_phase_timing() -> list[dict]:
 SITE_ROUTE_SHAPES = [(16384, 1024, 4, 1), (16384, 1024, 8, 16), (16384, 1024, 16, 1), (16384, 1024, 33, 1),
                      (16384, 1024, 33, 16)]
 SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
-                           "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
-                           "_t4w8": {"block_t": 4, "num_warps": 8}}
+                           "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
+                           "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
                            "_ps8": {"per_sm": 8}}

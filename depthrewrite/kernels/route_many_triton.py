@@ -79,6 +79,9 @@ MANY_ELEMS = 8192
 #: registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
 #: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps).
 FORWARD_QUERIES = 2
+#: forward tokens per program: 1 (``_route_many_fwd_kernel``); config ``block_t`` > 1 runs
+#: ``_route_many_fwd_tokens_kernel`` (not timed yet)
+FORWARD_TOKENS = 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -102,9 +105,16 @@ PARAM_PER_SM = 4
 
 
 @triton.jit
-def _table_ptrs(tab, q, qmask, ptr_ty):
-    """Entries ``q`` (a vector of query indices) of a pointer table as typed pointers."""
-    return tl.load(tab + q, mask=qmask, other=0).to(ptr_ty)
+def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
+    """Entries ``q`` (a vector of query indices) of a pointer table as typed pointers.
+    ALIGNED (the launcher checked every tensor behind the table for 16-byte alignment)
+    tells the compiler so: without the hint the rows behind them were read and written
+    with one 2-byte instruction per element (sm_90 PTX: the forward's output stores,
+    ``st.global.b16``), with it 16 bytes at a time (``st.global.v4.b32``)."""
+    p = tl.load(tab + q, mask=qmask, other=0).to(ptr_ty)
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
@@ -166,10 +176,60 @@ def _route_many_fwd_kernel(
         m = m_new
     acc = acc / l[:, :, None]
     lse = m + tl.log(l)
-    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty)
+    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
     tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
     lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
     tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
+
+
+@triton.jit
+def _route_many_fwd_tokens_kernel(
+    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, D, C, H, S_CHUNK, eps,
+    BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
+):
+    """The forward with BLOCK_T tokens per program (config ``block_t`` > 1), the layout
+    that brought ``route``'s forward near its floor with one warp per token (session 8):
+    ``(Q, T, H, C)`` tiles, the query tile shared by the program's tokens. Same math as
+    ``_route_many_fwd_kernel``; not the default until timed."""
+    act = like_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
+    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # int64: tok * D
+    tmask = tok < T
+    offs = tok[:, None, None] * D + col[None, :, :]  # (T, H, C)
+    mask = tmask[:, None, None] & cmask[None, :, :]
+
+    m = tl.full((BLOCK_Q, BLOCK_T, BLOCK_H), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_Q, BLOCK_T, BLOCK_H), tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
+    if PREFETCH:
+        v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+    for i in range(N):
+        if not PREFETCH:
+            v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+        v = v_raw.to(tl.float32)
+        k = k_raw.to(tl.float32)
+        if PREFETCH:
+            nxt, more = _next_source(tok, i, N, mask)
+            v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
+        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)  # (T,)
+        z = tl.sum(k[None, :, :, :] * qw[:, None, :, :], 3) * rstd[None, :, None]  # (Q, T, H)
+        m_new = tl.maximum(m, z)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(z - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, :, :, None] + p[:, :, :, None] * v[None, :, :, :]
+        m = m_new
+    acc = acc / l[:, :, :, None]
+    lse = m + tl.log(l)
+    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
+    tl.store(out_ptrs[:, None, None, None] + offs[None, :, :, :], acc.to(act),
+             mask=qmask[:, None, None, None] & mask[None, :, :, :])
+    lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
+    lse_offs = tok[:, None] * H + hh[None, :]  # (T, H)
+    lse_mask = tmask[:, None] & (hh[None, :] < H)
+    tl.store(lse_ptrs[:, None, None] + lse_offs[None, :, :], lse, mask=qmask[:, None, None] & lse_mask[None, :, :])
 
 
 @triton.jit
@@ -183,8 +243,8 @@ def _route_many_bwd_kernel(
     ptr_ty = tl.pointer_type(act)
     f32_ty = tl.pointer_type(tl.float32)
     qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
-    g_ptrs = _table_ptrs(gtab, qq, qmask, ptr_ty)
-    o_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty)
+    g_ptrs = _table_ptrs(gtab, qq, qmask, ptr_ty, ALIGNED)
+    o_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
     l_ptrs = _table_ptrs(ltab, qq, qmask, f32_ty)
     gl_ptrs = _table_ptrs(gltab, qq, qmask, f32_ty)
     r_acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)  # sum over tokens, sources of dz * norm
@@ -387,7 +447,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``)."""
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
+    ``block_t``: tokens per program)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
@@ -403,14 +464,19 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
+        block_t = _check_block_t(cfg.get("block_t", FORWARD_TOKENS))
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
-            _route_many_fwd_kernel[(tokens,)](
-                flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:], len(values), d,
-                d // heads, heads, chunk, float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
-                PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                num_warps=cfg.get("num_warps") or _forward_warps(heads, block_h * block_c, NUM_WARPS),
-            )
+            args = (flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:])
+            launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
+                          ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
+                          num_warps=cfg.get("num_warps") or _forward_warps(heads, block_h * block_c, NUM_WARPS))
+            if block_t == 1:
+                _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps),
+                                                  **launch)
+            else:
+                _route_many_fwd_tokens_kernel[(triton.cdiv(tokens, block_t),)](
+                    *args, tokens, len(values), d, d // heads, heads, chunk, float(eps), BLOCK_T=block_t, **launch)
     return out, lse
 
 
@@ -484,7 +550,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     _route_many_bwd_tiled_kernel[(triton.cdiv(tokens, block_t),)](
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
         heads, float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-        ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
+        ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
     )
     # the logits' normalized rows are the keys': the parameter reduction reads them
@@ -539,7 +605,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, 
                 flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, qw[q0:], part[c],
                 tokens, len(flat_v), d, d // heads, heads, min(block_q, s - q0), float(eps),
                 BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-                ALIGNED=_aligned(flat_v, grad_v, partial), ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1,
+                ALIGNED=_aligned(flat_v, grad_v, partial, g, o), ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1,
                 ONE_SOURCE=len(flat_v) == 1, num_warps=warps,
             )
     else:

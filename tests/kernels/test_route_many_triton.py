@@ -153,10 +153,12 @@ VARIANTS = [
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
                                                      (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True)])
 def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
-    """The backward kernel not chosen by default at these widths (per-token) and other tile
-    sizes of the tiled one, with odd token counts (partial tiles), in bf16: outputs and
-    log-sum-exps against float64, gradients against the float64 oracle that uses the saved
-    output. The per-token kernel does not take keys: asked for with keys, it is refused."""
+    """The backward kernel not chosen by default at these widths (per-token), other tile
+    sizes of the tiled one (``block_t``, which also runs the forward with that many tokens
+    per program: ``_route_many_fwd_tokens_kernel``), with odd token counts (partial tiles),
+    in bf16: outputs and log-sum-exps against float64, gradients against the float64
+    oracle that uses the saved output. The per-token kernel does not take keys: asked for
+    with keys, it is refused."""
     dtype = torch.bfloat16
     inp = _make(n, s, batch, d, heads, dtype, 7, keys)
     if keys and config["backward"] == "per_token":
@@ -221,3 +223,44 @@ def test_backward_refuses_saved_tensors_that_are_not_the_forward_outputs():
         route_many_triton.route_many_backward(*grads, out, [lse[0].double(), lse[1]], values, q, w, 1, 1e-6)
     with pytest.raises(ValueError, match="one tensor per query"):
         route_many_triton.route_many_backward(*grads, out[:1], lse, values, q, w, 1, 1e-6)
+
+
+class _Launch:
+    """Stands in for a Triton kernel: records each launch's keyword arguments."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(kw)
+
+
+@pytest.mark.parametrize("backward", ["tiled", "per_token"])
+def test_alignment_hint_covers_every_row_read_through_a_table(backward, monkeypatch):
+    """The kernels read rows through pointer tables and tell the compiler those rows are
+    16-byte aligned (vector loads and stores) only when the launcher checked every tensor
+    behind the hinted tables: outputs (forward), output gradients and saved outputs
+    (backward). A contiguous view one element into its storage must turn the hint off."""
+    calls = []
+    for name in ("_route_many_fwd_kernel", "_route_many_bwd_tiled_kernel", "_route_many_bwd_kernel",
+                 "_route_many_param_kernel"):
+        monkeypatch.setattr(route_many_triton, name, _Launch(calls))
+    inp = _make(3, 2, (4,), 64, 1, torch.bfloat16, 3)
+    values, q, w = [v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+
+    def shifted(t):  # same values, one element further into a bigger storage: 2 bytes off alignment
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+
+    out = [torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    lse = [torch.randn(4, 1, device=DEVICE) for _ in range(2)]
+    grads = [torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    gl = [torch.zeros(4, 1, device=DEVICE) for _ in range(2)]
+    config = {"backward": backward}
+    for g, o, aligned in ((grads, out, True), ([shifted(grads[0]), grads[1]], out, False),
+                          (grads, [out[0], shifted(out[1])], False)):
+        calls.clear()
+        route_many_triton.route_many_backward(g, gl, o, lse, values, q, w, 1, 1e-6, config)
+        assert calls[0]["ALIGNED"] is aligned
+    calls.clear()
+    route_many_triton.route_many_forward([shifted(values[0])] + values[1:], q, w, 1, 1e-6)
+    assert calls and not calls[0]["ALIGNED"]

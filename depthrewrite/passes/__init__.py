@@ -1,4 +1,5 @@
-"""Rewrite passes: one scheme family a module, all reading the same analysis result."""
+"""Rewrite passes: one scheme family a module, all reading the same analysis result; the
+two-phase computation several of them share is in :mod:`.two_phase`."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ both partial entries through a doubly stochastic transport. Blocks are counted i
 (blocks of the stack): a DAR block ends after the last site of every K-th layer.
 
 By default the sites of a DAR block route as Block AttnRes's two-phase computation
-(``attnres.TwoPhasePlan``): when a block closes, phase 1 routes each stream's completed
+(``two_phase.TwoPhasePlan``): when a block closes, phase 1 routes each stream's completed
 entries (values and keys from the streams the variant names) once for all sites of the
 next block, one ``route_many`` call per stream; each site then adds the partial entries by
 online softmax (``merge_partial``). ``two_phase=False`` routes every site over all its
@@ -23,7 +23,8 @@ from torch import nn
 
 from ..analysis import Site
 from ..ops import merge_partial, route
-from .attnres import AttnResOptions, TwoPhasePlan, join_plan, two_phase_plan
+from .attnres import AttnResOptions
+from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
 from .base import Scheme, State
 
 #: for each variant and target stream j: (stream giving the values, stream giving the keys)
@@ -43,7 +44,7 @@ class DarOptions(AttnResOptions):
     # streams must start different or they stay identical (SPEC 6, our choice)
     beta_init: tuple[float, float] = (1.0, 0.5)
     transport_init: float = 2.0  # c; rho = sigmoid(c) is the share a stream keeps of itself
-    # the two-phase computation of Block AttnRes (attnres.TwoPhasePlan), one list per stream
+    # the two-phase computation of Block AttnRes (two_phase.TwoPhasePlan), one list per stream
     two_phase: bool = True
     recompute: bool = True  # two-phase: the backward recomputes phase 1
 

@@ -13,16 +13,17 @@ from ..analysis import Site
 from ..ops import route
 from .attnres import (
     AttnResOptions, BlockRouter, FullRouter, block_place, full_initial_state, full_router, full_routing_plan,
-    initial_block_state, two_phase_plan,
+    initial_block_state,
 )
 from .base import Scheme
+from .two_phase import two_phase_plan
 
 
 @dataclasses.dataclass(frozen=True)
 class MharOptions(AttnResOptions):
     heads: int | None = None  # None: the model's key/value head count (``hints['kv_heads']``)
     block_size: int | None = None  # None: full routing; an int: Block AttnRes blocks of that many sites
-    # block form: Block AttnRes's two-phase computation (attnres.TwoPhasePlan). Off by default:
+    # block form: Block AttnRes's two-phase computation (two_phase.TwoPhasePlan). Off by default:
     # with 16 heads its route_many kernels are slower than routing site by site (H200, e2e
     # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
     two_phase: bool = False

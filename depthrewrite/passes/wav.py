@@ -14,7 +14,7 @@ partial block's, whose factor changes at every site, through the route op's
 ``source_scale`` (no gradient to the factor either way).
 
 With ``two_phase=True`` the sites of a block route as Block AttnRes's two-phase computation
-(``attnres.TwoPhasePlan``): phase 1 reads the finished blocks' summaries and details once
+(``two_phase.TwoPhasePlan``): phase 1 reads the finished blocks' summaries and details once
 per block (three ``route_many`` calls, one per list: a detail bias is the same for a whole
 list, so it is added in phase 2), phase 2 merges them with the partial block per site
 (``merge_routes``). Same function; off by default because it measured slower (H200, 350M
@@ -36,10 +36,10 @@ from torch import nn
 from ..analysis import Site
 from ..ops import merge_partial, merge_routes, route
 from .attnres import (
-    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, TwoPhasePlan, block_place, default_block_size,
-    initial_block_state, join_plan, two_phase_plan,
+    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, block_place, default_block_size, initial_block_state,
 )
 from .base import Scheme, State
+from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class WavOptions(AttnResOptions):
     rho: float = 2.0  # cap of the detail RMS-matching factor (SPEC 5, our choice)
     detail_bias_init: float = -2.0  # initial logit bias of every detail source
     details: bool = True  # False: exactly block_attnres (same routers, same parameters)
-    # the two-phase computation of Block AttnRes (attnres.TwoPhasePlan), per source list;
+    # the two-phase computation of Block AttnRes (two_phase.TwoPhasePlan), per source list;
     # off by default: measured slower for WAV (its merge weighs six terms per site)
     two_phase: bool = False
     recompute: bool = True  # two-phase: the backward recomputes phase 1

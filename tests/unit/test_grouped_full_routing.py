@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthrewrite.passes import attnres
+from depthrewrite.passes import attnres, two_phase
 from tests.unit.test_schemes_routed import ids_for, randomize_routing, rewrite, tiny
 
 CASES = [("attnres", {"group_size": 1}), ("attnres", {"group_size": 2}), ("attnres", {"group_size": 3}),
@@ -23,11 +23,14 @@ def _logits_and_grads(scheme, options, dtype, recompute=False, **model_options):
     return [logits, *grads], model
 
 
-def _count_calls(monkeypatch, names=("route", "route_many", "merge_partial", "merge_routes")) -> dict:
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        real = getattr(attnres, name)
-        monkeypatch.setattr(attnres, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+def _count_calls(monkeypatch) -> dict:
+    """Calls of the routing functions, phase 1's (``two_phase``) and the routers' own
+    (``attnres``) together."""
+    calls = dict.fromkeys(("route", "route_many", "merge_partial", "merge_routes"), 0)
+    for module, name in ((attnres, "route"), (attnres, "route_many"), (two_phase, "route_many"),
+                         (attnres, "merge_partial"), (attnres, "merge_routes")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
             _name, calls[_name] + 1) or _real(*a, **k))
     return calls
 
@@ -70,8 +73,9 @@ def test_recompute_gives_the_same_gradients_from_fewer_saved_tensors(monkeypatch
     from tests.unit.test_schemes_routed import _saved_bytes
 
     groups = []
-    real = attnres.TwoPhasePlan.first_phase
-    monkeypatch.setattr(attnres.TwoPhasePlan, "first_phase", lambda self, *a, **k: groups.append(1) or real(self, *a, **k))
+    real = two_phase.TwoPhasePlan.first_phase
+    monkeypatch.setattr(two_phase.TwoPhasePlan, "first_phase",
+                        lambda self, *a, **k: groups.append(1) or real(self, *a, **k))
     results = {}
     for recompute in (False, True):
         model = rewrite(tiny(n_layer=3), "attnres", group_size=3, recompute=recompute)
@@ -92,8 +96,9 @@ def test_grouped_routing_is_skipped_for_sharded_routing_parameters(monkeypatch):
     reference = rewrite(tiny(), "attnres")
     randomize_routing(model)
     reference.load_state_dict(model.state_dict())
-    monkeypatch.setattr(attnres, "_is_sharded", lambda p: True)
-    monkeypatch.setattr(attnres, "route_many", lambda *a, **k: pytest.fail("phase 1 ran on sharded parameters"))
+    monkeypatch.setattr(two_phase, "_is_sharded", lambda p: True)
+    for module in (two_phase, attnres):  # neither phase runs
+        monkeypatch.setattr(module, "route_many", lambda *a, **k: pytest.fail("two-phase ran on sharded parameters"))
     ids = ids_for()
     with torch.no_grad():
         torch.testing.assert_close(model(ids), reference(ids), rtol=1e-6, atol=1e-6)

@@ -125,12 +125,12 @@ def test_two_phase_equals_routing_site_by_site(scheme, options, monkeypatch):
     on a model whose blocks do not divide the sites evenly for block_size 4 (an unfinished
     block reaches the readout). In float32 both are as close to the float64 result
     (relative L2 error per tensor; measured ~3e-6 site by site, ~4e-6 two-phase)."""
-    from depthrewrite.passes import attnres
+    from depthrewrite.passes import attnres, two_phase
 
     calls = {"route_many": 0, "merge_partial": 0}
-    for name in calls:
-        real = getattr(attnres, name)
-        monkeypatch.setattr(attnres, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+    for module, name in ((two_phase, "route_many"), (attnres, "merge_partial")):  # phase 1, phase 2
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
             _name, calls[_name] + 1) or _real(*a, **k))
     truth, one_phase = _logits_and_grads(scheme, options, torch.float64, two_phase=False)
     exact, two_phase = _logits_and_grads(scheme, options, torch.float64, two_phase=True)
@@ -159,11 +159,11 @@ def test_wav_two_phase_equals_routing_site_by_site(block_size, parallel, phase_o
     partial block merged per site by merge_routes) is the same function as one route per
     site over every source: logits and every parameter gradient, detail biases included,
     in float64; in float32 both are equally close to the float64 result."""
-    from depthrewrite.passes import attnres
+    from depthrewrite.passes import two_phase
 
     calls = []
-    real = attnres.route_many
-    monkeypatch.setattr(attnres, "route_many",
+    real = two_phase.route_many
+    monkeypatch.setattr(two_phase, "route_many",
                         lambda values, keys=None, **k: calls.append(len(values)) or real(values, keys, **k))
     options = {"block_size": block_size}
     truth, one_phase = _logits_and_grads("wav", options, torch.float64, False, parallel_block=parallel)
@@ -189,12 +189,12 @@ def test_dar_two_phase_equals_routing_site_by_site(variant, layers_per_block, pa
     variant's keys; each site merges the partial entries) is the same function as routing
     every site over all entries: logits and every parameter gradient in float64; float32
     as close to it as site by site."""
-    from depthrewrite.passes import attnres
+    from depthrewrite.passes import two_phase
     from depthrewrite.passes.dar import VARIANTS
 
     calls = []
-    real = attnres.route_many
-    monkeypatch.setattr(attnres, "route_many", lambda values, keys=None, **k: calls.append(
+    real = two_phase.route_many
+    monkeypatch.setattr(two_phase, "route_many", lambda values, keys=None, **k: calls.append(
         (len(values), keys is not None)) or real(values, keys, **k))
     options = {"variant": variant, "layers_per_block": layers_per_block}
     truth, one_phase = _logits_and_grads("dar", options, torch.float64, False, parallel_block=parallel)
@@ -236,11 +236,11 @@ def test_two_phase_recompute_gives_the_same_gradients_from_fewer_saved_tensors(s
     """``recompute=True`` (activation checkpointing of phase 1) is the same computation, bit
     for bit, as keeping its outputs; the forward saves fewer bytes for the backward, and the
     backward runs phase 1 again, once per block."""
-    from depthrewrite.passes import attnres
+    from depthrewrite.passes import two_phase
 
     calls = []
-    real = attnres.route_many
-    monkeypatch.setattr(attnres, "route_many", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = two_phase.route_many
+    monkeypatch.setattr(two_phase, "route_many", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = {}
     for recompute in (False, True):
         model = rewrite(tiny(n_layer=3), scheme, two_phase=True, recompute=recompute, **options)
@@ -262,16 +262,16 @@ def test_two_phase_recompute_gives_the_same_gradients_from_fewer_saved_tensors(s
 def test_two_phase_is_skipped_for_sharded_routing_parameters(scheme, options, monkeypatch, caplog):
     """Phase 1 for block k + 1 runs inside block k: with FSDP2 the next block's queries are
     shards there, so the plan falls back to routing site by site (same result)."""
-    from depthrewrite.passes import attnres
+    from depthrewrite.passes import two_phase
 
     model = rewrite(tiny(), scheme, two_phase=True, **options)
     reference = rewrite(tiny(), scheme, two_phase=False, **options)
     randomize_routing(model)
     reference.load_state_dict(model.state_dict())
-    monkeypatch.setattr(attnres, "_is_sharded", lambda p: True)
-    monkeypatch.setattr(attnres, "route_many", lambda *a, **k: pytest.fail("phase 1 ran on sharded parameters"))
+    monkeypatch.setattr(two_phase, "_is_sharded", lambda p: True)
+    monkeypatch.setattr(two_phase, "route_many", lambda *a, **k: pytest.fail("phase 1 ran on sharded parameters"))
     ids = ids_for()
-    with torch.no_grad(), caplog.at_level("INFO", logger="depthrewrite.passes.attnres"):
+    with torch.no_grad(), caplog.at_level("INFO", logger="depthrewrite.passes.two_phase"):
         assert torch.equal(model(ids), reference(ids))
         model(ids)
     told = [r for r in caplog.records if "are sharded (FSDP2)" in r.getMessage()]

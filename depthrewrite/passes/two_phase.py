@@ -1,0 +1,140 @@
+"""The two-phase computation of depth routing (the Attention Residuals paper's; SPEC 3),
+shared by the schemes whose sites read a common set of earlier entries: Block AttnRes and
+block MHAR (the completed blocks), WAV (summaries and detail bases), DAR (one list per
+stream) and grouped full routing (the entries made before a group of sites).
+
+Phase 1 routes those entries once for all routers of a group (``route_many``); each
+router's phase 2, in its scheme's module, adds what its group made since.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops import route_many
+
+log = logging.getLogger(__name__)
+
+
+class TwoPhasePlan:
+    """The two-phase Block AttnRes computation (the Attention Residuals paper's; SPEC 3).
+
+    Every site of a block reads the same completed block summaries plus its own block's
+    partial sum. Phase 1 routes the summaries for ALL sites of the block at once, when the
+    previous block closes (for the first block: when the state starts), with
+    ``route_many``: each summary is read once per block instead of once per site, and the
+    backward sums the sites' gradients of a summary on chip. Phase 2, at each site, adds the
+    partial sum by online softmax (``merge_partial``). Same function as one route per site
+    (up to rounding: the phase-1 result is stored in the activation dtype).
+
+    WAV (``two_phase=True``), DAR and grouped full routing use the same plan (design.md
+    "Two-phase WAV and DAR", "Grouped full routing"): WAV with three source lists per block
+    (the summaries and each detail basis, whose per-site logit bias is added in phase 2 by
+    :func:`merge_routes`), DAR with one list per stream, its keys from the stream the
+    variant names and one row of each router's ``(2, d)`` query per list, grouped full
+    routing (``attnres`` / ``mhar`` ``group_size``) with the entries made before a group
+    of consecutive sites.
+
+    The plan knows each group of routers (the sites of one block, then the readout, in
+    order); the state carries the phase-1 result of the current group as a third entry,
+    ``None`` where phase 1 was skipped, and the routers then route per site:
+    - when a group's routing parameters are sharded (FSDP2 gathers a block's parameters
+      only when that block runs, and phase 1 for block ``k + 1`` runs inside block ``k``);
+    - while ``enabled`` is False (the routing-weight recorder needs each site's route).
+
+    ``recompute`` (default True) trades time for activation memory: phase 1 runs under
+    non-reentrant activation checkpointing, so the backward recomputes it (one more
+    ``route_many`` forward per block) from the block summaries it keeps anyway instead of
+    keeping every site's phase-1 output. Measured at 350M (docs/benchmarks.md): peak memory
+    1.06x the baseline instead of 1.14x, 0.844x its throughput instead of 0.867-0.870x
+    (separate runs). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per
+    block that the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing
+    only the merges was worse than either: neither is offered.
+    """
+
+    def __init__(self, recompute: bool = True):
+        self.groups: dict[int, list] = {}
+        self.enabled = True
+        self.recompute = recompute
+        self._told_sharded = False
+
+    def add(self, router: nn.Module, group: int, position: int) -> None:
+        members = self.groups.setdefault(group, [])
+        if position != len(members):
+            raise RuntimeError(f"two-phase routing: router {position} of block {group} was made out of order "
+                               f"(block has {len(members)} so far)")
+        members.append(router)
+
+    def first_phase(self, group: int, *source_lists: tuple, key_lists: tuple | None = None,
+                    query_rows: tuple | None = None) -> tuple | None:
+        """Phase 1 for ``group``: for each list of sources (Block AttnRes: one, the completed
+        blocks; WAV: summaries, then each detail basis; DAR: one per stream),
+        ``(outputs, lses)``, one per router of the group, all routed with the group's
+        queries; or None (class docstring). ``key_lists``: per list, its keys or None (the
+        sources themselves); ``query_rows``: per list, the row of each router's 2-D query
+        that routes it (DAR: one row per stream), or None for 1-D queries."""
+        routers = self.groups.get(group)
+        if not self.enabled or not routers:
+            return None
+        if any(_is_sharded(r.query) for r in routers):
+            if not self._told_sharded and not torch.compiler.is_compiling():  # logging would break a graph
+                self._told_sharded = True
+                log.info("two-phase routing: the routing parameters of block %d are sharded (FSDP2); "
+                         "its sites route one by one (same function, more bytes moved)", group)
+            return None
+        first = routers[0]
+        queries = torch.stack([r.query for r in routers])
+        weights = torch.stack([r.key_norm_weight for r in routers])
+        key_lists = key_lists or (None,) * len(source_lists)
+        query_rows = query_rows or (None,) * len(source_lists)
+        # (values, keys, query row) per list; the tensors go to the checkpoint flat
+        layout = tuple((len(v), len(k or ()), row) for v, k, row in zip(source_lists, key_lists, query_rows))
+        sources = [t for v, k in zip(source_lists, key_lists) for t in (*v, *(k or ()))]
+        phase = functools.partial(_phase_one, layout=layout, heads=first.heads, eps=first.eps)
+        if self.recompute:
+            return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
+        return phase(queries, weights, *sources)
+
+
+def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *sources: torch.Tensor, layout: tuple,
+               heads: int, eps: float) -> tuple:
+    """``route_many`` per list of ``layout`` ``(values, keys, query row)`` counts, taking
+    consecutive runs of ``sources``: ``((outs, lses), ...)``."""
+    results, start = [], 0
+    for num_values, num_keys, row in layout:
+        values, keys = sources[start:start + num_values], sources[start + num_values:start + num_values + num_keys]
+        start += num_values + num_keys
+        q, w = (queries, key_norm_weights) if row is None else (queries[:, row], key_norm_weights[:, row])
+        outs, lses = route_many(values, keys or None, queries=q, key_norm_weights=w, heads=heads, eps=eps)
+        results.append((tuple(outs), tuple(lses)))
+    return tuple(results)
+
+
+def join_plan(router: nn.Module, plan: TwoPhasePlan | None, group: int, position: int | None = None) -> None:
+    """Give ``router`` its ``_plan``, ``group`` and ``position`` (None: the next of its
+    group) and make it a member of ``plan``'s group. ``_plan`` is a plain attribute: the
+    plan holds the other routers, which are not submodules of this one."""
+    if position is None and plan is not None:
+        position = len(plan.groups.get(group, ()))
+    router._plan, router.group, router.position = plan, group, position
+    if plan is not None:
+        plan.add(router, group, position)
+
+
+def two_phase_plan(scheme: str, two_phase: object, recompute: object = True) -> TwoPhasePlan | None:
+    """The plan of a block scheme's ``two_phase`` and ``recompute`` options (checked), None
+    when two-phase is off."""
+    for name, value in (("two_phase", two_phase), ("recompute", recompute)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{scheme}: {name} must be True or False, found {value!r}")
+    return TwoPhasePlan(recompute) if two_phase else None
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    # a DTensor (FSDP2, tensor parallel) outside its module's forward holds only a shard
+    return type(param).__name__ == "DTensor"

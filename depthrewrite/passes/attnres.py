@@ -77,10 +77,8 @@ class FullRouter(DepthQuery):
         sources, first = state
         if first is None:
             return self.route(sources)
-        outs, lses = first[0]
-        out, lse = outs[self.position], lses[self.position]
         # the group's own entries so far: one per router before this one in the group
-        return merge_group_entries(self, out, lse, sources[len(sources) - self.position:])
+        return add_group_entries(self, first[0], sources[len(sources) - self.position:])
 
     def write(self, state: State, u, x, h) -> State:
         if self._plan is None:
@@ -94,27 +92,31 @@ class FullRouter(DepthQuery):
         return f"closes_group={self.closes_group}" if self._plan is not None else ""
 
 
-def merge_group_entries(router: DepthQuery, out: torch.Tensor, lse: torch.Tensor, entries: tuple) -> torch.Tensor:
-    """Grouped full routing, phase 2: ``router``'s phase-1 result ``(out, lse)`` over the
-    entries made before its group, plus the group's own ``entries`` so far. One entry: by
-    online softmax (``merge_partial``); more: routed together (``route_many``, one query)
-    and the two results merged by their log-sum-exps (``merge_routes``). The same function
-    as one route over all the entries."""
+def add_group_entries(router: DepthQuery, result: tuple, entries: tuple) -> torch.Tensor:
+    """Phase 2 of a :class:`TwoPhasePlan` for ``router``: its row of the phase-1 ``result``
+    ``(outs, lses)``, plus the entries its group made since phase 1 ran (Block AttnRes and
+    WAV's readout: the partial block sum; grouped full routing: the group's own entries so
+    far). None: the phase-1 output itself; one: by online softmax (``merge_partial``); more:
+    routed together (``route_many``, one query) and the two results merged by their
+    log-sum-exps (``merge_routes``). The same function as one route over all the entries."""
+    outs, lses = result
+    out, lse = outs[router.position], lses[router.position]
     params = dict(key_norm_weight=router.key_norm_weight, heads=router.heads, eps=router.eps)
     if not entries:
         return out
     if len(entries) == 1:
         return merge_partial(out, lse, entries[0], query=router.query, **params)
-    outs, lses = route_many(entries, queries=router.query[None], key_norm_weights=router.key_norm_weight[None],
-                            heads=router.heads, eps=router.eps)
-    return merge_routes([(out, lse, None), (outs[0], lses[0], None)], query=router.query, **params)
+    (fresh,), (fresh_lse,) = route_many(entries, queries=router.query[None],
+                                        key_norm_weights=router.key_norm_weight[None], heads=router.heads,
+                                        eps=router.eps)
+    return merge_routes([(out, lse, None), (fresh, fresh_lse, None)], query=router.query, **params)
 
 
 @dataclasses.dataclass(frozen=True)
 class FullAttnResOptions(AttnResOptions):
     # the two-phase computation over groups of this many consecutive sites (TwoPhasePlan):
     # phase 1 routes the entries made before a group once for all of its sites
-    # (route_many), each site adds its group's own entries so far (merge_group_entries).
+    # (route_many), each site adds its group's own entries so far (add_group_entries).
     # The same function, fewer bytes moved. None: one route per site over every entry.
     # Off by default: not timed on the GPU yet (docs/benchmarks.md session 8).
     group_size: int | None = None
@@ -215,12 +217,7 @@ class BlockRouter(DepthQuery):
         first = state[2] if self._plan is not None else None
         if first is None:
             return self.route(blocks if partial is None else blocks + (partial,))
-        outs, lses = first[0]
-        out, lse = outs[self.position], lses[self.position]
-        if partial is None:
-            return out
-        return merge_partial(out, lse, partial, query=self.query, key_norm_weight=self.key_norm_weight,
-                             heads=self.heads, eps=self.eps)
+        return add_group_entries(self, first[0], () if partial is None else (partial,))
 
     def write(self, state: State, u, x, h) -> State:
         blocks, partial = state[:2]

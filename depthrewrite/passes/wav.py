@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..analysis import Site
-from ..ops import merge_partial, merge_routes, route
+from ..ops import merge_routes, route
 from .attnres import (
-    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, block_place, default_block_size, initial_block_state,
+    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
+    initial_block_state,
 )
 from .base import Scheme, State
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
@@ -201,11 +202,7 @@ class WavReadout(_PlanMember):
         if first is None:
             sources = [e] + [block[0] for block in completed] + ([] if partial is None else [partial[0]])
             return self.route(sources)
-        outs, lses = first[0]
-        if partial is None:
-            return outs[self.position]
-        return merge_partial(outs[self.position], lses[self.position], partial[0], query=self.query,
-                             key_norm_weight=self.key_norm_weight, eps=self.eps)
+        return add_group_entries(self, first[0], () if partial is None else (partial[0],))
 
 
 class WavScheme(Scheme):

@@ -465,12 +465,13 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
         block_t = _check_block_t(cfg.get("block_t", FORWARD_TOKENS))
+        # the same for every chunk of queries
+        launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
+                      ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
+                      num_warps=cfg.get("num_warps") or _forward_warps(heads, block_h * block_c, NUM_WARPS))
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
             args = (flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:])
-            launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-                          ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                          num_warps=cfg.get("num_warps") or _forward_warps(heads, block_h * block_c, NUM_WARPS))
             if block_t == 1:
                 _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps),
                                                   **launch)

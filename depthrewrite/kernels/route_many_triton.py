@@ -90,9 +90,12 @@ MULTI_HEAD_BACKWARD_WARPS = 8
 #: None: the measured choice (_backward_kernel)
 BACKWARD = None
 BACKWARD_CHOICES = ("tiled", "per_token")
-#: the tiled backward's tokens per program and warps, and the widest padded row it takes
-#: by default (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up
-#: to d = 1024; wider one-head rows go to the per-token backward)
+#: the tiled backward's tokens per program and warps, and the padded row one warp reduces
+#: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
+#: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
+#: one-head calls without keys go to the per-token backward (faster at every measured width
+#: since its loads of the output gradients carry alignment hints: 0.61 vs 0.66 ms at d = 1024,
+#: N = 4; 1.01 vs 1.15 at N = 8; 1.22 vs 1.62 at d = 2048; docs/benchmarks.md, session 9)
 TILED_TOKENS = 1
 TILED_WARPS = 1
 TILED_MAX_ROW = 1024
@@ -492,7 +495,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``per_sm``, ``prefetch``."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, "per_sm": 2, "backward": BACKWARD, **(config or {})}
-    s, d = queries.shape[0], values[0].shape[-1]
+    s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     dtype = values[0].dtype
     flat_v = _contiguous(values)
@@ -501,7 +504,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
     grad_k = []
-    if _backward_kernel(d, heads, cfg, bool(flat_k)) == "per_token":
+    if _backward_kernel(heads, cfg, bool(flat_k)) == "per_token":
         grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
     else:
         grad_v, grad_k, r = _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
@@ -510,15 +513,13 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     return grad_v, grad_k, grad_queries, grad_weights
 
 
-def _backward_kernel(d: int, heads: int, cfg: dict, has_keys: bool = False) -> str:
+def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
     """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice:
-    tiled, except for one-head rows wider than TILED_MAX_ROW without keys (per-token:
-    faster there; it does not take separate keys, the tiled kernel takes any width)."""
+    per-token for one head without separate keys (it does not take keys; with 16 heads its
+    per-head statistics make it 2x slower), tiled otherwise."""
     choice = cfg["backward"]
     if choice is None:
-        block_h, block_c = _row_blocks(d, heads)
-        wide = heads == 1 and block_h * block_c > TILED_MAX_ROW
-        return "per_token" if wide and not has_keys else "tiled"
+        return "per_token" if heads == 1 and not has_keys else "tiled"
     if choice not in BACKWARD_CHOICES:
         raise ValueError(f"route_many (Triton): config backward must be one of {BACKWARD_CHOICES}; found {choice!r}")
     if choice == "per_token" and has_keys:

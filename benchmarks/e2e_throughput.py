@@ -74,9 +74,10 @@ CONFIGS = {
     # DAR two-phase keeping phase 1's outputs for the backward instead of recomputing them
     "dar_block_keep": ("dar", {"layers_per_block": 3, "recompute": False}, None),
     "attnres": ("attnres", {}, 0.80),
-    # full routing grouped: the two-phase computation over groups of 6 sites (not yet timed)
+    # full routing grouped: the two-phase computation over groups of G sites, phase 1
+    # recomputed in the backward or kept
     "attnres_g6": ("attnres", {"group_size": 6}, None),
-    "attnres_g6_keep": ("attnres", {"group_size": 6, "recompute": False}, None),
+    **{f"attnres_g{g}_keep": ("attnres", {"group_size": g, "recompute": False}, None) for g in (4, 6, 8, 12)},
     "mhar": ("mhar", {}, 0.78),
     "mhar_g6": ("mhar", {"group_size": 6}, None),
 }

@@ -332,17 +332,12 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
                       (16384, 1024, 8, 6, 16, False), (16384, 2048, 4, 6, 1, False), (16384, 1024, 4, 6, 1, True),
                       (16384, 1024, 8, 6, 1, True)]
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
-#: forward queries and tokens per program and warps; backward tokens per program (tiled) and warps,
+#: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
-                            "_q8w8": {"block_q": 8, "num_warps": 8},
-                            # several tokens per program (_route_many_fwd_tokens_kernel)
-                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
-                            "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8},
-                            "_t2q1w2": {"block_q": 1, "block_t": 2, "num_warps": 2},
-                            "_t2q4w4": {"block_q": 4, "block_t": 2, "num_warps": 4}}
+                            "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}

@@ -79,9 +79,6 @@ MANY_ELEMS = 8192
 #: registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
 #: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps).
 FORWARD_QUERIES = 2
-#: forward tokens per program: 1 (``_route_many_fwd_kernel``); config ``block_t`` > 1 runs
-#: ``_route_many_fwd_tokens_kernel`` (not timed yet)
-FORWARD_TOKENS = 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -183,56 +180,6 @@ def _route_many_fwd_kernel(
     tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
     lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
     tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
-
-
-@triton.jit
-def _route_many_fwd_tokens_kernel(
-    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, D, C, H, S_CHUNK, eps,
-    BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
-):
-    """The forward with BLOCK_T tokens per program (config ``block_t`` > 1), the layout
-    that brought ``route``'s forward near its floor with one warp per token (session 8):
-    ``(Q, T, H, C)`` tiles, the query tile shared by the program's tokens. Same math as
-    ``_route_many_fwd_kernel``; not the default until timed."""
-    act = like_ptr.dtype.element_ty
-    ptr_ty = tl.pointer_type(act)
-    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # int64: tok * D
-    tmask = tok < T
-    offs = tok[:, None, None] * D + col[None, :, :]  # (T, H, C)
-    mask = tmask[:, None, None] & cmask[None, :, :]
-
-    m = tl.full((BLOCK_Q, BLOCK_T, BLOCK_H), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_Q, BLOCK_T, BLOCK_H), tl.float32)
-    acc = tl.zeros((BLOCK_Q, BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
-    if PREFETCH:
-        v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-    for i in range(N):
-        if not PREFETCH:
-            v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-        v = v_raw.to(tl.float32)
-        k = k_raw.to(tl.float32)
-        if PREFETCH:
-            nxt, more = _next_source(tok, i, N, mask)
-            v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
-        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)  # (T,)
-        z = tl.sum(k[None, :, :, :] * qw[:, None, :, :], 3) * rstd[None, :, None]  # (Q, T, H)
-        m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
-        l = l * alpha + p
-        acc = acc * alpha[:, :, :, None] + p[:, :, :, None] * v[None, :, :, :]
-        m = m_new
-    acc = acc / l[:, :, :, None]
-    lse = m + tl.log(l)
-    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
-    tl.store(out_ptrs[:, None, None, None] + offs[None, :, :, :], acc.to(act),
-             mask=qmask[:, None, None, None] & mask[None, :, :, :])
-    lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
-    lse_offs = tok[:, None] * H + hh[None, :]  # (T, H)
-    lse_mask = tmask[:, None] & (hh[None, :] < H)
-    tl.store(lse_ptrs[:, None, None] + lse_offs[None, :, :], lse, mask=qmask[:, None, None] & lse_mask[None, :, :])
 
 
 @triton.jit
@@ -450,8 +397,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
-    ``block_t``: tokens per program)."""
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``).
+    One token per program: several (the layout of ``route``'s forward) was slower at every
+    measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, **(config or {})}
     s, d = queries.shape[0], values[0].shape[-1]
@@ -467,7 +415,6 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
-        block_t = _check_block_t(cfg.get("block_t", FORWARD_TOKENS))
         # the same for every chunk of queries
         launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
                       ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
@@ -475,12 +422,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
             args = (flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:])
-            if block_t == 1:
-                _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps),
-                                                  **launch)
-            else:
-                _route_many_fwd_tokens_kernel[(triton.cdiv(tokens, block_t),)](
-                    *args, tokens, len(values), d, d // heads, heads, chunk, float(eps), BLOCK_T=block_t, **launch)
+            _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps), **launch)
     return out, lse
 
 

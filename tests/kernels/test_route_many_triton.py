@@ -153,10 +153,9 @@ VARIANTS = [
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
                                                      (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True)])
 def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
-    """The backward kernel not chosen by default at these widths (per-token), other tile
-    sizes of the tiled one (``block_t``, which also runs the forward with that many tokens
-    per program: ``_route_many_fwd_tokens_kernel``), with odd token counts (partial tiles),
-    in bf16: outputs and log-sum-exps against float64, gradients against the float64
+    """Each backward kernel where the default would pick the other (per-token with several
+    heads, tiled with one head and no keys), tile sizes of the tiled one (``block_t``), with
+    odd token counts (partial tiles), in bf16: outputs and log-sum-exps against float64, gradients against the float64
     oracle that uses the saved output. The per-token kernel does not take keys: asked for
     with keys, it is refused."""
     dtype = torch.bfloat16

@@ -73,10 +73,12 @@ CONFIGS = {
     "dar_block_1p": ("dar", {"layers_per_block": 3, "two_phase": False}, None),
     # DAR two-phase keeping phase 1's outputs for the backward instead of recomputing them
     "dar_block_keep": ("dar", {"layers_per_block": 3, "recompute": False}, None),
+    # the default: grouped full routing, the two-phase computation over groups of 4 sites
     "attnres": ("attnres", {}, 0.80),
-    # full routing grouped: the two-phase computation over groups of G sites, phase 1
+    # routed site by site (the default until session 9); groups of G sites, phase 1
     # recomputed in the backward or kept
-    "attnres_g6": ("attnres", {"group_size": 6}, None),
+    "attnres_site": ("attnres", {"group_size": None}, None),
+    "attnres_g6": ("attnres", {"group_size": 6, "recompute": True}, None),
     **{f"attnres_g{g}_keep": ("attnres", {"group_size": g, "recompute": False}, None) for g in (4, 6, 8, 12)},
     "mhar": ("mhar", {}, 0.78),
     "mhar_g6": ("mhar", {"group_size": 6}, None),

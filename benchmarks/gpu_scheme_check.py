@@ -49,10 +49,13 @@ from depthrewrite.kernels import set_fused_enabled  # noqa: E402
 from depthrewrite.models.gpt import gpt_from_preset  # noqa: E402
 
 #: what is checked: every scheme with its defaults, plus option sets with a code path of
-#: their own (grouped full routing: groups of 3 over the 4 sites and the readout reach every
-#: kind of phase 2)
+#: their own: full AttnRes site by site (its default groups 4 sites), grouped full routing
+#: in groups of 3 over the 4 sites and the readout (every kind of phase 2; phase 1
+#: recomputed for attnres, kept for mhar)
 CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
-           "attnres_g3": ("attnres", {"group_size": 3}), "mhar_g3": ("mhar", {"group_size": 3})}
+           "attnres_site": ("attnres", {"group_size": None}),
+           "attnres_g3": ("attnres", {"group_size": 3, "recompute": True}),
+           "mhar_g3": ("mhar", {"group_size": 3, "recompute": False})}
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 #: bf16: the candidate's error against float64 may be this many times the reference's
 BF16_FACTOR = 4.0

@@ -118,9 +118,14 @@ class FullAttnResOptions(AttnResOptions):
     # phase 1 routes the entries made before a group once for all of its sites
     # (route_many), each site adds its group's own entries so far (add_group_entries).
     # The same function, fewer bytes moved. None: one route per site over every entry.
-    # Off by default: not timed on the GPU yet (docs/benchmarks.md session 8).
-    group_size: int | None = None
-    recompute: bool = True  # grouped: the backward recomputes phase 1 (TwoPhasePlan)
+    # Default 4, phase 1 kept: the fastest measured (H200, 350M GPT, bf16, side by side:
+    # 0.689x the baseline's throughput against 0.618 site by site, G = 6 / 8 / 12: 0.666 /
+    # 0.675 / 0.625; docs/benchmarks.md session 9).
+    group_size: int | None = 4
+    # grouped: the backward recomputes phase 1 (TwoPhasePlan) instead of keeping its
+    # outputs. Off by default: recomputing gave back the speed (G = 6: 0.621x, as site by
+    # site) for 1.1 GiB less peak memory (1.19x the baseline's, kept 1.28x, site by site 1.26x)
+    recompute: bool = False
 
 
 def full_routing_plan(scheme: str, group_size: object, recompute: object) -> TwoPhasePlan | None:
@@ -148,9 +153,9 @@ def full_initial_state(e: torch.Tensor, plan: TwoPhasePlan | None) -> State:
 class AttnResScheme(Scheme):
     """``attnres``: each site reads a softmax over depth of all earlier sources,
     ``x_l = sum_i a_{l,i} v_i`` with ``a = softmax(w_l . RMSNorm_{g_l}(v_i))``.
-    Options: ``eps`` (key RMSNorm, 1e-6), ``group_size`` (None; an int G: the two-phase
-    computation over groups of G consecutive sites, see :class:`FullAttnResOptions`),
-    ``recompute`` (True; grouped: phase 1 recomputed in the backward).
+    Options: ``eps`` (key RMSNorm, 1e-6), ``group_size`` (4: the two-phase computation
+    over groups of 4 consecutive sites, see :class:`FullAttnResOptions`; None: one route per
+    site), ``recompute`` (False; True: phase 1 recomputed in the backward, less memory).
     New parameters: ``2 d (L + 1)``."""
 
     name = "attnres"

@@ -28,7 +28,9 @@ class MharOptions(AttnResOptions):
     # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
     two_phase: bool = False
     # full form: the two-phase computation over groups of this many sites
-    # (attnres.FullAttnResOptions); None: one route per site. Not timed on the GPU yet.
+    # (attnres.FullAttnResOptions); None: one route per site. Off by default: with 16 heads
+    # slower than site by site (H200, 350M GPT: G = 6 0.570x the baseline against 0.608,
+    # docs/benchmarks.md session 9)
     group_size: int | None = None
     # two-phase (block form) or grouped (full form): the backward recomputes phase 1
     recompute: bool = True

@@ -17,6 +17,7 @@ import torch
 import depthrewrite
 from depthrewrite import backend
 from depthrewrite.models.gpt import gpt_from_preset
+from depthrewrite.passes.attnres import FullAttnResOptions
 
 ROUTE = "depthrewrite::route"
 ROUTE_MANY = "depthrewrite::route_many"
@@ -66,6 +67,9 @@ def _expected_routing_calls(scheme: str, model) -> tuple[str, int]:
         return ROUTE_MANY, sites // 2 + 1
     if scheme == "dar":  # two-phase: per DAR block (one layer) and the readout's, one route_many per stream
         return ROUTE_MANY, 2 * (model.config.n_layer + 1)
+    if scheme == "attnres":  # grouped: phase 1 per group of G routers, then one route_many per
+        routers, g = sites + 1, FullAttnResOptions().group_size  # router adding 2+ of its group's entries
+        return ROUTE_MANY, -(-routers // g) + sum(i % g >= 2 for i in range(routers))
     return ROUTE, sites + 1  # one route per site and the readout
 
 
@@ -79,7 +83,8 @@ def test_aot_eager_matches_eager_and_reports_every_routing_call(scheme):
     assert report.implementation == {op: "reference"}  # CPU
     assert report.device == "cpu" and report.inner == "aot_eager"
     assert report.aot_graphs["forward"] == {op: expected}
-    # the two-phase forms recompute phase 1 in the backward (recompute=True, the default)
+    # the block two-phase forms recompute phase 1 in the backward (recompute=True, their
+    # default); grouped full AttnRes keeps it (recompute=False)
     recomputed = {op: expected} if scheme in ("block_attnres", "dar") else {}
     assert report.aot_graphs["backward"] == {f"{op}_backward": expected, **recomputed}
     assert backend.lowered_ops() == {f"{op} (reference)": expected}  # summed over graphs, by implementation
@@ -90,7 +95,8 @@ def test_inductor_matches_eager():
     model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6)
     report = reports[-1]
     assert report.inner == "inductor"
-    assert report.ops == {ROUTE: 2 * model.config.n_layer + 1}
+    op, expected = _expected_routing_calls("attnres", model)
+    assert report.ops == {op: expected}
     assert report.config_patches == {"fallback_random": not before}
     # the patch was scoped to the compilation
     assert torch._inductor.config.fallback_random == before

@@ -44,9 +44,9 @@ def _compare(scheme: str, options: dict, **scheme_options):
     return backend.last_report()
 
 
-# (route_many, which the two-phase forms call, writes each source's gradient once per call:
-# it has no running sums, so WAV and DAR are routed site by site here)
-@pytest.mark.parametrize("scheme,scheme_options", [("attnres", {}), ("wav", {"two_phase": False}),
+# (route_many, which the two-phase and grouped forms call, writes each source's gradient once
+# per call: it has no running sums, so full AttnRes, WAV and DAR are routed site by site here)
+@pytest.mark.parametrize("scheme,scheme_options", [("attnres", {"group_size": None}), ("wav", {"two_phase": False}),
                                                    ("dar", {"variant": "dar", "two_phase": False})])
 def test_aot_eager_with_accumulation_matches_eager(scheme, scheme_options):
     report = _compare(scheme, {"inner": "aot_eager", "accumulate_grads": True}, **scheme_options)
@@ -62,9 +62,9 @@ def test_inductor_with_accumulation_and_fences_matches_eager(monkeypatch):
 
 
 def test_accumulation_is_on_by_default_can_be_turned_off_and_is_checked():
-    report = _compare("attnres", {"inner": "aot_eager"})
+    report = _compare("attnres", {"inner": "aot_eager"}, group_size=None)
     assert report.accumulate_grads and report.accumulated["backward"] > 0
-    report = _compare("attnres", {"inner": "aot_eager", "accumulate_grads": False})
+    report = _compare("attnres", {"inner": "aot_eager", "accumulate_grads": False}, group_size=None)
     assert not report.accumulate_grads and report.accumulated == {}
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="accumulate_grads"):

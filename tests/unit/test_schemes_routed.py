@@ -64,7 +64,10 @@ models = st.builds(
 def test_mhar_one_head_equals_attnres(cfg, block_size, two_phase):
     seed = cfg.pop("seed")
     base = "attnres" if block_size is None else "block_attnres"
-    options = {} if block_size is None else {"block_size": block_size, "two_phase": two_phase}
+    # the full form's two-phase computation is grouped routing (attnres groups 4 sites by
+    # default, mhar none): the same options for both
+    options = ({"group_size": 2 if two_phase else None} if block_size is None
+               else {"block_size": block_size, "two_phase": two_phase})
     reference = rewrite(tiny(seed, **cfg), base, **options)
     model = rewrite(tiny(seed, **cfg), "mhar", heads=1, **options)
     randomize_routing(reference)

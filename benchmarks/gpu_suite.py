@@ -543,7 +543,7 @@ def main() -> int:
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
     ap.add_argument("--quick", action="store_true",
-                    help="a few checks, ours and FLA only, no e2e (a short re-run after a kernel change)")
+                    help="a few checks, ours and FLA only, no block phase, no e2e (a short re-run after a kernel change)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     say(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")
@@ -569,7 +569,7 @@ def main() -> int:
     if not args.e2e_only:
         results["checks"] = checks = correctness(args.quick)
         dump()
-        results["block_phase"] = phase_rows = block_phase_timing()
+        results["block_phase"] = phase_rows = [] if args.quick else block_phase_timing()
         dump()
         results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick)
         dump()

@@ -23,10 +23,12 @@ from .two_phase import two_phase_plan
 class MharOptions(AttnResOptions):
     heads: int | None = None  # None: the model's key/value head count (``hints['kv_heads']``)
     block_size: int | None = None  # None: full routing; an int: Block AttnRes blocks of that many sites
-    # block form: Block AttnRes's two-phase computation (two_phase.TwoPhasePlan). Off by default:
-    # with 16 heads its route_many kernels are slower than routing site by site (H200, e2e
-    # 350M GPT: 101.3 vs 93.9 ms/step, docs/benchmarks.md)
-    two_phase: bool = False
+    # block form: Block AttnRes's two-phase computation (two_phase.TwoPhasePlan). On by
+    # default since session 9: with phase 1 recomputed it meets the block schemes' memory
+    # goal (1.061x the baseline's peak against 1.114x site by site) for 2 % of the step
+    # (H200, e2e 350M GPT, 16 heads: 98.0 against 95.9 ms; 103.6 against 93.9 in session
+    # 4, before the faster route_many kernels; docs/benchmarks.md)
+    two_phase: bool = True
     # full form: the two-phase computation over groups of this many sites
     # (attnres.FullAttnResOptions); None: one route per site. Off by default: with 16 heads
     # slower than site by site (H200, 350M GPT: G = 6 0.570x the baseline against 0.608,
@@ -72,8 +74,8 @@ class MharScheme(Scheme):
     Options: ``heads`` (default: the model's key/value head count from its config; a
     ValueError asks for ``heads=`` when the model has none; must divide d),
     ``block_size`` (None: full AttnRes sources; an int S: Block AttnRes sources, blocks of
-    S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; False by
-    default, measured slower with many heads), ``group_size`` (full form: None, or the
+    S sites), ``two_phase`` (block form: Block AttnRes's two-phase computation; True: less
+    memory, 2 % slower at 350M with 16 heads), ``group_size`` (full form: None, or the
     two-phase computation over groups of that many sites, as ``attnres``), ``recompute``
     (two-phase or grouped: recompute phase 1 in the backward instead of keeping its
     outputs, True), ``eps`` (key RMSNorm, 1e-6).

@@ -339,6 +339,10 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
                             "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
+                            # the per-token kernel spills at one head with S = 6 (8 padded query rows,
+                            # 4 warps: 255 registers; kernel_registers.py): more warps, fewer queries
+                            "_pertoken_w8": {"backward": "per_token", "num_warps": 8},
+                            "_pertoken_q4": {"backward": "per_token", "block_q": 4},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
 
@@ -384,8 +388,6 @@ def block_phase_timing() -> list[dict]:
             for part, fn, variants in (("fwd", many_fwd, BLOCK_PHASE_FWD_VARIANTS),
                                        ("bwd", many_bwd, BLOCK_PHASE_BWD_VARIANTS)):
                 for name, cfg in variants.items():
-                    if with_keys and cfg and cfg.get("backward") == "per_token":
-                        continue  # the per-token backward takes no keys
                     try:
                         row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:

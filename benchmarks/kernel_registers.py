@@ -6,8 +6,9 @@ machine without a GPU.
 Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_bwd_kernel``
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
 without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), and
-``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per launch, without and
-with separate keys); runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
+``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per launch) and the
+per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries), each without and
+with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
 on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
 Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
 global loads and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes,
@@ -74,29 +75,52 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     return kernel.asm["ptx"], block_t, warps
 
 
-MANY_FORWARD_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
-                          N="i32", D="i32", C="i32", H="i32", S_CHUNK="i32", eps="fp32")
+MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
+                  gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
+                  part_ptr="*fp32", T="i32", N="i32", D="i32", C="i32", H="i32", S_CHUNK="i32", eps="fp32")
 
 
-def compile_many_forward(d: int, heads: int, has_keys: bool):
+def _compile_many(kernel, constexprs: dict, warps: int) -> str:
+    """PTX of a ``route_many`` kernel for sm_90, pointers 16-byte aligned, D and C 16-divisible."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: MANY_TYPES.get(n, "constexpr") for n in names}
+    attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
+             if signature[n].startswith("*") or n in ("D", "C")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return compiled.asm["ptx"]
+
+
+def compile_many_forward(d: int, heads: int, has_keys: bool):
     from depthrewrite.kernels.route_many_triton import FORWARD_QUERIES, NUM_WARPS, _route_many_fwd_kernel
     from depthrewrite.kernels.route_triton import _forward_warps, _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
     constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
                       HAS_KEYS=has_keys)
-    names = list(inspect.signature(_route_many_fwd_kernel.fn).parameters)
-    signature = {n: MANY_FORWARD_TYPES.get(n, "constexpr") for n in names}
-    attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
-             if signature[n].startswith("*") or n in ("D", "C")}
     warps = _forward_warps(heads, block_h * block_c, NUM_WARPS)
-    kernel = triton.compile(ASTSource(fn=_route_many_fwd_kernel, signature=signature, constexprs=constexprs,
-                                      attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    return kernel.asm["ptx"], warps
+    return _compile_many(_route_many_fwd_kernel, constexprs, warps), warps
+
+
+def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries: int = 6):
+    """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
+    launches it (one head: all queries that MANY_ELEMS allows; several heads: 2)."""
+    from depthrewrite.kernels.route_many_triton import (
+        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _query_block, _route_many_bwd_kernel,
+    )
+    from depthrewrite.kernels.route_triton import _row_blocks
+
+    block_h, block_c = _row_blocks(d, heads)
+    multi = heads > 1
+    block_q = _query_block(queries, block_h * block_c, {}, MULTI_HEAD_BACKWARD_QUERIES if multi else None)
+    constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, ACC_IN=False,
+                      ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys)
+    warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
+    return _compile_many(_route_many_bwd_kernel, constexprs, warps), warps
 
 
 def memory_instructions(ptx: str) -> dict[str, int]:
@@ -128,13 +152,15 @@ def main() -> int:
             print(f"route backward heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
                   f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers; "
                   f"global memory instructions {memory_instructions(ptx)}")
-    for heads in args.heads:
-        for has_keys in (False, True):
-            ptx, warps = compile_many_forward(args.width, heads, has_keys)
-            regs, spills = ptxas_report(ptx, args.ptxas)
-            print(f"route_many forward heads={heads:3d} keys={str(has_keys):5s} warps={warps}: {regs} registers, "
-                  f"{spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers; "
-                  f"global memory instructions {memory_instructions(ptx)}")
+    for name, compile_fn in (("forward", compile_many_forward),
+                             ("per-token backward", compile_many_per_token_backward)):
+        for heads in args.heads:
+            for has_keys in (False, True):
+                ptx, warps = compile_fn(args.width, heads, has_keys)
+                regs, spills = ptxas_report(ptx, args.ptxas)
+                print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: {regs} registers, "
+                      f"{spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers; "
+                      f"global memory instructions {memory_instructions(ptx)}")
     return 0
 
 

@@ -14,13 +14,13 @@ S / 2 times (still S / 2 times fewer than one route per site).
 
 With separate keys (DAR) every kernel reads each source's key row next to its value row:
 the logits and the key RMSNorm come from the key, the output from the value, and the
-backward writes the value and key gradients separately (the per-token backward takes no
-keys; with keys the tiled one runs at every width).
+backward writes the value and key gradients separately (both backward kernels take keys;
+the tiled one runs them by default: the per-token one with keys is not timed yet).
 
 Two backward kernels, both deterministic (fixed summation order, no atomics), chosen per
 call by ``_backward_kernel`` (measured):
 
-- tiled (``_route_many_bwd_tiled_kernel``, the default up to d = 1024): ``BLOCK_T`` tokens
+- tiled (``_route_many_bwd_tiled_kernel``, the default with several heads or keys): ``BLOCK_T`` tokens
   per program (1, with one warp: the row reductions stay inside the warp). It first stores
   ``<g_s, out_s> - d lse_s`` per query and head in a small scratch table, then walks the
   sources; for each source it walks the queries one at a time (their output-gradient rows
@@ -29,7 +29,7 @@ call by ``_backward_kernel`` (measured):
   (source, query, token, head) to a table from which ``_route_many_param_kernel`` reduces
   the parameter gradients over tokens (reading the sources once more), so no program
   holds a ``(Q, d)`` accumulator;
-- per-token (``_route_many_bwd_kernel``, one-head rows wider than 1024): a persistent grid,
+- per-token (``_route_many_bwd_kernel``, the default with one head and no keys): a persistent grid,
   per token the Q output gradients, saved outputs and log-sum-exps as ``(Q, H, C)`` tiles,
   one walk over the sources for all queries at once, the parameter gradients accumulated
   per program in a ``(programs, Q, d)`` fp32 buffer; more queries than fit on chip are taken
@@ -40,10 +40,11 @@ Outputs and their gradients are separate tensors (the op returns lists): the ker
 them through int64 pointer tables, as they reach the sources; all tables of a call go up in
 one host-to-device copy.
 
-Speed, measured (H200, docs/benchmarks.md): forward + backward at 4-5x the memory floor.
+Speed, measured (H200, docs/benchmarks.md): forward + backward at 3-5x the memory floor.
 Both backward kernels are latency-bound: per (source, query) pair a token needs two row
 reductions before its gradient can be formed, and few tokens are in flight per SM (the
-per-token kernel holds ``(Q, H, C)`` fp32 tiles: 255 registers; the tiled one walks its
+per-token kernel holds ``(Q, H, C)`` fp32 tiles: 255 registers and spills at one head,
+d = 1024, 6 queries padded to 8, 4 warps; the tiled one walks its
 pairs one after another). A tensor-core formulation (tiles of tokens, the reductions as
 ``tl.dot``) was built and measured slower (2x in the backward at these shapes: N and S
 padded to 16, split fp32 factors); it is in the history (commit 9091829), not here.
@@ -183,11 +184,31 @@ def _route_many_fwd_kernel(
 
 
 @triton.jit
+def _store_source_grad(gtab, acctab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.constexpr, ACC_IN: tl.constexpr,
+                       ACC_OUT: tl.constexpr):
+    """Store row block ``offs`` of source ``i``'s gradient. Chunks of queries: the earlier
+    chunks' part is kept in fp32 (ACC_IN / ACC_OUT, table ``acctab``), so that the gradient
+    is rounded to the activation dtype only once."""
+    f32_ty = tl.pointer_type(tl.float32)
+    if ACC_IN:
+        grad += tl.load(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, mask=mask, other=0.0)
+    if ACC_OUT:
+        tl.store(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, grad, mask=mask)
+    else:
+        tl.store(_src_ptr(gtab, i, ptr_ty, ALIGNED) + offs, grad.to(ptr_ty.element_ty), mask=mask)
+
+
+@triton.jit
 def _route_many_bwd_kernel(
-    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, qw_ptr, part_ptr, T, N, D, C, H, S_CHUNK, eps,
+    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, part_ptr,
+    T, N, D, C, H, S_CHUNK, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
+    HAS_KEYS: tl.constexpr,
 ):
+    """The one-pass backward: one token at a time per program, all queries of the chunk
+    at once, each source (and its key, with HAS_KEYS) read once; the parameter gradients'
+    per-program partial sums go to ``part_ptr``."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -211,17 +232,21 @@ def _route_many_bwd_kernel(
             # sum_j a_j <v_j, g> = <out, g> per query and head; d lse / d z_j = a_j joins it
             s_ada = tl.sum(g * o, 2) - g_lse
         if PREFETCH:
-            v_nx, _k = _load_source(vtab, vtab, 0, offs, cmask, ptr_ty, ALIGNED, False)
+            v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         for i in range(N):
             if PREFETCH:
-                v = v_nx.to(tl.float32)
-                v_nx, _k = _load_source(vtab, vtab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
-                                        ptr_ty, ALIGNED, False)
+                v_raw, k_raw = v_nx, k_nx
+                v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
+                                          ptr_ty, ALIGNED, HAS_KEYS)
             else:
-                v_raw, _k = _load_source(vtab, vtab, i, offs, cmask, ptr_ty, ALIGNED, False)
-                v = v_raw.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(tl.sum(v * v, 1), 0) / D + eps)
-            zr = tl.sum(v[None, :, :] * qw, 2) * rstd
+                v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+            v = v_raw.to(tl.float32)
+            if HAS_KEYS:
+                k = k_raw.to(tl.float32)
+            else:
+                k = v
+            rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+            zr = tl.sum(k[None, :, :] * qw, 2) * rstd
             if ONE_SOURCE:
                 # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
                 # exactly (computed, the two sums would leave rounding noise where 0 is exact)
@@ -232,18 +257,15 @@ def _route_many_bwd_kernel(
                 da = tl.sum(v[None, :, :] * g, 2)
                 dz = a * (da - s_ada)
             mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
-            norm = v * rstd
+            norm = k * rstd
             r_acc += dz[:, :, None] * norm[None, :, :]
             d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
-            d_src = tl.sum(a[:, :, None] * g, 0) + d_key
-            # chunks of queries: the earlier chunks' part of this gradient is kept in fp32
-            # (ACC_IN / ACC_OUT), so that it is rounded to the activation dtype only once
-            if ACC_IN:
-                d_src += tl.load(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, mask=cmask, other=0.0)
-            if ACC_OUT:
-                tl.store(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, d_src, mask=cmask)
+            d_value = tl.sum(a[:, :, None] * g, 0)
+            if HAS_KEYS:
+                _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+                _store_source_grad(gktab, kacctab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
             else:
-                tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, d_src.to(act), mask=cmask)
+                _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
 
     part = part_ptr + pid.to(tl.int64) * BLOCK_Q * D
     tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
@@ -445,11 +467,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
-    grad_k = []
-    if _backward_kernel(heads, cfg, bool(flat_k)) == "per_token":
-        grad_v, r = _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg)
-    else:
-        grad_v, grad_k, r = _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
+    backward = _per_token_backward if _backward_kernel(heads, cfg, bool(flat_k)) == "per_token" else _tiled_backward
+    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
     grad_weights = _product_as(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
@@ -457,16 +476,13 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
 
 def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
     """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice:
-    per-token for one head without separate keys (it does not take keys; with 16 heads its
-    per-head statistics make it 2x slower), tiled otherwise."""
+    per-token for one head without separate keys, tiled otherwise (with 16 heads the
+    per-token kernel's per-head statistics make it 2x slower; with keys it is not timed yet)."""
     choice = cfg["backward"]
     if choice is None:
         return "per_token" if heads == 1 and not has_keys else "tiled"
     if choice not in BACKWARD_CHOICES:
         raise ValueError(f"route_many (Triton): config backward must be one of {BACKWARD_CHOICES}; found {choice!r}")
-    if choice == "per_token" and has_keys:
-        raise ValueError("route_many (Triton): config backward 'per_token' does not take separate `keys`; "
-                         "found keys (use 'tiled' or leave the choice to the launcher)")
     return choice
 
 
@@ -525,37 +541,43 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tenso
     return part.sum(0)  # fixed order: deterministic
 
 
-def _per_token_backward(g, gl, o, ls, flat_v, queries, key_norm_weights, heads, eps, cfg) -> tuple[list[Tensor], Tensor]:
+def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,
+                        cfg) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads)
     tokens, device = _tokens(flat_v), flat_v[0].device
     dtype = flat_v[0].dtype
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
+    grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
     multi_head = heads > 1
     block_q = _query_block(s, block_h * block_c, cfg, MULTI_HEAD_BACKWARD_QUERIES if multi_head else None)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     part = torch.zeros((len(chunks), programs, block_q, d), dtype=torch.float32, device=device)
-    if tokens > 0:
-        qw = _per_query_rows(queries, key_norm_weights)
-        # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
-        partial = grad_v if dtype == torch.float32 or len(chunks) == 1 else [
-            torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
-        gtab, otab, ltab, gltab, vtab, gvtab, acctab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, partial)
-        for c, q0 in enumerate(chunks):
-            _route_many_bwd_kernel[(programs,)](
-                flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, qw[q0:], part[c],
-                tokens, len(flat_v), d, d // heads, heads, min(block_q, s - q0), float(eps),
-                BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-                ALIGNED=_aligned(flat_v, grad_v, partial, g, o), ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1,
-                ONE_SOURCE=len(flat_v) == 1, num_warps=warps,
-            )
-    else:
-        grad_v = [torch.zeros_like(t) for t in grad_v]
+    if tokens == 0:
+        return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], part.sum(1).reshape(-1, d)[:s]
+    qw = _per_query_rows(queries, key_norm_weights)
+    # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
+    one_pass = dtype == torch.float32 or len(chunks) == 1
+    partial_v = grad_v if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
+    partial_k = grad_k if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_k]
+    gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab = pointer_tables(
+        device, g, o, ls, gl, flat_v, grad_v, partial_v, flat_k, grad_k, partial_k)
+    if not flat_k:  # no separate keys (empty tables are never read)
+        ktab, gktab, kacctab = vtab, gvtab, acctab
+    aligned = _aligned(flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, g, o)
+    for c, q0 in enumerate(chunks):
+        _route_many_bwd_kernel[(programs,)](
+            flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
+            qw[q0:], part[c], tokens, len(flat_v), d, d // heads, heads, min(block_q, s - q0), float(eps),
+            BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"], ALIGNED=aligned,
+            ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=len(flat_v) == 1, HAS_KEYS=bool(flat_k),
+            num_warps=warps,
+        )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
-    return grad_v, part.sum(1).reshape(-1, d)[:s]
+    return grad_v, grad_k, part.sum(1).reshape(-1, d)[:s]
 
 
 def _tokens(sources: Sequence[Tensor]) -> int:

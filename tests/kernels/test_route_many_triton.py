@@ -144,6 +144,7 @@ def test_query_chunks_match_one_launch():
 
 VARIANTS = [
     {"backward": "per_token"},
+    {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
 ]
@@ -151,19 +152,16 @@ VARIANTS = [
 
 @pytest.mark.parametrize("config", VARIANTS)
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
-                                                     (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True)])
+                                                     (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True),
+                                                     (1, 3, (5,), 24, 1, True), (9, 6, (5,), 100, 1, True)])
 def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
     """Each backward kernel where the default would pick the other (per-token with several
-    heads, tiled with one head and no keys), tile sizes of the tiled one (``block_t``), with
-    odd token counts (partial tiles), in bf16: outputs and log-sum-exps against float64, gradients against the float64
-    oracle that uses the saved output. The per-token kernel does not take keys: asked for
-    with keys, it is refused."""
+    heads or with separate keys, tiled with one head and no keys), in chunks of queries,
+    tile sizes of the tiled one (``block_t``), with odd token counts (partial tiles), in
+    bf16: outputs and log-sum-exps against float64, gradients (keys' included) against the
+    float64 oracle that uses the saved output."""
     dtype = torch.bfloat16
     inp = _make(n, s, batch, d, heads, dtype, 7, keys)
-    if keys and config["backward"] == "per_token":
-        with pytest.raises(ValueError, match="'per_token' does not take separate `keys`"):
-            _run(inp, dtype, 7, config=config)
-        return
     out, lse, grads, grad_out, grad_lse = _run(inp, dtype, 7, config=config)
     exact_out, exact_lse, _ = _oracle_f64(inp, grad_out, grad_lse)
     assert all(_rel(o, e) < TOL[dtype] for o, e in zip(out, exact_out.unbind(0)))

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..rewrite import find_runtime
 from . import checkpoint, distributed
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
 from .model import build_model, parse_model_name
@@ -201,13 +202,41 @@ def evaluate(model: nn.Module, tokens: torch.Tensor, config: TrainConfig, info: 
     return distributed.mean_across_ranks(total / config.eval_batches, info).item()
 
 
-def _check_resume(payload: dict, config: TrainConfig) -> None:
+def _scheme_options(model: nn.Module) -> dict | None:
+    """The rewritten model's scheme options with every default filled in (None: not rewritten)."""
+    runtime = find_runtime(model)
+    return None if runtime is None else dataclasses.asdict(runtime.scheme.options)
+
+
+def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | None) -> None:
+    """Refuse to resume a different run. The scheme's options are compared with their
+    defaults filled in where the checkpoint records them, so that a default changed by an
+    upgrade (``attnres`` ``group_size``, say: the same function computed in another order,
+    no longer bit-exact) is caught, and giving the checkpoint's value explicitly is accepted."""
     saved, now = payload["config"], dataclasses.asdict(config)
+    resolved = "scheme_options" in payload
     for name in _RESUME_MUST_MATCH:
+        if name == "options" and resolved:
+            continue
         if saved[name] != now[name]:
             raise ValueError(
                 f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}"
             )
+    if not resolved:
+        if scheme_options is not None:
+            log.warning("resume: the checkpoint does not record its scheme options with their defaults "
+                        "(written before they were recorded): defaults changed since then apply (see the "
+                        "scheme's docstring) and the continuation may differ by rounding; pass the options "
+                        "the run started with explicitly to keep them")
+        return
+    before = payload["scheme_options"]
+    if before != scheme_options:
+        keys = sorted(set(before or {}) | set(scheme_options or {}))
+        diff = [f"{k}: checkpoint {(before or {}).get(k)!r}, now {(scheme_options or {}).get(k)!r}"
+                for k in keys if (before or {}).get(k) != (scheme_options or {}).get(k)]
+        raise ValueError("resume: the scheme options differ from the checkpoint's (defaults filled in): "
+                         + "; ".join(diff) + ". Pass the checkpoint's values (--option KEY=VALUE) to continue "
+                         "that run")
 
 
 def train(config: TrainConfig, splits: Splits | None = None) -> TrainResult:
@@ -292,7 +321,8 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
         path = checkpoint.latest_checkpoint(config.out)
         if path is None:
             raise ValueError(f"resume: no checkpoint under {checkpoint.checkpoint_dir(config.out)}")
-        payload = checkpoint.load(path, model, optimizer, scheduler, info, check=lambda p: _check_resume(p, config))
+        payload = checkpoint.load(path, model, optimizer, scheduler, info,
+                                  check=lambda p: _check_resume(p, config, _scheme_options(model)))
         step = payload["step"]
     metrics = Metrics(config.out, info.is_main, step if config.resume else None)
     runner = distributed.wrap(model, info, device) if info.mode == "ddp" else model
@@ -361,4 +391,5 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
 
 def _save(run: _Run) -> None:
     checkpoint.save(run.config.out, run.step, run.model, run.optimizer, run.scheduler, run.info,
-                    extra={"config": dataclasses.asdict(run.config)}, keep=run.config.keep_checkpoints)
+                    extra={"config": dataclasses.asdict(run.config), "scheme_options": _scheme_options(run.model)},
+                    keep=run.config.keep_checkpoints)

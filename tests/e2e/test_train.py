@@ -15,6 +15,7 @@ import torch
 from depthrewrite.cli import main, parse_value
 from depthrewrite.models import gpt_from_preset
 from depthrewrite.train import DataConfig, TrainConfig, batch_at, load_documents, read_metrics, split_documents, train
+from depthrewrite.train import checkpoint
 from depthrewrite.train.data import EOT_MARKER, split_text, stdlib_documents, stdlib_files, to_tokens
 from depthrewrite.train.routing_weights import record_routing_weights, softmax_weights, token_weights
 from tests.conftest import corpus_bytes
@@ -121,6 +122,38 @@ def test_resume_continues_bit_exactly(tmp_path, shakespeare):
         train(_tiny(**common, out=str(tmp_path / "b"), resume=True, seed=1))
 
 
+def _rewrite_checkpoint(out, edit) -> None:
+    path = checkpoint.latest_checkpoint(out)
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    edit(payload)
+    torch.save(payload, path)
+
+
+def test_resume_compares_scheme_options_with_their_defaults(tmp_path, shakespeare, caplog):
+    """A checkpoint records the scheme's options with every default filled in: a default
+    that changed since (simulated by editing the record to the old ``group_size``) stops
+    the resume with the option named; giving the checkpoint's value explicitly continues.
+    A checkpoint written before the record existed resumes on its given options, with a
+    warning."""
+    common = dict(scheme="attnres", data=DataConfig(source=str(shakespeare)), steps=4, out=str(tmp_path))
+    train(_tiny(**common, stop_after=2))
+    recorded = torch.load(checkpoint.latest_checkpoint(tmp_path), map_location="cpu", weights_only=False)
+    assert recorded["scheme_options"]["group_size"] == 4 and recorded["scheme_options"]["eps"] == 1e-6
+
+    _rewrite_checkpoint(tmp_path, lambda p: p["scheme_options"].update(group_size=None))
+    with pytest.raises(ValueError, match="group_size: checkpoint None, now 4"):
+        train(_tiny(**common, resume=True))
+    resumed = train(_tiny(**common, resume=True, options={"group_size": None}))
+    assert resumed.steps == [3, 4]
+
+    old = {**common, "out": str(tmp_path / "old")}
+    train(_tiny(**old, stop_after=2))
+    _rewrite_checkpoint(tmp_path / "old", lambda p: p.pop("scheme_options"))
+    with caplog.at_level("WARNING", logger="depthrewrite.train.loop"):
+        resumed = train(_tiny(**old, resume=True))
+    assert resumed.steps == [3, 4] and "does not record its scheme options" in caplog.text
+
+
 def test_loss_goes_down_on_real_text(shakespeare):
     data = shakespeare.read_bytes()
     counts, n = collections.Counter(data), len(data)
@@ -225,7 +258,7 @@ def test_cli_train_stop_and_resume(tmp_path, shakespeare, capsys):
     assert "2 steps" in capsys.readouterr().out  # steps 3 and 4
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
     assert main(args + ["--resume", "--option", "block_size=4"]) == 2  # a different model than the checkpoint's
-    assert "options differs" in capsys.readouterr().err
+    assert "block_size: checkpoint 2, now 4" in capsys.readouterr().err
 
 
 def test_cli_values_and_errors(capsys):

@@ -1,10 +1,15 @@
 """Rewritten Hugging Face models keep their interface: identity at init, generate() with
 the KV cache, save/load, gradient checkpointing, train/eval, hidden states."""
 
+import dataclasses
+import importlib
+import json
+
 import pytest
 import torch
 
 import depthrewrite
+from depthrewrite.rewrite import find_runtime
 from tests.conftest import HF_FAMILIES, hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +69,29 @@ def test_save_pretrained_and_load_back_is_bit_identical(family, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = depthrewrite.from_pretrained(tmp_path).eval()
     assert depthrewrite.inspect(loaded).num_sites == depthrewrite.inspect(model).num_sites
+    assert torch.equal(logits(loaded), ref)
+
+
+def test_saved_recipe_holds_every_option_so_other_defaults_do_not_change_the_model(tmp_path, monkeypatch):
+    """The recipe in config.json lists the scheme's options with defaults filled in, and
+    ``from_pretrained`` applies them all: a model saved under today's default (``attnres``
+    groups 4 sites) loads with that computation under a version whose default differs
+    (simulated: ``group_size`` None when not given), with bit-identical logits."""
+    model = depthrewrite.rewrite(hf_model("llama", seed=3), "attnres")
+    perturb_routing(model)
+    ref = logits(model)
+    model.save_pretrained(tmp_path)
+    recipe = json.loads((tmp_path / "config.json").read_text())["depthrewrite"]
+    assert recipe["scheme"] == "attnres"
+    assert recipe["options"]["group_size"] == 4 and recipe["options"]["eps"] == 1e-6  # defaults recorded
+
+    rewrite_module = importlib.import_module("depthrewrite.rewrite")  # the package's `rewrite` is the function
+    real = rewrite_module.scheme_options
+    monkeypatch.setattr(rewrite_module, "scheme_options", lambda cls, options: (
+        real(cls, options) if "group_size" in options else dataclasses.replace(real(cls, options), group_size=None)))
+    assert find_runtime(depthrewrite.rewrite(hf_model("llama", seed=3), "attnres")).scheme.plan is None
+    loaded = depthrewrite.from_pretrained(tmp_path).eval()
+    assert find_runtime(loaded).scheme.group_size == 4
     assert torch.equal(logits(loaded), ref)
 
 

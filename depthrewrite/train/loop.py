@@ -210,30 +210,31 @@ def _scheme_options(model: nn.Module) -> dict | None:
 
 def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | None) -> None:
     """Refuse to resume a different run. The scheme's options are compared with their
-    defaults filled in where the checkpoint records them, so that a default changed by an
-    upgrade (``attnres`` ``group_size``, say: the same function computed in another order,
-    no longer bit-exact) is caught, and giving the checkpoint's value explicitly is accepted."""
+    defaults filled in where the checkpoint records them (:func:`_check_scheme_options`)."""
     saved, now = payload["config"], dataclasses.asdict(config)
     resolved = "scheme_options" in payload
     for name in _RESUME_MUST_MATCH:
         if name == "options" and resolved:
-            continue
+            continue  # the given options may differ where they pin a default to its recorded value
         if saved[name] != now[name]:
             raise ValueError(
                 f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}"
             )
-    if not resolved:
-        if scheme_options is not None:
-            log.warning("resume: the checkpoint does not record its scheme options with their defaults "
-                        "(written before they were recorded): defaults changed since then apply (see the "
-                        "scheme's docstring) and the continuation may differ by rounding; pass the options "
-                        "the run started with explicitly to keep them")
-        return
-    before = payload["scheme_options"]
-    if before != scheme_options:
-        keys = sorted(set(before or {}) | set(scheme_options or {}))
-        diff = [f"{k}: checkpoint {(before or {}).get(k)!r}, now {(scheme_options or {}).get(k)!r}"
-                for k in keys if (before or {}).get(k) != (scheme_options or {}).get(k)]
+    if resolved:
+        _check_scheme_options(payload["scheme_options"] or {}, scheme_options or {})
+    elif scheme_options is not None:
+        log.warning("resume: the checkpoint does not record its scheme options with their defaults (written "
+                    "before they were recorded): defaults changed since then apply (see the scheme's docstring) "
+                    "and the continuation may differ by rounding; pass the options the run started with "
+                    "explicitly to keep them")
+
+
+def _check_scheme_options(before: dict, now: dict) -> None:
+    """A default changed by an upgrade (``attnres`` ``group_size``, say: the same function
+    computed in another order, no longer bit-exact) is named with the checkpoint's value."""
+    diff = [f"{k}: checkpoint {before.get(k)!r}, now {now.get(k)!r}"
+            for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    if diff:
         raise ValueError("resume: the scheme options differ from the checkpoint's (defaults filled in): "
                          + "; ".join(diff) + ". Pass the checkpoint's values (--option KEY=VALUE) to continue "
                          "that run")

@@ -28,8 +28,9 @@ ROUTING_KEY_PART = ".depth_route."
 
 def record_recipe(model: nn.Module, scheme: str, options: dict) -> None:
     """Store the rewrite recipe in an HF config, if the model has one. ``options``: every
-    option of the scheme, defaults filled in, so that a later version with other defaults
-    rebuilds the model as it was saved (the same computation, not only the same weights)."""
+    option of the scheme as used (``Scheme.resolved_options``: defaults and automatic
+    choices filled in), so that a later version with other defaults rebuilds the model as
+    it was saved (the same computation, not only the same weights)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         setattr(config, CONFIG_KEY, {"scheme": scheme, "options": dict(options)})

@@ -9,7 +9,6 @@ Pass ``inplace=False`` to rewrite a deep copy and leave the original untouched.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -72,7 +71,7 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     stream_dtype, device = analysis.capture.embedding.dtype, analysis.capture.embedding.device
     scheme_obj = cls(opts, analysis.stream, _param_dtype(model, stream_dtype), device, hints=model_hints(model))
     runtime = _install(model, analysis, scheme_obj)
-    record_recipe(model, scheme, dataclasses.asdict(opts))
+    record_recipe(model, scheme, scheme_obj.resolved_options())
     runtime.report["seconds"] = time.perf_counter() - start
     log.info("rewrote %s with %s: %s", type(model).__name__, scheme, runtime.report)
     if verify:

@@ -92,7 +92,14 @@ class Scheme:
         return self.param(*shape, fill=0.0)
 
     def describe(self) -> dict:
+        """The scheme's name and every option as this rewrite used it: defaults filled in,
+        automatic choices (``block_size``, ``heads``, ``init``) resolved by the subclasses."""
         return {"scheme": self.name, **dataclasses.asdict(self.options)}
+
+    def resolved_options(self) -> dict:
+        """Options that rebuild this rewrite exactly under any version's defaults (what
+        checkpoints and ``save_pretrained`` record)."""
+        return {k: v for k, v in self.describe().items() if k != "scheme"}
 
 
 class PassThrough(nn.Module):

@@ -203,9 +203,10 @@ def evaluate(model: nn.Module, tokens: torch.Tensor, config: TrainConfig, info: 
 
 
 def _scheme_options(model: nn.Module) -> dict | None:
-    """The rewritten model's scheme options with every default filled in (None: not rewritten)."""
+    """The rewritten model's scheme options as used: defaults and automatic choices filled
+    in (None: not rewritten)."""
     runtime = find_runtime(model)
-    return None if runtime is None else dataclasses.asdict(runtime.scheme.options)
+    return None if runtime is None else runtime.scheme.resolved_options()
 
 
 def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | None) -> None:

@@ -131,3 +131,22 @@ def test_every_scheme_trains_under_bf16_autocast(scheme):
     grads = [p.grad for n, p in model.named_parameters() if "depth_route" in n and p.grad is not None]
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
     assert grads or scheme == "residual"
+
+
+@pytest.mark.parametrize("scheme", sorted(depthrewrite.SCHEMES))
+def test_resolved_options_rebuild_the_same_rewrite(scheme):
+    """What checkpoints and ``save_pretrained`` record (every option as used, automatic
+    choices such as ``block_size`` and ``heads`` resolved) is a valid set of options that
+    rebuilds the same rewrite: the same record, parameter names and bit-identical logits."""
+    from depthrewrite.models.gpt import gpt_from_preset
+    from depthrewrite.rewrite import find_runtime
+
+    torch.manual_seed(0)
+    first = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=4), scheme)
+    recorded = find_runtime(first).scheme.resolved_options()
+    again = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=4), scheme, **recorded)
+    assert find_runtime(again).scheme.resolved_options() == recorded
+    again.load_state_dict(first.state_dict())  # strict: the same parameters
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(again(ids), first(ids))

@@ -66,11 +66,12 @@ def test_preserve_identity_is_bit_identical_at_init(scheme, model_and_ids, gate)
 @given(model_and_ids=small_gpts(), seed=st.integers(0, 1000))
 def test_block_size_one_equals_full_attnres(model_and_ids, seed):
     model, ids = model_and_ids
-    # routed site by site: the same arithmetic as full AttnRes. The two-phase form (the
-    # default) rounds its phase-1 result once more (fp32 logits differ by up to ~2e-6 here);
-    # it is compared with site-by-site routing in test_schemes_routed (1e-12 in float64).
+    # both routed site by site: the same arithmetic. The two-phase and grouped forms (the
+    # defaults) round their phase-1 results once more (fp32 logits differ by up to ~2e-6
+    # here); they are compared with site-by-site routing in test_schemes_routed and
+    # test_grouped_full_routing (1e-12 in float64).
     block = depthrewrite.rewrite(model, "block_attnres", block_size=1, two_phase=False, inplace=False)
-    full = depthrewrite.rewrite(model, "attnres", inplace=False)
+    full = depthrewrite.rewrite(model, "attnres", group_size=None, inplace=False)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in full.parameters():  # move everything off init: routing is then non-uniform

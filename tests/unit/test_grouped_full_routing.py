@@ -93,7 +93,7 @@ def test_recompute_gives_the_same_gradients_from_fewer_saved_tensors(monkeypatch
 def test_grouped_routing_is_skipped_for_sharded_routing_parameters(monkeypatch):
     """As for the block schemes: with FSDP2's sharded queries the plan routes site by site."""
     model = rewrite(tiny(), "attnres", group_size=2)
-    reference = rewrite(tiny(), "attnres")
+    reference = rewrite(tiny(), "attnres", group_size=None)  # site by site
     randomize_routing(model)
     reference.load_state_dict(model.state_dict())
     monkeypatch.setattr(two_phase, "_is_sharded", lambda p: True)
@@ -110,7 +110,7 @@ def test_routing_weights_are_recorded_per_site_with_groups():
     from depthrewrite.train.routing_weights import record_routing_weights
 
     model = rewrite(tiny(), "attnres", group_size=2)
-    reference = rewrite(tiny(), "attnres")
+    reference = rewrite(tiny(), "attnres", group_size=None)  # site by site
     randomize_routing(model)
     reference.load_state_dict(model.state_dict())
     got, want = record_routing_weights(model, ids_for()), record_routing_weights(reference, ids_for())

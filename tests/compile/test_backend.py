@@ -43,6 +43,18 @@ def _loss_and_grads(model, fn, idx):
     return loss.detach(), grads
 
 
+def assert_aot_eager_matches_eager(model, idx) -> None:
+    """Compile ``model`` with the backend (AOTAutograd, fullgraph) and compare its loss and
+    every gradient with eager's."""
+    eager_loss, eager_grads = _loss_and_grads(model, model, idx)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+    loss, grads = _loss_and_grads(model, compiled, idx)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
 
 def _compile_and_compare(scheme: str, options: dict, rtol: float, atol: float):
     model = _model(scheme)
@@ -140,14 +152,7 @@ def test_every_scheme_compiles_fullgraph_and_matches_eager(scheme):
             if "depth_route" in name:
                 p.add_(0.1 * torch.randn_like(p))
     idx = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
-    eager_loss, eager_grads = _loss_and_grads(model, model, idx)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
-    loss, grads = _loss_and_grads(model, compiled, idx)
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_aot_eager_matches_eager(model, idx)
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

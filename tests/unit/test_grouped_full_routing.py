@@ -141,18 +141,10 @@ def test_grouped_routing_compiles_fullgraph_and_matches_eager(scheme, options):
     """With the backend (AOTAutograd, fullgraph): the same loss and gradients as eager, and
     the phase-1 and phase-2 ``route_many`` calls reach the backend as routing ops."""
     from depthrewrite import backend
-    from tests.compile.test_backend import _loss_and_grads as loss_and_grads
+    from tests.compile.test_backend import assert_aot_eager_matches_eager
 
     model = rewrite(tiny(n_layer=2), scheme, **options).train()
     randomize_routing(model)
-    idx = ids_for(seed=3)
-    eager_loss, eager_grads = loss_and_grads(model, model, idx)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
-    loss, grads = loss_and_grads(model, compiled, idx)
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_aot_eager_matches_eager(model, ids_for(seed=3))
     ops = backend.last_report().ops
     assert ops.get("depthrewrite::route_many", 0) > 0 and "depthrewrite::route" not in ops

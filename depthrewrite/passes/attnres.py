@@ -141,8 +141,9 @@ def full_router(scheme: Scheme, index: int, cls: type = FullRouter) -> nn.Module
     1``), placed in its group when ``scheme.plan`` groups the sites."""
     if scheme.plan is None:
         return cls(scheme)
-    group, position = block_place(index, scheme.group_size)
-    closes = index % scheme.group_size == 0 and index <= scheme.stream.num_sites
+    size = scheme.options.group_size
+    group, position = block_place(index, size)
+    closes = index % size == 0 and index <= scheme.stream.num_sites
     return cls(scheme, scheme.plan, group, position, closes_group=closes)
 
 
@@ -163,7 +164,6 @@ class AttnResScheme(Scheme):
 
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints)
-        self.group_size = options.group_size
         self.plan = full_routing_plan(self.name, options.group_size, options.recompute)
 
     def init_state(self, e):
@@ -174,9 +174,6 @@ class AttnResScheme(Scheme):
 
     def readout_router(self):
         return full_router(self, self.stream.num_sites + 1)
-
-    def describe(self) -> dict:
-        return {**super().describe(), "group_size": self.group_size}
 
 
 # --------------------------------------------------------------------- Block AttnRes

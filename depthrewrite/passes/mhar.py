@@ -93,7 +93,6 @@ class MharScheme(Scheme):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
         self.block_size = size
-        self.group_size = options.group_size
         if size is None:
             self.plan = full_routing_plan(self.name, options.group_size, options.recompute)
         elif options.group_size is not None:
@@ -131,4 +130,4 @@ class MharScheme(Scheme):
         return MharBlockRouter(self, False, *block_place(self.stream.num_sites + 1, self.block_size))
 
     def describe(self) -> dict:
-        return {**super().describe(), "heads": self.heads, "group_size": self.group_size}
+        return {**super().describe(), "heads": self.heads}

@@ -91,7 +91,7 @@ def test_saved_recipe_holds_every_option_so_other_defaults_do_not_change_the_mod
         real(cls, options) if "group_size" in options else dataclasses.replace(real(cls, options), group_size=None)))
     assert find_runtime(depthrewrite.rewrite(hf_model("llama", seed=3), "attnres")).scheme.plan is None
     loaded = depthrewrite.from_pretrained(tmp_path).eval()
-    assert find_runtime(loaded).scheme.group_size == 4
+    assert find_runtime(loaded).scheme.options.group_size == 4
     assert torch.equal(logits(loaded), ref)
 
 

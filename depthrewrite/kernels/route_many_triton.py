@@ -554,10 +554,11 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     block_q = _query_block(s, block_h * block_c, cfg, MULTI_HEAD_BACKWARD_QUERIES if multi_head else None)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
+    if tokens == 0:
+        return ([torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k],
+                torch.zeros((s, d), dtype=torch.float32, device=device))
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     part = torch.zeros((len(chunks), programs, block_q, d), dtype=torch.float32, device=device)
-    if tokens == 0:
-        return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], part.sum(1).reshape(-1, d)[:s]
     qw = _per_query_rows(queries, key_norm_weights)
     # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
     one_pass = dtype == torch.float32 or len(chunks) == 1

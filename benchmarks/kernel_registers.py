@@ -52,11 +52,23 @@ def ptxas_report(ptx: str, ptxas: str) -> tuple[int, int]:
     return int(regs.group(1)), int(spills.group(1)) if spills else 0
 
 
-def compile_backward(d: int, heads: int, has_acc: bool):
+def _compile(kernel, types: dict, constexprs: dict, warps: int) -> str:
+    """PTX of ``kernel`` for sm_90 with what a launch specializes: 16-byte aligned pointers,
+    widths ``D`` and ``C`` divisible by 16. ``types``: Triton types of the runtime arguments."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: types.get(n, "constexpr") for n in names}
+    attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
+             if signature[n].startswith("*") or n in ("D", "C")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return compiled.asm["ptx"]
+
+
+def compile_backward(d: int, heads: int, has_acc: bool):
     from depthrewrite.kernels.route_triton import _num_warps, _route_bwd_kernel, _row_blocks, _tokens_per_program
 
     block_h, block_c = _row_blocks(d, heads)
@@ -64,35 +76,13 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     block_t = _tokens_per_program(row)  # as route_backward chooses
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False, HAS_ACC=has_acc)
-    names = list(inspect.signature(_route_bwd_kernel.fn).parameters)
-    signature = {n: ARG_TYPES.get(n, "constexpr") for n in names}
-    # what a launch specializes: 16-byte aligned pointers, widths divisible by 16
-    attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
-             if signature[n].startswith("*") or n in ("D", "C")}
     warps = _num_warps(block_t * row)
-    kernel = triton.compile(ASTSource(fn=_route_bwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    return kernel.asm["ptx"], block_t, warps
+    return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps), block_t, warps
 
 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
                   gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
                   part_ptr="*fp32", T="i32", N="i32", D="i32", C="i32", H="i32", S_CHUNK="i32", eps="fp32")
-
-
-def _compile_many(kernel, constexprs: dict, warps: int) -> str:
-    """PTX of a ``route_many`` kernel for sm_90, pointers 16-byte aligned, D and C 16-divisible."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature = {n: MANY_TYPES.get(n, "constexpr") for n in names}
-    attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
-             if signature[n].startswith("*") or n in ("D", "C")}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    return compiled.asm["ptx"]
 
 
 def compile_many_forward(d: int, heads: int, has_keys: bool):
@@ -103,7 +93,7 @@ def compile_many_forward(d: int, heads: int, has_keys: bool):
     constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
                       HAS_KEYS=has_keys)
     warps = _forward_warps(heads, block_h * block_c, NUM_WARPS)
-    return _compile_many(_route_many_fwd_kernel, constexprs, warps), warps
+    return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 
 def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries: int = 6):
@@ -120,7 +110,7 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries:
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
-    return _compile_many(_route_many_bwd_kernel, constexprs, warps), warps
+    return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 
 def memory_instructions(ptx: str) -> dict[str, int]:

@@ -61,8 +61,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous, _forward_warps,
-    _load_source, _next_pow2, _next_source, _product_as, _row_blocks, _src_ptr,
+    NARROW_FORWARD_WARPS, _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous,
+    _forward_warps, _load_source, _next_pow2, _next_source, _product_as, _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
 
@@ -78,8 +78,12 @@ MANY_ELEMS = 8192
 #: one head: as many queries as MANY_ELEMS allows (0.73 ms vs 1.19 with 2); 16 heads: 2
 #: queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
 #: registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
-#: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps).
+#: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps; 1 warp
+#: with separate keys: 0.305 / 0.522 ms against 0.341 / 0.581 with 2 at N = 4 / 8 in session
+#: 9's run 1, 0.302 / 0.521 against 0.339 / 0.578 in session 10's run 1, docs/benchmarks.md;
+#: without keys 1 warp is as fast as 2 at d = 1024 and 2.4x slower at d = 2048).
 FORWARD_QUERIES = 2
+KEYED_NARROW_FORWARD_WARPS = 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -440,12 +444,17 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         # the same for every chunk of queries
         launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
                       ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                      num_warps=cfg.get("num_warps") or _forward_warps(heads, block_h * block_c, NUM_WARPS))
+                      num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
         for q0 in range(0, s, block_q):
             chunk = min(block_q, s - q0)
             args = (flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:])
             _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps), **launch)
     return out, lse
+
+
+def _many_forward_warps(heads: int, row: int, has_keys: bool) -> int:
+    warps = _forward_warps(heads, row, NUM_WARPS)
+    return KEYED_NARROW_FORWARD_WARPS if has_keys and warps == NARROW_FORWARD_WARPS else warps
 
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],

@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
                                     [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
+                                    [--no-block-phase]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
@@ -544,6 +545,8 @@ def main() -> int:
     ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
+    ap.add_argument("--no-block-phase", action="store_true",
+                    help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no block phase, no e2e (a short re-run after a kernel change)")
     args = ap.parse_args()
@@ -571,7 +574,7 @@ def main() -> int:
     if not args.e2e_only:
         results["checks"] = checks = correctness(args.quick)
         dump()
-        results["block_phase"] = phase_rows = [] if args.quick else block_phase_timing()
+        results["block_phase"] = phase_rows = [] if (args.quick or args.no_block_phase) else block_phase_timing()
         dump()
         results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick)
         dump()

@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
                                     [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
-                                    [--no-block-phase]
+                                    [--no-block-phase] [--design-launch-only]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
@@ -415,15 +415,22 @@ SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
                            "_ps8": {"per_sm": 8}}
+#: ``--design-launch-only``: warps at the DESIGN.md shapes (one head; the defaults take 8 warps
+#: from d = 4096, 4 at d = 2048, one token per program)
+DESIGN_FWD_VARIANTS = {"": None, "_w4": {"num_warps": 4}, "_w8": {"num_warps": 8}, "_w16": {"num_warps": 16},
+                       "_t2w8": {"block_t": 2, "num_warps": 8}}
+DESIGN_BWD_VARIANTS = {"": None, "_w4": {"num_warps": 4}, "_w8": {"num_warps": 8}, "_w16": {"num_warps": 16},
+                       "_ps2w16": {"per_sm": 2, "num_warps": 16}, "_ps8w4": {"per_sm": 8, "num_warps": 4}}
 
 
-def site_route_timing() -> list[dict]:
+def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list[dict]:
     """``route`` (one query) forward and backward kernels called directly with launch
     variants, bf16, against the HBM floor of each (rows moved per token: forward N read
     and 1 written; backward N sources, the output gradient and the output read, N source
     gradients written)."""
     rows = []
-    for tokens, d, n, heads in SITE_ROUTE_SHAPES:
+    fwd_variants, bwd_variants = fwd_variants or SITE_ROUTE_FWD_VARIANTS, bwd_variants or SITE_ROUTE_BWD_VARIANTS
+    for tokens, d, n, heads in shapes or SITE_ROUTE_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
         vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
         q = torch.randn(d, device="cuda", generator=gen) / d**0.5
@@ -434,10 +441,10 @@ def site_route_timing() -> list[dict]:
         row = dict(tokens=tokens, d=d, n=n, heads=heads, floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
                    floor_bwd=(2 * n + 2) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
-            for name, cfg in SITE_ROUTE_FWD_VARIANTS.items():
+            for name, cfg in fwd_variants.items():
                 row[f"fwd{name}"] = bench(lambda cfg=cfg: route_triton.route_forward(
                     vals, None, q, w, None, None, heads, 1e-6, config=cfg))
-            for name, cfg in SITE_ROUTE_BWD_VARIANTS.items():
+            for name, cfg in bwd_variants.items():
                 row[f"bwd{name}"] = bench(lambda cfg=cfg: route_triton.route_backward(
                     g, out, lse, vals, None, q, w, None, None, heads, 1e-6, config=cfg))
         say("site-route " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -545,6 +552,8 @@ def main() -> int:
     ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
+    ap.add_argument("--design-launch-only", action="store_true",
+                    help="only route's forward and backward kernels at the DESIGN.md shapes with other warp counts")
     ap.add_argument("--no-block-phase", action="store_true",
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--quick", action="store_true",
@@ -566,6 +575,13 @@ def main() -> int:
         dump()
         results["site_route"] = site_rows = site_route_timing()
         summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))
+        dump(summary)
+        print(summary)
+        return 0
+    if args.design_launch_only:
+        shapes = [(tokens, d, n, 1) for tokens, d, n in DESIGN_SHAPES]
+        results["design_launch"] = rows = site_route_timing(shapes, DESIGN_FWD_VARIANTS, DESIGN_BWD_VARIANTS)
+        summary = "\n".join(site_route_table(rows))
         dump(summary)
         print(summary)
         return 0

@@ -415,12 +415,15 @@ SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
                            "_ps8": {"per_sm": 8}}
-#: ``--design-launch-only``: warps at the DESIGN.md shapes (one head; the defaults take 8 warps
-#: from d = 4096, 4 at d = 2048, one token per program)
+#: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
+#: the defaults: one token per program from d = 2048, 4 warps at d = 2048, 8 at d = 4096)
 DESIGN_FWD_VARIANTS = {"": None, "_w4": {"num_warps": 4}, "_w8": {"num_warps": 8}, "_w16": {"num_warps": 16},
-                       "_t2w8": {"block_t": 2, "num_warps": 8}}
+                       "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
+                       "_t2w16": {"block_t": 2, "num_warps": 16}, "_t4w8": {"block_t": 4, "num_warps": 8},
+                       "_t4w16": {"block_t": 4, "num_warps": 16}}
 DESIGN_BWD_VARIANTS = {"": None, "_w4": {"num_warps": 4}, "_w8": {"num_warps": 8}, "_w16": {"num_warps": 16},
-                       "_ps2w16": {"per_sm": 2, "num_warps": 16}, "_ps8w4": {"per_sm": 8, "num_warps": 4}}
+                       "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
+                       "_t2w16": {"block_t": 2, "num_warps": 16}, "_ps8w4": {"per_sm": 8, "num_warps": 4}}
 
 
 def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list[dict]:

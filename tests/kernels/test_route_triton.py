@@ -144,6 +144,8 @@ CASES = [
     (2, (7,), 24, 1, False, False, False),
     (2, (3, 3), 40, 4, False, True, True),
     (9, (7,), 1000, 1, False, True, False),
+    # one head, row padded to 4096: the wide launch (2 tokens per program; 5 leave a tail)
+    (9, (5,), 2500, 1, True, True, True),
     (9, (5,), 48, 3, True, True, True),
     (33, (3,), 24, 2, False, True, True),
     (33, (5,), 40, 1, True, False, False),

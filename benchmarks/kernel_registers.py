@@ -69,14 +69,14 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int) -> str:
 
 
 def compile_backward(d: int, heads: int, has_acc: bool):
-    from depthrewrite.kernels.route_triton import _route_backward_warps, _route_bwd_kernel, _route_tokens, _row_blocks
+    from depthrewrite.kernels.route_triton import _num_warps, _route_bwd_kernel, _row_blocks, _tokens_per_program
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
-    block_t = _route_tokens(heads, row)  # as route_backward chooses
+    block_t = _tokens_per_program(row)  # as route_backward chooses
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False, HAS_ACC=has_acc)
-    warps = _route_backward_warps(heads, row, block_t)
+    warps = _num_warps(block_t * row)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps), block_t, warps
 
 

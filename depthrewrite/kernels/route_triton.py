@@ -403,7 +403,8 @@ def _check_block_t(block_t: int) -> int:
 
 def _tokens_per_program(row: int) -> int:
     """Tokens a program takes for rows of ``row`` (padded) elements: about 2048 elements in
-    flight, one token from d = 2048 up (measured on H200: docs/benchmarks.md)."""
+    flight, one token from d = 2048 up (measured on H200: docs/benchmarks.md); route's
+    forward takes WIDE_TOKENS for one-head rows of WIDE_ROW."""
     return max(1, min(64, 2048 // row))
 
 
@@ -424,35 +425,31 @@ def _forward_warps(heads: int, row: int, otherwise: int) -> int:
     return NARROW_FORWARD_WARPS if heads == 1 and row <= NARROW_ROW else otherwise
 
 
-#: route's one-head rows of WIDE_ROW padded elements (2048 < d <= 4096): 2 tokens per
-#: program, 8 warps forward and 4 backward (H200, bf16, docs/benchmarks.md session 10, two
-#: runs: forward 0.380 / 1.141 ms against 0.412 / 1.249 with one token and 8 warps at
-#: 16384x4096x9 / 8192x4096x65, backward 0.844 / 2.654 against 0.872 / 2.733; at d = 2048
-#: one token stays faster, wider rows and several heads were not timed)
+#: route's forward for one-head rows of WIDE_ROW padded elements (2048 < d <= 4096): 2
+#: tokens per program with 8 warps (H200, bf16, docs/benchmarks.md session 10, runs 5 and
+#: 6: 0.380 / 1.141 ms against 0.412 / 1.249 with one token and 8 warps at 16384x4096x9 /
+#: 8192x4096x65). At d = 2048 one token stays faster; wider rows and several heads were not
+#: timed. The backward keeps one token (2 tokens with 4 warps was 3 % faster in one run,
+#: to be confirmed).
 WIDE_ROW = 4096
 WIDE_TOKENS = 2
 WIDE_FORWARD_WARPS = 8
-WIDE_BACKWARD_WARPS = 4
 
 
-def _is_wide(heads: int, row: int, block_t: int | None = None) -> bool:
-    return heads == 1 and row == WIDE_ROW and block_t in (None, WIDE_TOKENS)
+def _is_wide(heads: int, row: int) -> bool:
+    return heads == 1 and row == WIDE_ROW
 
 
-def _route_tokens(heads: int, row: int) -> int:
-    """Tokens per program of route's kernels unless a config sets ``block_t``."""
+def _route_forward_tokens(heads: int, row: int) -> int:
+    """Tokens per program of route's forward unless a config sets ``block_t``."""
     return WIDE_TOKENS if _is_wide(heads, row) else _tokens_per_program(row)
 
 
 def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     """Warps of route's forward for ``block_t`` tokens per program unless a config sets them."""
-    if _is_wide(heads, row, block_t):
+    if _is_wide(heads, row) and block_t == WIDE_TOKENS:
         return WIDE_FORWARD_WARPS
     return _forward_warps(heads, row, _num_warps(block_t * row))
-
-
-def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
-    return WIDE_BACKWARD_WARPS if _is_wide(heads, row, block_t) else _num_warps(block_t * row)
 
 
 def _product_as(r: Tensor, weight: Tensor, like: Tensor) -> Tensor:
@@ -513,7 +510,8 @@ def route_forward(
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
     row = block_h * block_c
-    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
+    cfg = {"block_t": _route_forward_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
+           **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     grid = (triton.cdiv(tokens, block_t),)
     fused_norm = has_norm and cfg["fuse_norm"]
@@ -609,7 +607,7 @@ def route_backward(
     grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
     # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
-    cfg = {"block_t": _route_tokens(heads, row), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
+    cfg = {"block_t": _tokens_per_program(row), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     num_blocks = triton.cdiv(tokens, block_t)
@@ -650,7 +648,7 @@ def route_backward(
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
             PREFETCH=cfg["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc,
-            num_warps=cfg.get("num_warps") or _route_backward_warps(heads, row, block_t),
+            num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     r = part_r.sum(0)

@@ -144,7 +144,7 @@ CASES = [
     (2, (7,), 24, 1, False, False, False),
     (2, (3, 3), 40, 4, False, True, True),
     (9, (7,), 1000, 1, False, True, False),
-    # one head, row padded to 4096: the wide launch (2 tokens per program; 5 leave a tail)
+    # one head, row padded to 4096: the wide forward launch (2 tokens per program; 5 leave a tail)
     (9, (5,), 2500, 1, True, True, True),
     (9, (5,), 48, 3, True, True, True),
     (33, (3,), 24, 2, False, True, True),
@@ -204,6 +204,7 @@ NORM_CASES = [
     (1, (5,), 16, 2, True, True, True),
     (2, (7,), 24, 1, False, False, False),
     (9, (3,), 1000, 4, False, True, True),
+    (3, (5,), 2500, 1, False, True, False),  # the wide forward launch
     (33, (5,), 40, 1, True, False, False),
     (65, (3,), 12, 2, True, True, True),
 ]

@@ -556,7 +556,7 @@ def main() -> int:
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
     ap.add_argument("--design-launch-only", action="store_true",
-                    help="only route's forward and backward kernels at the DESIGN.md shapes with other warp counts")
+                    help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
     ap.add_argument("--no-block-phase", action="store_true",
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--quick", action="store_true",

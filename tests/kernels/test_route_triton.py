@@ -151,6 +151,9 @@ CASES = [
     (33, (5,), 40, 1, True, False, False),
     (65, (3,), 8, 1, False, True, False),
     (65, (3,), 12, 2, True, True, True),
+    (129, (3,), 8, 1, True, True, True),  # more sources than the DESIGN.md shapes
+    (2, (3,), 7186, 1, False, True, True),  # the widest DESIGN-like width (a padded row of 8192)
+    (3, (3,), 7186, 2, True, False, False),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -205,6 +208,7 @@ NORM_CASES = [
     (2, (7,), 24, 1, False, False, False),
     (9, (3,), 1000, 4, False, True, True),
     (3, (5,), 2500, 1, False, True, False),  # the wide forward launch
+    (2, (3,), 7186, 1, False, False, True),
     (33, (5,), 40, 1, True, False, False),
     (65, (3,), 12, 2, True, True, True),
 ]

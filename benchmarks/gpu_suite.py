@@ -341,9 +341,12 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token kernel spills at one head with S = 6 (8 padded query rows,
-                            # 4 warps: 255 registers; kernel_registers.py): more warps, fewer queries
-                            "_pertoken_w8": {"backward": "per_token", "num_warps": 8},
-                            "_pertoken_q4": {"backward": "per_token", "block_q": 4},
+                            # 4 warps: 255 registers; kernel_registers.py); 8 warps and 4 queries per
+                            # chunk were slower (session 10): the parameter gradients through a table
+                            # (no spill), two sources requested ahead, both
+                            "_pertoken_table": {"backward": "per_token", "param": "table"},
+                            "_pertoken_pf2": {"backward": "per_token", "prefetch": 2},
+                            "_pertoken_pf2_table": {"backward": "per_token", "prefetch": 2, "param": "table"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
 

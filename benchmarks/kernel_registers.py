@@ -7,8 +7,8 @@ Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_b
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
 without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per launch) and the
-per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries), each without and
-with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
+per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries; also in its
+``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
 on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
 Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
 global loads and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes,
@@ -20,6 +20,7 @@ Prints one line per variant.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import pathlib
@@ -82,7 +83,8 @@ def compile_backward(d: int, heads: int, has_acc: bool):
 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
                   gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
-                  part_ptr="*fp32", T="i32", N="i32", D="i32", C="i32", H="i32", S_CHUNK="i32", eps="fp32")
+                  part_ptr="*fp32", coef_ptr="*fp32", T="i32", N="i32", S="i32", D="i32", C="i32", H="i32",
+                  S_CHUNK="i32", eps="fp32")
 
 
 def compile_many_forward(d: int, heads: int, has_keys: bool):
@@ -96,9 +98,10 @@ def compile_many_forward(d: int, heads: int, has_keys: bool):
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 
-def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries: int = 6):
+def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries: int = 6, param_table: bool = False):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
-    launches it (one head: all queries that MANY_ELEMS allows; several heads: 2)."""
+    launches it (one head: all queries that MANY_ELEMS allows; several heads: 2); with
+    ``param_table``, its ``param="table"`` form."""
     from depthrewrite.kernels.route_many_triton import (
         MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _query_block, _route_many_bwd_kernel,
     )
@@ -108,7 +111,7 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries:
     multi = heads > 1
     block_q = _query_block(queries, block_h * block_c, {}, MULTI_HEAD_BACKWARD_QUERIES if multi else None)
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, ACC_IN=False,
-                      ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys)
+                      ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps), warps
 
@@ -142,8 +145,10 @@ def main() -> int:
             print(f"route backward heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
                   f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers; "
                   f"global memory instructions {memory_instructions(ptx)}")
+    table_backward = functools.partial(compile_many_per_token_backward, param_table=True)
     for name, compile_fn in (("forward", compile_many_forward),
-                             ("per-token backward", compile_many_per_token_backward)):
+                             ("per-token backward", compile_many_per_token_backward),
+                             ("per-token backward, param table", table_backward)):
         for heads in args.heads:
             for has_keys in (False, True):
                 ptx, warps = compile_fn(args.width, heads, has_keys)

@@ -92,6 +92,14 @@ MULTI_HEAD_BACKWARD_WARPS = 8
 #: None: the measured choice (_backward_kernel)
 BACKWARD = None
 BACKWARD_CHOICES = ("tiled", "per_token")
+#: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
+#: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,
+#: query, token and head stored, then the tiled backward's parameter reduction, which reads
+#: the keys again; its sm_90 PTX at d = 1024 with 6 queries uses 245 registers and does not
+#: spill, against 255 and 116 bytes of spill: kernel_registers.py; not timed yet,
+#: docs/benchmarks.md session 10)
+PER_TOKEN_PARAM = "registers"
+PARAM_CHOICES = ("registers", "table")
 #: the tiled backward's tokens per program and warps, and the padded row one warp reduces
 #: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
 #: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
@@ -204,15 +212,19 @@ def _store_source_grad(gtab, acctab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.co
 
 @triton.jit
 def _route_many_bwd_kernel(
-    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, part_ptr,
-    T, N, D, C, H, S_CHUNK, eps,
+    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, part_ptr, coef_ptr,
+    T, N, S, D, C, H, S_CHUNK, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
-    HAS_KEYS: tl.constexpr,
+    HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; the parameter gradients'
-    per-program partial sums go to ``part_ptr``."""
+    per-program partial sums go to ``part_ptr``, or with PARAM_TABLE their ``dz * rstd``
+    coefficients to the ``(N, S, T, H)`` table at ``coef_ptr`` (this chunk's first query
+    at its start), for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held
+    across tokens. PREFETCH: 0, 1 (the next source requested while one is used) or 2 (two
+    ahead, the first two requested with the output gradients)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -230,15 +242,24 @@ def _route_many_bwd_kernel(
         hoffs = (tok * H + hh)[None, :]
         g = tl.load(g_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
         g_lse = tl.load(gl_ptrs[:, None] + hoffs, mask=hq, other=0.0)
+        if PREFETCH >= 2:  # the first two sources requested with the gradients, before the sums below
+            v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+            v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(1, N - 1), offs, _more_sources(hh, 0, N, cmask),
+                                        ptr_ty, ALIGNED, HAS_KEYS)
         if not ONE_SOURCE:
             o = tl.load(o_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
             lse = tl.load(l_ptrs[:, None] + hoffs, mask=hq, other=0.0)
             # sum_j a_j <v_j, g> = <out, g> per query and head; d lse / d z_j = a_j joins it
             s_ada = tl.sum(g * o, 2) - g_lse
-        if PREFETCH:
+        if PREFETCH == 1:
             v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         for i in range(N):
-            if PREFETCH:
+            if PREFETCH >= 2:  # two sources ahead
+                v_raw, k_raw = v_nx, k_nx
+                v_nx, k_nx = v_nx2, k_nx2
+                v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
+                                            _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+            elif PREFETCH:
                 v_raw, k_raw = v_nx, k_nx
                 v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
                                           ptr_ty, ALIGNED, HAS_KEYS)
@@ -262,7 +283,11 @@ def _route_many_bwd_kernel(
                 dz = a * (da - s_ada)
             mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
             norm = k * rstd
-            r_acc += dz[:, :, None] * norm[None, :, :]
+            if PARAM_TABLE:
+                rows = (_query_base(i, 0, S, T, H) + (qq[:, None].to(tl.int64) * T + tok) * H) + hh[None, :]
+                tl.store(coef_ptr + rows, dz * rstd, mask=hq)
+            else:
+                r_acc += dz[:, :, None] * norm[None, :, :]
             d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
             d_value = tl.sum(a[:, :, None] * g, 0)
             if HAS_KEYS:
@@ -271,8 +296,9 @@ def _route_many_bwd_kernel(
             else:
                 _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
 
-    part = part_ptr + pid.to(tl.int64) * BLOCK_Q * D
-    tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
+    if not PARAM_TABLE:
+        part = part_ptr + pid.to(tl.int64) * BLOCK_Q * D
+        tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
 
 
 @triton.jit
@@ -464,10 +490,12 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
-    ("tiled" or "per_token"), ``block_t``, ``block_q``, ``many_elems``, ``num_warps``,
-    ``per_sm``, ``prefetch``."""
+    ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
+    ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (2: two
+    sources ahead, per-token backward only)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, "per_sm": 2, "backward": BACKWARD, **(config or {})}
+    cfg["param"] = _param_gradients(cfg)
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     dtype = values[0].dtype
@@ -476,7 +504,9 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
-    backward = _per_token_backward if _backward_kernel(heads, cfg, bool(flat_k)) == "per_token" else _tiled_backward
+    kernel = _backward_kernel(heads, cfg, bool(flat_k))
+    _check_prefetch(cfg["prefetch"], kernel)
+    backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
     grad_weights = _product_as(r, queries, key_norm_weights)
@@ -492,6 +522,25 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
         return "per_token" if heads == 1 and not has_keys else "tiled"
     if choice not in BACKWARD_CHOICES:
         raise ValueError(f"route_many (Triton): config backward must be one of {BACKWARD_CHOICES}; found {choice!r}")
+    return choice
+
+
+def _check_prefetch(prefetch, kernel: str) -> None:
+    """``prefetch``: False, True (the next source requested while one is used) or, for the
+    per-token backward, 2 (two sources ahead, the first two requested with the output
+    gradients; not timed yet)."""
+    allowed = (False, True, 2) if kernel == "per_token" else (False, True)
+    if isinstance(prefetch, float) or prefetch not in allowed:
+        raise ValueError(f"route_many (Triton): config prefetch must be one of {allowed} for the {kernel} backward; "
+                         f"found {prefetch!r}")
+
+
+def _param_gradients(cfg: dict) -> str:
+    """How the per-token backward forms the parameter gradients: ``cfg["param"]`` (checked),
+    else PER_TOKEN_PARAM."""
+    choice = cfg.get("param") or PER_TOKEN_PARAM
+    if choice not in PARAM_CHOICES:
+        raise ValueError(f"route_many (Triton): config param must be one of {PARAM_CHOICES}; found {choice!r}")
     return choice
 
 
@@ -567,7 +616,9 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         return ([torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k],
                 torch.zeros((s, d), dtype=torch.float32, device=device))
     programs = _backward_programs(device, tokens, cfg["per_sm"])
-    part = torch.zeros((len(chunks), programs, block_q, d), dtype=torch.float32, device=device)
+    param_table = cfg["param"] == "table"
+    n = len(flat_v)
+    part, coef = _parameter_buffers(param_table, (len(chunks), programs, block_q, d), (n, s, tokens, heads), device)
     qw = _per_query_rows(queries, key_norm_weights)
     # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
     one_pass = dtype == torch.float32 or len(chunks) == 1
@@ -581,13 +632,28 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     for c, q0 in enumerate(chunks):
         _route_many_bwd_kernel[(programs,)](
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
-            qw[q0:], part[c], tokens, len(flat_v), d, d // heads, heads, min(block_q, s - q0), float(eps),
-            BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"], ALIGNED=aligned,
-            ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=len(flat_v) == 1, HAS_KEYS=bool(flat_k),
-            num_warps=warps,
+            qw[q0:], part[c], coef[:, q0:] if param_table else coef, tokens, n, s, d, d // heads, heads,
+            min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
+            PREFETCH=int(cfg["prefetch"]), ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
+            HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, num_warps=warps,
         )
+    if param_table:  # the normalized rows are the keys' (the values without separate keys)
+        return grad_v, grad_k, _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n,
+                                                _aligned(flat_k or flat_v))
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     return grad_v, grad_k, part.sum(1).reshape(-1, d)[:s]
+
+
+def _parameter_buffers(param_table: bool, part_shape: tuple, table_shape: tuple, device) -> tuple[Tensor, Tensor]:
+    """(partial sums, ``dz * rstd`` table) of the per-token backward, fp32: the per-program
+    partial sums of each chunk of queries (zeroed: the kernel leaves the padded query rows
+    of a short last chunk unwritten), or with ``param_table`` the (N, S, T, H) table, every
+    entry written (and a placeholder for the sums)."""
+    if param_table:
+        table = torch.empty(table_shape, dtype=torch.float32, device=device)
+        return table.new_empty((part_shape[0], 1)), table
+    part = torch.zeros(part_shape, dtype=torch.float32, device=device)
+    return part, part
 
 
 def _tokens(sources: Sequence[Tensor]) -> int:

@@ -145,12 +145,16 @@ def test_query_chunks_match_one_launch():
 VARIANTS = [
     {"backward": "per_token"},
     {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks
+    {"backward": "per_token", "param": "table"},  # parameter gradients through the dz * rstd table
+    {"backward": "per_token", "param": "table", "many_elems": 256},  # the table written chunk by chunk
+    {"backward": "per_token", "prefetch": 2},  # two sources ahead
+    {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
 ]
 
 
-@pytest.mark.parametrize("config", VARIANTS)
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}_{v}" for k, v in c.items()))
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
                                                      (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True),
                                                      (1, 3, (5,), 24, 1, True), (9, 6, (5,), 100, 1, True)])
@@ -176,6 +180,13 @@ def test_unknown_backward_is_refused():
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
     with pytest.raises(ValueError, match=r"config backward must be one of \('tiled', 'per_token'\); found 'fast'"):
         _run(inp, torch.float32, 1, config={"backward": "fast"})
+    with pytest.raises(ValueError, match=r"config param must be one of \('registers', 'table'\); found 'shared'"):
+        _run(inp, torch.float32, 1, config={"backward": "per_token", "param": "shared"})
+    with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True\) for the tiled backward; "
+                                         r"found 2"):
+        _run(inp, torch.float32, 1, config={"backward": "tiled", "prefetch": 2})
+    with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2\) for the per_token"):
+        _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3})
 
 
 def test_backward_is_deterministic():

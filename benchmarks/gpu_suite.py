@@ -330,11 +330,12 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
     return rows
 
 
-#: the phase-1 shapes of the e2e Block AttnRes, MHAR and DAR (tokens, d, completed blocks N,
-#: sites S, heads, separate keys: DAR's reciprocal keys)
+#: the phase-1 shapes of the e2e Block AttnRes, MHAR and DAR, and wider rows (d = 2048, 4096)
+#: (tokens, d, completed blocks N, sites S, heads, separate keys: DAR's reciprocal keys)
 BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, False), (16384, 1024, 4, 6, 16, False),
                       (16384, 1024, 8, 6, 16, False), (16384, 2048, 4, 6, 1, False), (16384, 1024, 4, 6, 1, True),
-                      (16384, 1024, 8, 6, 1, True)]
+                      (16384, 1024, 8, 6, 1, True),
+                      (16384, 4096, 4, 6, 1, False)]  # a 7B-wide model's blocks (not timed before)
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward

@@ -479,8 +479,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
 
 
 def _many_forward_warps(heads: int, row: int, has_keys: bool) -> int:
-    warps = _forward_warps(heads, row, NUM_WARPS)
-    return KEYED_NARROW_FORWARD_WARPS if has_keys and warps == NARROW_FORWARD_WARPS else warps
+    return _forward_warps(heads, row, NUM_WARPS, KEYED_NARROW_FORWARD_WARPS if has_keys else NARROW_FORWARD_WARPS)
 
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],

@@ -421,8 +421,9 @@ NARROW_FORWARD_WARPS = 2
 NARROW_ROW = 1024
 
 
-def _forward_warps(heads: int, row: int, otherwise: int) -> int:
-    return NARROW_FORWARD_WARPS if heads == 1 and row <= NARROW_ROW else otherwise
+def _forward_warps(heads: int, row: int, otherwise: int, narrow: int = NARROW_FORWARD_WARPS) -> int:
+    """``narrow`` warps for one-head rows of at most NARROW_ROW padded elements, else ``otherwise``."""
+    return narrow if heads == 1 and row <= NARROW_ROW else otherwise
 
 
 #: route's forward for one-head rows of WIDE_ROW padded elements (2048 < d <= 4096): 2

@@ -83,7 +83,7 @@ def compile_backward(d: int, heads: int, has_acc: bool):
 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
                   gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
-                  part_ptr="*fp32", coef_ptr="*fp32", T="i32", N="i32", S="i32", D="i32", C="i32", H="i32",
+                  param_ptr="*fp32", T="i32", N="i32", S="i32", D="i32", C="i32", H="i32",
                   S_CHUNK="i32", eps="fp32")
 
 

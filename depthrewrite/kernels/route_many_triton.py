@@ -212,18 +212,17 @@ def _store_source_grad(gtab, acctab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.co
 
 @triton.jit
 def _route_many_bwd_kernel(
-    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, part_ptr, coef_ptr,
+    like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, param_ptr,
     T, N, S, D, C, H, S_CHUNK, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
-    at once, each source (and its key, with HAS_KEYS) read once; the parameter gradients'
-    per-program partial sums go to ``part_ptr``, or with PARAM_TABLE their ``dz * rstd``
-    coefficients to the ``(N, S, T, H)`` table at ``coef_ptr`` (this chunk's first query
-    at its start), for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held
-    across tokens. PREFETCH: 0, 1 (the next source requested while one is used) or 2 (two
+    at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
+    parameter gradients' per-program partial sums, or with PARAM_TABLE their ``dz * rstd``
+    coefficients in the ``(N, S, T, H)`` table (this chunk's first query at ``param_ptr``),
+    for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held across tokens. PREFETCH: 0, 1 (the next source requested while one is used) or 2 (two
     ahead, the first two requested with the output gradients)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
@@ -254,15 +253,15 @@ def _route_many_bwd_kernel(
         if PREFETCH == 1:
             v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         for i in range(N):
-            if PREFETCH >= 2:  # two sources ahead
+            if PREFETCH:
                 v_raw, k_raw = v_nx, k_nx
-                v_nx, k_nx = v_nx2, k_nx2
-                v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
-                                            _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
-            elif PREFETCH:
-                v_raw, k_raw = v_nx, k_nx
-                v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
-                                          ptr_ty, ALIGNED, HAS_KEYS)
+                if PREFETCH >= 2:  # two sources ahead
+                    v_nx, k_nx = v_nx2, k_nx2
+                    v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
+                                                _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                else:
+                    v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs,
+                                              _more_sources(hh, i, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
             else:
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
             v = v_raw.to(tl.float32)
@@ -285,7 +284,7 @@ def _route_many_bwd_kernel(
             norm = k * rstd
             if PARAM_TABLE:
                 rows = (_query_base(i, 0, S, T, H) + (qq[:, None].to(tl.int64) * T + tok) * H) + hh[None, :]
-                tl.store(coef_ptr + rows, dz * rstd, mask=hq)
+                tl.store(param_ptr + rows, dz * rstd, mask=hq)
             else:
                 r_acc += dz[:, :, None] * norm[None, :, :]
             d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
@@ -297,7 +296,7 @@ def _route_many_bwd_kernel(
                 _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
 
     if not PARAM_TABLE:
-        part = part_ptr + pid.to(tl.int64) * BLOCK_Q * D
+        part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
         tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
 
 
@@ -617,7 +616,10 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     param_table = cfg["param"] == "table"
     n = len(flat_v)
-    part, coef = _parameter_buffers(param_table, (len(chunks), programs, block_q, d), (n, s, tokens, heads), device)
+    # the parameter gradients' (N, S, T, H) dz * rstd table, or per chunk of queries the
+    # per-program partial sums (zeroed: the padded query rows of a short last chunk stay unwritten)
+    param = (torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device) if param_table else
+             torch.zeros((len(chunks), programs, block_q, d), dtype=torch.float32, device=device))
     qw = _per_query_rows(queries, key_norm_weights)
     # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
     one_pass = dtype == torch.float32 or len(chunks) == 1
@@ -631,28 +633,16 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     for c, q0 in enumerate(chunks):
         _route_many_bwd_kernel[(programs,)](
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
-            qw[q0:], part[c], coef[:, q0:] if param_table else coef, tokens, n, s, d, d // heads, heads,
+            qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
             min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
             PREFETCH=int(cfg["prefetch"]), ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, num_warps=warps,
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
-        return grad_v, grad_k, _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n,
+        return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,
                                                 _aligned(flat_k or flat_v))
     # second pass of the deterministic reduction: a fixed-order sum over the programs
-    return grad_v, grad_k, part.sum(1).reshape(-1, d)[:s]
-
-
-def _parameter_buffers(param_table: bool, part_shape: tuple, table_shape: tuple, device) -> tuple[Tensor, Tensor]:
-    """(partial sums, ``dz * rstd`` table) of the per-token backward, fp32: the per-program
-    partial sums of each chunk of queries (zeroed: the kernel leaves the padded query rows
-    of a short last chunk unwritten), or with ``param_table`` the (N, S, T, H) table, every
-    entry written (and a placeholder for the sums)."""
-    if param_table:
-        table = torch.empty(table_shape, dtype=torch.float32, device=device)
-        return table.new_empty((part_shape[0], 1)), table
-    part = torch.zeros(part_shape, dtype=torch.float32, device=device)
-    return part, part
+    return grad_v, grad_k, param.sum(1).reshape(-1, d)[:s]
 
 
 def _tokens(sources: Sequence[Tensor]) -> int:

@@ -69,15 +69,17 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int) -> str:
     return compiled.asm["ptx"]
 
 
-def compile_backward(d: int, heads: int, has_acc: bool):
-    from depthrewrite.kernels.route_triton import _num_warps, _route_bwd_kernel, _row_blocks, _tokens_per_program
+def compile_backward(d: int, heads: int, has_acc: bool, prefetch: int | None = None):
+    """route's backward as ``route_backward`` launches it (``prefetch``: None, the default depth)."""
+    from depthrewrite.kernels.route_triton import _route_backward_warps, _route_bwd_kernel, _route_tokens, _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
-    block_t = _tokens_per_program(row)  # as route_backward chooses
+    block_t = _route_tokens(heads, row)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
-                      BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False, HAS_ACC=has_acc)
-    warps = _num_warps(block_t * row)
+                      BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=1 if prefetch is None else prefetch,
+                      HAS_NORM=False, HAS_ACC=has_acc)
+    warps = _route_backward_warps(heads, row, block_t)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps), block_t, warps
 
 
@@ -87,30 +89,34 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
                   S_CHUNK="i32", eps="fp32")
 
 
-def compile_many_forward(d: int, heads: int, has_keys: bool):
+def compile_many_forward(d: int, heads: int, has_keys: bool, prefetch: int | None = None):
     from depthrewrite.kernels.route_many_triton import FORWARD_QUERIES, _many_forward_warps, _route_many_fwd_kernel
     from depthrewrite.kernels.route_triton import _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
-    constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
-                      HAS_KEYS=has_keys)
+    constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c,
+                      PREFETCH=1 if prefetch is None else prefetch, ALIGNED=True, HAS_KEYS=has_keys)
     warps = _many_forward_warps(heads, block_h * block_c, has_keys)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 
-def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, queries: int = 6, param_table: bool = False):
+def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch: int | None = None,
+                                    queries: int = 6, param_table: bool = False):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
-    launches it (one head: all queries that MANY_ELEMS allows; several heads: 2); with
-    ``param_table``, its ``param="table"`` form."""
+    launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
+    None: the default depth); with ``param_table``, its ``param="table"`` form."""
     from depthrewrite.kernels.route_many_triton import (
-        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _query_block, _route_many_bwd_kernel,
+        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _backward_prefetch, _query_block,
+        _route_many_bwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
     multi = heads > 1
     block_q = _query_block(queries, block_h * block_c, {}, MULTI_HEAD_BACKWARD_QUERIES if multi else None)
-    constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, ACC_IN=False,
+    if prefetch is None:
+        prefetch = _backward_prefetch("per_token", (block_h, block_c))
+    constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps), warps
@@ -135,11 +141,13 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--heads", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--ptxas", default=str(default_ptxas), help="a ptxas that reads the PTX version Triton emits")
+    ap.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=None,
+                    help="the kernels' prefetch depth (default: each kernel's default depth)")
     args = ap.parse_args()
-    print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16")
+    print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16, prefetch {args.prefetch}")
     for heads in args.heads:
         for has_acc in (False, True):
-            ptx, block_t, warps = compile_backward(args.width, heads, has_acc)
+            ptx, block_t, warps = compile_backward(args.width, heads, has_acc, args.prefetch)
             regs, spills = ptxas_report(ptx, args.ptxas)
             resident = 65536 // (regs * warps * 32)
             print(f"route backward heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
@@ -151,7 +159,7 @@ def main() -> int:
                              ("per-token backward, param table", table_backward)):
         for heads in args.heads:
             for has_keys in (False, True):
-                ptx, warps = compile_fn(args.width, heads, has_keys)
+                ptx, warps = compile_fn(args.width, heads, has_keys, args.prefetch)
                 regs, spills = ptxas_report(ptx, args.ptxas)
                 print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: {regs} registers, "
                       f"{spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers; "

@@ -62,7 +62,8 @@ from torch import Tensor
 
 from .route_triton import (
     NARROW_FORWARD_WARPS, _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous,
-    _forward_warps, _load_source, _next_pow2, _next_source, _product_as, _row_blocks, _src_ptr,
+    PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source, _product_as,
+    _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
 
@@ -100,6 +101,12 @@ BACKWARD_CHOICES = ("tiled", "per_token")
 #: docs/benchmarks.md session 10)
 PER_TOKEN_PARAM = "registers"
 PARAM_CHOICES = ("registers", "table")
+#: the per-token backward requests two sources ahead (``prefetch=2``) for padded rows of at
+#: most this many elements, one ahead for wider rows (H200, bf16, 16384 tokens, S = 6, one
+#: head, docs/benchmarks.md session 11 run 1: 0.606 / 1.058 / 1.249 ms against 0.640 / 1.095
+#: / 1.287 at d = 1024 with N = 4 / 8 and d = 2048 with N = 4; at d = 4096 slower, 3.440
+#: against 3.186)
+PER_TOKEN_PREFETCH2_ROW = 2048
 #: the tiled backward's tokens per program and warps, and the padded row one warp reduces
 #: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
 #: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
@@ -132,7 +139,8 @@ def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
 
 @triton.jit
 def _more_sources(hh, i, N, cmask):
-    """Load mask of the source prefetched while source ``i`` is used (off past the last)."""
+    """Load mask of source ``i + 1``, prefetched while source ``i`` (or ``i - 1``) is used (off
+    past the last)."""
     return cmask & ((tl.zeros_like(hh) + i + 1) < N)[:, None]  # a tensor also in the interpreter
 
 
@@ -168,15 +176,23 @@ def _route_many_fwd_kernel(
     m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
-    # PREFETCH: source i + 1 is requested before source i is used (two rows in flight)
+    # PREFETCH (0, 1 or 2): sources i + 1 (and i + 2) are requested before source i is used
+    # (PREFETCH + 1 rows in flight)
     if PREFETCH:
         v_raw, k_raw = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+    if PREFETCH >= 2:
+        v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(1, N - 1), offs, _more_sources(hh, 0, N, cmask),
+                                    ptr_ty, ALIGNED, HAS_KEYS)
     for i in range(N):
         if not PREFETCH:
             v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         v = v_raw.to(tl.float32)
         k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
-        if PREFETCH:
+        if PREFETCH >= 2:
+            v_raw, k_raw = v_nx2, k_nx2
+            v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
+                                        _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+        elif PREFETCH:
             v_raw, k_raw = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
                                         ptr_ty, ALIGNED, HAS_KEYS)
         rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
@@ -448,11 +464,12 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``).
-    One token per program: several (the layout of ``route``'s forward) was slower at every
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``:
+    False, True or 2). One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, **(config or {})}
+    prefetch = _check_prefetch(cfg["prefetch"], "route_many")
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     # the kernels take (tokens, d) rows behind each pointer: contiguous tensors of any batch shape
@@ -467,7 +484,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
         # the same for every chunk of queries
-        launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
+        launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
                       ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
                       num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
         for q0 in range(0, s, block_q):
@@ -489,10 +506,10 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
-    ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (2: two
-    sources ahead, per-token backward only)."""
+    ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
+    True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
-    cfg = {"prefetch": True, "per_sm": 2, "backward": BACKWARD, **(config or {})}
+    cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
@@ -503,7 +520,10 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
-    _check_prefetch(cfg["prefetch"], kernel)
+    if cfg["prefetch"] is None:
+        cfg["prefetch"] = _backward_prefetch(kernel, _row_blocks(queries.shape[1], heads))
+    allowed = PREFETCH_DEPTHS if kernel == "per_token" else (False, True)
+    cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
@@ -523,14 +543,11 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
     return choice
 
 
-def _check_prefetch(prefetch, kernel: str) -> None:
-    """``prefetch``: False, True (the next source requested while one is used) or, for the
-    per-token backward, 2 (two sources ahead, the first two requested with the output
-    gradients; not timed yet)."""
-    allowed = (False, True, 2) if kernel == "per_token" else (False, True)
-    if isinstance(prefetch, float) or prefetch not in allowed:
-        raise ValueError(f"route_many (Triton): config prefetch must be one of {allowed} for the {kernel} backward; "
-                         f"found {prefetch!r}")
+def _backward_prefetch(kernel: str, blocks: tuple[int, int]) -> int:
+    """The prefetch depth a backward kernel takes unless a config sets it (measured):
+    two sources ahead in the per-token backward up to PER_TOKEN_PREFETCH2_ROW, else one."""
+    row = blocks[0] * blocks[1]
+    return 2 if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
 
 
 def _param_gradients(cfg: dict) -> str:
@@ -635,7 +652,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
             min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
-            PREFETCH=int(cfg["prefetch"]), ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
+            PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, num_warps=warps,
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)

@@ -138,12 +138,20 @@ def _plus_acc(x, acctab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _next_source(tok, i, N, mask):
-    """Index and load mask of the source prefetched while source ``i`` is used: past the
-    last source the mask is off, so the load moves no bytes."""
-    nxt = tl.minimum(i + 1, N - 1)
-    more = mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None]  # a tensor also in the interpreter
+def _next_source(tok, i, N, mask, AHEAD: tl.constexpr = 1):
+    """Index and load mask of the source prefetched ``AHEAD`` sources ahead while source
+    ``i`` is used: past the last source the mask is off, so the load moves no bytes."""
+    nxt = tl.minimum(i + AHEAD, N - 1)
+    more = mask & ((tl.zeros_like(tok) + i + AHEAD) < N)[:, None, None]  # a tensor also in the interpreter
     return nxt, more
+
+
+@triton.jit
+def _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
+                  AHEAD: tl.constexpr):
+    """The rows of source ``i + AHEAD`` (and its key), requested while source ``i`` is used."""
+    nxt, more = _next_source(tok, i, N, mask, AHEAD)
+    return _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
 
 
 @triton.jit
@@ -176,18 +184,23 @@ def _route_fwd_kernel(
     m = tl.full((BLOCK_T, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
-    # PREFETCH: the loads of source i + 1 are issued before source i is used, so one
-    # program keeps two rows in flight (a masked-off load moves no bytes at the end)
+    # PREFETCH (0, 1 or 2): the loads of the next PREFETCH sources are issued before source
+    # i is used, so one program keeps PREFETCH + 1 rows in flight (a masked-off load moves
+    # no bytes at the end)
     if PREFETCH:
         v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+    if PREFETCH >= 2:
+        v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, 0, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
     for i in range(N):
         if not PREFETCH:
             v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
         v = v_raw.to(tl.float32)
         k = k_raw.to(tl.float32)
-        if PREFETCH:
-            nxt, more = _next_source(tok, i, N, mask)
-            v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
+        if PREFETCH >= 2:
+            v_raw, k_raw = v_nx2, k_nx2
+            v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 2)
+        elif PREFETCH:
+            v_raw, k_raw = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
         if HAS_SCALE:
             s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
             v = v * s[:, None, None]
@@ -278,6 +291,8 @@ def _route_bwd_kernel(
             lse = tl.load(lse_ptr + tok[:, None] * H + hh[None, :], mask=hmask, other=0.0)
             if PREFETCH:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+            if PREFETCH >= 2:
+                v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, 0, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
 
         # one pass: each source (and key) is read once, each gradient written once
         for i in range(N):
@@ -289,8 +304,11 @@ def _route_bwd_kernel(
                 if PREFETCH:
                     v_cur = v_nx
                     k_cur = k_nx
-                    nxt, more = _next_source(tok, i, N, mask)
-                    v_nx, k_nx = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
+                    if PREFETCH >= 2:  # two sources ahead
+                        v_nx, k_nx = v_nx2, k_nx2
+                        v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 2)
+                    else:
+                        v_nx, k_nx = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
                 else:
                     v_cur, k_cur = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
                 v = v_cur.to(tl.float32)
@@ -426,23 +444,25 @@ def _forward_warps(heads: int, row: int, otherwise: int, narrow: int = NARROW_FO
     return narrow if heads == 1 and row <= NARROW_ROW else otherwise
 
 
-#: route's forward for one-head rows of WIDE_ROW padded elements (2048 < d <= 4096): 2
-#: tokens per program with 8 warps (H200, bf16, docs/benchmarks.md session 10, runs 5 and
-#: 6: 0.380 / 1.141 ms against 0.412 / 1.249 with one token and 8 warps at 16384x4096x9 /
-#: 8192x4096x65). At d = 2048 one token stays faster; wider rows and several heads were not
-#: timed. The backward keeps one token (2 tokens with 4 warps was 3 % faster in one run,
-#: to be confirmed).
+#: route's launches for one-head rows of WIDE_ROW padded elements (2048 < d <= 4096): 2
+#: tokens per program, the forward with 8 warps, the backward with 4 (H200, bf16,
+#: docs/benchmarks.md: forward 0.380 / 1.141 ms against 0.412 / 1.249 with one token and 8
+#: warps at 16384x4096x9 / 8192x4096x65, session 10 runs 5 and 6; backward 0.844 / 2.654
+#: against 0.872 / 2.733 with one token and 8 warps, session 10 run 6, and 0.835 against
+#: 0.862 at 16384x4096x9, session 11 run 1). At d = 2048 one token stays faster; wider
+#: rows and several heads were not timed.
 WIDE_ROW = 4096
 WIDE_TOKENS = 2
 WIDE_FORWARD_WARPS = 8
+WIDE_BACKWARD_WARPS = 4
 
 
 def _is_wide(heads: int, row: int) -> bool:
     return heads == 1 and row == WIDE_ROW
 
 
-def _route_forward_tokens(heads: int, row: int) -> int:
-    """Tokens per program of route's forward unless a config sets ``block_t``."""
+def _route_tokens(heads: int, row: int) -> int:
+    """Tokens per program of route's forward and backward unless a config sets ``block_t``."""
     return WIDE_TOKENS if _is_wide(heads, row) else _tokens_per_program(row)
 
 
@@ -451,6 +471,34 @@ def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     if _is_wide(heads, row) and block_t == WIDE_TOKENS:
         return WIDE_FORWARD_WARPS
     return _forward_warps(heads, row, _num_warps(block_t * row))
+
+
+def _route_backward_tokens(heads: int, row: int, has_acc: bool) -> int:
+    """Tokens per program of route's backward unless a config sets ``block_t``: with running
+    sums one token at every width (the 2-token launch was timed without them; with them its
+    sm_90 PTX at d = 4096 spills 116 bytes, the one-token launch none: kernel_registers.py)."""
+    return _tokens_per_program(row) if has_acc else _route_tokens(heads, row)
+
+
+def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
+    """Warps of route's backward for ``block_t`` tokens per program unless a config sets them."""
+    if _is_wide(heads, row) and block_t == WIDE_TOKENS:
+        return WIDE_BACKWARD_WARPS
+    return _num_warps(block_t * row)
+
+
+#: values of the kernels' ``prefetch`` config: False (each source loaded when used), True
+#: (the next source requested while one is used) or 2 (two sources ahead)
+PREFETCH_DEPTHS = (False, True, 2)
+
+
+def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel: str = "") -> int:
+    """``prefetch`` as the kernels' PREFETCH depth (0, 1 or 2), checked against ``allowed``
+    (``kernel``, e.g. "the tiled backward", names the kernel in the error where an op has several)."""
+    if isinstance(prefetch, float) or prefetch not in allowed:
+        where = f" for {kernel}" if kernel else ""
+        raise ValueError(f"{op} (Triton): config prefetch must be one of {allowed}{where}; found {prefetch!r}")
+    return int(prefetch)
 
 
 def _product_as(r: Tensor, weight: Tensor, like: Tensor) -> Tensor:
@@ -491,7 +539,7 @@ def route_forward(
     ``depthrewrite::route`` returns: ``out``, the float32 log-sum-exp ``lse`` of shape
     ``(*batch, heads)`` (0 for one source) and ``normed = rms_norm(out) * out_norm_weight``
     (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    (``block_t``, ``num_warps``, ``prefetch``: False, True or 2, ``fuse_norm``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -511,9 +559,10 @@ def route_forward(
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
     row = block_h * block_c
-    cfg = {"block_t": _route_forward_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
+    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
+    prefetch = _check_prefetch(cfg["prefetch"], "route")
     grid = (triton.cdiv(tokens, block_t),)
     fused_norm = has_norm and cfg["fuse_norm"]
     _route_fwd_kernel[grid](
@@ -522,7 +571,7 @@ def route_forward(
         out_norm_weight.contiguous() if fused_norm else query, normed if fused_norm else out,
         tokens, n, d, d // heads, heads, float(eps), float(out_norm_eps),
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
-        ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
+        ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
         ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm,
         num_warps=cfg.get("num_warps") or _route_forward_warps(heads, row, block_t),
     )
@@ -586,7 +635,8 @@ def route_backward(
     ``grad_keys_acc``: running sums (None or one entry per source, None or a tensor shaped
     like it) that the gradients are added to as they are written. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``: False, True or 2, ``fuse_norm``) for
+    tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
@@ -607,10 +657,12 @@ def route_backward(
     new_k = torch.zeros if n == 1 else torch.empty
     grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
+    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
-    cfg = {"block_t": _tokens_per_program(row), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
+    cfg = {"block_t": _route_backward_tokens(heads, row, has_acc), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
+    prefetch = _check_prefetch(cfg["prefetch"], "route")
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, cfg["per_sm"])
     # the kernel writes every entry of these partial sums (one row per program, one entry
@@ -630,7 +682,6 @@ def route_backward(
     if n == 1 and flat_k is not None and grad_keys_acc is not None and grad_keys_acc[0] is not None:
         # one source: the key's own gradient is zero, so its running sum passes through as is
         grad_k[0].copy_(grad_keys_acc[0])
-    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)
         acc_v, acc_k = (_contiguous(acc or [None] * n) for acc in (grad_values_acc, grad_keys_acc))
@@ -648,8 +699,8 @@ def route_backward(
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
-            PREFETCH=cfg["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc,
-            num_warps=cfg.get("num_warps") or _num_warps(block_t * row),
+            PREFETCH=prefetch, HAS_NORM=fused_norm, HAS_ACC=has_acc,
+            num_warps=cfg.get("num_warps") or _route_backward_warps(heads, row, block_t),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     r = part_r.sum(0)

@@ -73,13 +73,15 @@ def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
     return out.detach(), lse.detach(), list(grads)
 
 
-def _run(inp, dtype, seed, config=None):
+def _run(inp, dtype, seed, config=None, fwd_config=None):
+    """Forward with ``fwd_config`` (default: ``config``), backward with ``config``."""
+    fwd_config = config if fwd_config is None else fwd_config
     gen = torch.Generator().manual_seed(seed + 1)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     values = [dev(v) for v in inp["values"]]
     keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
     out, lse = route_many_triton.route_many_forward(values, dev(inp["queries"]), dev(inp["key_norm_weights"]),
-                                                    inp["heads"], 1e-6, config, keys=keys)
+                                                    inp["heads"], 1e-6, fwd_config, keys=keys)
     grad_out = [torch.randn(o.shape, generator=gen).to(dtype) for o in out]
     grad_lse = [torch.randn(t.shape, generator=gen) for t in lse]
     grad_v, grad_k, grad_q, grad_w = route_many_triton.route_many_backward(
@@ -147,7 +149,8 @@ VARIANTS = [
     {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks
     {"backward": "per_token", "param": "table"},  # parameter gradients through the dz * rstd table
     {"backward": "per_token", "param": "table", "many_elems": 256},  # the table written chunk by chunk
-    {"backward": "per_token", "prefetch": 2},  # two sources ahead
+    {"backward": "per_token", "prefetch": True},  # one source ahead (two by default up to d = 2048)
+    {"backward": "per_token", "prefetch": 2},  # two sources ahead, forward and backward
     {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
@@ -186,7 +189,11 @@ def test_unknown_backward_is_refused():
                                          r"found 2"):
         _run(inp, torch.float32, 1, config={"backward": "tiled", "prefetch": 2})
     with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2\) for the per_token"):
-        _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3})
+        _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3}, fwd_config={})
+    with pytest.raises(ValueError, match=r"route_many \(Triton\): config prefetch must be one of \(False, True, 2\); "
+                                         r"found 3"):  # the forward's check
+        route_many_triton.route_many_forward([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE),
+                                             inp["key_norm_weights"].to(DEVICE), 1, 1e-6, {"prefetch": 3})
 
 
 def test_backward_is_deterministic():

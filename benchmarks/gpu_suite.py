@@ -299,13 +299,13 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
             if mode == "fwdbwd":
                 # the backward alone, from the forward's saved output and lse (prefetch is the default)
                 # bwd_t1: one token per program (at d = 4096 the default until session 11, which
-                # made it 2 tokens with 4 warps); bwd_pf2: two sources requested ahead
-                variants = (("ours_bwd_only", {}), ("bwd_t1", dict(block_t=1)), ("bwd_pf2", dict(prefetch=2)),
+                # made it 2 tokens with 4 warps)
+                variants = (("ours_bwd_only", {}), ("bwd_t1", dict(block_t=1)),
                             ("bwd_nopf", dict(prefetch=False)), ("bwd_ps8", dict(per_sm=8)),
                             ("bwd_nopf_ps8", dict(prefetch=False, per_sm=8)), ("bwd_t2", dict(block_t=2)),
                             ("bwd_ps2", dict(per_sm=2)))
                 if quick:
-                    variants = variants[:4]
+                    variants = variants[:3]
                 with torch.no_grad():
                     fwd_out, fwd_lse, _ = route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6)
 
@@ -342,7 +342,7 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
-                            "_q8w8": {"block_q": 8, "num_warps": 8}, "_pf2": {"prefetch": 2}}
+                            "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before
@@ -421,23 +421,19 @@ SITE_ROUTE_SHAPES = [(16384, 1024, 4, 1), (16384, 1024, 8, 16), (16384, 1024, 16
                      (16384, 1024, 33, 16)]
 SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
-                           "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8},
-                           "_pf2": {"prefetch": 2}}
+                           "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
-                           "_ps8": {"per_sm": 8}, "_pf2": {"prefetch": 2}, "_ps8_pf2": {"per_sm": 8, "prefetch": 2}}
-#: ``--design-launch-only``: tokens per program, warps and prefetch depth at the DESIGN.md
-#: shapes (one head; the defaults: one token per program and 4 warps at d = 2048, 2 tokens
-#: at d = 4096 with 8 warps forward and 4 backward; one source ahead)
+                           "_ps8": {"per_sm": 8}}
+#: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
+#: the defaults: one token per program and 4 warps at d = 2048, 2 tokens at d = 4096 with 8
+#: warps forward and 4 backward)
 DESIGN_FWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
-                       "_t4w8": {"block_t": 4, "num_warps": 8}, "_pf2": {"prefetch": 2},
-                       "_t1w8_pf2": {"block_t": 1, "num_warps": 8, "prefetch": 2}}
+                       "_t4w8": {"block_t": 4, "num_warps": 8}}
 DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
-                       "_ps8": {"per_sm": 8}, "_pf2": {"prefetch": 2},
-                       "_t1w8_pf2": {"block_t": 1, "num_warps": 8, "prefetch": 2},
-                       "_ps8_pf2": {"per_sm": 8, "prefetch": 2}}
+                       "_ps8": {"per_sm": 8}}
 
 
 def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list[dict]:

@@ -69,16 +69,16 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int) -> str:
     return compiled.asm["ptx"]
 
 
-def compile_backward(d: int, heads: int, has_acc: bool, prefetch: int | None = None):
-    """route's backward as ``route_backward`` launches it (``prefetch``: None, the default depth)."""
+def compile_backward(d: int, heads: int, has_acc: bool):
+    """route's backward as ``route_backward`` launches it."""
     from depthrewrite.kernels.route_triton import _route_backward_warps, _route_bwd_kernel, _route_tokens, _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
     block_t = _route_tokens(heads, row)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
-                      BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=1 if prefetch is None else prefetch,
-                      HAS_NORM=False, HAS_ACC=has_acc)
+                      BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False,
+                      HAS_ACC=has_acc)
     warps = _route_backward_warps(heads, row, block_t)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps), block_t, warps
 
@@ -89,13 +89,13 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
                   S_CHUNK="i32", eps="fp32")
 
 
-def compile_many_forward(d: int, heads: int, has_keys: bool, prefetch: int | None = None):
+def compile_many_forward(d: int, heads: int, has_keys: bool):
     from depthrewrite.kernels.route_many_triton import FORWARD_QUERIES, _many_forward_warps, _route_many_fwd_kernel
     from depthrewrite.kernels.route_triton import _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
-    constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c,
-                      PREFETCH=1 if prefetch is None else prefetch, ALIGNED=True, HAS_KEYS=has_keys)
+    constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
+                      HAS_KEYS=has_keys)
     warps = _many_forward_warps(heads, block_h * block_c, has_keys)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
@@ -142,24 +142,25 @@ def main() -> int:
     ap.add_argument("--heads", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--ptxas", default=str(default_ptxas), help="a ptxas that reads the PTX version Triton emits")
     ap.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=None,
-                    help="the kernels' prefetch depth (default: each kernel's default depth)")
+                    help="route_many's per-token backward's prefetch depth (default: its default)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16, prefetch {args.prefetch}")
     for heads in args.heads:
         for has_acc in (False, True):
-            ptx, block_t, warps = compile_backward(args.width, heads, has_acc, args.prefetch)
+            ptx, block_t, warps = compile_backward(args.width, heads, has_acc)
             regs, spills = ptxas_report(ptx, args.ptxas)
             resident = 65536 // (regs * warps * 32)
             print(f"route backward heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
                   f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers; "
                   f"global memory instructions {memory_instructions(ptx)}")
-    table_backward = functools.partial(compile_many_per_token_backward, param_table=True)
+    per_token_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch)
+    table_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, param_table=True)
     for name, compile_fn in (("forward", compile_many_forward),
-                             ("per-token backward", compile_many_per_token_backward),
+                             ("per-token backward", per_token_backward),
                              ("per-token backward, param table", table_backward)):
         for heads in args.heads:
             for has_keys in (False, True):
-                ptx, warps = compile_fn(args.width, heads, has_keys, args.prefetch)
+                ptx, warps = compile_fn(args.width, heads, has_keys)
                 regs, spills = ptxas_report(ptx, args.ptxas)
                 print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: {regs} registers, "
                       f"{spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers; "

@@ -139,8 +139,8 @@ def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
 
 @triton.jit
 def _more_sources(hh, i, N, cmask):
-    """Load mask of source ``i + 1``, prefetched while source ``i`` (or ``i - 1``) is used (off
-    past the last)."""
+    """Load mask of source ``i + 1``, prefetched while source ``i`` (or, two ahead, ``i - 1``)
+    is used (off past the last)."""
     return cmask & ((tl.zeros_like(hh) + i + 1) < N)[:, None]  # a tensor also in the interpreter
 
 
@@ -176,23 +176,15 @@ def _route_many_fwd_kernel(
     m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
-    # PREFETCH (0, 1 or 2): sources i + 1 (and i + 2) are requested before source i is used
-    # (PREFETCH + 1 rows in flight)
+    # PREFETCH: source i + 1 is requested before source i is used (two rows in flight)
     if PREFETCH:
         v_raw, k_raw = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-    if PREFETCH >= 2:
-        v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(1, N - 1), offs, _more_sources(hh, 0, N, cmask),
-                                    ptr_ty, ALIGNED, HAS_KEYS)
     for i in range(N):
         if not PREFETCH:
             v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         v = v_raw.to(tl.float32)
         k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
-        if PREFETCH >= 2:
-            v_raw, k_raw = v_nx2, k_nx2
-            v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
-                                        _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
-        elif PREFETCH:
+        if PREFETCH:
             v_raw, k_raw = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
                                         ptr_ty, ALIGNED, HAS_KEYS)
         rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
@@ -464,8 +456,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``:
-    False, True or 2). One token per program: several (the layout of ``route``'s forward) was slower at every
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``).
+    One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, **(config or {})}
@@ -522,7 +514,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, _row_blocks(queries.shape[1], heads))
-    allowed = PREFETCH_DEPTHS if kernel == "per_token" else (False, True)
+    allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)

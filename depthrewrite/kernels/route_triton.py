@@ -138,20 +138,12 @@ def _plus_acc(x, acctab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _next_source(tok, i, N, mask, AHEAD: tl.constexpr = 1):
-    """Index and load mask of the source prefetched ``AHEAD`` sources ahead while source
-    ``i`` is used: past the last source the mask is off, so the load moves no bytes."""
-    nxt = tl.minimum(i + AHEAD, N - 1)
-    more = mask & ((tl.zeros_like(tok) + i + AHEAD) < N)[:, None, None]  # a tensor also in the interpreter
+def _next_source(tok, i, N, mask):
+    """Index and load mask of the source prefetched while source ``i`` is used: past the
+    last source the mask is off, so the load moves no bytes."""
+    nxt = tl.minimum(i + 1, N - 1)
+    more = mask & ((tl.zeros_like(tok) + i + 1) < N)[:, None, None]  # a tensor also in the interpreter
     return nxt, more
-
-
-@triton.jit
-def _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
-                  AHEAD: tl.constexpr):
-    """The rows of source ``i + AHEAD`` (and its key), requested while source ``i`` is used."""
-    nxt, more = _next_source(tok, i, N, mask, AHEAD)
-    return _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
 
 
 @triton.jit
@@ -184,23 +176,18 @@ def _route_fwd_kernel(
     m = tl.full((BLOCK_T, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
-    # PREFETCH (0, 1 or 2): the loads of the next PREFETCH sources are issued before source
-    # i is used, so one program keeps PREFETCH + 1 rows in flight (a masked-off load moves
-    # no bytes at the end)
+    # PREFETCH: the loads of source i + 1 are issued before source i is used, so one
+    # program keeps two rows in flight (a masked-off load moves no bytes at the end)
     if PREFETCH:
         v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-    if PREFETCH >= 2:
-        v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, 0, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
     for i in range(N):
         if not PREFETCH:
             v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
         v = v_raw.to(tl.float32)
         k = k_raw.to(tl.float32)
-        if PREFETCH >= 2:
-            v_raw, k_raw = v_nx2, k_nx2
-            v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 2)
-        elif PREFETCH:
-            v_raw, k_raw = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
+        if PREFETCH:
+            nxt, more = _next_source(tok, i, N, mask)
+            v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
         if HAS_SCALE:
             s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
             v = v * s[:, None, None]
@@ -291,8 +278,6 @@ def _route_bwd_kernel(
             lse = tl.load(lse_ptr + tok[:, None] * H + hh[None, :], mask=hmask, other=0.0)
             if PREFETCH:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-            if PREFETCH >= 2:
-                v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, 0, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
 
         # one pass: each source (and key) is read once, each gradient written once
         for i in range(N):
@@ -304,11 +289,8 @@ def _route_bwd_kernel(
                 if PREFETCH:
                     v_cur = v_nx
                     k_cur = k_nx
-                    if PREFETCH >= 2:  # two sources ahead
-                        v_nx, k_nx = v_nx2, k_nx2
-                        v_nx2, k_nx2 = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 2)
-                    else:
-                        v_nx, k_nx = _source_ahead(vtab, ktab, tok, i, N, offs, mask, ptr_ty, ALIGNED, HAS_KEYS, 1)
+                    nxt, more = _next_source(tok, i, N, mask)
+                    v_nx, k_nx = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
                 else:
                     v_cur, k_cur = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
                 v = v_cur.to(tl.float32)
@@ -448,9 +430,12 @@ def _forward_warps(heads: int, row: int, otherwise: int, narrow: int = NARROW_FO
 #: tokens per program, the forward with 8 warps, the backward with 4 (H200, bf16,
 #: docs/benchmarks.md: forward 0.380 / 1.141 ms against 0.412 / 1.249 with one token and 8
 #: warps at 16384x4096x9 / 8192x4096x65, session 10 runs 5 and 6; backward 0.844 / 2.654
-#: against 0.872 / 2.733 with one token and 8 warps, session 10 run 6, and 0.835 against
-#: 0.862 at 16384x4096x9, session 11 run 1). At d = 2048 one token stays faster; wider
-#: rows and several heads were not timed.
+#: against 0.872 / 2.733 with one token and 8 warps, session 10 run 6, 0.835 / 2.626 against
+#: 0.861 / 2.701 in session 11 run 2, and 0.835 against 0.862 at 16384x4096x9 in run 1). At
+#: d = 2048 one token stays faster; wider rows and several heads were not timed, nor the
+#: backward with running sums, where the 2-token launch's sm_90 PTX spills 116 bytes
+#: (kernel_registers.py); it keeps the launch so that the parameter gradients come out bit
+#: for bit the same with and without running sums (the per-program partial sums follow it).
 WIDE_ROW = 4096
 WIDE_TOKENS = 2
 WIDE_FORWARD_WARPS = 8
@@ -473,13 +458,6 @@ def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     return _forward_warps(heads, row, _num_warps(block_t * row))
 
 
-def _route_backward_tokens(heads: int, row: int, has_acc: bool) -> int:
-    """Tokens per program of route's backward unless a config sets ``block_t``: with running
-    sums one token at every width (the 2-token launch was timed without them; with them its
-    sm_90 PTX at d = 4096 spills 116 bytes, the one-token launch none: kernel_registers.py)."""
-    return _tokens_per_program(row) if has_acc else _route_tokens(heads, row)
-
-
 def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
     """Warps of route's backward for ``block_t`` tokens per program unless a config sets them."""
     if _is_wide(heads, row) and block_t == WIDE_TOKENS:
@@ -488,12 +466,14 @@ def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
 
 
 #: values of the kernels' ``prefetch`` config: False (each source loaded when used), True
-#: (the next source requested while one is used) or 2 (two sources ahead)
-PREFETCH_DEPTHS = (False, True, 2)
+#: (the next source requested while one is used) or, route_many's per-token backward only,
+#: 2 (two sources ahead). Two ahead in route's kernels and route_many's forward was slower at
+#: every timed shape (H200, docs/benchmarks.md session 11 run 2), and was taken out again.
+PREFETCH_DEPTHS = (False, True)
 
 
 def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel: str = "") -> int:
-    """``prefetch`` as the kernels' PREFETCH depth (0, 1 or 2), checked against ``allowed``
+    """``prefetch`` as a kernel's PREFETCH depth (0, 1 or 2), checked against ``allowed``
     (``kernel``, e.g. "the tiled backward", names the kernel in the error where an op has several)."""
     if isinstance(prefetch, float) or prefetch not in allowed:
         where = f" for {kernel}" if kernel else ""
@@ -539,7 +519,7 @@ def route_forward(
     ``depthrewrite::route`` returns: ``out``, the float32 log-sum-exp ``lse`` of shape
     ``(*batch, heads)`` (0 for one source) and ``normed = rms_norm(out) * out_norm_weight``
     (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``prefetch``: False, True or 2, ``fuse_norm``) for tuning runs."""
+    (``block_t``, ``num_warps``, ``prefetch``, ``fuse_norm``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -635,8 +615,7 @@ def route_backward(
     ``grad_keys_acc``: running sums (None or one entry per source, None or a tensor shaped
     like it) that the gradients are added to as they are written. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``: False, True or 2, ``fuse_norm``) for
-    tuning runs."""
+    (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
@@ -657,9 +636,8 @@ def route_backward(
     new_k = torch.zeros if n == 1 else torch.empty
     grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
-    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
-    cfg = {"block_t": _route_backward_tokens(heads, row, has_acc), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
+    cfg = {"block_t": _route_tokens(heads, row), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     prefetch = _check_prefetch(cfg["prefetch"], "route")
@@ -682,6 +660,7 @@ def route_backward(
     if n == 1 and flat_k is not None and grad_keys_acc is not None and grad_keys_acc[0] is not None:
         # one source: the key's own gradient is zero, so its running sum passes through as is
         grad_k[0].copy_(grad_keys_acc[0])
+    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)
         acc_v, acc_k = (_contiguous(acc or [None] * n) for acc in (grad_values_acc, grad_keys_acc))

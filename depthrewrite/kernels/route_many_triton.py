@@ -15,7 +15,8 @@ S / 2 times (still S / 2 times fewer than one route per site).
 With separate keys (DAR) every kernel reads each source's key row next to its value row:
 the logits and the key RMSNorm come from the key, the output from the value, and the
 backward writes the value and key gradients separately (both backward kernels take keys;
-the tiled one runs them by default: the per-token one with keys is not timed yet).
+the tiled one runs them by default: the per-token one with keys was as fast or 1-3 %
+slower at DAR's shapes, docs/benchmarks.md sessions 10 and 11).
 
 Two backward kernels, both deterministic (fixed summation order, no atomics), chosen per
 call by ``_backward_kernel`` (measured):
@@ -97,8 +98,8 @@ BACKWARD_CHOICES = ("tiled", "per_token")
 #: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,
 #: query, token and head stored, then the tiled backward's parameter reduction, which reads
 #: the keys again; its sm_90 PTX at d = 1024 with 6 queries uses 245 registers and does not
-#: spill, against 255 and 116 bytes of spill: kernel_registers.py; not timed yet,
-#: docs/benchmarks.md session 10)
+#: spill, against 255 and 116 bytes of spill: kernel_registers.py). Timed in
+#: docs/benchmarks.md session 11: 10-20 % slower up to d = 2048, 1 % faster at d = 4096.
 PER_TOKEN_PARAM = "registers"
 PARAM_CHOICES = ("registers", "table")
 #: the per-token backward requests two sources ahead (``prefetch=2``) for padded rows of at
@@ -526,7 +527,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
 def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
     """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice:
     per-token for one head without separate keys, tiled otherwise (with 16 heads the
-    per-token kernel's per-head statistics make it 2x slower; with keys it is not timed yet)."""
+    per-token kernel's per-head statistics make it 2x slower; with keys as fast or 1-3 % slower)."""
     choice = cfg["backward"]
     if choice is None:
         return "per_token" if heads == 1 and not has_keys else "tiled"

@@ -204,6 +204,18 @@ def test_backward_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
 
 
+@pytest.mark.parametrize("n", [2, 9])
+def test_per_token_prefetch_depth_changes_no_bit(n):
+    """The per-token backward's prefetch depths 0, 1 and 2 move loads, not arithmetic: the
+    same bits (n = 2: the second source ahead is past the last)."""
+    inp = _make(n, 6, (6,), 64, 1, torch.bfloat16, 3)
+    runs = [_run(inp, torch.bfloat16, 3, config={"backward": "per_token", "prefetch": depth}, fwd_config={})
+            for depth in (False, True, 2)]
+    for other in runs[1:]:
+        assert len(other[2]) == len(runs[0][2]) == n + 2
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][2], other[2]))
+
+
 def test_too_wide_a_row_is_refused():
     values = [torch.zeros(1, 2 * MAX_ROW, device=DEVICE)]
     with pytest.raises(ValueError, match="pads to a row of"):

@@ -481,6 +481,23 @@ def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel:
     return int(prefetch)
 
 
+#: the range of the ``maxnreg`` config (registers per thread; ptxas takes 16-255): a cap
+#: that lets more programs stay resident per SM, at the price of spills
+MAXNREG_RANGE = (16, 255)
+
+
+def _register_cap(cfg: dict, op: str = "route") -> dict:
+    """Launch options for ``cfg["maxnreg"]`` (checked; unset or None: no cap, the compiler's
+    choice)."""
+    cap = cfg.get("maxnreg")
+    if cap is None:
+        return {}
+    lo, hi = MAXNREG_RANGE
+    if not isinstance(cap, int) or isinstance(cap, bool) or not lo <= cap <= hi:
+        raise ValueError(f"{op} (Triton): config maxnreg must be an int from {lo} to {hi} or None; found {cap!r}")
+    return {"maxnreg": cap}
+
+
 def _product_as(r: Tensor, weight: Tensor, like: Tensor) -> Tensor:
     """``r * weight`` in float32 (``r`` is float32), rounded once to ``like``'s dtype: one
     kernel, where ``(r * weight.float()).to(dtype)`` launched three (host time: the schemes
@@ -519,7 +536,7 @@ def route_forward(
     ``depthrewrite::route`` returns: ``out``, the float32 log-sum-exp ``lse`` of shape
     ``(*batch, heads)`` (0 for one source) and ``normed = rms_norm(out) * out_norm_weight``
     (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -553,7 +570,7 @@ def route_forward(
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
         ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm,
-        num_warps=cfg.get("num_warps") or _route_forward_warps(heads, row, block_t),
+        num_warps=cfg.get("num_warps") or _route_forward_warps(heads, row, block_t), **_register_cap(cfg),
     )
     if has_norm and not fused_norm:
         block_d = _next_pow2(d)
@@ -615,7 +632,8 @@ def route_backward(
     ``grad_keys_acc``: running sums (None or one entry per source, None or a tensor shaped
     like it) that the gradients are added to as they are written. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning
+    runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
@@ -679,7 +697,7 @@ def route_backward(
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
             PREFETCH=prefetch, HAS_NORM=fused_norm, HAS_ACC=has_acc,
-            num_warps=cfg.get("num_warps") or _route_backward_warps(heads, row, block_t),
+            num_warps=cfg.get("num_warps") or _route_backward_warps(heads, row, block_t), **_register_cap(cfg),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     r = part_r.sum(0)

@@ -277,6 +277,14 @@ def test_unknown_prefetch_is_a_value_error(prefetch):
         route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={"prefetch": prefetch})
 
 
+@pytest.mark.parametrize("cap", [8, 256, 64.0, True, "64"], ids=repr)
+def test_bad_register_cap_is_a_value_error(cap):
+    inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
+    with pytest.raises(ValueError, match=rf"route \(Triton\): config maxnreg must be an int from 16 to 255 or None; "
+                                         rf"found {re.escape(repr(cap))}"):
+        route_triton.route_forward(*_args(inp), None, 1e-6, config={"maxnreg": cap})
+
+
 def test_width_limit_is_a_value_error():
     d = route_triton.MAX_ROW * 2
     values = [torch.zeros(1, d, device=DEVICE)] * 2
@@ -289,6 +297,8 @@ def test_width_limit_is_a_value_error():
     (dict(prefetch=False, block_t=1), dict(block_t=1, per_sm=1, prefetch=True)),
     (dict(prefetch=True, block_t=4), dict(block_t=2, per_sm=2, prefetch=False)),
     (dict(prefetch=False, block_t=2), dict(block_t=4, per_sm=3, prefetch=True)),
+    # a register cap (a launch option: ignored by the interpreter, spills on the GPU)
+    (dict(block_t=1, maxnreg=40), dict(block_t=1, per_sm=6, maxnreg=64)),
 ])
 @pytest.mark.parametrize("keys", [False, True], ids=["values_as_keys", "keys"])
 def test_launch_variants_match_reference(fwd_cfg, bwd_cfg, keys):

@@ -300,12 +300,15 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
                 # the backward alone, from the forward's saved output and lse (prefetch is the default)
                 # bwd_t1: one token per program (at d = 4096 the default until session 11, which
                 # made it 2 tokens with 4 warps)
+                # bwd_uncapped: the compiler's registers, 4 programs per SM (at d = 2048 the
+                # default until session 11, which capped them at 96 with 5 programs per SM)
                 variants = (("ours_bwd_only", {}), ("bwd_t1", dict(block_t=1)),
+                            ("bwd_uncapped", dict(maxnreg=None, per_sm=4)),
                             ("bwd_nopf", dict(prefetch=False)), ("bwd_ps8", dict(per_sm=8)),
                             ("bwd_nopf_ps8", dict(prefetch=False, per_sm=8)), ("bwd_t2", dict(block_t=2)),
                             ("bwd_ps2", dict(per_sm=2)))
                 if quick:
-                    variants = variants[:3]
+                    variants = variants[:4]
                 with torch.no_grad():
                     fwd_out, fwd_lse, _ = route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6)
 
@@ -431,21 +434,16 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
 DESIGN_FWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_t4w8": {"block_t": 4, "num_warps": 8},
-                       # register caps (maxnreg): more programs resident per SM, some spill
-                       # (sm_90 PTX, kernel_registers.py: one token with 4 warps at d = 2048
-                       # 76 registers, 6 programs per SM; capped at 64, 8 programs, 20 bytes spilled)
-                       "_r64": {"maxnreg": 64}, "_r56": {"maxnreg": 56},
-                       "_t1w8_r64": {"block_t": 1, "num_warps": 8, "maxnreg": 64}}
+                       # a register cap (maxnreg): one token with 4 warps at d = 2048 takes 76
+                       # registers, 6 programs per SM; capped at 64, 8 programs, 20 bytes spilled
+                       # (sm_90 PTX, kernel_registers.py); mixed in session 11 run 5
+                       "_r64": {"maxnreg": 64}}
 DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_ps8": {"per_sm": 8},
-                       # d = 2048, one token with 4 warps: 117 registers, 4 programs per SM;
-                       # capped at 96 no spill, 5 programs; at 80, 6 programs, 92 bytes spilled.
-                       # d = 4096, one token with 8 warps: at 80, 3 programs (92 bytes); at 64, 4 (156)
-                       "_r96_ps5": {"maxnreg": 96, "per_sm": 5}, "_r96_ps8": {"maxnreg": 96, "per_sm": 8},
-                       "_r80_ps6": {"maxnreg": 80, "per_sm": 6},
-                       "_t1w8_r80_ps3": {"block_t": 1, "num_warps": 8, "maxnreg": 80, "per_sm": 3},
-                       "_t1w8_r64_ps4": {"block_t": 1, "num_warps": 8, "maxnreg": 64, "per_sm": 4}}
+                       # d = 2048: registers capped at 96 with 5 programs per SM by default since
+                       # session 11 (route_triton.CAPPED_ROW); uncapped, 4 programs, as before
+                       "_uncapped": {"maxnreg": None, "per_sm": 4}}
 
 
 def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list[dict]:

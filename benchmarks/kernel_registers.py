@@ -53,9 +53,10 @@ def ptxas_report(ptx: str, ptxas: str) -> tuple[int, int]:
     return int(regs.group(1)), int(spills.group(1)) if spills else 0
 
 
-def _compile(kernel, types: dict, constexprs: dict, warps: int) -> str:
+def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | None = None) -> str:
     """PTX of ``kernel`` for sm_90 with what a launch specializes: 16-byte aligned pointers,
-    widths ``D`` and ``C`` divisible by 16. ``types``: Triton types of the runtime arguments."""
+    widths ``D`` and ``C`` divisible by 16. ``types``: Triton types of the runtime arguments;
+    ``maxnreg``: the launch's register cap, if any."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -65,13 +66,16 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int) -> str:
     attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
              if signature[n].startswith("*") or n in ("D", "C")}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
     return compiled.asm["ptx"]
 
 
 def compile_backward(d: int, heads: int, has_acc: bool):
-    """route's backward as ``route_backward`` launches it."""
-    from depthrewrite.kernels.route_triton import _route_backward_warps, _route_bwd_kernel, _route_tokens, _row_blocks
+    """route's backward as ``route_backward`` launches it (no keys, bias or scale)."""
+    from depthrewrite.kernels.route_triton import (
+        _route_backward_residency, _route_backward_warps, _route_bwd_kernel, _route_tokens, _row_blocks,
+    )
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
@@ -80,7 +84,8 @@ def compile_backward(d: int, heads: int, has_acc: bool):
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False,
                       HAS_ACC=has_acc)
     warps = _route_backward_warps(heads, row, block_t)
-    return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps), block_t, warps
+    cap, _ = _route_backward_residency(heads, row, False, block_t, warps)
+    return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps, cap), block_t, warps
 
 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",

@@ -465,6 +465,33 @@ def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
     return _num_warps(block_t * row)
 
 
+#: route's backward programs per SM (a persistent grid), unless capped below (per_sm 8
+#: timed the same as 4: the registers let 4 stay resident)
+BACKWARD_PER_SM = 4
+#: route's backward for one-head rows padded to CAPPED_ROW (1024 < d <= 2048) without
+#: separate keys, on its default launch (one token, CAPPED_WARPS warps): registers capped at
+#: CAPPED_BACKWARD_MAXNREG so that CAPPED_BACKWARD_PER_SM programs stay resident per SM
+#: (sm_90 PTX, kernel_registers.py: 108-128 registers uncapped, 4 programs; 96 with no
+#: spill in every bias / scale / running-sum combination; with keys 96 spills 16-144 bytes,
+#: so keyed calls keep the compiler's choice). H200, bf16, docs/benchmarks.md session 11 run
+#: 5, two passes side by side: 0.398 / 0.398 ms against 0.422 / 0.423 at 16384x2048x9,
+#: 1.288 / 1.326 against 1.367 / 1.368 at 16384x2048x33; the cap with 8 programs per SM was
+#: slower (0.439 / 1.428), as were caps at 80 (6 programs, spills) and at d = 4096.
+CAPPED_ROW = 2048
+CAPPED_WARPS = 4
+CAPPED_BACKWARD_MAXNREG = 96
+CAPPED_BACKWARD_PER_SM = 5
+
+
+def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int,
+                              warps: int) -> tuple[int | None, int]:
+    """Register cap (None: the compiler's choice) and programs per SM of route's backward
+    unless a config sets them; the cap only on the launch it was timed with."""
+    if heads == 1 and row == CAPPED_ROW and not has_keys and block_t == 1 and warps == CAPPED_WARPS:
+        return CAPPED_BACKWARD_MAXNREG, CAPPED_BACKWARD_PER_SM
+    return None, BACKWARD_PER_SM
+
+
 #: values of the kernels' ``prefetch`` config: False (each source loaded when used), True
 #: (the next source requested while one is used) or, route_many's per-token backward only,
 #: 2 (two sources ahead). Two ahead in route's kernels and route_many's forward was slower at
@@ -654,10 +681,12 @@ def route_backward(
     new_k = torch.zeros if n == 1 else torch.empty
     grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
     row = block_h * block_c
-    # prefetch on by default: 18-25 % faster on H200 (module docstring); per_sm 8 timed the same as 4
-    cfg = {"block_t": _route_tokens(heads, row), "per_sm": 4, "prefetch": True, "fuse_norm": FUSE_NORM,
-           **(config or {})}
+    # prefetch on by default: 18-25 % faster on H200 (module docstring)
+    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
+    warps = cfg.get("num_warps") or _route_backward_warps(heads, row, block_t)
+    cap, per_sm = _route_backward_residency(heads, row, flat_k is not None, block_t, warps)
+    cfg = {"maxnreg": cap, "per_sm": per_sm, **cfg}
     prefetch = _check_prefetch(cfg["prefetch"], "route")
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, cfg["per_sm"])
@@ -697,7 +726,7 @@ def route_backward(
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
             PREFETCH=prefetch, HAS_NORM=fused_norm, HAS_ACC=has_acc,
-            num_warps=cfg.get("num_warps") or _route_backward_warps(heads, row, block_t), **_register_cap(cfg),
+            num_warps=warps, **_register_cap(cfg),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     r = part_r.sum(0)

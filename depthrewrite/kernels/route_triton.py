@@ -471,10 +471,10 @@ BACKWARD_PER_SM = 4
 #: route's backward for one-head rows padded to CAPPED_ROW (1024 < d <= 2048) without
 #: separate keys, on its default launch (one token, CAPPED_WARPS warps): registers capped at
 #: CAPPED_BACKWARD_MAXNREG so that CAPPED_BACKWARD_PER_SM programs stay resident per SM
-#: (sm_90 PTX, kernel_registers.py: 108-128 registers uncapped, 4 programs; 96 with no
-#: spill in every bias / scale / running-sum combination; with keys 96 spills 16-144 bytes,
-#: so keyed calls keep the compiler's choice). H200, bf16, docs/benchmarks.md session 11 run
-#: 5, two passes side by side: 0.398 / 0.398 ms against 0.422 / 0.423 at 16384x2048x9,
+#: (sm_90 PTX, kernel_registers.py: 108-128 registers uncapped, 4 programs, or 96 and 20
+#: bytes spilled with a source scale alone; capped, 96 with no spill in every bias / scale /
+#: running-sum combination; with keys 96 spills 16-144 bytes, so keyed calls keep the
+#: compiler's choice). H200, bf16, docs/benchmarks.md session 11 run 5, two passes side by side: 0.398 / 0.398 ms against 0.422 / 0.423 at 16384x2048x9,
 #: 1.288 / 1.326 against 1.367 / 1.368 at 16384x2048x33; the cap with 8 programs per SM was
 #: slower (0.439 / 1.428), as were caps at 80 (6 programs, spills) and at d = 4096.
 CAPPED_ROW = 2048

@@ -3,7 +3,8 @@
 # the 10-minute limit of a call). Data: the corpora of ../shared/data copied into .devdata/
 # (carried to the device).
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
-#   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, every scheme compiled vs eager, op timings
+#   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, every scheme compiled vs eager, op table
+#   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
@@ -21,14 +22,26 @@ study)
   tail -70 "$OUT/study.txt"
   ;;
 kernels)
-  # the FLA wheel (pip download fla-core==0.6.0 --no-deps -d .whl) is carried in .whl/
+  # one device call (~8 minutes): the kernel tests, every scheme compiled against eager, and
+  # the op table side by side with FLA (the wheel, pip download fla-core==0.6.0 --no-deps -d
+  # .whl, carried in .whl/: carry [".whl"]); the table last
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 75 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/kernels 2>&1 | tail -2 | tee -a "$LOG"
-  # op checks and timings, every scheme compiled against eager; a table last
-  timeout "${SUITE_SECONDS:-375}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 360 --no-e2e --scheme-check \
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+  timeout 150 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
+  grep "scheme-check:" "$OUT/scheme_check.txt" | tee -a "$LOG"
+  timeout "${SUITE_SECONDS:-290}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 --no-e2e --no-block-phase \
       > "$OUT/suite_log.txt" 2>&1
-  grep "scheme-check" "$OUT/suite_log.txt" | cut -c1-150; tail -16 "$OUT/suite_log.txt"
+  tail -13 "$OUT/suite_log.txt"
+  ;;
+launch)
+  # launch variants (~3 minutes): route_many in the block phase, route at the site and
+  # DESIGN.md shapes, each against its default
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 240 python3 benchmarks/gpu_suite.py --block-phase-only --out "$OUT/block_phase" > "$OUT/block_phase.txt" 2>&1
+  timeout 90 python3 benchmarks/gpu_suite.py --design-launch-only --out "$OUT/design_launch" > "$OUT/design_launch.txt" 2>&1
+  grep -v "^\[" "$OUT/block_phase.txt" | tail -24; grep -v "^\[" "$OUT/design_launch.txt" | tail -6
   ;;
 e2e)
   # training throughput and peak memory: the models compile in parallel, then are timed one at a time

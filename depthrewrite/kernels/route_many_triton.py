@@ -231,8 +231,9 @@ def _route_many_bwd_kernel(
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
     parameter gradients' per-program partial sums, or with PARAM_TABLE their ``dz * rstd``
     coefficients in the ``(N, S, T, H)`` table (this chunk's first query at ``param_ptr``),
-    for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held across tokens. PREFETCH: 0, 1 (the next source requested while one is used) or 2 (two
-    ahead, the first two requested with the output gradients)."""
+    for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held across tokens.
+    PREFETCH: 0, 1 (the next source requested while one is used) or 2 (two ahead, the first
+    two requested with the output gradients; the default up to PER_TOKEN_PREFETCH2_ROW)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)

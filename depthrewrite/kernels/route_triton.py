@@ -474,9 +474,10 @@ BACKWARD_PER_SM = 4
 #: (sm_90 PTX, kernel_registers.py: 108-128 registers uncapped, 4 programs, or 96 and 20
 #: bytes spilled with a source scale alone; capped, 96 with no spill in every bias / scale /
 #: running-sum combination; with keys 96 spills 16-144 bytes, so keyed calls keep the
-#: compiler's choice). H200, bf16, docs/benchmarks.md session 11 run 5, two passes side by side: 0.398 / 0.398 ms against 0.422 / 0.423 at 16384x2048x9,
-#: 1.288 / 1.326 against 1.367 / 1.368 at 16384x2048x33; the cap with 8 programs per SM was
-#: slower (0.439 / 1.428), as were caps at 80 (6 programs, spills) and at d = 4096.
+#: compiler's choice). H200, bf16, docs/benchmarks.md session 11 run 5, two passes side by
+#: side: 0.398 / 0.398 ms against 0.422 / 0.423 at 16384x2048x9, 1.288 / 1.326 against
+#: 1.367 / 1.368 at 16384x2048x33; the cap with 8 programs per SM was slower (0.439 /
+#: 1.428), as were caps at 80 (6 programs, spills) and at d = 4096.
 CAPPED_ROW = 2048
 CAPPED_WARPS = 4
 CAPPED_BACKWARD_MAXNREG = 96
@@ -513,7 +514,7 @@ def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel:
 MAXNREG_RANGE = (16, 255)
 
 
-def _register_cap(cfg: dict, op: str = "route") -> dict:
+def _register_cap(cfg: dict) -> dict:
     """Launch options for ``cfg["maxnreg"]`` (checked; unset or None: no cap, the compiler's
     choice)."""
     cap = cfg.get("maxnreg")
@@ -521,7 +522,7 @@ def _register_cap(cfg: dict, op: str = "route") -> dict:
         return {}
     lo, hi = MAXNREG_RANGE
     if not isinstance(cap, int) or isinstance(cap, bool) or not lo <= cap <= hi:
-        raise ValueError(f"{op} (Triton): config maxnreg must be an int from {lo} to {hi} or None; found {cap!r}")
+        raise ValueError(f"route (Triton): config maxnreg must be an int from {lo} to {hi} or None; found {cap!r}")
     return {"maxnreg": cap}
 
 

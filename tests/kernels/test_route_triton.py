@@ -283,9 +283,12 @@ def test_unknown_prefetch_is_a_value_error(prefetch):
 @pytest.mark.parametrize("cap", [8, 256, 64.0, True, "64"], ids=repr)
 def test_bad_register_cap_is_a_value_error(cap):
     inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
-    with pytest.raises(ValueError, match=rf"route \(Triton\): config maxnreg must be an int from 16 to 255 or None; "
-                                         rf"found {re.escape(repr(cap))}"):
+    message = rf"route \(Triton\): config maxnreg must be an int from 16 to 255 or None; found {re.escape(repr(cap))}"
+    with pytest.raises(ValueError, match=message):
         route_triton.route_forward(*_args(inp), None, 1e-6, config={"maxnreg": cap})
+    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
+    with pytest.raises(ValueError, match=message):
+        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={"maxnreg": cap})
 
 
 def test_width_limit_is_a_value_error():

@@ -427,7 +427,11 @@ SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
-                           "_ps8": {"per_sm": 8}}
+                           "_ps8": {"per_sm": 8},
+                           # programs per SM as the registers allow (sm_90 PTX with running sums,
+                           # 2 tokens, 4 warps: one head 96 registers and 16 bytes spilled, capped
+                           # at 96 none, 5 programs; 16 heads 145 registers, 3 programs): not timed
+                           "_ps5": {"per_sm": 5}, "_r96_ps5": {"maxnreg": 96, "per_sm": 5}, "_ps3": {"per_sm": 3}}
 #: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
 #: the defaults: one token per program and 4 warps at d = 2048, 2 tokens at d = 4096 with 8
 #: warps forward and 4 backward)

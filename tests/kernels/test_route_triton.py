@@ -269,26 +269,20 @@ def test_backward_is_deterministic_and_prefetch_changes_no_bit(keys):
         assert torch.equal(a, c)  # prefetching moves loads, not arithmetic
 
 
-@pytest.mark.parametrize("prefetch", [2, 1.0, "1"], ids=repr)
-def test_unknown_prefetch_is_a_value_error(prefetch):
-    inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
-    message = rf"route \(Triton\): config prefetch must be one of \(False, True\); found {re.escape(repr(prefetch))}"
-    with pytest.raises(ValueError, match=message):
-        route_triton.route_forward(*_args(inp), None, 1e-6, config={"prefetch": prefetch})
-    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
-    with pytest.raises(ValueError, match=message):
-        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={"prefetch": prefetch})
+BAD_CONFIGS = [("prefetch", v, r"prefetch must be one of \(False, True\)") for v in (2, 1.0, "1")] + [
+    ("maxnreg", v, "maxnreg must be an int from 16 to 255 or None") for v in (8, 256, 64.0, True, "64")]
 
 
-@pytest.mark.parametrize("cap", [8, 256, 64.0, True, "64"], ids=repr)
-def test_bad_register_cap_is_a_value_error(cap):
+@pytest.mark.parametrize("key,value,expected", BAD_CONFIGS, ids=lambda x: repr(x)[:20])
+def test_bad_launch_config_is_a_value_error(key, value, expected):
+    """Forward and backward refuse a launch config value they do not take, naming it."""
     inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
-    message = rf"route \(Triton\): config maxnreg must be an int from 16 to 255 or None; found {re.escape(repr(cap))}"
+    message = rf"route \(Triton\): config {expected}; found {re.escape(repr(value))}"
     with pytest.raises(ValueError, match=message):
-        route_triton.route_forward(*_args(inp), None, 1e-6, config={"maxnreg": cap})
+        route_triton.route_forward(*_args(inp), None, 1e-6, config={key: value})
     out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
     with pytest.raises(ValueError, match=message):
-        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={"maxnreg": cap})
+        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={key: value})
 
 
 def test_width_limit_is_a_value_error():

@@ -120,7 +120,7 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     multi = heads > 1
     block_q = _query_block(queries, block_h * block_c, {}, MULTI_HEAD_BACKWARD_QUERIES if multi else None)
     if prefetch is None:
-        prefetch = _backward_prefetch("per_token", (block_h, block_c))
+        prefetch = _backward_prefetch("per_token", block_h * block_c)
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS

@@ -515,7 +515,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
     if cfg["prefetch"] is None:
-        cfg["prefetch"] = _backward_prefetch(kernel, _row_blocks(queries.shape[1], heads))
+        cfg["prefetch"] = _backward_prefetch(kernel, math.prod(_row_blocks(queries.shape[1], heads)))
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
@@ -537,10 +537,10 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
     return choice
 
 
-def _backward_prefetch(kernel: str, blocks: tuple[int, int]) -> int:
-    """The prefetch depth a backward kernel takes unless a config sets it (measured):
-    two sources ahead in the per-token backward up to PER_TOKEN_PREFETCH2_ROW, else one."""
-    row = blocks[0] * blocks[1]
+def _backward_prefetch(kernel: str, row: int) -> int:
+    """The prefetch depth a backward kernel takes for rows of ``row`` padded elements unless
+    a config sets it (measured): two sources ahead in the per-token backward up to
+    PER_TOKEN_PREFETCH2_ROW, else one."""
     return 2 if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
 
 

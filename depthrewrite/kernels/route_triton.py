@@ -404,7 +404,7 @@ def _check_block_t(block_t: int) -> int:
 def _tokens_per_program(row: int) -> int:
     """Tokens a program takes for rows of ``row`` (padded) elements: about 2048 elements in
     flight, one token from d = 2048 up (measured on H200: docs/benchmarks.md); route's
-    forward takes WIDE_TOKENS for one-head rows of WIDE_ROW."""
+    forward and backward take WIDE_TOKENS for one-head rows of WIDE_ROW (_route_tokens)."""
     return max(1, min(64, 2048 // row))
 
 

@@ -113,6 +113,16 @@ CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffix
 #: the baseline recorded as CUDA graphs too, the reference of the "_cg" variants
 CONFIGS["baseline_cg"] = (None, {}, None)
 BACKEND_OPTIONS["baseline_cg"] = BACKEND_VARIANTS["cg"]
+#: kernel-launch variants: configuration suffix -> ``route_triton`` launch constants set in
+#: that configuration's process before it compiles (an A/B of a launch default in one run)
+LAUNCH_VARIANTS = {
+    # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
+    # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
+    "launch11": {"CAPPED_BACKWARD_MAXNREG": None, "CAPPED_BACKWARD_PER_SM": 4, "MULTI_HEAD_BACKWARD_PER_SM": 4},
+}
+LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, patch in LAUNCH_VARIANTS.items()
+                  for base in ("wav", "mhar_block", "mhar", "attnres")}
+CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
@@ -137,8 +147,13 @@ def _build(name: str):
 
     import depthrewrite
     from depthrewrite.backend import depthrewrite_backend
+    from depthrewrite.kernels import route_triton
     from depthrewrite.models.gpt import gpt_from_preset
 
+    for constant, value in LAUNCH_PATCHES.get(name, {}).items():
+        if not hasattr(route_triton, constant):
+            raise AttributeError(f"{name}: route_triton has no launch constant {constant}")
+        setattr(route_triton, constant, value)
     scheme, options, _ = CONFIGS[name]
     torch.manual_seed(0)
     model = gpt_from_preset("medium", max_seq_len=SEQ)

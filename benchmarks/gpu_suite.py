@@ -234,6 +234,10 @@ def floor_ms(tokens, d, n, mode):
 
 
 def bench(fn, rep=200):
+    # one call first: a kernel's first call compiles it, and do_bench sizes its warm-up from
+    # the first calls it times (a variant timed first read up to 30 % slow, session 12 run 2)
+    fn()
+    torch.cuda.synchronize()
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
@@ -422,16 +426,19 @@ def block_phase_timing() -> list[dict]:
 #: block, WAV and full AttnRes sites at 350M; "" is the default launch
 SITE_ROUTE_SHAPES = [(16384, 1024, 4, 1), (16384, 1024, 8, 16), (16384, 1024, 16, 1), (16384, 1024, 33, 1),
                      (16384, 1024, 33, 16)]
+#: a WAV site as the model calls it: one head with a logit bias, a source scale and the
+#: gradients added to running sums (its floor also reads the N running sums)
+SITE_ROUTE_WAV_SHAPES = [(16384, 1024, 16, 1)]
 SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
                            "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
-                           "_ps8": {"per_sm": 8},
-                           # programs per SM as the registers allow (sm_90 PTX with running sums,
-                           # 2 tokens, 4 warps: one head 96 registers and 16 bytes spilled, capped
-                           # at 96 none, 5 programs; 16 heads 145 registers, 3 programs): not timed
-                           "_ps5": {"per_sm": 5}, "_r96_ps5": {"maxnreg": 96, "per_sm": 5}, "_ps3": {"per_sm": 3}}
+                           "_ps8": {"per_sm": 8}, "_ps5": {"per_sm": 5}, "_ps3": {"per_sm": 3},
+                           # the launch before session 12 (the compiler's registers, 4 programs
+                           # per SM); the defaults since: one head capped at 96 registers with 5
+                           # programs per SM, 16 heads 8 programs (route_triton.RESIDENCY_ELEMS)
+                           "_uncapped": {"maxnreg": None, "per_sm": 4}}
 #: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
 #: the defaults: one token per program and 4 warps at d = 2048, 2 tokens at d = 4096 with 8
 #: warps forward and 4 backward)
@@ -446,7 +453,7 @@ DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_ps8": {"per_sm": 8},
                        # d = 2048: registers capped at 96 with 5 programs per SM by default since
-                       # session 11 (route_triton.CAPPED_ROW); uncapped, 4 programs, as before
+                       # session 11 (route_triton.RESIDENCY_ELEMS); uncapped, 4 programs, as before
                        "_uncapped": {"maxnreg": None, "per_sm": 4}}
 
 
@@ -457,23 +464,28 @@ def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list
     gradients written)."""
     rows = []
     fwd_variants, bwd_variants = fwd_variants or SITE_ROUTE_FWD_VARIANTS, bwd_variants or SITE_ROUTE_BWD_VARIANTS
-    for tokens, d, n, heads in shapes or SITE_ROUTE_SHAPES:
+    shapes = [s + (False,) for s in shapes] if shapes else (
+        [s + (False,) for s in SITE_ROUTE_SHAPES] + [s + (True,) for s in SITE_ROUTE_WAV_SHAPES])
+    for tokens, d, n, heads, wav in shapes:
         gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
         vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
         q = torch.randn(d, device="cuda", generator=gen) / d**0.5
         w = torch.rand(d, device="cuda", generator=gen) + 0.5
         g = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda", generator=gen) if wav else None
+        scale = torch.rand(n, tokens, device="cuda", generator=gen) + 0.5 if wav else None
+        acc = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] if wav else None
         with torch.no_grad():
-            out, lse, _ = route_triton.route_forward(vals, None, q, w, None, None, heads, 1e-6)
-        row = dict(tokens=tokens, d=d, n=n, heads=heads, floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
-                   floor_bwd=(2 * n + 2) * tokens * d * 2 / HBM_BPS * 1e3)
+            out, lse, _ = route_triton.route_forward(vals, None, q, w, bias, scale, heads, 1e-6)
+        row = dict(tokens=tokens, d=d, n=n, heads=heads, wav=wav, floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
+                   floor_bwd=((3 if wav else 2) * n + 2) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
             for name, cfg in fwd_variants.items():
                 row[f"fwd{name}"] = bench(lambda cfg=cfg: route_triton.route_forward(
-                    vals, None, q, w, None, None, heads, 1e-6, config=cfg))
+                    vals, None, q, w, bias, scale, heads, 1e-6, config=cfg))
             for name, cfg in bwd_variants.items():
                 row[f"bwd{name}"] = bench(lambda cfg=cfg: route_triton.route_backward(
-                    g, out, lse, vals, None, q, w, None, None, heads, 1e-6, config=cfg))
+                    g, out, lse, vals, None, q, w, bias, scale, heads, 1e-6, config=cfg, grad_values_acc=acc))
         say("site-route " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
         del vals, g, out, lse
@@ -490,7 +502,8 @@ def site_route_table(rows) -> list[str]:
             times = {k: v for k, v in r.items() if k.startswith(part) and not k.startswith("floor")}
             best = min(times, key=times.get)
             parts.append(f"{r[part]:6.3f} {times[best]:6.3f} ({best[3:] or 'default':9s}) {r['floor_' + part]:6.3f}")
-        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d} | " + " | ".join(parts))
+        wav = " wav" if r.get("wav") else ""
+        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d}{wav} | " + " | ".join(parts))
     return lines
 
 
@@ -579,6 +592,8 @@ def main() -> int:
     ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
+    ap.add_argument("--site-route-only", action="store_true",
+                    help="only the per-site route launch variants at the model's d = 1024 shapes")
     ap.add_argument("--design-launch-only", action="store_true",
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
     ap.add_argument("--no-block-phase", action="store_true",
@@ -602,6 +617,12 @@ def main() -> int:
         dump()
         results["site_route"] = site_rows = site_route_timing()
         summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))
+        dump(summary)
+        print(summary)
+        return 0
+    if args.site_route_only:
+        results["site_route"] = site_rows = site_route_timing()
+        summary = "\n".join(site_route_table(site_rows))
         dump(summary)
         print(summary)
         return 0

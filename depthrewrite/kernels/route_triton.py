@@ -465,31 +465,47 @@ def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
     return _num_warps(block_t * row)
 
 
-#: route's backward programs per SM (a persistent grid), unless capped below (per_sm 8
-#: timed the same as 4: the registers let 4 stay resident)
+#: route's backward programs per SM (a persistent grid), unless a rule below says otherwise
+#: (per_sm 8 timed the same as 4 for one head: the registers let 4 stay resident)
 BACKWARD_PER_SM = 4
-#: route's backward for one-head rows padded to CAPPED_ROW (1024 < d <= 2048) without
-#: separate keys, on its default launch (one token, CAPPED_WARPS warps): registers capped at
-#: CAPPED_BACKWARD_MAXNREG so that CAPPED_BACKWARD_PER_SM programs stay resident per SM
-#: (sm_90 PTX, kernel_registers.py: 108-128 registers uncapped, 4 programs, or 96 and 20
-#: bytes spilled with a source scale alone; capped, 96 with no spill in every bias / scale /
-#: running-sum combination; with keys 96 spills 16-144 bytes, so keyed calls keep the
-#: compiler's choice). H200, bf16, docs/benchmarks.md session 11 run 5, two passes side by
-#: side: 0.398 / 0.398 ms against 0.422 / 0.423 at 16384x2048x9, 1.288 / 1.326 against
-#: 1.367 / 1.368 at 16384x2048x33; the cap with 8 programs per SM was slower (0.439 /
-#: 1.428), as were caps at 80 (6 programs, spills) and at d = 4096.
-CAPPED_ROW = 2048
-CAPPED_WARPS = 4
+#: route's backward for one head on a launch of RESIDENCY_ELEMS elements per program with
+#: RESIDENCY_WARPS warps (route's default at rows padded to 1024, 2 tokens, and to 2048, one
+#: token) and no separate keys: registers capped at CAPPED_BACKWARD_MAXNREG so that
+#: CAPPED_BACKWARD_PER_SM programs stay resident per SM. sm_90 PTX (kernel_registers.py,
+#: triton 3.6): the compiler takes 96-128 registers at d = 1024 (12-16 bytes spilled without
+#: a bias or scale) and 108-128 at d = 2048, so 4 programs fit; capped at 96, no bias /
+#: scale / running-sum combination spills at either width (with separate keys the cap
+#: spills 4-144 bytes, so keyed calls keep the compiler's choice). H200, bf16,
+#: docs/benchmarks.md: d = 2048, session 11 run 5, two passes: 0.398 / 0.398 ms against
+#: 0.422 / 0.423 at 16384x2048x9, 1.288 / 1.326 against 1.367 / 1.368 at 16384x2048x33
+#: (session 12 run 2: 0.399 against 0.422, 1.353-1.392 against 1.382); d = 1024, session 12
+#: run 2: 0.125 / 0.358 / 0.690 against 0.132 / 0.377 / 0.730 ms at 16384 tokens and N = 4 /
+#: 16 / 33. The cap with 8 programs per SM was slower (0.439 / 1.428 at d = 2048), as were
+#: caps at 80 (6 programs, spills) and at d = 4096.
+RESIDENCY_ELEMS = 2048
+RESIDENCY_WARPS = 4
 CAPPED_BACKWARD_MAXNREG = 96
 CAPPED_BACKWARD_PER_SM = 5
+#: route's backward with several heads at rows padded to MULTI_HEAD_ROW, on the same launch
+#: (2 tokens, RESIDENCY_WARPS warps): more programs per SM than the 3 that its 142-168
+#: registers let stay resident (sm_90 PTX, d = 1024, 16 heads). H200, bf16, 16384 tokens,
+#: d = 1024, 16 heads, two runs: 0.204 / 0.212 ms against 0.214 / 0.277 at N = 8, 0.701 /
+#: 0.720 against 0.731 / 0.731 at N = 33 (docs/benchmarks.md session 11 run 2, session 12
+#: run 2); 3 per SM was slower at N = 33 (0.833).
+MULTI_HEAD_ROW = 1024
+MULTI_HEAD_BACKWARD_PER_SM = 8
 
 
 def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int,
                               warps: int) -> tuple[int | None, int]:
     """Register cap (None: the compiler's choice) and programs per SM of route's backward
-    unless a config sets them; the cap only on the launch it was timed with."""
-    if heads == 1 and row == CAPPED_ROW and not has_keys and block_t == 1 and warps == CAPPED_WARPS:
+    unless a config sets them; each rule only on the launches it was timed with."""
+    if block_t * row != RESIDENCY_ELEMS or warps != RESIDENCY_WARPS:
+        return None, BACKWARD_PER_SM
+    if heads == 1 and row >= 1024 and not has_keys:
         return CAPPED_BACKWARD_MAXNREG, CAPPED_BACKWARD_PER_SM
+    if heads > 1 and row == MULTI_HEAD_ROW:
+        return None, MULTI_HEAD_BACKWARD_PER_SM
     return None, BACKWARD_PER_SM
 
 

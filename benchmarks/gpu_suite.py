@@ -250,12 +250,14 @@ def fla_fn():
     return fused_attnres
 
 
-def timing(compile_ref: bool, budget_s: float, quick: bool = False):
+def timing(compile_ref: bool, budget_s: float, quick: bool = False, widths: tuple[int, ...] | None = None):
     torch._dynamo.config.recompile_limit = 64
     compiled_ref = torch.compile(route_reference, dynamic=False) if compile_ref else None
     fla = fla_fn()
     rows = []
     for tokens, d, n in DESIGN_SHAPES:
+        if widths and d not in widths:
+            continue
         inp = make(n, tokens, d, torch.bfloat16, seed=tokens + d + n)
         leaves = [t.detach().requires_grad_() for t in leaves_of(inp)]
         grad_out = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
@@ -305,10 +307,13 @@ def timing(compile_ref: bool, budget_s: float, quick: bool = False):
                 # bwd_t1: one token per program (at d = 4096 the default until session 11, which
                 # made it 2 tokens with 4 warps)
                 # bwd_uncapped: the compiler's registers, 4 programs per SM (at d = 2048 the
-                # default until session 11, which capped them at 96 with 5 programs per SM)
+                # default until session 11, which capped them at 96 with 5 programs per SM; at
+                # d = 4096 until session 12, which made it 8 programs per SM)
+                # bwd_ps4: 4 programs per SM with the default's register cap, if any
                 variants = (("ours_bwd_only", {}), ("bwd_t1", dict(block_t=1)),
                             ("bwd_uncapped", dict(maxnreg=None, per_sm=4)),
                             ("bwd_nopf", dict(prefetch=False)), ("bwd_ps8", dict(per_sm=8)),
+                            ("bwd_ps4", dict(per_sm=4)),
                             ("bwd_nopf_ps8", dict(prefetch=False, per_sm=8)), ("bwd_t2", dict(block_t=2)),
                             ("bwd_ps2", dict(per_sm=2)))
                 if quick:
@@ -453,7 +458,8 @@ DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_ps8": {"per_sm": 8},
                        # d = 2048: registers capped at 96 with 5 programs per SM by default since
-                       # session 11 (route_triton.RESIDENCY_ELEMS); uncapped, 4 programs, as before
+                       # session 11 (route_triton.RESIDENCY_ELEMS); d = 4096: 8 programs per SM
+                       # since session 12 (WIDE_BACKWARD_PER_SM); uncapped, 4 programs, as before
                        "_uncapped": {"maxnreg": None, "per_sm": 4}}
 
 
@@ -598,6 +604,8 @@ def main() -> int:
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
     ap.add_argument("--no-block-phase", action="store_true",
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
+    ap.add_argument("--widths", type=int, nargs="+", default=None,
+                    help="time only the DESIGN.md shapes of these widths d (default: all)")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no block phase, no e2e (a short re-run after a kernel change)")
     args = ap.parse_args()
@@ -640,7 +648,8 @@ def main() -> int:
         dump()
         results["block_phase"] = phase_rows = [] if (args.quick or args.no_block_phase) else block_phase_timing()
         dump()
-        results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick)
+        results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick,
+                                                args.widths)
         dump()
     skip_e2e = args.no_e2e or args.quick
     if args.scheme_check:

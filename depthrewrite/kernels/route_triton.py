@@ -494,12 +494,21 @@ CAPPED_BACKWARD_PER_SM = 5
 #: run 2); 3 per SM was slower at N = 33 (0.833).
 MULTI_HEAD_ROW = 1024
 MULTI_HEAD_BACKWARD_PER_SM = 8
+#: route's backward on its wide launch (one-head rows padded to WIDE_ROW, WIDE_TOKENS tokens,
+#: WIDE_BACKWARD_WARPS warps; 255 registers, 2 programs resident per SM): 8 programs per SM
+#: were faster than 4 in every run that timed both on this launch, by 0.5-1.1 %: 0.830-0.833
+#: against 0.834-0.840 ms at 16384x4096x9 and 2.608-2.624 against 2.625-2.647 at
+#: 8192x4096x65 (H200, bf16, docs/benchmarks.md: session 11 runs 2, 3, 5a, 5b and session 12
+#: runs 1, 2, six of each); 2 per SM was level at N = 9 and 2-3 % slower at N = 65.
+WIDE_BACKWARD_PER_SM = 8
 
 
 def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int,
                               warps: int) -> tuple[int | None, int]:
     """Register cap (None: the compiler's choice) and programs per SM of route's backward
     unless a config sets them; each rule only on the launches it was timed with."""
+    if _is_wide(heads, row) and block_t == WIDE_TOKENS and warps == WIDE_BACKWARD_WARPS:
+        return None, WIDE_BACKWARD_PER_SM
     if block_t * row != RESIDENCY_ELEMS or warps != RESIDENCY_WARPS:
         return None, BACKWARD_PER_SM
     if heads == 1 and row >= 1024 and not has_keys:

@@ -55,7 +55,11 @@ from depthrewrite.models.gpt import gpt_from_preset  # noqa: E402
 CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "attnres_site": ("attnres", {"group_size": None}),
            "attnres_g3": ("attnres", {"group_size": 3, "recompute": True}),
-           "mhar_g3": ("mhar", {"group_size": 3, "recompute": False})}
+           "mhar_g3": ("mhar", {"group_size": 3, "recompute": False}),
+           # the backend's recompute_partial_sums (the partial sums recomputed in the backward)
+           "wav_recompute": ("wav", {}), "dar_recompute": ("dar", {})}
+#: backend options per configuration, besides ``inner`` (default: none)
+BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True}}
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 #: bf16: the candidate's error against float64 may be this many times the reference's
 BF16_FACTOR = 4.0
@@ -99,7 +103,8 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
         set_fused_enabled(previous)
     backend.clear_reports()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options={"inner": "aot_eager"})
+    compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
+                             options={"inner": "aot_eager", **BACKEND_OPTIONS.get(scheme, {})})
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
     if truth is None:
@@ -114,6 +119,8 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
     ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
+    if BACKEND_OPTIONS.get(scheme, {}).get("recompute_partial_sums"):
+        ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
                 graphs=len(backend.reports()), ops=ops)

@@ -436,7 +436,8 @@ SITE_ROUTE_SHAPES = [(16384, 1024, 4, 1), (16384, 1024, 8, 16), (16384, 1024, 16
 SITE_ROUTE_WAV_SHAPES = [(16384, 1024, 16, 1)]
 SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
-                           "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8}}
+                           "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8},
+                           "_pair": {"pair_reduce": True}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
                            "_ps8": {"per_sm": 8}, "_ps5": {"per_sm": 5}, "_ps3": {"per_sm": 3},
@@ -453,7 +454,11 @@ DESIGN_FWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8
                        # a register cap (maxnreg): one token with 4 warps at d = 2048 takes 76
                        # registers, 6 programs per SM; capped at 64, 8 programs, 20 bytes spilled
                        # (sm_90 PTX, kernel_registers.py); mixed in session 11 run 5
-                       "_r64": {"maxnreg": 64}}
+                       "_r64": {"maxnreg": 64},
+                       # the row's square sum and query dot in one reduction (sm_90 PTX: 6
+                       # bar.sync instead of 9, registers 76 -> 80 at d = 2048, the same 6
+                       # programs per SM); not timed yet
+                       "_pair": {"pair_reduce": True}}
 DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_ps8": {"per_sm": 8},

@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import sys
 
 import torch
+import torch._functorch.config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import depthrewrite  # noqa: E402
 from depthrewrite.models.gpt import GPT, GPTConfig  # noqa: E402
+from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
-#: name -> (scheme or None for the baseline, options): the e2e benchmark's block forms
+#: name -> (scheme or None for the baseline, options[, True: the backend's
+#: recompute_partial_sums, the tagged partial sums marked for recomputation]): the e2e
+#: benchmark's block forms
 CONFIGS = {
     "baseline": (None, {}),
     "block_attnres": ("block_attnres", {}),
@@ -36,6 +41,8 @@ CONFIGS = {
     "mhar_block": ("mhar", {"block_size": 6}),
     "wav": ("wav", {"block_size": 6}),
     "dar_block": ("dar", {"layers_per_block": 3}),
+    "wav_recompute": ("wav", {"block_size": 6}, True),
+    "dar_block_recompute": ("dar", {"layers_per_block": 3}, True),
 }
 
 
@@ -49,14 +56,19 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    def backend(gm, example_inputs):
+        if recompute:
+            mark_recomputable(gm.graph)
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = GPT(GPTConfig(d_model=d, n_layer=layers, n_head=heads, max_seq_len=seq))
-    scheme, options = cfg
+    scheme, options, recompute = (*cfg, False)[:3]
     if scheme is not None:
         model = depthrewrite.rewrite(model, scheme, **options)
     model = model.to(torch.bfloat16).train()
-    compiled = torch.compile(model, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner), fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(0, 256, (batch, seq))
     # no cache: a cache hit would skip the partition this reads
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
@@ -83,14 +95,19 @@ def main() -> int:
     ap.add_argument("--schemes", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--top", type=int, default=6, help="source lines listed per scheme")
+    ap.add_argument("--functorch", default="{}", metavar="JSON",
+                    help='AOTAutograd partitioner settings for every configuration, e.g. '
+                         '\'{"ban_recompute_materialized_backward": false}\' (torch._functorch.config)')
     args = ap.parse_args()
+    patches = json.loads(args.functorch)
     d, heads, batch, seq = 128, 4, 2, 64
     unit = batch * seq * d * 2
     base = None
     print(f"saved for the backward, units of one {batch * seq} x {d} bf16 activation ({unit} bytes); "
           f"{args.layers} layers")
     for name in args.schemes.split(","):
-        rows = saved_tensors(CONFIGS[name], d, args.layers, heads, batch, seq)
+        with torch._functorch.config.patch(**patches):
+            rows = saved_tensors(CONFIGS[name], d, args.layers, heads, batch, seq)
         total = sum(r["bytes"] for r in rows) / unit
         base = total if name == "baseline" else base
         extra = "" if base is None or name == "baseline" else f" (extra {total - base:+.1f})"

@@ -56,7 +56,8 @@ def main() -> None:
     step()
     report = backend.last_report()
     print(f"{scheme} {options}: compiled in {time.time() - start:.0f} s; peak {step_peak_bytes(step) / 2**20:.1f} MiB; "
-          f"fences {report.fences}, accumulated {report.accumulated}")
+          f"fences {report.fences}, accumulated {report.accumulated}, saved for the backward "
+          f"{report.saved_for_backward}, recompute marked {report.recompute_marked}")
 
 
 if __name__ == "__main__":

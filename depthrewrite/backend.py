@@ -21,9 +21,12 @@ into the running sums instead of leaving a term to sum; measured on H200 at 350M
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
 less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only
 calls with at most that many heads get running sums (an A/B knob; 16-head MHAR is faster
-with them); every other key is an Inductor config patch applied to this compilation only
-(``config_patches``, never a global assignment). ``mode=`` takes Inductor's modes
-("max-autotune", ...); ``mode="reduce-overhead"`` records
+with them); ``recompute_partial_sums`` (default False; :mod:`depthrewrite.recompute`): the
+partial sums that WAV and DAR make at every site are recomputed in the backward from the
+branch outputs instead of saved for it (less activation memory for a few elementwise
+passes per site; not yet timed on the GPU); every other key is an Inductor config patch
+applied to this compilation only (``config_patches``, never a global assignment).
+``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
 (:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.
 
@@ -45,9 +48,11 @@ from torch import fx
 from .grad_accumulation import MAX_HEADS
 from .kernels import implementation_for
 from .inductor_pass import backend_pass, rewrite_gradient_sums
+from .recompute import mark_recomputable
 from .sum_fences import DEFAULT_MAX_TERMS, check_max_terms
 
-__all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops"]
+__all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops",
+           "saved_for_backward"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,11 @@ class LoweringReport:
     served from Inductor's caches without recompiling does not appear here.
     ``fences``: fences the long-sum pass put in each graph compiled here, ``accumulated``:
     source gradients moved into ``route_backward`` calls (same caveat).
+    ``recompute_marked``: operations marked for recomputation in the backward
+    (``recompute_partial_sums``; None with the option off). ``saved_for_backward``: the
+    tensors the backward graph takes besides the output gradients (what the forward keeps
+    for it, the parameters it reads included), ``{"tensors": n, "bytes": b}``, filled in
+    when the backward graph is compiled.
     """
 
     device: str
@@ -80,7 +90,13 @@ class LoweringReport:
     accumulate_grads: bool = True
     accumulate_max_heads: int | None = MAX_HEADS
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
+    recompute_marked: int | None = None
+    saved_for_backward: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
+
+    #: names of the nodes marked for recomputation (``recompute_marked`` of them), the key
+    #: of the marks in the backend pass's cache key
+    recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def rewrites(self) -> bool:
@@ -184,6 +200,14 @@ def _count_into(graph: fx.Graph, counts, impls) -> None:
                         _count_into(body.graph, counts, impls)
 
 
+def saved_for_backward(graph: fx.Graph) -> dict[str, int]:
+    """Count and bytes of a backward graph's tensor inputs other than the output gradients."""
+    tensors = [node.meta.get("val") for node in graph.nodes
+               if node.op == "placeholder" and not node.name.startswith("tangents")]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+
 def _graph_device(example_inputs) -> str:
     devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
     return "cuda" if "cuda" in devices else (devices.pop() if len(devices) == 1 else "cpu")
@@ -204,6 +228,8 @@ def _counting(compile_fn, report: LoweringReport):
         else:
             kind = "forward"
         report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
+        if kind == "backward":
+            report.saved_for_backward = saved_for_backward(gm.graph)
         report.compiling = kind
         return compile_fn(gm, example_inputs, *args, **kwargs)
 
@@ -212,13 +238,14 @@ def _counting(compile_fn, report: LoweringReport):
 
 def _pass_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, Any]:
     """Inductor config patches with the backend's post-grad pass (the user's own, if any,
-    runs after it): a pass Inductor runs, so that its settings are in the cache keys."""
-    if not report.rewrites:
+    runs after it): a pass Inductor runs, so that its settings are in the cache keys (the
+    recomputation marks included: node metadata is not)."""
+    if not report.rewrites and report.recomputed is None:
         return patches
 
     the_pass = backend_pass(report.max_sum_terms, report.accumulate_grads,
                             then=patches.get("post_grad_custom_post_pass"), on_done=report.record_rewrites,
-                            accumulate_max_heads=report.accumulate_max_heads)
+                            accumulate_max_heads=report.accumulate_max_heads, recomputed=report.recomputed)
     return {**patches, "post_grad_custom_post_pass": the_pass}
 
 
@@ -228,6 +255,8 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
 
     def prepare(g, kind):
         report.aot_graphs[kind] = count_routing_ops(g.graph)[0]
+        if kind == "backward":
+            report.saved_for_backward = saved_for_backward(g.graph)
         if not report.rewrites:
             return
         # the graph runs as it is: no Inductor pass, the same rewrites here
@@ -280,14 +309,24 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     if max_heads is not None and (isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1):
         raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int "
                          f"or None (no limit); found {max_heads!r}")
+    recompute = options.pop("recompute_partial_sums", False)
+    if not isinstance(recompute, bool):
+        raise ValueError(f"depthrewrite_backend: options['recompute_partial_sums'] must be True or False; "
+                         f"found {recompute!r}")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
+    recomputed = mark_recomputable(gm.graph) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
-                            accumulate_max_heads=max_heads)
+                            accumulate_max_heads=max_heads, recomputed=recomputed,
+                            recompute_marked=None if recomputed is None else len(recomputed))
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)
+    if report.recompute_marked == 0:
+        log.warning("depthrewrite backend: recompute_partial_sums is on but no partial sums were tagged in this "
+                    "graph (WAV and DAR tag theirs, inside blocks: WAV's blocks of 2 sites have none; the tags "
+                    "need torch.fx.traceback.annotate)")
     if inner == "aot_eager":
         return _aot_eager(gm, example_inputs, report)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner

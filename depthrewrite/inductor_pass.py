@@ -31,12 +31,15 @@ def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
-                 on_done: Callable[[int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS):
+                 on_done: Callable[[int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS,
+                 recomputed: tuple[str, ...] | None = None):
     """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
     user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
-    told ``(gradients accumulated, fences)`` for each graph."""
+    told ``(gradients accumulated, fences)`` for each graph. ``recomputed``: the nodes the
+    backend marked for recomputation (:mod:`depthrewrite.recompute`; None: the option is
+    off), part of the pass's cache key only."""
     then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
-    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads)
+    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed)
 
 
 @functools.cache
@@ -47,12 +50,14 @@ def _pass_class():
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     here = pathlib.Path(__file__).parent
-    sources = tuple(str(here / name) for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py"))
+    sources = tuple(str(here / name)
+                    for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py", "recompute.py"))
 
     class BackendPass(CustomGraphPass):
-        def __init__(self, max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads):
+        def __init__(self, max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed):
             self.max_sum_terms, self.accumulate_grads = max_sum_terms, accumulate_grads
             self.then, self.on_done, self.accumulate_max_heads = then, on_done, accumulate_max_heads
+            self.recomputed = recomputed
 
         def __call__(self, graph: fx.Graph) -> None:
             done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads, self.accumulate_max_heads)
@@ -66,6 +71,6 @@ def _pass_class():
             if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
                 return None
             return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads,
-                    self.accumulate_max_heads, sum_fences.MIN_NUMEL, then)
+                    self.accumulate_max_heads, sum_fences.MIN_NUMEL, self.recomputed, then)
 
     return BackendPass

@@ -153,12 +153,17 @@ def _row64(tok, i, T):
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _route_fwd_kernel(
     vtab, ktab, q_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, lse_ptr, onw_ptr, normed_ptr,
     T, N, D, C, H, eps, out_norm_eps,
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_NORM: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_NORM: tl.constexpr, PAIR_REDUCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ptr_ty = tl.pointer_type(out_ptr.dtype.element_ty)
@@ -200,8 +205,15 @@ def _route_fwd_kernel(
                     k = k * s[:, None, None]
             else:
                 k = v
-            rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
-            z = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+            if PAIR_REDUCE:
+                # the square sum and the query dot in one reduction over the row: one
+                # exchange between warps per source instead of two
+                ss, dot = tl.reduce((k * k, k * qw[None, :, :]), 2, _add_pair)
+                rstd = tl.rsqrt(tl.sum(ss, 1) / D + eps)
+                z = dot * rstd[:, None]
+            else:
+                rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+                z = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
             if HAS_BIAS:
                 z = z + tl.load(bias_ptr + i).to(tl.float32)
             m_new = tl.maximum(m, z)
@@ -589,7 +601,8 @@ def route_forward(
     ``depthrewrite::route`` returns: ``out``, the float32 log-sum-exp ``lse`` of shape
     ``(*batch, heads)`` (0 for one source) and ``normed = rms_norm(out) * out_norm_weight``
     (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``) for tuning runs."""
+    (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``, ``pair_reduce``:
+    the row's two sums per source in one reduction; not timed yet) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -609,10 +622,12 @@ def route_forward(
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
     row = block_h * block_c
-    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
+    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, "pair_reduce": False,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     prefetch = _check_prefetch(cfg["prefetch"], "route")
+    if not isinstance(cfg["pair_reduce"], bool):
+        raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
     grid = (triton.cdiv(tokens, block_t),)
     fused_norm = has_norm and cfg["fuse_norm"]
     _route_fwd_kernel[grid](
@@ -622,7 +637,7 @@ def route_forward(
         tokens, n, d, d // heads, heads, float(eps), float(out_norm_eps),
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
-        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm,
+        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=cfg["pair_reduce"],
         num_warps=cfg.get("num_warps") or _route_forward_warps(heads, row, block_t), **_register_cap(cfg),
     )
     if has_norm and not fused_norm:

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..analysis import Site
 from ..ops import merge_partial, route
+from ..recompute import recomputable
 from .attnres import AttnResOptions
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
 from .base import Scheme, State
@@ -114,16 +115,18 @@ class DarRouter(DualRoute):
 
     def write(self, state: State, u, x, h) -> State:
         history, partial = state[:2]
-        if partial is None:  # a fresh block: nothing to transport yet
-            p0, p1 = self.beta[0] * u, self.beta[1] * u
-        else:
-            rho = torch.sigmoid(self.transport)
-            q0, q1 = partial
-            p0 = rho * q0 + (1 - rho) * q1 + self.beta[0] * u
-            p1 = (1 - rho) * q0 + rho * q1 + self.beta[1] * u
-        # the scalars are float32 parameters: keep the streams in the sources' dtype (bf16
-        # under autocast), as routing reads all sources in one dtype
-        p0, p1 = p0.to(u.dtype), p1.to(u.dtype)
+        # two new entries per site, recomputable from u in the backward (recompute.py)
+        with recomputable(partial=not self.closes_block):
+            if partial is None:  # a fresh block: nothing to transport yet
+                p0, p1 = self.beta[0] * u, self.beta[1] * u
+            else:
+                rho = torch.sigmoid(self.transport)
+                q0, q1 = partial
+                p0 = rho * q0 + (1 - rho) * q1 + self.beta[0] * u
+                p1 = (1 - rho) * q0 + rho * q1 + self.beta[1] * u
+            # the scalars are float32 parameters: keep the streams in the sources' dtype
+            # (bf16 under autocast), as routing reads all sources in one dtype
+            p0, p1 = p0.to(u.dtype), p1.to(u.dtype)
         if not self.closes_block:
             return (history, (p0, p1)) + tuple(state[2:])
         history = (history[0] + (p0,), history[1] + (p1,))

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..analysis import Site
 from ..ops import merge_routes, route
+from ..recompute import recomputable
 from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
     initial_block_state,
@@ -145,13 +146,15 @@ class WavRouter(_PlanMember):
 
     def write(self, state: State, u, x, h, parts: tuple | None = None) -> State:
         e, completed, partial = state[:3]
-        phase = self._phase(u, parts)
-        split = u if self.split_sign > 0 else -u
-        if partial is None:
-            partial = (u, torch.zeros_like(u) if phase is None else phase, split)
-        else:
-            P, Pphase, Psplit = partial
-            partial = (P + u, Pphase if phase is None else Pphase + phase, Psplit + split)
+        # three new sums per site, recomputable from u in the backward (recompute.py)
+        with recomputable(partial=not self.closes_block):
+            phase = self._phase(u, parts)
+            split = u if self.split_sign > 0 else -u
+            if partial is None:
+                partial = (u, torch.zeros_like(u) if phase is None else phase, split)
+            else:
+                P, Pphase, Psplit = partial
+                partial = (P + u, Pphase if phase is None else Pphase + phase, Psplit + split)
         if not self.closes_block:
             return (e, completed, partial) + tuple(state[3:])
         P, Pphase, Psplit = partial

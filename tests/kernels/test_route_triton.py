@@ -285,6 +285,13 @@ def test_bad_launch_config_is_a_value_error(key, value, expected):
         route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={key: value})
 
 
+def test_bad_pair_reduce_is_a_value_error():
+    """The forward's ``pair_reduce`` (its own knob: the backward has no such choice) takes a bool."""
+    inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
+    with pytest.raises(ValueError, match=r"route \(Triton\): config pair_reduce must be True or False; found 1"):
+        route_triton.route_forward(*_args(inp), None, 1e-6, config={"pair_reduce": 1})
+
+
 def test_width_limit_is_a_value_error():
     d = route_triton.MAX_ROW * 2
     values = [torch.zeros(1, d, device=DEVICE)] * 2
@@ -299,6 +306,8 @@ def test_width_limit_is_a_value_error():
     (dict(prefetch=False, block_t=2), dict(block_t=4, per_sm=3, prefetch=True)),
     # a register cap (a launch option: ignored by the interpreter, spills on the GPU)
     (dict(block_t=1, maxnreg=40), dict(block_t=1, per_sm=6, maxnreg=64)),
+    # the forward's two row sums in one reduction
+    (dict(block_t=2, pair_reduce=True), dict(block_t=2)),
 ])
 @pytest.mark.parametrize("keys", [False, True], ids=["values_as_keys", "keys"])
 def test_launch_variants_match_reference(fwd_cfg, bwd_cfg, keys):

@@ -1,0 +1,77 @@
+"""The backend option ``recompute_partial_sums`` (:mod:`depthrewrite.recompute`): WAV's and
+DAR's partial sums recomputed in the backward instead of saved for it. Compiled with it, a
+rewritten GPT computes the same loss and gradients as without it, and its backward takes
+fewer tensors from the forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import depthrewrite
+from depthrewrite import backend
+from depthrewrite.models.gpt import GPT, GPTConfig
+
+
+def _run(scheme: str, scheme_options: dict, recompute: bool):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=4, n_head=2, max_seq_len=32)), scheme,
+                                 **scheme_options).train()
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
+                             options={"inner": "aot_eager", "recompute_partial_sums": recompute})
+    idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    _, loss = compiled(idx, idx)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, backend.last_report()
+
+
+# blocks of 4 sites (WAV) and 2 layers (DAR): every block has partial sums before it closes.
+# The schemes' default forms (WAV site by site, DAR two-phase) and DAR site by site; WAV's
+# two-phase form (off by default) keeps as many tensors either way (docs/design.md)
+@pytest.mark.parametrize("scheme,scheme_options", [
+    ("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2}), ("dar", {"layers_per_block": 2, "two_phase": False}),
+])
+def test_recomputed_partial_sums_same_gradients_fewer_saved_tensors(scheme, scheme_options):
+    loss, grads, kept = _run(scheme, scheme_options, recompute=False)
+    loss_r, grads_r, recomputed = _run(scheme, scheme_options, recompute=True)
+    assert kept.recompute_marked is None and recomputed.recompute_marked > 0
+    # float32: the recomputed sums are the forward's bit for bit, and so is everything after
+    assert torch.equal(loss_r, loss)
+    assert grads_r.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads_r[name], grads[name]), name
+    assert recomputed.saved_for_backward["tensors"] < kept.saved_for_backward["tensors"]
+    assert recomputed.saved_for_backward["bytes"] < kept.saved_for_backward["bytes"]
+
+
+def test_recompute_without_partial_sums_marks_nothing_and_bad_value_is_refused(caplog):
+    _, _, report = _run("block_attnres", {}, recompute=True)
+    assert report.recompute_marked == 0
+    assert "no partial sums were tagged" in caplog.text
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"options\['recompute_partial_sums'\] must be True or False; found 1"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"recompute_partial_sums": 1})
+
+
+def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_path):
+    """Node metadata is not part of the compile caches' keys: without the marks in the
+    backend pass's key (installed in both compilations: the default options), the second
+    compilation below would load the first's partition from Inductor's caches and compile
+    nothing. With them it compiles, and keeps less."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty caches: the first compiles too
+
+    def compile_wav(recompute: bool):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = depthrewrite.rewrite(GPT(GPTConfig(d_model=32, n_layer=2, n_head=2, max_seq_len=16)), "wav",
+                                     block_size=4).train()
+        compiled = torch.compile(model, backend="depthrewrite", options={"recompute_partial_sums": recompute})
+        idx = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+        compiled(idx, idx)[1].backward()
+        return backend.last_report()
+
+    kept, recomputed = compile_wav(False), compile_wav(True)
+    assert kept.saved_for_backward and recomputed.saved_for_backward  # both compiled their backward here
+    assert recomputed.saved_for_backward["bytes"] < kept.saved_for_backward["bytes"]

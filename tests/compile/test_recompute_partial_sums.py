@@ -16,7 +16,7 @@ from depthrewrite.models.gpt import GPT, GPTConfig
 def _run(scheme: str, scheme_options: dict, recompute: bool):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=4, n_head=2, max_seq_len=32)), scheme,
+    model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=32)), scheme,
                                  **scheme_options).train()
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
                              options={"inner": "aot_eager", "recompute_partial_sums": recompute})
@@ -27,9 +27,9 @@ def _run(scheme: str, scheme_options: dict, recompute: bool):
     return loss.detach(), grads, backend.last_report()
 
 
-# blocks of 4 sites (WAV) and 2 layers (DAR): every block has partial sums before it closes.
-# The schemes' default forms (WAV site by site, DAR two-phase) and DAR site by site; WAV's
-# two-phase form (off by default) keeps as many tensors either way (docs/design.md)
+# one block of 4 sites (2 layers): partial sums at 3 sites before it closes. The schemes'
+# default forms (WAV site by site, DAR two-phase) and DAR site by site; WAV's two-phase form
+# (off by default) keeps as many tensors either way (docs/design.md)
 @pytest.mark.parametrize("scheme,scheme_options", [
     ("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2}), ("dar", {"layers_per_block": 2, "two_phase": False}),
 ])

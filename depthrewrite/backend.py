@@ -71,8 +71,9 @@ class LoweringReport:
     served from Inductor's caches without recompiling does not appear here.
     ``fences``: fences the long-sum pass put in each graph compiled here, ``accumulated``:
     source gradients moved into ``route_backward`` calls (same caveat).
-    ``recompute_marked``: operations marked for recomputation in the backward
-    (``recompute_partial_sums``; None with the option off). ``saved_for_backward``: the
+    ``recomputed``: the names of the operations marked for recomputation in the backward
+    (``recompute_partial_sums``; None with the option off; they also key the backend pass's
+    caches), ``recompute_marked`` how many. ``saved_for_backward``: the
     tensors the backward graph takes besides the output gradients (what the forward keeps
     for it, the parameters it reads included), ``{"tensors": n, "bytes": b}``, filled in
     when the backward graph is compiled.
@@ -90,13 +91,20 @@ class LoweringReport:
     accumulate_grads: bool = True
     accumulate_max_heads: int | None = MAX_HEADS
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
-    recompute_marked: int | None = None
+    recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
     saved_for_backward: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
-    #: names of the nodes marked for recomputation (``recompute_marked`` of them), the key
-    #: of the marks in the backend pass's cache key
-    recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
+    @property
+    def recompute_marked(self) -> int | None:
+        return None if self.recomputed is None else len(self.recomputed)
+
+    def record_graph(self, kind: str, graph: fx.Graph) -> None:
+        """What an AOT graph about to be compiled holds: its routing calls, and for the
+        backward what it takes from the forward."""
+        self.aot_graphs[kind] = count_routing_ops(graph)[0]
+        if kind == "backward":
+            self.saved_for_backward = saved_for_backward(graph)
 
     @property
     def rewrites(self) -> bool:
@@ -227,9 +235,7 @@ def _counting(compile_fn, report: LoweringReport):
             kind = "inference"
         else:
             kind = "forward"
-        report.aot_graphs[kind] = count_routing_ops(gm.graph)[0]
-        if kind == "backward":
-            report.saved_for_backward = saved_for_backward(gm.graph)
+        report.record_graph(kind, gm.graph)
         report.compiling = kind
         return compile_fn(gm, example_inputs, *args, **kwargs)
 
@@ -254,9 +260,7 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
     from torch._dynamo.backends.common import aot_autograd
 
     def prepare(g, kind):
-        report.aot_graphs[kind] = count_routing_ops(g.graph)[0]
-        if kind == "backward":
-            report.saved_for_backward = saved_for_backward(g.graph)
+        report.record_graph(kind, g.graph)
         if not report.rewrites:
             return
         # the graph runs as it is: no Inductor pass, the same rewrites here
@@ -288,6 +292,14 @@ def _config_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]
     return patches
 
 
+def _pop_flag(options: dict[str, Any], key: str, default: bool) -> bool:
+    """``options[key]`` (removed from ``options``), checked to be a bool."""
+    value = options.pop(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"depthrewrite_backend: options['{key}'] must be True or False; found {value!r}")
+    return value
+
+
 def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
                          options: dict[str, Any] | None = None, **kwargs):
     """torch.compile backend: report the routing ops, then compile with Inductor."""
@@ -301,25 +313,18 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     max_sum_terms = options.pop("max_sum_terms", DEFAULT_MAX_TERMS)
     if max_sum_terms is not None:
         check_max_terms(max_sum_terms, "depthrewrite_backend: options['max_sum_terms'] (None turns it off)")
-    accumulate_grads = options.pop("accumulate_grads", True)
-    if not isinstance(accumulate_grads, bool):
-        raise ValueError(f"depthrewrite_backend: options['accumulate_grads'] must be True or False; "
-                         f"found {accumulate_grads!r}")
+    accumulate_grads = _pop_flag(options, "accumulate_grads", True)
     max_heads = options.pop("accumulate_max_heads", MAX_HEADS)
     if max_heads is not None and (isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1):
         raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int "
                          f"or None (no limit); found {max_heads!r}")
-    recompute = options.pop("recompute_partial_sums", False)
-    if not isinstance(recompute, bool):
-        raise ValueError(f"depthrewrite_backend: options['recompute_partial_sums'] must be True or False; "
-                         f"found {recompute!r}")
+    recompute = _pop_flag(options, "recompute_partial_sums", False)
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
     recomputed = mark_recomputable(gm.graph) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
-                            accumulate_max_heads=max_heads, recomputed=recomputed,
-                            recompute_marked=None if recomputed is None else len(recomputed))
+                            accumulate_max_heads=max_heads, recomputed=recomputed)
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)

@@ -56,8 +56,9 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "attnres_site": ("attnres", {"group_size": None}),
            "attnres_g3": ("attnres", {"group_size": 3, "recompute": True}),
            "mhar_g3": ("mhar", {"group_size": 3, "recompute": False}),
-           # the backend's recompute_partial_sums (the partial sums recomputed in the backward)
-           "wav_recompute": ("wav", {}), "dar_recompute": ("dar", {})}
+           # the backend's recompute_partial_sums (the partial sums recomputed in the backward;
+           # WAV in one block of 4 sites: its default blocks of 2 sites have no sums to recompute)
+           "wav_recompute": ("wav", {"block_size": 4}), "dar_recompute": ("dar", {})}
 #: backend options per configuration, besides ``inner`` (default: none)
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True}}
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}

@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
                                     [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
-                                    [--no-block-phase] [--design-launch-only]
+                                    [--no-block-phase] [--design-launch-only] [--launch-ab [ROUNDS]]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
@@ -504,6 +504,57 @@ def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list
     return rows
 
 
+#: ``--launch-ab``: route's forward launch candidates timed in alternating rounds, each
+#: against the default of its shape (tokens, d, N, heads). A single pass mixed: the forward
+#: capped at 64 registers was faster at 16384x2048x9 and slower at x33 in session 11 run 5,
+#: faster at both in session 13 run 2; pair_reduce was 0.099 against 0.131 ms at 16 heads,
+#: N = 8 in that run, with every other launch at 0.103-0.111
+LAUNCH_AB = {(16384, 2048, 9, 1): {"_r64": {"maxnreg": 64}, "_r72": {"maxnreg": 72}},
+             (16384, 2048, 33, 1): {"_r64": {"maxnreg": 64}, "_r72": {"maxnreg": 72}},
+             (16384, 1024, 8, 16): {"_pair": {"pair_reduce": True}, "_t1w1": {"block_t": 1, "num_warps": 1}},
+             (16384, 1024, 33, 16): {"_pair": {"pair_reduce": True}}}
+
+
+def launch_ab(rounds: int = 7) -> list[dict]:
+    """route's forward: the default launch and LAUNCH_AB's candidates, ``rounds`` rounds per
+    shape, each round timing every launch once in a rotated order (so that none is always
+    first or last); per launch the median of the rounds' medians and the spread."""
+    rows = []
+    for (tokens, d, n, heads), candidates in LAUNCH_AB.items():
+        gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
+        vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
+        q = torch.randn(d, device="cuda", generator=gen) / d**0.5
+        w = torch.rand(d, device="cuda", generator=gen) + 0.5
+        launches = {"default": None, **candidates}
+        names = list(launches)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        with torch.no_grad():
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    times[name].append(bench(lambda cfg=launches[name]: route_triton.route_forward(
+                        vals, None, q, w, None, None, heads, 1e-6, config=cfg), rep=100))
+        base = sorted(times["default"])[rounds // 2]
+        for name in names:
+            ts = sorted(times[name])
+            row = dict(tokens=tokens, d=d, n=n, heads=heads, launch=name, median=ts[rounds // 2], low=ts[0],
+                       high=ts[-1], vs_default=ts[rounds // 2] / base, rounds=times[name],
+                       floor=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3)
+            say("launch-ab " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            rows.append(row)
+        del vals
+        torch.cuda.empty_cache()
+    return rows
+
+
+def launch_ab_table(rows) -> list[str]:
+    lines = ["", "route forward launches in alternating rounds (ms): median of rounds [low, high], x default",
+             "tokens  d    N  H launch   | median  low    high   | x default  floor"]
+    for r in rows:
+        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d} {r['launch']:8s} | {r['median']:6.3f} "
+                     f"{r['low']:6.3f} {r['high']:6.3f} | {r['vs_default']:6.3f}   {r['floor']:6.3f}")
+    return lines
+
+
 def site_route_table(rows) -> list[str]:
     lines = ["", "site route kernels (ms): default launch, best variant, floor",
              "tokens  d    N  H | fwd    best   (variant)   floor | bwd    best   (variant)   floor"]
@@ -607,6 +658,8 @@ def main() -> int:
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
     ap.add_argument("--design-launch-only", action="store_true",
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
+    ap.add_argument("--launch-ab", type=int, nargs="?", const=7, default=0, metavar="ROUNDS",
+                    help="only route's forward launch candidates (LAUNCH_AB) against the default, in alternating rounds")
     ap.add_argument("--no-block-phase", action="store_true",
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--widths", type=int, nargs="+", default=None,
@@ -636,6 +689,12 @@ def main() -> int:
     if args.site_route_only:
         results["site_route"] = site_rows = site_route_timing()
         summary = "\n".join(site_route_table(site_rows))
+        dump(summary)
+        print(summary)
+        return 0
+    if args.launch_ab:
+        results["launch_ab"] = rows = launch_ab(args.launch_ab)
+        summary = "\n".join(launch_ab_table(rows))
         dump(summary)
         print(summary)
         return 0

@@ -451,13 +451,13 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
 DESIGN_FWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_t4w8": {"block_t": 4, "num_warps": 8},
-                       # a register cap (maxnreg): one token with 4 warps at d = 2048 takes 76
-                       # registers, 6 programs per SM; capped at 64, 8 programs, 20 bytes spilled
-                       # (sm_90 PTX, kernel_registers.py); mixed in session 11 run 5
-                       "_r64": {"maxnreg": 64},
+                       # register caps (maxnreg): one token with 4 warps at d = 2048 is capped
+                       # at 72 by default since session 13 (route_triton.FORWARD_MAXNREG; 7
+                       # programs per SM); uncapped 85-93 registers, capped at 64 8 programs
+                       # and 20 bytes spilled (sm_90 PTX, kernel_registers.py)
+                       "_uncapped": {"maxnreg": None}, "_r64": {"maxnreg": 64},
                        # the row's square sum and query dot in one reduction (sm_90 PTX: 6
-                       # bar.sync instead of 9, registers 76 -> 80 at d = 2048, the same 6
-                       # programs per SM); not timed yet
+                       # bar.sync instead of 9); slower at d = 2048 in session 13 run 2
                        "_pair": {"pair_reduce": True}}
 DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
@@ -505,14 +505,16 @@ def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list
 
 
 #: ``--launch-ab``: route's forward launch candidates timed in alternating rounds, each
-#: against the default of its shape (tokens, d, N, heads). A single pass mixed: the forward
-#: capped at 64 registers was faster at 16384x2048x9 and slower at x33 in session 11 run 5,
-#: faster at both in session 13 run 2; pair_reduce was 0.099 against 0.131 ms at 16 heads,
-#: N = 8 in that run, with every other launch at 0.103-0.111
-LAUNCH_AB = {(16384, 2048, 9, 1): {"_r64": {"maxnreg": 64}, "_r72": {"maxnreg": 72}},
-             (16384, 2048, 33, 1): {"_r64": {"maxnreg": 64}, "_r72": {"maxnreg": 72}},
-             (16384, 1024, 8, 16): {"_pair": {"pair_reduce": True}, "_t1w1": {"block_t": 1, "num_warps": 1}},
-             (16384, 1024, 33, 16): {"_pair": {"pair_reduce": True}}}
+#: against the default of its shape (tokens, d, N, heads, WAV-like: with a logit bias and a
+#: source scale). A single pass can mislead: the forward capped at 64 registers was faster
+#: at 16384x2048x9 and slower at x33 in session 11 run 5, faster at both in session 13 run
+#: 2, faster and slower again in run 3 (9 rounds), where 72 was faster at both in every
+#: round (the default since: route_triton.FORWARD_MAXNREG); pair_reduce was 0.099 against
+#: 0.131 ms at 16 heads, N = 8 in run 2 and level in run 3's rounds
+LAUNCH_AB = {(16384, 2048, 9, 1, False): {"_uncapped": {"maxnreg": None}, "_r64": {"maxnreg": 64}},
+             (16384, 2048, 33, 1, False): {"_uncapped": {"maxnreg": None}, "_r64": {"maxnreg": 64}},
+             (16384, 2048, 16, 1, True): {"_uncapped": {"maxnreg": None}},
+             (16384, 1024, 33, 1, False): {"_r64": {"maxnreg": 64}, "_r80": {"maxnreg": 80}}}
 
 
 def launch_ab(rounds: int = 7) -> list[dict]:
@@ -520,11 +522,13 @@ def launch_ab(rounds: int = 7) -> list[dict]:
     shape, each round timing every launch once in a rotated order (so that none is always
     first or last); per launch the median of the rounds' medians and the spread."""
     rows = []
-    for (tokens, d, n, heads), candidates in LAUNCH_AB.items():
+    for (tokens, d, n, heads, wav), candidates in LAUNCH_AB.items():
         gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
         vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
         q = torch.randn(d, device="cuda", generator=gen) / d**0.5
         w = torch.rand(d, device="cuda", generator=gen) + 0.5
+        bias = torch.randn(n, device="cuda", generator=gen) if wav else None
+        scale = torch.rand(n, tokens, device="cuda", generator=gen) + 0.5 if wav else None
         launches = {"default": None, **candidates}
         names = list(launches)
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -532,11 +536,11 @@ def launch_ab(rounds: int = 7) -> list[dict]:
             for r in range(rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     times[name].append(bench(lambda cfg=launches[name]: route_triton.route_forward(
-                        vals, None, q, w, None, None, heads, 1e-6, config=cfg), rep=100))
+                        vals, None, q, w, bias, scale, heads, 1e-6, config=cfg), rep=100))
         base = sorted(times["default"])[rounds // 2]
         for name in names:
             ts = sorted(times[name])
-            row = dict(tokens=tokens, d=d, n=n, heads=heads, launch=name, median=ts[rounds // 2], low=ts[0],
+            row = dict(tokens=tokens, d=d, n=n, heads=heads, wav=wav, launch=name, median=ts[rounds // 2], low=ts[0],
                        high=ts[-1], vs_default=ts[rounds // 2] / base, rounds=times[name],
                        floor=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3)
             say("launch-ab " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -548,9 +552,10 @@ def launch_ab(rounds: int = 7) -> list[dict]:
 
 def launch_ab_table(rows) -> list[str]:
     lines = ["", "route forward launches in alternating rounds (ms): median of rounds [low, high], x default",
-             "tokens  d    N  H launch   | median  low    high   | x default  floor"]
+             "tokens  d    N  H launch        | median  low    high   | x default  floor"]
     for r in rows:
-        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d} {r['launch']:8s} | {r['median']:6.3f} "
+        launch = r["launch"] + (" wav" if r["wav"] else "")
+        lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d} {launch:13s} | {r['median']:6.3f} "
                      f"{r['low']:6.3f} {r['high']:6.3f} | {r['vs_default']:6.3f}   {r['floor']:6.3f}")
     return lines
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import inspect
 import os
 import pathlib
@@ -36,7 +37,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 ARG_TYPES = dict(g_ptr="*bf16", out_ptr="*bf16", lse_ptr="*fp32", vtab="*i64", ktab="*i64", gvtab="*i64",
                  gktab="*i64", gvacc="*i64", gkacc="*i64", q_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32",
                  scale_ptr="*fp32", part_r_ptr="*fp32", part_b_ptr="*fp32", gn_ptr="*bf16", onw_ptr="*fp32",
-                 part_n_ptr="*fp32", T="i32", N="i32", D="i32", C="i32", H="i32", eps="fp32", num_blocks="i32",
+                 part_n_ptr="*fp32", normed_ptr="*bf16", T="i32", N="i32", D="i32", C="i32", H="i32", eps="fp32", num_blocks="i32",
                  out_norm_eps="fp32")
 
 
@@ -86,6 +87,25 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     warps = _route_backward_warps(heads, row, block_t)
     cap, _ = _route_backward_residency(heads, row, False, block_t, warps)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps, cap), block_t, warps
+
+
+def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool = False, has_norm: bool = False,
+                    maxnreg: int | None = None):
+    """route's forward as ``route_forward`` launches it (no keys), with ``maxnreg`` as the
+    register cap (None: the launch's default cap, if any)."""
+    from depthrewrite.kernels.route_triton import (
+        _route_forward_cap, _route_forward_warps, _route_fwd_kernel, _route_tokens, _row_blocks,
+    )
+
+    block_h, block_c = _row_blocks(d, heads)
+    row = block_h * block_c
+    block_t = _route_tokens(heads, row)
+    warps = _route_forward_warps(heads, row, block_t)
+    constexprs = dict(HAS_KEYS=False, HAS_BIAS=has_bias, HAS_SCALE=has_scale, ONE_SOURCE=False, BLOCK_T=block_t,
+                      BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, HAS_NORM=has_norm,
+                      PAIR_REDUCE=False)
+    cap = maxnreg if maxnreg is not None else _route_forward_cap(heads, row, False, has_norm, block_t, warps)
+    return _compile(_route_fwd_kernel, ARG_TYPES, constexprs, warps, cap), warps
 
 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
@@ -148,6 +168,8 @@ def main() -> int:
     ap.add_argument("--ptxas", default=str(default_ptxas), help="a ptxas that reads the PTX version Triton emits")
     ap.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=None,
                     help="route_many's per-token backward's prefetch depth (default: its default)")
+    ap.add_argument("--forward-caps", type=int, nargs="*", default=[],
+                    help="route's forward also compiled with these register caps")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16, prefetch {args.prefetch}")
     for heads in args.heads:
@@ -158,6 +180,14 @@ def main() -> int:
             print(f"route backward heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
                   f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers; "
                   f"global memory instructions {memory_instructions(ptx)}")
+    for heads in args.heads:
+        for bias, scale, norm in itertools.product((False, True), repeat=3):
+            for cap in (None,) + tuple(args.forward_caps):
+                ptx, warps = compile_forward(args.width, heads, bias, scale, norm, cap)
+                regs, spills = ptxas_report(ptx, args.ptxas)
+                print(f"route forward heads={heads:3d} bias={bias:d} scale={scale:d} norm={norm:d} warps={warps} "
+                      f"cap={cap or 'launch default'}: {regs} registers, {spills} spill bytes, "
+                      f"{65536 // (regs * warps * 32)} programs per SM by registers")
     per_token_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch)
     table_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, param_table=True)
     for name, compile_fn in (("forward", compile_many_forward),

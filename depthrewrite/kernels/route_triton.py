@@ -470,6 +470,31 @@ def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     return _forward_warps(heads, row, _num_warps(block_t * row))
 
 
+#: route's forward for one head at rows padded to FORWARD_CAPPED_ROW on its default launch
+#: (one token, RESIDENCY_WARPS warps) without separate keys: registers capped at
+#: FORWARD_MAXNREG, so that 7 programs stay resident per SM instead of the 6 that the
+#: compiler's 76-80 registers allow. H200, bf16, docs/benchmarks.md session 13 run 3, 9
+#: alternating rounds: 0.192 against 0.203 ms at 16384x2048x9 and 0.639 against 0.655 at
+#: 16384x2048x33, faster in every round at both; capped at 64 (8 programs, spills) it was
+#: faster at N = 9 and slower at N = 33 (0.683), as in session 11 run 5. sm_90 PTX
+#: (kernel_registers.py --width 2048 --forward-caps 255, triton 3.6's ptxas): 85-93
+#: registers uncapped with or without a bias and a source scale, none of which spills at
+#: 72; the fused output norm (off by default, FUSE_NORM) spills 4-20 bytes at 72 and keeps
+#: the compiler's choice, as do separate keys (not compiled capped).
+FORWARD_CAPPED_ROW = 2048
+FORWARD_MAXNREG = 72
+
+
+def _route_forward_cap(heads: int, row: int, has_keys: bool, has_norm: bool, block_t: int,
+                       warps: int) -> int | None:
+    """Register cap of route's forward unless a config sets one (None: the compiler's
+    choice); only on the launch it was timed with."""
+    if (heads == 1 and row == FORWARD_CAPPED_ROW and block_t == 1 and warps == RESIDENCY_WARPS
+            and not has_keys and not has_norm):
+        return FORWARD_MAXNREG
+    return None
+
+
 def _route_backward_warps(heads: int, row: int, block_t: int) -> int:
     """Warps of route's backward for ``block_t`` tokens per program unless a config sets them."""
     if _is_wide(heads, row) and block_t == WIDE_TOKENS:
@@ -602,7 +627,8 @@ def route_forward(
     ``(*batch, heads)`` (0 for one source) and ``normed = rms_norm(out) * out_norm_weight``
     (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
     (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``, ``pair_reduce``:
-    the row's two sums per source in one reduction; not timed yet) for tuning runs."""
+    the row's two sums per source in one reduction, level at 16 heads and slower at d = 2048
+    in session 13's runs) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -625,11 +651,13 @@ def route_forward(
     cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, "pair_reduce": False,
            **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
+    warps = cfg.get("num_warps") or _route_forward_warps(heads, row, block_t)
+    fused_norm = has_norm and cfg["fuse_norm"]
+    cfg = {"maxnreg": _route_forward_cap(heads, row, flat_k is not None, fused_norm, block_t, warps), **cfg}
     prefetch = _check_prefetch(cfg["prefetch"], "route")
     if not isinstance(cfg["pair_reduce"], bool):
         raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
     grid = (triton.cdiv(tokens, block_t),)
-    fused_norm = has_norm and cfg["fuse_norm"]
     _route_fwd_kernel[grid](
         vtab, ktab, query.contiguous(), key_norm_weight.contiguous(),
         logit_bias if logit_bias is not None else query, scale if scale is not None else query, out, lse,
@@ -638,7 +666,7 @@ def route_forward(
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
         ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=cfg["pair_reduce"],
-        num_warps=cfg.get("num_warps") or _route_forward_warps(heads, row, block_t), **_register_cap(cfg),
+        num_warps=warps, **_register_cap(cfg),
     )
     if has_norm and not fused_norm:
         block_d = _next_pow2(d)

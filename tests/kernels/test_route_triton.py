@@ -145,8 +145,8 @@ CASES = [
     (2, (7,), 24, 1, False, False, False),
     (2, (3, 3), 40, 4, False, True, True),
     (9, (7,), 1000, 1, False, True, False),
-    # one head, row padded to 2048, no keys: the backward's register cap (a launch option the
-    # interpreter ignores; on the GPU 96 registers, 5 programs per SM)
+    # one head, row padded to 2048, no keys: the register caps (launch options the interpreter
+    # ignores; on the GPU the backward at 96 registers, 5 programs per SM, the forward at 72)
     (9, (5,), 1500, 1, False, True, True),
     # one head, row padded to 4096: the wide launches (2 tokens per program; 5 leave a tail)
     (9, (5,), 2500, 1, True, True, True),

@@ -6,7 +6,7 @@
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, every scheme compiled vs eager, op table
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
-#   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_partial_sums
+#   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with recompute_partial_sums (default) and without
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -51,11 +51,11 @@ e2e)
   grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -30
   ;;
 memory)
-  # the backend's recompute_partial_sums against its default, peak memory and step time
+  # the backend's recompute_partial_sums (the default) against keeping the sums, peak memory and step time
   # side by side (~5 minutes: the five models compile together, then are timed one at a time)
   export PYTHONPATH=$PWD
   timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
-      --schemes baseline wav wav_recompute dar_block dar_block_recompute > "$OUT/memory.txt" 2>&1
+      --schemes baseline wav wav_keepsums dar_block dar_block_keepsums > "$OUT/memory.txt" 2>&1
   grep "^|" "$OUT/memory.txt" | tail -8
   ;;
 fsdp2)

@@ -95,14 +95,15 @@ BACKEND_VARIANTS = {
     "acc1": {"accumulate_max_heads": 1},
     # the whole compiled step recorded as CUDA graphs (Inductor's mode="reduce-overhead")
     "cg": {"triton.cudagraphs": True},
-    # WAV's and DAR's partial sums recomputed in the backward (depthrewrite.recompute)
-    "recompute": {"recompute_partial_sums": True},
+    # WAV's and DAR's partial sums kept for the backward, as before session 13 (the default
+    # since: recomputed in it, depthrewrite.recompute)
+    "keepsums": {"recompute_partial_sums": False},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
-    "dar_block": ("unfenced", "sum8", "noacc", "cg", "recompute"),
+    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
-    "wav": ("unfenced", "noacc", "cg", "recompute"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums"),
     "mhar": ("unfenced", "noacc", "acc1", "cg"),
     "block_attnres": ("unfenced", "cg"),
     "mhar_block": ("unfenced", "cg"),

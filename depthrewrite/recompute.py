@@ -1,5 +1,5 @@
 """Partial sums recomputed in the backward instead of saved for it (the backend's
-``recompute_partial_sums`` option).
+``recompute_partial_sums`` option, on by default).
 
 Some schemes keep several running sums of the branch outputs inside a block, each a new
 tensor at every site that the routing backward reads again: WAV the partial block's
@@ -9,7 +9,9 @@ summed from is one. A scheme makes those sums inside :func:`recomputable`, which
 nodes Dynamo records (``torch.fx.traceback.annotate``); with the option on, the backend
 marks the tagged nodes ``PREFER_RECOMPUTE`` for AOTAutograd's partitioner, which then
 saves the branch outputs and recomputes the sums in the backward (a few elementwise
-passes per site). Without the option the tags change nothing.
+passes per site). With the option off the tags change nothing. On the H200 at 350M
+(docs/benchmarks.md session 13, two runs side by side): WAV's peak 20.56 -> 19.25 GiB,
+DAR block's 20.90 -> 20.08 GiB, each step level to 2 % longer (one host-bound WAV run 11 %).
 
 The recomputed sums are the forward's in float32. In bf16 the backward's copy may differ
 from the forward's in the last bit where Inductor computes a chain of sums in one kernel

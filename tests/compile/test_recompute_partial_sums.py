@@ -13,13 +13,14 @@ from depthrewrite import backend
 from depthrewrite.models.gpt import GPT, GPTConfig
 
 
-def _run(scheme: str, scheme_options: dict, recompute: bool):
+def _run(scheme: str, scheme_options: dict, recompute: bool | None):
+    """Compiled with ``recompute`` as the option (None: not given, the default)."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=32)), scheme,
                                  **scheme_options).train()
-    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
-                             options={"inner": "aot_eager", "recompute_partial_sums": recompute})
+    options = {"inner": "aot_eager"} | ({} if recompute is None else {"recompute_partial_sums": recompute})
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
     idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     _, loss = compiled(idx, idx)
     loss.backward()
@@ -53,6 +54,14 @@ def test_recompute_without_partial_sums_marks_nothing_and_bad_value_is_refused(c
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"options\['recompute_partial_sums'\] must be True or False; found 1"):
         backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"recompute_partial_sums": 1})
+
+
+def test_on_by_default_and_silent_where_nothing_is_tagged(caplog):
+    _, _, wav = _run("wav", {"block_size": 4}, recompute=None)
+    assert wav.recompute_marked > 0
+    _, _, plain = _run("block_attnres", {}, recompute=None)
+    assert plain.recompute_marked == 0
+    assert "no partial sums were tagged" not in caplog.text  # only a caller who asked is told
 
 
 def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_path):

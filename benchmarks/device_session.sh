@@ -3,7 +3,8 @@
 # the 10-minute limit of a call). Data: the corpora of ../shared/data copied into .devdata/
 # (carried to the device).
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
-#   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, every scheme compiled vs eager, op table
+#   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
+#   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with recompute_partial_sums (default) and without
@@ -23,18 +24,23 @@ study)
   tail -70 "$OUT/study.txt"
   ;;
 kernels)
-  # one device call (~8 minutes): the kernel tests, every scheme compiled against eager, and
-  # the op table side by side with FLA (the wheel, pip download fla-core==0.6.0 --no-deps -d
-  # .whl, carried in .whl/: carry [".whl"]); the table last
+  # one device call (~7 minutes): the kernel tests and the op table side by side with FLA
+  # (the wheel, pip download fla-core==0.6.0 --no-deps -d .whl, carried in .whl/: carry
+  # [".whl"]); the table last
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
   tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
-  timeout 150 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
-  grep "scheme-check:" "$OUT/scheme_check.txt" | tee -a "$LOG"
-  timeout "${SUITE_SECONDS:-290}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 --no-e2e --no-block-phase \
+  timeout "${SUITE_SECONDS:-330}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 --no-e2e --no-block-phase \
       > "$OUT/suite_log.txt" 2>&1
   tail -13 "$OUT/suite_log.txt"
+  ;;
+schemes)
+  # every scheme compiled with the backend against eager (~3 minutes; 32 rows: with the
+  # kernel tests and the op table it no longer fit in one call, session 13)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 500 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
+  grep "scheme-check" "$OUT/scheme_check.txt" | tail -40
   ;;
 launch)
   # launch variants (~3 minutes): route_many in the block phase, route at the site and

@@ -664,7 +664,8 @@ def main() -> int:
     ap.add_argument("--design-launch-only", action="store_true",
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
     ap.add_argument("--launch-ab", type=int, nargs="?", const=7, default=0, metavar="ROUNDS",
-                    help="only route's forward launch candidates (LAUNCH_AB) against the default, in alternating rounds")
+                    help="only route's forward launch candidates (LAUNCH_AB) against the default, "
+                         "in alternating rounds")
     ap.add_argument("--no-block-phase", action="store_true",
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--widths", type=int, nargs="+", default=None,

@@ -1,11 +1,13 @@
 """Registers, spills and global memory instructions of routing kernels for sm_90, on a
 machine without a GPU.
 
-    python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH]
+    python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH] [--forward-caps 255 64]
 
 Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_bwd_kernel``
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
-without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), and
+without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), ``_route_fwd_kernel``
+at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--forward-caps``
+also under those register caps, 255 for none), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per launch) and the
 per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries; also in its
 ``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
@@ -37,8 +39,8 @@ os.environ.pop("TRITON_INTERPRET", None)
 ARG_TYPES = dict(g_ptr="*bf16", out_ptr="*bf16", lse_ptr="*fp32", vtab="*i64", ktab="*i64", gvtab="*i64",
                  gktab="*i64", gvacc="*i64", gkacc="*i64", q_ptr="*fp32", w_ptr="*fp32", bias_ptr="*fp32",
                  scale_ptr="*fp32", part_r_ptr="*fp32", part_b_ptr="*fp32", gn_ptr="*bf16", onw_ptr="*fp32",
-                 part_n_ptr="*fp32", normed_ptr="*bf16", T="i32", N="i32", D="i32", C="i32", H="i32", eps="fp32", num_blocks="i32",
-                 out_norm_eps="fp32")
+                 part_n_ptr="*fp32", normed_ptr="*bf16", T="i32", N="i32", D="i32", C="i32", H="i32", eps="fp32",
+                 num_blocks="i32", out_norm_eps="fp32")
 
 
 def ptxas_report(ptx: str, ptxas: str) -> tuple[int, int]:

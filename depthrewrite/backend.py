@@ -73,11 +73,11 @@ class LoweringReport:
     ``fences``: fences the long-sum pass put in each graph compiled here, ``accumulated``:
     source gradients moved into ``route_backward`` calls (same caveat).
     ``recomputed``: the names of the operations marked for recomputation in the backward
-    (``recompute_partial_sums``; None with the option off, empty where nothing was tagged; they also key the backend pass's
-    caches), ``recompute_marked`` how many. ``saved_for_backward``: the
-    tensors the backward graph takes besides the output gradients (what the forward keeps
-    for it, the parameters it reads included), ``{"tensors": n, "bytes": b}``, filled in
-    when the backward graph is compiled.
+    (``recompute_partial_sums``; None with the option off, empty where nothing was tagged;
+    they also key the backend pass's caches), ``recompute_marked`` how many.
+    ``saved_for_backward``: the tensors the backward graph takes besides the output
+    gradients (what the forward keeps for it, the parameters it reads included),
+    ``{"tensors": n, "bytes": b}``, filled in when the backward graph is compiled.
     """
 
     device: str

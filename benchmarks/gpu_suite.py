@@ -453,7 +453,7 @@ DESIGN_FWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8
                        "_t4w8": {"block_t": 4, "num_warps": 8},
                        # register caps (maxnreg): one token with 4 warps at d = 2048 is capped
                        # at 72 by default since session 13 (route_triton.FORWARD_MAXNREG; 7
-                       # programs per SM); uncapped 85-93 registers, capped at 64 8 programs
+                       # programs per SM); uncapped 76 registers, 6 programs; capped at 64 8 programs
                        # and 20 bytes spilled (sm_90 PTX, kernel_registers.py)
                        "_uncapped": {"maxnreg": None}, "_r64": {"maxnreg": 64},
                        # the row's square sum and query dot in one reduction (sm_90 PTX: 6

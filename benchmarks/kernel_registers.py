@@ -1,13 +1,13 @@
 """Registers, spills and global memory instructions of routing kernels for sm_90, on a
 machine without a GPU.
 
-    python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH] [--forward-caps 255 64]
+    python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH] [--forward-caps 0 64]
 
 Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_bwd_kernel``
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
 without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), ``_route_fwd_kernel``
 at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--forward-caps``
-also under those register caps, 255 for none), and
+also under those register caps, 0 for none), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per launch) and the
 per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries; also in its
 ``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
@@ -94,7 +94,7 @@ def compile_backward(d: int, heads: int, has_acc: bool):
 def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool = False, has_norm: bool = False,
                     maxnreg: int | None = None):
     """route's forward as ``route_forward`` launches it (no keys), with ``maxnreg`` as the
-    register cap (None: the launch's default cap, if any)."""
+    register cap (None: the launch's default cap, if any; 0: none, the compiler's choice)."""
     from depthrewrite.kernels.route_triton import (
         _route_forward_cap, _route_forward_warps, _route_fwd_kernel, _route_tokens, _row_blocks,
     )
@@ -107,7 +107,7 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
                       BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, HAS_NORM=has_norm,
                       PAIR_REDUCE=False)
     cap = maxnreg if maxnreg is not None else _route_forward_cap(heads, row, False, has_norm, block_t, warps)
-    return _compile(_route_fwd_kernel, ARG_TYPES, constexprs, warps, cap), warps
+    return _compile(_route_fwd_kernel, ARG_TYPES, constexprs, warps, cap or None), warps
 
 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=None,
                     help="route_many's per-token backward's prefetch depth (default: its default)")
     ap.add_argument("--forward-caps", type=int, nargs="*", default=[],
-                    help="route's forward also compiled with these register caps")
+                    help="route's forward also compiled with these register caps (0: uncapped)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16, prefetch {args.prefetch}")
     for heads in args.heads:
@@ -188,7 +188,7 @@ def main() -> int:
                 ptx, warps = compile_forward(args.width, heads, bias, scale, norm, cap)
                 regs, spills = ptxas_report(ptx, args.ptxas)
                 print(f"route forward heads={heads:3d} bias={bias:d} scale={scale:d} norm={norm:d} warps={warps} "
-                      f"cap={cap or 'launch default'}: {regs} registers, {spills} spill bytes, "
+                      f"cap={'launch default' if cap is None else cap or 'none'}: {regs} registers, {spills} spill bytes, "
                       f"{65536 // (regs * warps * 32)} programs per SM by registers")
     per_token_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch)
     table_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, param_table=True)

@@ -472,15 +472,15 @@ def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
 
 #: route's forward for one head at rows padded to FORWARD_CAPPED_ROW on its default launch
 #: (one token, RESIDENCY_WARPS warps) without separate keys: registers capped at
-#: FORWARD_MAXNREG, so that 7 programs stay resident per SM instead of the 5-6 that the
-#: compiler's 85-93 registers allow. H200, bf16, docs/benchmarks.md session 13, 9
+#: FORWARD_MAXNREG, so that 7 programs stay resident per SM instead of the 6 that the
+#: compiler's 76 registers allow. H200, bf16, docs/benchmarks.md session 13, 9
 #: alternating rounds each: run 3, 0.192 against 0.203 ms at 16384x2048x9 and 0.639 against
 #: 0.655 at 16384x2048x33, faster in every round at both; run 4 (as the default) 0.192 /
 #: 0.633 against 0.202 / 0.654 uncapped, 0.355 against 0.369 for a WAV-like call (N = 16,
 #: bias and scale); capped at 64 (8 programs, spills) it was faster at N = 9 and slower at
 #: N = 33 (0.673-0.683), as in session 11 run 5. sm_90 PTX (kernel_registers.py --width
-#: 2048 --forward-caps 255, triton 3.6's ptxas): 85-93 registers uncapped with or without a
-#: bias and a source scale, none of which spills at 72; the fused output norm (off by
+#: 2048 --forward-caps 0, triton 3.6's ptxas): 76 registers uncapped with or without a bias
+#: and a source scale, none of which spills at 72; the fused output norm (off by
 #: default, FUSE_NORM) spills 4-20 bytes at 72 and keeps the compiler's choice, as do
 #: separate keys (not compiled capped).
 FORWARD_CAPPED_ROW = 2048

@@ -49,11 +49,13 @@ def mark_recomputable(graph: fx.Graph) -> tuple[str, ...]:
     """Mark the tagged operations of a Dynamo graph for recomputation in the backward;
     returns the marked nodes' names. Node metadata is not part of the compile caches' keys
     (``GraphModule.__reduce__`` drops it): the backend puts these names in its Inductor
-    pass's key, so that a graph compiled without the marks is never loaded in its place."""
+    pass's key, so that a graph compiled without the marks is never loaded in its place.
+    A node that already has a policy (a user's selective activation checkpointing) keeps it."""
     (key, value), = TAG.items()
     marked = []
     for node in graph.nodes:
-        if node.op == "call_function" and (node.meta.get("custom") or {}).get(key) == value:
+        if (node.op == "call_function" and (node.meta.get("custom") or {}).get(key) == value
+                and "recompute" not in node.meta):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             marked.append(node.name)
     return tuple(marked)

@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch.utils.checkpoint import CheckpointPolicy
+
 import depthrewrite
 from depthrewrite import backend
 from depthrewrite.models.gpt import GPT, GPTConfig
+from depthrewrite.recompute import TAG, mark_recomputable
 
 
 def _run(scheme: str, scheme_options: dict, recompute: bool | None):
@@ -62,6 +65,19 @@ def test_on_by_default_and_silent_where_nothing_is_tagged(caplog):
     _, _, plain = _run("block_attnres", {}, recompute=None)
     assert plain.recompute_marked == 0
     assert "no partial sums were tagged" not in caplog.text  # only a caller who asked is told
+
+
+def test_a_policy_already_set_is_kept():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    tagged, chosen = graph.call_function(torch.add, (x, x)), graph.call_function(torch.mul, (x, x))
+    graph.output((tagged, chosen))
+    for node in (tagged, chosen):
+        node.meta["custom"] = dict(TAG)
+    chosen.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # e.g. the user's selective checkpointing
+    assert mark_recomputable(graph) == (tagged.name,)
+    assert tagged.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE
+    assert chosen.meta["recompute"] == CheckpointPolicy.MUST_SAVE
 
 
 def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_path):

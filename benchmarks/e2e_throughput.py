@@ -98,13 +98,15 @@ BACKEND_VARIANTS = {
     # WAV's and DAR's partial sums kept for the backward, as before session 13 (the default
     # since: recomputed in it, depthrewrite.recompute)
     "keepsums": {"recompute_partial_sums": False},
+    # route_backward's running sums written in place (route_backward_into_; not timed yet)
+    "inplace": {"accumulate_in_place": True},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums"),
-    "mhar": ("unfenced", "noacc", "acc1", "cg"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "inplace"),
+    "mhar": ("unfenced", "noacc", "acc1", "cg", "inplace"),
     "block_attnres": ("unfenced", "cg"),
     "mhar_block": ("unfenced", "cg"),
 }

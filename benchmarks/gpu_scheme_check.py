@@ -58,9 +58,13 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "mhar_g3": ("mhar", {"group_size": 3, "recompute": False}),
            # the backend's recompute_partial_sums (the partial sums recomputed in the backward;
            # WAV in one block of 4 sites: its default blocks of 2 sites have no sums to recompute)
-           "wav_recompute": ("wav", {"block_size": 4}), "dar_recompute": ("dar", {})}
+           "wav_recompute": ("wav", {"block_size": 4}), "dar_recompute": ("dar", {}),
+           # the backend's accumulate_in_place (route_backward_into_: running sums written in
+           # place), on the two schemes that route site by site with running sums by default
+           "wav_inplace": ("wav", {}), "mhar_inplace": ("mhar", {})}
 #: backend options per configuration, besides ``inner`` (default: none)
-BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True}}
+BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
+                   "wav_inplace": {"accumulate_in_place": True}, "mhar_inplace": {"accumulate_in_place": True}}
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 #: bf16: the candidate's error against float64 may be this many times the reference's
 BF16_FACTOR = 4.0
@@ -122,6 +126,8 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
     if BACKEND_OPTIONS.get(scheme, {}).get("recompute_partial_sums"):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
+    if BACKEND_OPTIONS.get(scheme, {}).get("accumulate_in_place"):
+        ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
                 graphs=len(backend.reports()), ops=ops)

@@ -1,6 +1,7 @@
 """What a compiled training step keeps for the backward, per scheme, on the CPU.
 
     python3 benchmarks/saved_activations.py [--schemes baseline,block_attnres,...] [--layers 12] [--top 6]
+                                            [--width 128] [--functorch JSON] [--liveness]
 
 Builds the bundled GPT small (d=128, bf16, batch 2 x 64 tokens), rewrites it with each
 configuration, compiles it with Inductor (``compile_fx`` with its default min-cut
@@ -9,7 +10,9 @@ the backward graph's inputs that are not tangents: the tensors the forward saves
 backward (parameters excluded). Sizes are given in units of one ``tokens x d`` bf16
 activation, so that they scale to a larger model (at 350M, 24 layers: twice the units of
 this 12-layer model; one unit = 32 MiB). This is the saved set, not the peak: the backward's
-own temporaries come on top (docs/benchmarks.md compares with GPU peaks).
+own temporaries come on top (docs/benchmarks.md compares with GPU peaks). ``--liveness``
+adds an estimate of the backward's peak from its graph (each tensor freed after its last
+use) and what is live there, by kind (saved, made by the backward, tangents) and line.
 """
 
 from __future__ import annotations
@@ -46,8 +49,61 @@ CONFIGS = {
 }
 
 
-def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: int) -> list[dict]:
-    """The saved tensors of one compiled training step: size and producing source line."""
+def _tensor_bytes(node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _where(node) -> str:
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
+    return f"{os.path.basename(frames[-1][0])}:{frames[-1][1]} {frames[-1][2]}" if frames else str(node.target)
+
+
+def backward_peak(graph, producers: dict) -> tuple[int, list[dict]]:
+    """The backward graph's peak if each tensor were freed after its last use, before
+    Inductor (which fuses elementwise chains: fewer intermediates than counted here):
+    (bytes, the tensors live at the peak with their kind and source line). Views share
+    their base's storage, which lives until the last use of any of them; the gradients the
+    graph returns (parameters', the same with and without a scheme but for the routing
+    parameters) are left out."""
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    returned = set(next(n for n in graph.nodes if n.op == "output").all_input_nodes)
+    base = {}
+    for node in nodes:  # a view's storage is its base's
+        is_view = getattr(node.target, "is_view", False) and node.all_input_nodes
+        base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0]) if is_view else node
+    last_use = {}
+    for i, node in enumerate(nodes):
+        for inp in node.all_input_nodes:
+            last_use[base.get(inp, inp)] = i
+    def kept_anyway(node) -> bool:  # a parameter or an input of the step
+        source = producers.get(node.name)
+        return node.op == "placeholder" and not node.name.startswith("tangents") and (
+            source is None or source.op == "placeholder")
+
+    live, peak, at_peak = {}, 0, {}
+    for i, node in enumerate(nodes):
+        if base[node] is node and node not in returned and node in last_use and not kept_anyway(node):
+            live[node] = _tensor_bytes(node)
+        current = sum(live.values())
+        if current > peak:
+            peak, at_peak = current, dict(live)
+        for inp in node.all_input_nodes:
+            if last_use.get(base.get(inp, inp)) == i:
+                live.pop(base.get(inp, inp), None)
+    rows = []
+    for node, size in at_peak.items():
+        saved = node.op == "placeholder"
+        kind = ("tangent" if node.name.startswith("tangents") else "saved") if saved else "backward"
+        rows.append(dict(bytes=size, kind=kind, where=node.name if kind == "tangent" else
+                         _where(producers[node.name] if saved else node)))
+    return peak, rows
+
+
+def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: int,
+                  liveness: bool = False) -> list[dict] | tuple[list[dict], int, list[dict]]:
+    """The saved tensors of one compiled training step: size and producing source line
+    (with ``liveness``, also :func:`backward_peak` of its backward graph)."""
     graphs = {}
 
     def inner(gm, example_inputs, *args, **kwargs):
@@ -79,35 +135,38 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
     for node in graphs["backward"].graph.nodes:
         if node.op != "placeholder" or node.name.startswith("tangents"):
             continue
-        value = node.meta.get("val")
         source = producers.get(node.name)
-        if not isinstance(value, torch.Tensor) or source is None or source.op == "placeholder":
+        if not _tensor_bytes(node) or source is None or source.op == "placeholder":
             continue  # parameters and inputs are kept anyway
-        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', source.meta.get("stack_trace") or "")
-        where = (f"{os.path.basename(frames[-1][0])}:{frames[-1][1]} {frames[-1][2]}" if frames
-                 else str(source.target))
-        rows.append(dict(bytes=value.numel() * value.element_size(), where=where))
-    return rows
+        rows.append(dict(bytes=_tensor_bytes(node), where=_where(source)))
+    if not liveness:
+        return rows
+    return (rows, *backward_peak(graphs["backward"].graph, producers))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--schemes", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=128, help="d (wider: the attention's own T x T tensors weigh less)")
     ap.add_argument("--top", type=int, default=6, help="source lines listed per scheme")
     ap.add_argument("--functorch", default="{}", metavar="JSON",
                     help='AOTAutograd partitioner settings for every configuration, e.g. '
                          '\'{"ban_recompute_materialized_backward": false}\' (torch._functorch.config)')
+    ap.add_argument("--liveness", action="store_true",
+                    help="also the backward graph's peak (each tensor freed after its last use, before Inductor) "
+                         "and what is live there")
     args = ap.parse_args()
     patches = json.loads(args.functorch)
-    d, heads, batch, seq = 128, 4, 2, 64
+    d, heads, batch, seq = args.width, 4, 2, 64
     unit = batch * seq * d * 2
     base = None
     print(f"saved for the backward, units of one {batch * seq} x {d} bf16 activation ({unit} bytes); "
           f"{args.layers} layers")
     for name in args.schemes.split(","):
         with torch._functorch.config.patch(**patches):
-            rows = saved_tensors(CONFIGS[name], d, args.layers, heads, batch, seq)
+            found = saved_tensors(CONFIGS[name], d, args.layers, heads, batch, seq, args.liveness)
+        rows, peak, at_peak = found if args.liveness else (found, 0, [])
         total = sum(r["bytes"] for r in rows) / unit
         base = total if name == "baseline" else base
         extra = "" if base is None or name == "baseline" else f" (extra {total - base:+.1f})"
@@ -117,6 +176,15 @@ def main() -> int:
             by_line[r["where"]] += r["bytes"] / unit
         for where, units in by_line.most_common(args.top):
             print(f"    {units:6.1f}  {where}")
+        if args.liveness:
+            by_kind, by_place = collections.Counter(), collections.Counter()
+            for r in at_peak:
+                by_kind[r["kind"]] += r["bytes"] / unit
+                by_place[(r["kind"], r["where"])] += r["bytes"] / unit
+            kinds = ", ".join(f"{kind} {units:.1f}" for kind, units in by_kind.most_common())
+            print(f"  backward peak before Inductor: {peak / unit:.1f} units ({kinds})")
+            for (kind, where), units in by_place.most_common(args.top):
+                print(f"    {units:6.1f}  {kind:8s} {where}")
     return 0
 
 

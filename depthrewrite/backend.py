@@ -21,7 +21,11 @@ into the running sums instead of leaving a term to sum; measured on H200 at 350M
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
 less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only
 calls with at most that many heads get running sums (an A/B knob; 16-head MHAR is faster
-with them); ``recompute_partial_sums`` (default True; :mod:`depthrewrite.recompute`): the
+with them); ``accumulate_in_place`` (default False: not yet run on a GPU): each call writes
+its new running sums into the old ones instead of new tensors
+(``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`), so the two
+do not exist side by side while it runs; ``recompute_partial_sums`` (default True;
+:mod:`depthrewrite.recompute`): the
 partial sums that WAV and DAR make at every site are recomputed in the backward from the
 branch outputs instead of saved for it (H200, 350M: peak 1.27x -> 1.19x the plain
 model's for WAV, 1.29x -> 1.24x for DAR block, step time level to 2 % longer in two runs;
@@ -92,6 +96,10 @@ class LoweringReport:
     accumulate_grads: bool = True
     accumulate_max_heads: int | None = MAX_HEADS
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the ``accumulate_in_place`` option; ``in_place``: graph kind -> route_backward calls
+    #: that write their running sums in place
+    accumulate_in_place: bool = False
+    in_place: dict[str, int] = dataclasses.field(default_factory=dict)
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
     saved_for_backward: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
@@ -112,10 +120,12 @@ class LoweringReport:
         """Whether the backend rewrites the graphs it compiles (long sums, accumulation)."""
         return self.max_sum_terms is not None or self.accumulate_grads
 
-    def record_rewrites(self, accumulated: int, fences: int) -> None:
+    def record_rewrites(self, accumulated: int, fences: int, in_place: int = 0) -> None:
         """What the backend's rewrites that are on did to the graph being compiled (``compiling``)."""
         if self.accumulate_grads:
             self.accumulated[self.compiling] = accumulated
+        if self.accumulate_grads and self.accumulate_in_place:
+            self.in_place[self.compiling] = in_place
         if self.max_sum_terms is not None:
             self.fences[self.compiling] = fences
 
@@ -252,7 +262,8 @@ def _pass_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, An
 
     the_pass = backend_pass(report.max_sum_terms, report.accumulate_grads,
                             then=patches.get("post_grad_custom_post_pass"), on_done=report.record_rewrites,
-                            accumulate_max_heads=report.accumulate_max_heads, recomputed=report.recomputed)
+                            accumulate_max_heads=report.accumulate_max_heads, recomputed=report.recomputed,
+                            accumulate_in_place=report.accumulate_in_place)
     return {**patches, "post_grad_custom_post_pass": the_pass}
 
 
@@ -267,7 +278,7 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
         # the graph runs as it is: no Inductor pass, the same rewrites here
         report.compiling = kind
         done = rewrite_gradient_sums(g.graph, report.max_sum_terms, report.accumulate_grads,
-                                     report.accumulate_max_heads)
+                                     report.accumulate_max_heads, report.accumulate_in_place)
         report.record_rewrites(*done)
         if any(done):
             g.recompile()
@@ -319,6 +330,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     if max_heads is not None and (isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1):
         raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int "
                          f"or None (no limit); found {max_heads!r}")
+    in_place = _pop_flag(options, "accumulate_in_place", False)
     asked_to_recompute = "recompute_partial_sums" in options
     recompute = _pop_flag(options, "recompute_partial_sums", True)
     ops, impls = count_routing_ops(gm.graph)
@@ -326,7 +338,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     recomputed = mark_recomputable(gm.graph) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
-                            accumulate_max_heads=max_heads, recomputed=recomputed)
+                            accumulate_max_heads=max_heads, recomputed=recomputed, accumulate_in_place=in_place)
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)

@@ -94,3 +94,128 @@ def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_
             rewritten += 1
             break
     return rewritten
+
+
+#: route_backward's arguments before the running sums, with the defaults of those that have one
+_CALL_ARGS = ("grad_out", "out", "lse", "values", "keys", "query", "key_norm_weight", "logit_bias", "source_scale",
+              "heads", "eps", "grad_normed", "out_norm_weight", "out_norm_eps")
+_CALL_DEFAULTS = {"grad_normed": None, "out_norm_weight": None, "out_norm_eps": 1e-6}
+#: ops whose outputs are new tensors that a running sum may be: the chain's additions, the
+#: routing backwards' gradients and the buffers this pass makes for them (a running sum
+#: made by any other op is left alone: some, like ``aten._unsafe_view``, return storage
+#: that another node may still read)
+_FRESH_LISTS = ("route_backward", "route_many_backward", "route_backward_into_")
+
+
+def _made_fresh(node: fx.Node) -> bool:
+    if node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.empty_like.default):
+        return True
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    return node.op == "call_function" and any(
+        node.target is getattr(torch.ops.depthrewrite, name).default for name in _FRESH_LISTS)
+
+
+def _keeps_no_alias(user: fx.Node) -> bool:
+    """Whether ``user`` returns no alias of its inputs: an aten or custom op whose schema
+    says so (``_unsafe_view``'s does not say that it aliases: named here). It may write
+    them (an earlier ``route_backward_into_`` adding into the same running sum)."""
+    target = user.target
+    return (user.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target is not torch.ops.aten._unsafe_view.default
+            and not any(r.alias_info is not None for r in target._schema.returns))
+
+
+def _finished_before(user: fx.Node, call: fx.Node, position: dict) -> bool:
+    """Whether ``user`` is done with its input before ``call`` runs: it runs earlier and
+    keeps no alias, or it is a view all of whose readers are done with it before ``call``."""
+    if position[user] >= position[call]:
+        return False
+    if _keeps_no_alias(user):
+        return True
+    return bool(getattr(user.target, "is_view", False)) and all(
+        _finished_before(u, call, position) for u in user.users)
+
+
+def _overwritable(running: list, call: fx.Node, position: dict) -> bool:
+    """Running sums ``call`` may write into: distinct tensors this graph makes as new ones
+    (not inputs, not views), contiguous, whose other readers are all done with them before
+    ``call`` (:func:`_finished_before`)."""
+    nodes = [r for r in running if r is not None]
+    return len(set(nodes)) == len(nodes) and all(
+        isinstance(r, fx.Node) and r.op == "call_function" and _made_fresh(r) and r.meta["val"].is_contiguous()
+        and all(u is call or _finished_before(u, call, position) for u in r.users)
+        for r in nodes)
+
+
+def _gradient_users(call: fx.Node) -> dict[int, list[fx.Node]] | None:
+    """``{output: [getitem nodes]}`` of a route_backward call, None if any user is not an
+    indexing of its outputs (and, for the two gradient lists, of their entries)."""
+    users: dict[int, list[fx.Node]] = {}
+    for user in call.users:
+        if user.target is not operator.getitem:
+            return None
+        which = user.args[1]
+        if which in _ACC_ARG and any(u.target is not operator.getitem for u in user.users):
+            return None
+        users.setdefault(which, []).append(user)
+    return users
+
+
+def write_running_sums_in_place(graph: fx.Graph) -> int:
+    """Replace every ``route_backward`` call that has running sums (after
+    :func:`accumulate_into_route_backward`) by ``route_backward_into_`` where that is safe
+    (:func:`_overwritable`): the call writes each new sum into its running sum and every
+    other source's gradient into a buffer made for it (``empty_like`` the source), and the
+    readers of a gradient read that tensor, after the call. Returns how many calls."""
+    replaced = 0
+    for call in list(graph.nodes):
+        if call.op != "call_function" or call.target is not torch.ops.depthrewrite.route_backward.default:
+            continue
+        running = {which: list(call.kwargs.get(arg) or []) for which, arg in _ACC_ARG.items()}
+        if all(r is None for lst in running.values() for r in lst):
+            continue
+        users = _gradient_users(call)
+        position = {node: k for k, node in enumerate(graph.nodes)}
+        if users is None or not _overwritable(running[0] + running[1], call, position):
+            continue
+        _replace_in_place(graph, call, running, users)
+        replaced += 1
+    return replaced
+
+
+def _replace_in_place(graph: fx.Graph, call: fx.Node, running: dict, users: dict) -> None:
+    bound = {**_CALL_DEFAULTS, **dict(zip(_CALL_ARGS, call.args)),
+             **{k: v for k, v in call.kwargs.items() if k in _CALL_ARGS}}
+    sources = {0: bound["values"], 1: bound["keys"] or []}
+    outputs, index = {}, {}
+    with graph.inserting_before(call):
+        for which, lst in sources.items():
+            sums = running[which] or [None] * len(lst)
+            index[which] = [i for i, r in enumerate(sums) if r is not None]
+            outputs[which] = [r if r is not None else _empty_like(graph, source) for r, source in zip(sums, lst)]
+        into = graph.call_function(torch.ops.depthrewrite.route_backward_into_.default,
+                                   tuple(bound[name] for name in _CALL_ARGS)
+                                   + (outputs[0], index[0], outputs[1], index[1]))
+    old = call.meta["val"]
+    into.meta["val"] = tuple(old[2:])
+    for which, nodes in users.items():
+        for user in nodes:
+            if which in _ACC_ARG:  # readers of source i's gradient read its output, after the call
+                for entry in list(user.users):
+                    entry.replace_all_uses_with(outputs[which][entry.args[1]])
+                    graph.erase_node(entry)
+            else:
+                with graph.inserting_before(user):
+                    moved = graph.call_function(operator.getitem, (into, which - len(_ACC_ARG)))
+                moved.meta["val"] = user.meta["val"]
+                user.replace_all_uses_with(moved)
+            graph.erase_node(user)
+    graph.erase_node(call)
+
+
+def _empty_like(graph: fx.Graph, source: fx.Node) -> fx.Node:
+    buffer = graph.call_function(torch.ops.aten.empty_like.default, (source,),
+                                 {"memory_format": torch.contiguous_format})
+    buffer.meta["val"] = torch.empty_like(source.meta["val"], memory_format=torch.contiguous_format)
+    return buffer

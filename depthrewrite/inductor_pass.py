@@ -1,6 +1,7 @@
 """The post-grad pass the backend gives Inductor (``post_grad_custom_post_pass``): on each
 graph Inductor compiles, first the source gradients moved into the routing backward
-(:mod:`depthrewrite.grad_accumulation`, option ``accumulate_grads``), then the remaining
+(:mod:`depthrewrite.grad_accumulation`, option ``accumulate_grads``; with
+``accumulate_in_place``, their running sums written in place), then the remaining
 long sums fenced (:mod:`depthrewrite.sum_fences`, option ``max_sum_terms``), then the
 user's own post-grad passes, if any. A pass that Inductor runs, rather than a change to
 the graph before Inductor sees it, so that its ``uuid`` (this package's pass files and the
@@ -17,29 +18,33 @@ from collections.abc import Callable
 from torch import fx
 
 from . import sum_fences
-from .grad_accumulation import MAX_HEADS, accumulate_into_route_backward
+from .grad_accumulation import MAX_HEADS, accumulate_into_route_backward, write_running_sums_in_place
 
 __all__ = ["backend_pass", "rewrite_gradient_sums"]
 
 
 def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate_grads: bool,
-                          accumulate_max_heads: int | None = MAX_HEADS) -> tuple[int, int]:
-    """The backend's rewrites of one graph, in order: ``(gradients accumulated, fences)``."""
+                          accumulate_max_heads: int | None = MAX_HEADS,
+                          accumulate_in_place: bool = False) -> tuple[int, int, int]:
+    """The backend's rewrites of one graph, in order: ``(gradients accumulated, fences,
+    calls writing their running sums in place)``."""
     accumulated = accumulate_into_route_backward(graph, accumulate_max_heads) if accumulate_grads else 0
+    in_place = write_running_sums_in_place(graph) if accumulate_grads and accumulate_in_place else 0
     fences = 0 if max_sum_terms is None else sum_fences.fence_gradient_sums(graph, max_sum_terms)
-    return accumulated, fences
+    return accumulated, fences, in_place
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
-                 on_done: Callable[[int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS,
-                 recomputed: tuple[str, ...] | None = None):
+                 on_done: Callable[[int, int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS,
+                 recomputed: tuple[str, ...] | None = None, accumulate_in_place: bool = False):
     """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
     user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
-    told ``(gradients accumulated, fences)`` for each graph. ``recomputed``: the nodes the
+    told :func:`rewrite_gradient_sums`'s counts for each graph. ``recomputed``: the nodes the
     backend marked for recomputation (:mod:`depthrewrite.recompute`; None: the option is
     off), part of the pass's cache key only."""
     then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
-    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed)
+    return _pass_class()(max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed,
+                         accumulate_in_place)
 
 
 @functools.cache
@@ -54,13 +59,15 @@ def _pass_class():
                     for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py", "recompute.py"))
 
     class BackendPass(CustomGraphPass):
-        def __init__(self, max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed):
+        def __init__(self, max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed,
+                     accumulate_in_place):
             self.max_sum_terms, self.accumulate_grads = max_sum_terms, accumulate_grads
             self.then, self.on_done, self.accumulate_max_heads = then, on_done, accumulate_max_heads
-            self.recomputed = recomputed
+            self.recomputed, self.accumulate_in_place = recomputed, accumulate_in_place
 
         def __call__(self, graph: fx.Graph) -> None:
-            done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads, self.accumulate_max_heads)
+            done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads, self.accumulate_max_heads,
+                                         self.accumulate_in_place)
             if self.on_done is not None:
                 self.on_done(*done)
             for user_pass in self.then:
@@ -71,6 +78,6 @@ def _pass_class():
             if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
                 return None
             return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads,
-                    self.accumulate_max_heads, sum_fences.MIN_NUMEL, self.recomputed, then)
+                    self.accumulate_max_heads, self.accumulate_in_place, sum_fences.MIN_NUMEL, self.recomputed, then)
 
     return BackendPass

@@ -1,7 +1,8 @@
 """Fused Triton kernels for the ``depthrewrite::`` ops, registered as their CUDA kernels.
 
 Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, normed)``),
-``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), ``depthrewrite::route_many``
+``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), its in-place running-sum
+form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`), ``depthrewrite::route_many``
 and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`) for the "cuda" device
 with ``torch.library.register_kernel``; the CPU (and any other device) keeps the
 pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
@@ -23,6 +24,7 @@ import logging
 import torch
 
 from ..ops.route import _route_backward_op, _route_op
+from ..ops.route_into import _route_backward_into_op, running_sums
 from ..ops.route_many import _route_many_backward_op, _route_many_op
 
 __all__ = ["triton_available", "implementation_for", "set_fused_enabled", "FUSED_DTYPES"]
@@ -92,6 +94,24 @@ def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weigh
                           grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
+def _route_backward_into_cuda(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
+                              heads, eps, grad_normed, out_norm_weight, out_norm_eps, grad_values, values_acc_index,
+                              grad_keys, keys_acc_index):
+    if not _use_fused(values, keys, query, key_norm_weight, logit_bias, out_norm_weight):
+        return _route_backward_into_op._init_fn(
+            grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+            grad_normed, out_norm_weight, out_norm_eps, grad_values, values_acc_index, grad_keys, keys_acc_index)
+    from .route_triton import route_backward
+
+    _, _, *rest = route_backward(
+        grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, grad_normed,
+        out_norm_weight, out_norm_eps,
+        grad_values_acc=running_sums(grad_values, values_acc_index, values, "grad_values"),
+        grad_keys_acc=running_sums(grad_keys, keys_acc_index, keys, "grad_keys"),
+        grad_values_out=grad_values, grad_keys_out=grad_keys if keys is not None else None)
+    return tuple(rest)
+
+
 def _route_many_cuda(values, queries, key_norm_weights, heads, eps, keys):
     if not _use_fused(values, keys, queries, key_norm_weights, None):
         return _route_many_op._init_fn(values, queries, key_norm_weights, heads, eps, keys)
@@ -116,6 +136,7 @@ def _register() -> None:
         return
     torch.library.register_kernel("depthrewrite::route", "cuda", _route_cuda)
     torch.library.register_kernel("depthrewrite::route_backward", "cuda", _route_backward_cuda)
+    torch.library.register_kernel("depthrewrite::route_backward_into_", "cuda", _route_backward_into_cuda)
     torch.library.register_kernel("depthrewrite::route_many", "cuda", _route_many_cuda)
     torch.library.register_kernel("depthrewrite::route_many_backward", "cuda", _route_many_backward_cuda)
 

@@ -717,18 +717,33 @@ def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int,
                          f"device {lse.device}")
 
 
+def _gradient_outputs(n: int, shape, dtype, device, new, given: Sequence[Tensor] | None, name: str) -> list[Tensor]:
+    """Where the kernel writes each source's gradient: the tensors ``given`` (contiguous,
+    one per source; a source's running sum may be among them, read and written element by
+    element in one thread), else new ones."""
+    if given is None:
+        return [new(shape, dtype=dtype, device=device) for _ in range(n)]
+    if len(given) != n or any(t.shape != shape or t.dtype != dtype or not t.is_contiguous() for t in given):
+        raise ValueError(f"route_backward (Triton): `{name}` must be {n} contiguous tensors shaped {tuple(shape)} "
+                         f"of {dtype}; found {[(tuple(t.shape), t.dtype, t.is_contiguous()) for t in given]}")
+    return list(given)
+
+
 def route_backward(
     grad_out: Tensor, out: Tensor, lse: Tensor, values: Sequence[Tensor], keys: Sequence[Tensor] | None,
     query: Tensor, key_norm_weight: Tensor, logit_bias: Tensor | None, source_scale: Tensor | None, heads: int,
     eps: float, grad_normed: Tensor | None = None, out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6,
     config: dict | None = None, grad_values_acc: Sequence[Tensor | None] | None = None,
-    grad_keys_acc: Sequence[Tensor | None] | None = None,
+    grad_keys_acc: Sequence[Tensor | None] | None = None, grad_values_out: Sequence[Tensor] | None = None,
+    grad_keys_out: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     """Fused one-pass backward; ``out`` and ``lse`` are what :func:`route_forward` (or the
     reference op) returned for these inputs; ``grad_normed`` is the gradient of the fused
     output norm's result (None: that result was not used); ``grad_values_acc`` /
     ``grad_keys_acc``: running sums (None or one entry per source, None or a tensor shaped
-    like it) that the gradients are added to as they are written. Returns what
+    like it) that the gradients are added to as they are written; ``grad_values_out`` /
+    ``grad_keys_out``: the tensors to write them into (one per source; a running sum may be
+    its own source's output: ``depthrewrite::route_backward_into_``), by default new ones. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
     (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning
     runs."""
@@ -747,10 +762,11 @@ def route_backward(
     g = grad_out.to(dtype).contiguous()
     flat_out = out.contiguous()
     flat_lse = lse.contiguous()
-    grad_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
+    grad_v = _gradient_outputs(n, shape, dtype, device, torch.empty, grad_values_out, "grad_values_out")
     # one source: the weight is the constant 1, so the keys get exactly zero gradient
     new_k = torch.zeros if n == 1 else torch.empty
-    grad_k = [new_k(shape, dtype=dtype, device=device) for _ in range(n)] if flat_k is not None else []
+    grad_k = (_gradient_outputs(n, shape, dtype, device, new_k, grad_keys_out, "grad_keys_out")
+              if flat_k is not None else [])
     row = block_h * block_c
     # prefetch on by default: 18-25 % faster on H200 (module docstring)
     cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
@@ -775,9 +791,14 @@ def route_backward(
     if has_norm and not fused_norm and tokens > 0:
         # the norm's backward as a pass of its own: g becomes the fp32 total gradient of out
         g = _norm_backward_pass(g, flat_out, gn, out_norm_weight, out_norm_eps, part_n, tokens, d)
-    if n == 1 and flat_k is not None and grad_keys_acc is not None and grad_keys_acc[0] is not None:
-        # one source: the key's own gradient is zero, so its running sum passes through as is
-        grad_k[0].copy_(grad_keys_acc[0])
+    if n == 1 and flat_k is not None:
+        # one source: the key's own gradient is zero, so its running sum passes through as
+        # is, and a given output without one is zeroed (new outputs are made as zeros)
+        acc0 = grad_keys_acc[0] if grad_keys_acc is not None else None
+        if acc0 is not None and acc0 is not grad_k[0]:
+            grad_k[0].copy_(acc0)
+        elif acc0 is None and grad_keys_out is not None:
+            grad_k[0].zero_()
     has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)

@@ -54,11 +54,37 @@ def test_aot_eager_with_accumulation_matches_eager(scheme, scheme_options):
     assert report.accumulated["forward"] == 0  # no route_backward in a forward graph
 
 
-def test_inductor_with_accumulation_and_fences_matches_eager(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_sums", "in_place"])
+def test_inductor_with_accumulation_and_fences_matches_eager(monkeypatch, in_place):
     monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
-    report = _compare("dar", {"accumulate_grads": True, "max_sum_terms": 2, "force_disable_caches": True},
-                      two_phase=False)
+    report = _compare("dar", {"accumulate_grads": True, "max_sum_terms": 2, "force_disable_caches": True,
+                              "accumulate_in_place": in_place}, two_phase=False)
     assert report.accumulated["backward"] > 0 and report.fences["backward"] > 0
+    assert (report.in_place["backward"] > 0) if in_place else report.in_place == {}
+
+
+@pytest.mark.parametrize("scheme,scheme_options", [("attnres", {"group_size": None}), ("wav", {"two_phase": False}),
+                                                   ("dar", {"variant": "dar", "two_phase": False})])
+def test_running_sums_written_in_place_give_the_same_gradients(scheme, scheme_options):
+    """``accumulate_in_place``: route_backward_into_ writes the running sums in place; the
+    float32 loss and every gradient are bit for bit those of the new-tensor form."""
+    model = _model(scheme, **scheme_options)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for in_place in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
+                                 options={"inner": "aot_eager", "accumulate_in_place": in_place})
+        results[in_place] = _loss_and_grads(model, compiled, idx), backend.last_report()
+    ((loss, grads), new_sums), ((loss_i, grads_i), in_place) = results[False], results[True]
+    assert in_place.in_place["backward"] > 0 and new_sums.in_place == {}
+    assert in_place.accumulated == new_sums.accumulated
+    assert torch.equal(loss_i, loss) and grads_i.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads_i[name], grads[name]), name
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"options\['accumulate_in_place'\] must be True or False; found 1"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"accumulate_in_place": 1})
 
 
 def test_accumulation_is_on_by_default_can_be_turned_off_and_is_checked():
@@ -83,3 +109,30 @@ def test_running_sums_limited_by_head_count_when_asked():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match=r"options\['accumulate_max_heads'\] must be a positive int"):
             backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"accumulate_max_heads": bad})
+
+
+def test_a_running_sum_is_overwritten_only_when_no_later_reader_sees_it():
+    """``grad_accumulation._overwritable`` on hand-made graphs: a new sum read only by the
+    call may be written in place; not when a node after the call reads it, directly or
+    through a view taken before it, nor when it is a graph input or not contiguous."""
+    from depthrewrite.grad_accumulation import _overwritable
+
+    def graph_with(reader_after: bool, view_before: bool, as_input: bool = False, contiguous: bool = True):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(4, 4)
+        r = x if as_input else g.call_function(torch.ops.aten.add.Tensor, (x, x))
+        r.meta["val"] = torch.empty(4, 4) if contiguous else torch.empty(4, 4).t()
+        view = g.call_function(torch.ops.aten.view.default, (r, [16])) if view_before else None
+        call = g.call_function(torch.ops.aten.mul.Tensor, (r, x))  # stands for the route_backward call
+        later = view if view is not None else r
+        g.output((call, g.call_function(torch.ops.aten.neg.default, (later,))) if reader_after or view_before
+                 else call)
+        position = {n: k for k, n in enumerate(g.nodes)}
+        return [r], call, position
+
+    assert _overwritable(*graph_with(reader_after=False, view_before=False))
+    assert not _overwritable(*graph_with(reader_after=True, view_before=False))
+    assert not _overwritable(*graph_with(reader_after=False, view_before=True))
+    assert not _overwritable(*graph_with(reader_after=False, view_before=False, as_input=True))
+    assert not _overwritable(*graph_with(reader_after=False, view_before=False, contiguous=False))

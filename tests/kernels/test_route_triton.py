@@ -373,6 +373,69 @@ def test_running_sums_are_added_to_the_gradients(case, dtype):
         assert torch.equal(summed[j], plain[j])
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]], ids=_case_id)  # one source with keys, 9, 33
+def test_running_sums_written_in_place(case):
+    """``route_backward_into_`` (the backend's ``accumulate_in_place``): every gradient is
+    written into the tensor given for it (a running sum, added to, or a buffer), bit for bit
+    what route_backward returns with the same running sums, and so are the parameter
+    gradients: through the op (the kernels on the GPU, the reference on the CPU) and through
+    the kernels' launcher called directly (the interpreter on the CPU)."""
+    n, batch, d, heads, keys, bias, scale = case
+    dtype = torch.bfloat16
+    inp = _on(_make(n, batch, d, heads, keys, bias, scale, dtype, seed=n * 7 + d), DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    grad_out = torch.randn(*batch, d, generator=gen).to(dtype).to(DEVICE)
+    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
+    lists = {"values": inp["values"], "keys": inp["keys"] or []}
+    # values: the even sources have running sums; keys: the odd ones (one source: its key's
+    # gradient is zero, so the NaN buffer given for it must come back as zeros)
+    index = {name: [i for i in range(len(like)) if i % 2 == odd] for odd, (name, like) in enumerate(lists.items())}
+    acc = {name: [torch.randn(*t.shape, generator=gen).to(dtype).to(DEVICE) if i in index[name] else None
+                  for i, t in enumerate(like)] for name, like in lists.items()}
+    acc_args = dict(grad_values_acc=acc["values"], grad_keys_acc=acc["keys"] if keys else None)
+
+    def given():  # the running sums (copies: written in place) and NaN-filled buffers for the rest
+        return {name: [a.clone() if a is not None else torch.full_like(t, float("nan"))
+                       for a, t in zip(acc[name], like)] for name, like in lists.items()}
+
+    expected = torch.ops.depthrewrite.route_backward(grad_out, out, lse, *_args(inp), **acc_args)
+    outputs = given()
+    pointers = {name: [t.data_ptr() for t in outs] for name, outs in outputs.items()}
+    rest = torch.ops.depthrewrite.route_backward_into_(
+        grad_out, out, lse, *_args(inp), None, None, 1e-6, outputs["values"], index["values"], outputs["keys"],
+        index["keys"])
+    launched = given()
+    in_place = {name: [o if i in index[name] else None for i, o in enumerate(outs)] for name, outs in launched.items()}
+    direct = route_triton.route_backward(grad_out, out, lse, *_args(inp), grad_values_acc=in_place["values"],
+                                         grad_keys_acc=in_place["keys"] if keys else None,
+                                         grad_values_out=launched["values"],
+                                         grad_keys_out=launched["keys"] if keys else None)
+    kernel = route_triton.route_backward(grad_out, out, lse, *_args(inp), **acc_args)
+    for group, name in enumerate(("values", "keys")):
+        assert [t.data_ptr() for t in outputs[name]] == pointers[name]  # written where given
+        for got, want in zip(outputs[name], expected[group]):
+            assert torch.equal(got, want)
+        for got, returned, want in zip(launched[name], direct[group], kernel[group]):
+            assert returned is got and torch.equal(got, want)
+    for got, want in zip(rest, expected[2:]):
+        assert torch.equal(got, want)
+
+
+def test_bad_in_place_outputs_are_value_errors():
+    inp = _on(_make(3, (4,), 16, 1, False, False, False, torch.float32, seed=0), DEVICE)
+    grad_out = torch.randn(4, 16).to(DEVICE)
+    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
+    buffers = [torch.zeros_like(v) for v in inp["values"]]
+    into = torch.ops.depthrewrite.route_backward_into_
+    with pytest.raises(ValueError, match=r"`grad_values` must have one tensor per source \(3\); found 2"):
+        into(grad_out, out, lse, *_args(inp), None, None, 1e-6, buffers[:2], [0], [], [])
+    with pytest.raises(ValueError, match="running-sum indices must be distinct sources from 0 to 2"):
+        into(grad_out, out, lse, *_args(inp), None, None, 1e-6, buffers, [1, 1], [], [])
+    strided = torch.zeros(16, 4, device=DEVICE).t()
+    with pytest.raises(ValueError, match=r"`grad_values\[1\]` must be contiguous"):
+        into(grad_out, out, lse, *_args(inp), None, None, 1e-6, [buffers[0], strided, buffers[2]], [0], [], [])
+
+
 def test_bad_running_sums_are_value_errors():
     inp = _on(_make(3, (4,), 16, 1, False, False, False, torch.float32, seed=0), DEVICE)
     grad_out = torch.randn(4, 16).to(DEVICE)

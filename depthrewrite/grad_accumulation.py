@@ -139,12 +139,16 @@ def _finished_before(user: fx.Node, call: fx.Node, position: dict) -> bool:
 
 def _overwritable(running: list, call: fx.Node, position: dict) -> bool:
     """Running sums ``call`` may write into: distinct tensors this graph makes as new ones
-    (not inputs, not views), contiguous, whose other readers are all done with them before
-    ``call`` (:func:`_finished_before`)."""
+    (not inputs, not views), contiguous, that ``call`` reads as nothing else (a running sum
+    that were also, say, its output gradient would be overwritten while still being read)
+    and whose other readers are all done with them before ``call`` (:func:`_finished_before`)."""
     nodes = [r for r in running if r is not None]
+    other_inputs = []
+    fx.node.map_arg((call.args, {k: v for k, v in call.kwargs.items() if k not in _ACC_ARG.values()}),
+                    other_inputs.append)
     return len(set(nodes)) == len(nodes) and all(
         isinstance(r, fx.Node) and r.op == "call_function" and _made_fresh(r) and r.meta["val"].is_contiguous()
-        and all(u is call or _finished_before(u, call, position) for u in r.users)
+        and r not in other_inputs and all(u is call or _finished_before(u, call, position) for u in r.users)
         for r in nodes)
 
 

@@ -112,27 +112,30 @@ def test_running_sums_limited_by_head_count_when_asked():
 
 
 def test_a_running_sum_is_overwritten_only_when_no_later_reader_sees_it():
-    """``grad_accumulation._overwritable`` on hand-made graphs: a new sum read only by the
-    call may be written in place; not when a node after the call reads it, directly or
-    through a view taken before it, nor when it is a graph input or not contiguous."""
+    """``grad_accumulation._overwritable`` on hand-made graphs: a new sum that a
+    route_backward call reads only as a running sum may be written in place; not when a node
+    after the call reads it, directly or through a view taken before it, nor when the call
+    also reads it as another input, nor when it is a graph input or not contiguous."""
     from depthrewrite.grad_accumulation import _overwritable
 
-    def graph_with(reader_after: bool, view_before: bool, as_input: bool = False, contiguous: bool = True):
+    def graph_with(reader_after=False, view_before=False, as_input=False, contiguous=True, also_grad_out=False):
         g = torch.fx.Graph()
         x = g.placeholder("x")
         x.meta["val"] = torch.empty(4, 4)
         r = x if as_input else g.call_function(torch.ops.aten.add.Tensor, (x, x))
         r.meta["val"] = torch.empty(4, 4) if contiguous else torch.empty(4, 4).t()
         view = g.call_function(torch.ops.aten.view.default, (r, [16])) if view_before else None
-        call = g.call_function(torch.ops.aten.mul.Tensor, (r, x))  # stands for the route_backward call
-        later = view if view is not None else r
-        g.output((call, g.call_function(torch.ops.aten.neg.default, (later,))) if reader_after or view_before
-                 else call)
-        position = {n: k for k, n in enumerate(g.nodes)}
-        return [r], call, position
+        call = g.call_function(torch.ops.depthrewrite.route_backward.default,
+                               (r if also_grad_out else x, x, x, [x, x], None, x, x, None, None, 1, 1e-6),
+                               {"grad_values_acc": [r, None]})
+        later = [g.call_function(torch.ops.aten.neg.default, (view if view is not None else r,))] \
+            if reader_after or view_before else []
+        g.output([call] + later)
+        return [r], call, {n: k for k, n in enumerate(g.nodes)}
 
-    assert _overwritable(*graph_with(reader_after=False, view_before=False))
-    assert not _overwritable(*graph_with(reader_after=True, view_before=False))
-    assert not _overwritable(*graph_with(reader_after=False, view_before=True))
-    assert not _overwritable(*graph_with(reader_after=False, view_before=False, as_input=True))
-    assert not _overwritable(*graph_with(reader_after=False, view_before=False, contiguous=False))
+    assert _overwritable(*graph_with())
+    assert not _overwritable(*graph_with(reader_after=True))
+    assert not _overwritable(*graph_with(view_before=True))
+    assert not _overwritable(*graph_with(also_grad_out=True))
+    assert not _overwritable(*graph_with(as_input=True))
+    assert not _overwritable(*graph_with(contiguous=False))

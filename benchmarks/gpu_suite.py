@@ -468,6 +468,21 @@ DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8
                        "_uncapped": {"maxnreg": None, "per_sm": 4}}
 
 
+def _site_inputs(tokens: int, d: int, n: int, heads: int, wav: bool):
+    """A site's route call, bf16, random (seeded by the shape): ``(values, query,
+    key_norm_weight, grad_out, logit_bias, source_scale, running sums)``, the last three
+    None unless ``wav`` (a WAV-like call: a bias, a scale, running sums)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
+    vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
+    q = torch.randn(d, device="cuda", generator=gen) / d**0.5
+    w = torch.rand(d, device="cuda", generator=gen) + 0.5
+    g = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen) if wav else None
+    scale = torch.rand(n, tokens, device="cuda", generator=gen) + 0.5 if wav else None
+    acc = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] if wav else None
+    return vals, q, w, g, bias, scale, acc
+
+
 def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list[dict]:
     """``route`` (one query) forward and backward kernels called directly with launch
     variants, bf16, against the HBM floor of each (rows moved per token: forward N read
@@ -478,14 +493,7 @@ def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list
     shapes = [s + (False,) for s in shapes] if shapes else (
         [s + (False,) for s in SITE_ROUTE_SHAPES] + [s + (True,) for s in SITE_ROUTE_WAV_SHAPES])
     for tokens, d, n, heads, wav in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
-        vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
-        q = torch.randn(d, device="cuda", generator=gen) / d**0.5
-        w = torch.rand(d, device="cuda", generator=gen) + 0.5
-        g = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
-        bias = torch.randn(n, device="cuda", generator=gen) if wav else None
-        scale = torch.rand(n, tokens, device="cuda", generator=gen) + 0.5 if wav else None
-        acc = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] if wav else None
+        vals, q, w, g, bias, scale, acc = _site_inputs(tokens, d, n, heads, wav)
         with torch.no_grad():
             out, lse, _ = route_triton.route_forward(vals, None, q, w, bias, scale, heads, 1e-6)
         row = dict(tokens=tokens, d=d, n=n, heads=heads, wav=wav, floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
@@ -523,12 +531,7 @@ def launch_ab(rounds: int = 7) -> list[dict]:
     first or last); per launch the median of the rounds' medians and the spread."""
     rows = []
     for (tokens, d, n, heads, wav), candidates in LAUNCH_AB.items():
-        gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
-        vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
-        q = torch.randn(d, device="cuda", generator=gen) / d**0.5
-        w = torch.rand(d, device="cuda", generator=gen) + 0.5
-        bias = torch.randn(n, device="cuda", generator=gen) if wav else None
-        scale = torch.rand(n, tokens, device="cuda", generator=gen) + 0.5 if wav else None
+        vals, q, w, _, bias, scale, _ = _site_inputs(tokens, d, n, heads, wav)
         launches = {"default": None, **candidates}
         names = list(launches)
         times: dict[str, list[float]] = {name: [] for name in names}

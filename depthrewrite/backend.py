@@ -25,12 +25,12 @@ with them); ``accumulate_in_place`` (default False: not yet run on a GPU): each 
 its new running sums into the old ones instead of new tensors
 (``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`), so the two
 do not exist side by side while it runs; ``recompute_partial_sums`` (default True;
-:mod:`depthrewrite.recompute`): the
-partial sums that WAV and DAR make at every site are recomputed in the backward from the
-branch outputs instead of saved for it (H200, 350M: peak 1.27x -> 1.19x the plain
-model's for WAV, 1.29x -> 1.24x for DAR block, step time level to 2 % longer in two runs;
-docs/benchmarks.md session 13); every other key is an Inductor config patch
-applied to this compilation only (``config_patches``, never a global assignment).
+:mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
+recomputed in the backward from the branch outputs instead of saved for it (H200, 350M:
+peak 1.27x -> 1.19x the plain model's for WAV, 1.29x -> 1.24x for DAR block, step time
+level to 2 % longer in two runs; docs/benchmarks.md session 13); every other key is an
+Inductor config patch applied to this compilation only (``config_patches``, never a
+global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
 (:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.

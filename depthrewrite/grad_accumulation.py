@@ -37,8 +37,6 @@ _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
 #: the default most heads of a route_backward call that gets running sums; None: no limit
 #: (module docstring)
 MAX_HEADS: int | None = None
-#: position of ``heads`` in route_backward's arguments
-_HEADS_ARG = 9
 
 
 def _route_gradient(node: fx.Node, max_heads: int | None) -> tuple[fx.Node, int, int] | None:
@@ -57,13 +55,23 @@ def _route_gradient(node: fx.Node, max_heads: int | None) -> tuple[fx.Node, int,
     return (call, which, source) if which in _ACC_ARG else None
 
 
+def _arguments(call: fx.Node) -> dict:
+    """Every argument of an op call by name, as the op's schema binds them (its defaults
+    for those not given)."""
+    schema = call.target._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), call.args))
+    bound.update(call.kwargs)
+    return bound
+
+
 def _heads(call: fx.Node) -> int:
-    return call.args[_HEADS_ARG] if len(call.args) > _HEADS_ARG else call.kwargs["heads"]
+    return _arguments(call)["heads"]
 
 
 def _source_count(call: fx.Node, which: int) -> int:
-    values, keys = call.args[3], call.args[4]
-    return len(values) if which == 0 else len(keys or ())
+    bound = _arguments(call)
+    return len(bound["values"]) if which == 0 else len(bound["keys"] or ())
 
 
 def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_HEADS) -> int:
@@ -96,10 +104,6 @@ def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_
     return rewritten
 
 
-#: route_backward's arguments before the running sums, with the defaults of those that have one
-_CALL_ARGS = ("grad_out", "out", "lse", "values", "keys", "query", "key_norm_weight", "logit_bias", "source_scale",
-              "heads", "eps", "grad_normed", "out_norm_weight", "out_norm_eps")
-_CALL_DEFAULTS = {"grad_normed": None, "out_norm_weight": None, "out_norm_eps": 1e-6}
 #: ops whose outputs are new tensors that a running sum may be: the chain's additions, the
 #: routing backwards' gradients and the buffers this pass makes for them (a running sum
 #: made by any other op is left alone: some, like ``aten._unsafe_view``, return storage
@@ -189,8 +193,7 @@ def write_running_sums_in_place(graph: fx.Graph) -> int:
 
 
 def _replace_in_place(graph: fx.Graph, call: fx.Node, running: dict, users: dict) -> None:
-    bound = {**_CALL_DEFAULTS, **dict(zip(_CALL_ARGS, call.args)),
-             **{k: v for k, v in call.kwargs.items() if k in _CALL_ARGS}}
+    bound = _arguments(call)
     sources = {0: bound["values"], 1: bound["keys"] or []}
     outputs, index = {}, {}
     with graph.inserting_before(call):
@@ -198,9 +201,11 @@ def _replace_in_place(graph: fx.Graph, call: fx.Node, running: dict, users: dict
             sums = running[which] or [None] * len(lst)
             index[which] = [i for i, r in enumerate(sums) if r is not None]
             outputs[which] = [r if r is not None else _empty_like(graph, source) for r, source in zip(sums, lst)]
-        into = graph.call_function(torch.ops.depthrewrite.route_backward_into_.default,
-                                   tuple(bound[name] for name in _CALL_ARGS)
-                                   + (outputs[0], index[0], outputs[1], index[1]))
+        # route_backward's own arguments, then the outputs in place of the running sums
+        bound.update(grad_values=outputs[0], values_acc_index=index[0], grad_keys=outputs[1],
+                     keys_acc_index=index[1])
+        into_op = torch.ops.depthrewrite.route_backward_into_.default
+        into = graph.call_function(into_op, tuple(bound[a.name] for a in into_op._schema.arguments))
     old = call.meta["val"]
     into.meta["val"] = tuple(old[2:])
     for which, nodes in users.items():

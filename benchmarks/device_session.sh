@@ -7,7 +7,7 @@
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
-#   OUT=... bash benchmarks/device_session.sh memory   # WAV and full MHAR with and without accumulate_in_place
+#   OUT=... bash benchmarks/device_session.sh memory   # WAV and full MHAR with running sums in place and as new tensors
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -57,13 +57,13 @@ e2e)
   grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -30
   ;;
 memory)
-  # the backend's accumulate_in_place against its default (new running sums), peak memory
-  # and step time side by side (~5 minutes: the five models compile together, then are
-  # timed one at a time). Session 13's A/B of recompute_partial_sums: --schemes baseline wav
-  # wav_keepsums dar_block dar_block_keepsums
+  # the backend's memory options against their defaults, peak memory and step time side by
+  # side (~4 minutes: the five models compile together, then are timed one at a time):
+  # running sums written in place (the default) against new tensors. Session 13's A/B of
+  # recompute_partial_sums: --schemes baseline wav wav_keepsums dar_block dar_block_keepsums
   export PYTHONPATH=$PWD
   timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
-      --schemes baseline wav wav_inplace mhar mhar_inplace > "$OUT/memory.txt" 2>&1
+      --schemes baseline wav wav_newsums mhar mhar_newsums > "$OUT/memory.txt" 2>&1
   grep "^|" "$OUT/memory.txt" | tail -8
   ;;
 fsdp2)

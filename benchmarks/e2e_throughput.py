@@ -98,15 +98,16 @@ BACKEND_VARIANTS = {
     # WAV's and DAR's partial sums kept for the backward, as before session 13 (the default
     # since: recomputed in it, depthrewrite.recompute)
     "keepsums": {"recompute_partial_sums": False},
-    # route_backward's running sums written in place (route_backward_into_; not timed yet)
-    "inplace": {"accumulate_in_place": True},
+    # route_backward's running sums as new tensors, as before session 14 (the default since:
+    # written in place where safe, route_backward_into_)
+    "newsums": {"accumulate_in_place": False},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "inplace"),
-    "mhar": ("unfenced", "noacc", "acc1", "cg", "inplace"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums"),
+    "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums"),
     "block_attnres": ("unfenced", "cg"),
     "mhar_block": ("unfenced", "cg"),
 }
@@ -118,15 +119,19 @@ CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffix
 #: the baseline recorded as CUDA graphs too, the reference of the "_cg" variants
 CONFIGS["baseline_cg"] = (None, {}, None)
 BACKEND_OPTIONS["baseline_cg"] = BACKEND_VARIANTS["cg"]
-#: kernel-launch variants: configuration suffix -> ``route_triton`` launch constants set in
-#: that configuration's process before it compiles (an A/B of a launch default in one run)
+#: kernel-launch variants: configuration suffix -> (base configurations, launch constants
+#: set in that configuration's process before it compiles: ``route_triton``'s, or another
+#: kernel module's as ``module.CONSTANT``), an A/B of a launch default in one run
 LAUNCH_VARIANTS = {
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
-    "launch11": {"CAPPED_BACKWARD_MAXNREG": None, "CAPPED_BACKWARD_PER_SM": 4, "MULTI_HEAD_BACKWARD_PER_SM": 4},
+    "launch11": (("wav", "mhar_block", "mhar", "attnres"),
+                 {"CAPPED_BACKWARD_MAXNREG": None, "CAPPED_BACKWARD_PER_SM": 4, "MULTI_HEAD_BACKWARD_PER_SM": 4}),
+    # route_many's forward: the fused one-pass kernel or the split logits + mix passes
+    **{f"{kind}fwd": (("block_attnres", "mhar_block", "dar_block", "attnres"), {"route_many_triton.FORWARD": kind})
+       for kind in ("fused", "split")},
 }
-LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, patch in LAUNCH_VARIANTS.items()
-                  for base in ("wav", "mhar_block", "mhar", "attnres")}
+LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
@@ -152,13 +157,16 @@ def _build(name: str):
 
     import depthrewrite
     from depthrewrite.backend import depthrewrite_backend
-    from depthrewrite.kernels import route_triton
+    from depthrewrite.kernels import route_many_triton, route_triton
     from depthrewrite.models.gpt import gpt_from_preset
 
-    for constant, value in LAUNCH_PATCHES.get(name, {}).items():
-        if not hasattr(route_triton, constant):
-            raise AttributeError(f"{name}: route_triton has no launch constant {constant}")
-        setattr(route_triton, constant, value)
+    modules = {"route_triton": route_triton, "route_many_triton": route_many_triton}
+    for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
+        module, _, constant = qualified.rpartition(".")
+        module = modules[module or "route_triton"]
+        if not hasattr(module, constant):
+            raise AttributeError(f"{name}: {module.__name__} has no launch constant {constant}")
+        setattr(module, constant, value)
     scheme, options, _ = CONFIGS[name]
     torch.manual_seed(0)
     model = gpt_from_preset("medium", max_seq_len=SEQ)

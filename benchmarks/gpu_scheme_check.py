@@ -59,12 +59,15 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            # the backend's recompute_partial_sums (the partial sums recomputed in the backward;
            # WAV in one block of 4 sites: its default blocks of 2 sites have no sums to recompute)
            "wav_recompute": ("wav", {"block_size": 4}), "dar_recompute": ("dar", {}),
-           # the backend's accumulate_in_place (route_backward_into_: running sums written in
-           # place), on the two schemes that route site by site with running sums by default
-           "wav_inplace": ("wav", {}), "mhar_inplace": ("mhar", {})}
+           # the backend's accumulate_in_place off (running sums as new tensors; on by default
+           # since session 14: route_backward_into_ writes them in place), on the two schemes
+           # that route site by site with running sums by default
+           "wav_newsums": ("wav", {}), "mhar_newsums": ("mhar", {})}
 #: backend options per configuration, besides ``inner`` (default: none)
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
-                   "wav_inplace": {"accumulate_in_place": True}, "mhar_inplace": {"accumulate_in_place": True}}
+                   "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False}}
+#: configurations whose backward must have route_backward calls written in place (the default)
+IN_PLACE_EXPECTED = ("wav", "mhar")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 #: bf16: the candidate's error against float64 may be this many times the reference's
 BF16_FACTOR = 4.0
@@ -126,7 +129,7 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
     if BACKEND_OPTIONS.get(scheme, {}).get("recompute_partial_sums"):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
-    if BACKEND_OPTIONS.get(scheme, {}).get("accumulate_in_place"):
+    if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,

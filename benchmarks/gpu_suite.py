@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -354,7 +355,16 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
-                            "_q8w8": {"block_q": 8, "num_warps": 8}}
+                            "_q8w8": {"block_q": 8, "num_warps": 8},
+                            # the split forward (logits pass, then the mix pass) and its launches
+                            "_split": {"forward": "split"}, "_split_fused": {"forward": "fused"},
+                            "_split_lw2": {"forward": "split", "logit_warps": 2},
+                            "_split_lw8": {"forward": "split", "logit_warps": 8},
+                            "_split_lq4": {"forward": "split", "logit_queries": 4},
+                            "_split_t4c128": {"forward": "split", "mix_block_t": 4, "mix_block_cc": 128},
+                            "_split_t1": {"forward": "split", "mix_block_t": 1},
+                            "_split_mw8": {"forward": "split", "mix_warps": 8},
+                            "_split_nopf": {"forward": "split", "prefetch": False}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before
@@ -370,13 +380,17 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
 
 
-def block_phase_timing() -> list[dict]:
+def block_phase_timing(pattern: str | None = None) -> list[dict]:
     """Phase 1 of two-phase Block AttnRes: ``route_many`` (S queries, each source read once)
     against S separate routes over the same N sources (what site-by-site routing costs for
     the completed blocks), both as kernels called directly, forward + backward, bf16. The
     floor of route_many: forward N + S rows, backward N + 2S read and N written (each N
-    twice with keys: values and keys read, both gradients written)."""
+    twice with keys: values and keys read, both gradients written). ``pattern``: time only
+    the variants whose names it matches (a regular expression), and the defaults."""
     from depthrewrite.kernels import route_many_triton
+
+    def chosen(variants: dict) -> dict:
+        return {k: v for k, v in variants.items() if not k or pattern is None or re.search(pattern, k)}
 
     rows = []
     for tokens, d, n, s, heads, with_keys in BLOCK_PHASE_SHAPES:
@@ -408,8 +422,8 @@ def block_phase_timing() -> list[dict]:
         row = dict(tokens=tokens, d=d, n=n, s=s, heads=heads, keys=with_keys,
                    floor=(2 * m + 3 * s + m) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
-            for part, fn, variants in (("fwd", many_fwd, BLOCK_PHASE_FWD_VARIANTS),
-                                       ("bwd", many_bwd, BLOCK_PHASE_BWD_VARIANTS)):
+            for part, fn, variants in (("fwd", many_fwd, chosen(BLOCK_PHASE_FWD_VARIANTS)),
+                                       ("bwd", many_bwd, chosen(BLOCK_PHASE_BWD_VARIANTS))):
                 for name, cfg in variants.items():
                     try:
                         row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
@@ -662,6 +676,9 @@ def main() -> int:
     ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
+    ap.add_argument("--variants", default=None, metavar="REGEX",
+                    help="--block-phase-only: only route_many's launch variants whose names match (and the "
+                         "defaults), no site-route timings")
     ap.add_argument("--site-route-only", action="store_true",
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
     ap.add_argument("--design-launch-only", action="store_true",
@@ -688,9 +705,9 @@ def main() -> int:
             fh.write("\n".join(LOG) + "\n\n" + summary + "\n")
 
     if args.block_phase_only:
-        results["block_phase"] = phase_rows = block_phase_timing()
+        results["block_phase"] = phase_rows = block_phase_timing(args.variants)
         dump()
-        results["site_route"] = site_rows = site_route_timing()
+        results["site_route"] = site_rows = [] if args.variants else site_route_timing()
         summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))
         dump(summary)
         print(summary)

@@ -21,10 +21,12 @@ into the running sums instead of leaving a term to sum; measured on H200 at 350M
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
 less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only
 calls with at most that many heads get running sums (an A/B knob; 16-head MHAR is faster
-with them); ``accumulate_in_place`` (default False: not yet run on a GPU): each call writes
+with them); ``accumulate_in_place`` (default True): each call writes
 its new running sums into the old ones instead of new tensors
-(``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`), so the two
-do not exist side by side while it runs; ``recompute_partial_sums`` (default True;
+(``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`) where no later
+reader can see the overwrite, so the two do not exist side by side while it runs (H200,
+350M: peak 1.185x -> 1.158x the plain model's for WAV, 1.259x -> 1.189x for full MHAR,
+step time level; docs/benchmarks.md session 14; ``False`` keeps new tensors); ``recompute_partial_sums`` (default True;
 :mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
 recomputed in the backward from the branch outputs instead of saved for it (H200, 350M:
 peak 1.27x -> 1.19x the plain model's for WAV, 1.29x -> 1.24x for DAR block, step time
@@ -98,7 +100,7 @@ class LoweringReport:
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
     #: the ``accumulate_in_place`` option; ``in_place``: graph kind -> route_backward calls
     #: that write their running sums in place
-    accumulate_in_place: bool = False
+    accumulate_in_place: bool = True
     in_place: dict[str, int] = dataclasses.field(default_factory=dict)
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
     saved_for_backward: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -330,7 +332,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     if max_heads is not None and (isinstance(max_heads, bool) or not isinstance(max_heads, int) or max_heads < 1):
         raise ValueError(f"depthrewrite_backend: options['accumulate_max_heads'] must be a positive int "
                          f"or None (no limit); found {max_heads!r}")
-    in_place = _pop_flag(options, "accumulate_in_place", False)
+    in_place = _pop_flag(options, "accumulate_in_place", True)
     asked_to_recompute = "recompute_partial_sums" in options
     recompute = _pop_flag(options, "recompute_partial_sums", True)
     ops, impls = count_routing_ops(gm.graph)

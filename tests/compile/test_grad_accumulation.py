@@ -54,8 +54,8 @@ def test_aot_eager_with_accumulation_matches_eager(scheme, scheme_options):
     assert report.accumulated["forward"] == 0  # no route_backward in a forward graph
 
 
-# Inductor: DAR with the running sums as new tensors (the default), WAV (fewer calls to
-# compile) with them written in place (Inductor's fallback kernel for a custom op that
+# Inductor: DAR with the running sums as new tensors, WAV (fewer calls to compile) with
+# them written in place (the default) (Inductor's fallback kernel for a custom op that
 # mutates lists of tensors)
 @pytest.mark.parametrize("scheme,in_place", [("dar", False), ("wav", True)])
 def test_inductor_with_accumulation_and_fences_matches_eager(monkeypatch, scheme, in_place):
@@ -69,18 +69,18 @@ def test_inductor_with_accumulation_and_fences_matches_eager(monkeypatch, scheme
 @pytest.mark.parametrize("scheme,scheme_options", [("wav", {"two_phase": False}),
                                                    ("dar", {"variant": "dar", "two_phase": False})])
 def test_running_sums_written_in_place_give_the_same_gradients(scheme, scheme_options):
-    """``accumulate_in_place``: route_backward_into_ writes the running sums in place; the
-    float32 loss and every gradient are bit for bit those of the new-tensor form."""
+    """``accumulate_in_place`` (on by default: the option not given): route_backward_into_
+    writes the running sums in place; the float32 loss and every gradient are bit for bit
+    those of the new-tensor form (``False``)."""
     model = _model(scheme, **scheme_options)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     results = {}
-    for in_place in (False, True):
+    for in_place, option in ((False, {"accumulate_in_place": False}), (True, {})):
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
-                                 options={"inner": "aot_eager", "accumulate_in_place": in_place})
+        compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager", **option})
         results[in_place] = _loss_and_grads(model, compiled, idx), backend.last_report()
     ((loss, grads), new_sums), ((loss_i, grads_i), in_place) = results[False], results[True]
-    assert in_place.in_place["backward"] > 0 and new_sums.in_place == {}
+    assert in_place.accumulate_in_place and in_place.in_place["backward"] > 0 and new_sums.in_place == {}
     assert in_place.accumulated == new_sums.accumulated
     assert torch.equal(loss_i, loss) and grads_i.keys() == grads.keys()
     for name in grads:

@@ -127,9 +127,6 @@ LAUNCH_VARIANTS = {
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
     "launch11": (("wav", "mhar_block", "mhar", "attnres"),
                  {"CAPPED_BACKWARD_MAXNREG": None, "CAPPED_BACKWARD_PER_SM": 4, "MULTI_HEAD_BACKWARD_PER_SM": 4}),
-    # route_many's forward: the fused one-pass kernel or the split logits + mix passes
-    **{f"{kind}fwd": (("block_attnres", "mhar_block", "dar_block", "attnres"), {"route_many_triton.FORWARD": kind})
-       for kind in ("fused", "split")},
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -355,16 +355,7 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
-                            "_q8w8": {"block_q": 8, "num_warps": 8},
-                            # the split forward (logits pass, then the mix pass) and its launches
-                            "_split": {"forward": "split"}, "_split_fused": {"forward": "fused"},
-                            "_split_lw2": {"forward": "split", "logit_warps": 2},
-                            "_split_lw8": {"forward": "split", "logit_warps": 8},
-                            "_split_lq4": {"forward": "split", "logit_queries": 4},
-                            "_split_t4c128": {"forward": "split", "mix_block_t": 4, "mix_block_cc": 128},
-                            "_split_t1": {"forward": "split", "mix_block_t": 1},
-                            "_split_mw8": {"forward": "split", "mix_warps": 8},
-                            "_split_nopf": {"forward": "split", "prefetch": False}}
+                            "_q8w8": {"block_q": 8, "num_warps": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before

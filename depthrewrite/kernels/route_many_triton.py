@@ -86,21 +86,6 @@ MANY_ELEMS = 8192
 #: without keys 1 warp is as fast as 2 at d = 1024 and 2.4x slower at d = 2048).
 FORWARD_QUERIES = 2
 KEYED_NARROW_FORWARD_WARPS = 1
-#: which forward runs: "fused" (``_route_many_fwd_kernel``: one pass per chunk of
-#: FORWARD_QUERIES queries, a (Q, H, C) output accumulator per token) or "split" (the logits
-#: and log-sum-exps of all queries in one pass over the keys, ``_route_many_logits_kernel``,
-#: then the outputs in a streaming pass over the values, ``_route_many_mix_kernel``)
-FORWARD = "fused"
-FORWARD_CHOICES = ("fused", "split")
-#: the split forward's launches: warps of the logits pass (its (Q, H, C) query tile in
-#: registers: 64 per thread for 8 queries at d = 1024 with 4 warps); the mix pass's tile of
-#: at most SPLIT_MIX_ELEMS fp32 accumulators (queries x tokens x columns), columns per tile
-#: at most SPLIT_MIX_COLUMNS (within one head), queries per tile at most SPLIT_MIX_QUERIES
-SPLIT_LOGIT_WARPS = 4
-SPLIT_MIX_ELEMS = 4096
-SPLIT_MIX_COLUMNS = 256
-SPLIT_MIX_QUERIES = 8
-SPLIT_MIX_WARPS = 4
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -217,87 +202,6 @@ def _route_many_fwd_kernel(
     tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
     lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
     tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
-
-
-@triton.jit
-def _route_many_logits_kernel(
-    like_ptr, ktab, ltab, z_ptr, qw_ptr, N, S, D, C, H, S_CHUNK, q0, eps,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    """The split forward's first pass: one token per program, the logits of a chunk of
-    queries (from ``q0``) against every source's key row (the source itself without
-    separate keys) into the ``(T, N, S, H)`` table at ``z_ptr``, and the queries'
-    log-sum-exps; no output accumulator (the second pass, ``_route_many_mix_kernel``, forms
-    the outputs), so a program holds one ``(Q, H, C)`` tile (``w_s * g_s``), not two."""
-    tok = tl.program_id(0).to(tl.int64)
-    ptr_ty = tl.pointer_type(like_ptr.dtype.element_ty)
-    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
-    offs = tok * D + col
-    m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
-    z_rows = (q0 + qq[:, None]) * H + hh[None, :]  # (query, head) within a (token, source) slab
-    if PREFETCH:
-        k_raw, _ = _load_source(ktab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, False)
-    for i in range(N):
-        if PREFETCH:
-            k = k_raw.to(tl.float32)
-            k_raw, _ = _load_source(ktab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
-                                    ptr_ty, ALIGNED, False)
-        else:
-            k_raw, _ = _load_source(ktab, ktab, i, offs, cmask, ptr_ty, ALIGNED, False)
-            k = k_raw.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
-        z = tl.sum(k[None, :, :] * qw, 2) * rstd
-        tl.store(z_ptr + (tok * N + i) * S * H + z_rows, z, mask=hq)
-        m_new = tl.maximum(m, z)
-        l = l * tl.exp(m - m_new) + tl.exp(z - m_new)
-        m = m_new
-    lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
-    tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], m + tl.log(l), mask=hq)
-
-
-@triton.jit
-def _route_many_mix_kernel(
-    like_ptr, vtab, otab, ltab, z_ptr, T, N, S, D, C, H, column_blocks,
-    BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CC: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    """The split forward's second pass: ``out_s = sum_i exp(z_si - lse_s) v_i`` on a tile
-    of BLOCK_T tokens and BLOCK_CC columns of one head, for a chunk of BLOCK_Q queries: each
-    value row block read once for all of them, no reduction across threads (the logits and
-    log-sum-exps come from ``_route_many_logits_kernel``)."""
-    act = like_ptr.dtype.element_ty
-    ptr_ty = tl.pointer_type(act)
-    h = tl.program_id(1) // column_blocks
-    cc = (tl.program_id(1) % column_blocks) * BLOCK_CC + tl.arange(0, BLOCK_CC)
-    q0 = tl.program_id(2) * BLOCK_Q
-    qq = q0 + tl.arange(0, BLOCK_Q)
-    qmask = qq < S
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    tmask = tok < T
-    col = h * C + cc
-    mask = tmask[:, None] & (cc < C)[None, :]
-    offs = tok[:, None] * D + col[None, :]
-    qt = qmask[:, None] & tmask[None, :]
-    lse = tl.load(_table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))[:, None] + (tok * H + h)[None, :],
-                  mask=qt, other=0.0)
-    z_rows = tok[None, :] * N * S * H + qq[:, None] * H + h  # (query, token) of source 0
-    acc = tl.zeros((BLOCK_Q, BLOCK_T, BLOCK_CC), tl.float32)
-    if PREFETCH:
-        v_raw, _ = _load_source(vtab, vtab, 0, offs, mask, ptr_ty, ALIGNED, False)
-    for i in range(N):
-        if PREFETCH:
-            v = v_raw.to(tl.float32)
-            v_raw, _ = _load_source(vtab, vtab, tl.minimum(i + 1, N - 1), offs, _more_sources(tok, i, N, mask),
-                                    ptr_ty, ALIGNED, False)
-        else:
-            v_raw, _ = _load_source(vtab, vtab, i, offs, mask, ptr_ty, ALIGNED, False)
-            v = v_raw.to(tl.float32)
-        a = tl.exp(tl.load(z_ptr + z_rows + i * S * H, mask=qt, other=0.0) - lse)
-        acc += a[:, :, None] * v[None, :, :]
-    out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
-    tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask[:, None, None] & mask[None, :, :])
 
 
 @triton.jit
@@ -554,16 +458,12 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices: ``forward`` ("fused" or "split", FORWARD_CHOICES),
-    ``prefetch``; the fused forward's ``block_q``, ``many_elems``, ``num_warps``; the split
-    forward's ``logit_queries``, ``logit_warps``, ``mix_block_t``, ``mix_block_cc``,
-    ``mix_warps``. The fused forward takes one token per program: several (the layout of
-    ``route``'s forward) was slower at every measured shape, up to 4x with 16 heads
-    (docs/benchmarks.md, session 9)."""
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``).
+    One token per program: several (the layout of ``route``'s forward) was slower at every
+    measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": True, **(config or {})}
     prefetch = _check_prefetch(cfg["prefetch"], "route_many")
-    kind = _forward_kind(cfg)
     s, d = queries.shape[0], values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     # the kernels take (tokens, d) rows behind each pointer: contiguous tensors of any batch shape
@@ -573,65 +473,19 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     tokens = _tokens(flat_v)
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty(shape[:-1] + (heads,), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
-    if tokens == 0:
-        return out, lse
-    qw = _per_query_rows(queries, key_norm_weights)
-    vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
-    tables = (vtab, otab, ltab, ktab if flat_k else vtab)
-    aligned = _aligned(flat_v, out, flat_k)
-    if kind == "split":
-        _split_forward(flat_v[0], tables, qw, tokens, len(values), heads, eps, cfg, prefetch, aligned)
-        return out, lse
-    block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
-    # the same for every chunk of queries
-    launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=aligned,
-                  HAS_KEYS=bool(flat_k),
-                  num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
-    for q0 in range(0, s, block_q):
-        chunk = min(block_q, s - q0)
-        args = (flat_v[0], vtab, tables[3], otab[q0:], ltab[q0:], qw[q0:])
-        _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps), **launch)
+    if tokens > 0:
+        qw = _per_query_rows(queries, key_norm_weights)
+        vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
+        block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
+        # the same for every chunk of queries
+        launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
+                      ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
+                      num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
+        for q0 in range(0, s, block_q):
+            chunk = min(block_q, s - q0)
+            args = (flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:])
+            _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps), **launch)
     return out, lse
-
-
-def _power_of_two(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise ValueError(f"route_many (Triton): config {name} must be a power of two; found {value!r}")
-    return value
-
-
-def _forward_kind(cfg: dict) -> str:
-    """The forward of a call: ``cfg["forward"]`` (checked), else FORWARD."""
-    choice = cfg.get("forward") or FORWARD
-    if choice not in FORWARD_CHOICES:
-        raise ValueError(f"route_many (Triton): config forward must be one of {FORWARD_CHOICES}; found {choice!r}")
-    return choice
-
-
-def _split_forward(like: Tensor, tables: tuple, qw: Tensor, tokens: int, n: int, heads: int, eps: float, cfg: dict,
-                   prefetch: bool, aligned: bool) -> None:
-    """The split forward: the logits of every (token, source, query, head) into an fp32
-    table and the log-sum-exps (``_route_many_logits_kernel``, the keys read once per chunk
-    of queries: one chunk up to ``many_elems`` padded elements), then the outputs
-    (``_route_many_mix_kernel``, the values read once per SPLIT_MIX_QUERIES queries)."""
-    vtab, otab, ltab, ktab = tables
-    s, d = qw.shape
-    c = d // heads
-    block_h, block_c = _row_blocks(d, heads)
-    z = torch.empty((tokens, n, s, heads), dtype=torch.float32, device=like.device)
-    block_q = _query_block(s, block_h * block_c, {**cfg, "block_q": cfg.get("logit_queries")}, None)
-    for q0 in range(0, s, block_q):
-        _route_many_logits_kernel[(tokens,)](
-            like, ktab, ltab[q0:], z, qw[q0:], n, s, d, c, heads, min(block_q, s - q0), q0, float(eps),
-            BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=aligned,
-            num_warps=cfg.get("logit_warps") or SPLIT_LOGIT_WARPS)
-    mix_q = min(_next_pow2(s), SPLIT_MIX_QUERIES)
-    block_cc = _power_of_two(cfg.get("mix_block_cc") or min(_next_pow2(c), SPLIT_MIX_COLUMNS), "mix_block_cc")
-    block_t = _power_of_two(cfg.get("mix_block_t") or max(1, SPLIT_MIX_ELEMS // (mix_q * block_cc)), "mix_block_t")
-    column_blocks = triton.cdiv(c, block_cc)
-    _route_many_mix_kernel[(triton.cdiv(tokens, block_t), heads * column_blocks, triton.cdiv(s, mix_q))](
-        like, vtab, otab, ltab, z, tokens, n, s, d, c, heads, column_blocks, BLOCK_Q=mix_q, BLOCK_T=block_t,
-        BLOCK_CC=block_cc, PREFETCH=prefetch, ALIGNED=aligned, num_warps=cfg.get("mix_warps") or SPLIT_MIX_WARPS)
 
 
 def _many_forward_warps(heads: int, row: int, has_keys: bool) -> int:

@@ -133,34 +133,6 @@ def test_route_many_kernels_match_float64(n, s, batch, d, heads, keys, dtype):
             assert _rel(got, want) < 2e-5, (name, _rel(got, want))
 
 
-SPLIT_CONFIGS = [
-    {"forward": "split"},
-    # several tokens and narrow column blocks per mix tile (partial tiles of odd token
-    # counts), the logits in chunks of 2 queries, no prefetch
-    {"forward": "split", "mix_block_t": 4, "mix_block_cc": 16, "logit_queries": 2, "prefetch": False},
-]
-
-
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(f"{k}_{v}" for k, v in c.items()))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,s,batch,d,heads,keys", [c + (False,) for c in CASES] + [c + (True,) for c in KEY_CASES])
-def test_split_forward_matches_float64(n, s, batch, d, heads, keys, dtype, config):
-    """The split forward (logits and log-sum-exps over the keys, then the outputs over the
-    values): every output and log-sum-exp against float64, at the fused forward's tolerances."""
-    inp = _make(n, s, batch, d, heads, dtype, n * 100 + s, keys)
-    out, lse = route_many_triton.route_many_forward(
-        [v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE), heads,
-        1e-6, config, keys=None if inp["keys"] is None else [k.to(DEVICE) for k in inp["keys"]])
-    zeros = [torch.zeros(o.shape) for o in out], [torch.zeros(t.shape) for t in lse]
-    exact_out, exact_lse, _ = _oracle_f64(inp, *zeros)
-    for o, e in zip(out, exact_out.unbind(0)):
-        assert o.dtype == dtype and _rel(o.cpu(), e) < TOL[dtype]
-    for t, e in zip(lse, exact_lse.unbind(0)):
-        assert t.dtype == torch.float32 and (t.cpu().double() - e).abs().max().item() < 1e-4
-    if n == 1:  # one source: weight exactly 1, the output is the source bit for bit
-        assert all(torch.equal(o.cpu(), inp["values"][0]) for o in out)
-
-
 def test_query_chunks_match_one_launch():
     """Queries taken in chunks (each chunk re-reads the sources and adds into the source
     gradients) give the same result as one launch for all of them, up to the order of the
@@ -182,8 +154,6 @@ VARIANTS = [
     {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
-    {"forward": "split"},  # the backward of the split forward's outputs (with either backward)
-    {"forward": "split", "backward": "per_token"},
 ]
 
 
@@ -226,15 +196,6 @@ def test_unknown_backward_is_refused():
                                          r"found 2"):  # the forward's check
         route_many_triton.route_many_forward([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE),
                                              inp["key_norm_weights"].to(DEVICE), 1, 1e-6, {"prefetch": 2})
-    for config, message in (({"forward": "two_pass"}, r"config forward must be one of \('fused', 'split'\); "
-                                                      r"found 'two_pass'"),
-                            ({"forward": "split", "mix_block_cc": 96}, r"config mix_block_cc must be a power of two; "
-                                                                       r"found 96"),
-                            ({"forward": "split", "mix_block_t": True}, r"config mix_block_t must be a power of two; "
-                                                                        r"found True")):
-        with pytest.raises(ValueError, match=r"route_many \(Triton\): " + message):
-            route_many_triton.route_many_forward([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE),
-                                                 inp["key_norm_weights"].to(DEVICE), 1, 1e-6, config)
 
 
 def test_backward_is_deterministic():

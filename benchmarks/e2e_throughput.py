@@ -101,12 +101,15 @@ BACKEND_VARIANTS = {
     # route_backward's running sums as new tensors, as before session 14 (the default since:
     # written in place where safe, route_backward_into_)
     "newsums": {"accumulate_in_place": False},
+    # the branch outputs that the partial sums are rebuilt from recomputed too (their matmuls
+    # run again in the backward)
+    "branch": {"recompute_branch_outputs": True},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
-    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums"),
+    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums"),
     "block_attnres": ("unfenced", "cg"),
     "mhar_block": ("unfenced", "cg"),

@@ -62,10 +62,13 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            # the backend's accumulate_in_place off (running sums as new tensors; on by default
            # since session 14: route_backward_into_ writes them in place), on the two schemes
            # that route site by site with running sums by default
-           "wav_newsums": ("wav", {}), "mhar_newsums": ("mhar", {})}
+           "wav_newsums": ("wav", {}), "mhar_newsums": ("mhar", {}),
+           # the backend's recompute_branch_outputs (the branch matmuls run again in the backward)
+           "wav_branch": ("wav", {"block_size": 4}), "dar_branch": ("dar", {})}
 #: backend options per configuration, besides ``inner`` (default: none)
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
-                   "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False}}
+                   "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False},
+                   "wav_branch": {"recompute_branch_outputs": True}, "dar_branch": {"recompute_branch_outputs": True}}
 #: configurations whose backward must have route_backward calls written in place (the default)
 IN_PLACE_EXPECTED = ("wav", "mhar")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
@@ -127,7 +130,7 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
     ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
-    if BACKEND_OPTIONS.get(scheme, {}).get("recompute_partial_sums"):
+    if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
     if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place

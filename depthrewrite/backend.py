@@ -26,12 +26,15 @@ its new running sums into the old ones instead of new tensors
 (``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`) where no later
 reader can see the overwrite, so the two do not exist side by side while it runs (H200,
 350M: peak 1.185x -> 1.158x the plain model's for WAV, 1.259x -> 1.189x for full MHAR,
-step time level; docs/benchmarks.md session 14; ``False`` keeps new tensors); ``recompute_partial_sums`` (default True;
-:mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
+step time level; docs/benchmarks.md session 14; ``False`` keeps new tensors);
+``recompute_partial_sums`` (default True; :mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
 recomputed in the backward from the branch outputs instead of saved for it (H200, 350M:
 peak 1.27x -> 1.19x the plain model's for WAV, 1.29x -> 1.24x for DAR block, step time
-level to 2 % longer in two runs; docs/benchmarks.md session 13); every other key is an
-Inductor config patch applied to this compilation only (``config_patches``, never a
+level to 2 % longer in two runs; docs/benchmarks.md session 13);
+``recompute_branch_outputs`` (default False; needs ``recompute_partial_sums``): the branch
+outputs those sums are rebuilt from are not saved either, their linear layers' matmuls run
+again in the backward (one activation per site less for one matmul per site more,
+:mod:`depthrewrite.recompute`); every other key is an Inductor config patch applied to this compilation only (``config_patches``, never a
 global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
@@ -335,9 +338,14 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     in_place = _pop_flag(options, "accumulate_in_place", True)
     asked_to_recompute = "recompute_partial_sums" in options
     recompute = _pop_flag(options, "recompute_partial_sums", True)
+    branch_outputs = _pop_flag(options, "recompute_branch_outputs", False)
+    if branch_outputs and not recompute:
+        raise ValueError("depthrewrite_backend: options['recompute_branch_outputs'] needs recompute_partial_sums "
+                         "(the branch outputs are saved for the partial sums' recomputation); found "
+                         "recompute_partial_sums=False")
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
-    recomputed = mark_recomputable(gm.graph) if recompute else None
+    recomputed = mark_recomputable(gm.graph, branch_outputs) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
                             accumulate_max_heads=max_heads, recomputed=recomputed, accumulate_in_place=in_place)

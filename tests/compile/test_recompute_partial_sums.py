@@ -13,16 +13,17 @@ from torch.utils.checkpoint import CheckpointPolicy
 import depthrewrite
 from depthrewrite import backend
 from depthrewrite.models.gpt import GPT, GPTConfig
-from depthrewrite.recompute import TAG, mark_recomputable
+from depthrewrite.recompute import TAG, branch_output_path, mark_recomputable
 
 
-def _run(scheme: str, scheme_options: dict, recompute: bool | None):
+def _run(scheme: str, scheme_options: dict, recompute: bool | None, **backend_options):
     """Compiled with ``recompute`` as the option (None: not given, the default)."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=32)), scheme,
                                  **scheme_options).train()
-    options = {"inner": "aot_eager"} | ({} if recompute is None else {"recompute_partial_sums": recompute})
+    options = {"inner": "aot_eager", **backend_options} | ({} if recompute is None else
+                                                           {"recompute_partial_sums": recompute})
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
     idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     _, loss = compiled(idx, idx)
@@ -100,3 +101,43 @@ def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_p
     kept, recomputed = compile_wav(False), compile_wav(True)
     assert kept.saved_for_backward and recomputed.saved_for_backward  # both compiled their backward here
     assert recomputed.saved_for_backward["bytes"] < kept.saved_for_backward["bytes"]
+
+
+@pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2})])
+def test_branch_outputs_recomputed_same_gradients_one_tensor_less_per_site(scheme, scheme_options):
+    """``recompute_branch_outputs``: the branch outputs of the 3 sites with partial sums
+    (one block of 4) are recomputed from their linear layers: float32 loss and gradients
+    bit for bit those without it, 3 tensors of one activation each fewer saved."""
+    loss, grads, sums = _run(scheme, scheme_options, recompute=None)
+    loss_b, grads_b, branch = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=True)
+    assert torch.equal(loss_b, loss) and grads_b.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads_b[name], grads[name]), name
+    activation = 2 * 32 * 64 * 4  # (batch, sequence, d) float32
+    assert sums.saved_for_backward["tensors"] - branch.saved_for_backward["tensors"] == 3
+    assert sums.saved_for_backward["bytes"] - branch.saved_for_backward["bytes"] == 3 * activation
+    assert set(sums.recomputed) < set(branch.recomputed)
+
+
+def test_branch_outputs_need_recomputed_sums():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"options\['recompute_branch_outputs'\] needs recompute_partial_sums .*"
+                                         r"found recompute_partial_sums=False"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"recompute_branch_outputs": True,
+                                                                        "recompute_partial_sums": False})
+
+
+def test_branch_output_path_stops_at_random_or_unknown_ops():
+    """Followed to a linear layer through casts and a dropout of probability 0; a dropout
+    that draws random numbers, or any other producer, gives no path (the output stays saved)."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    lin = graph.call_function(torch.nn.functional.linear, (x, w))
+    cast = graph.call_method("to", (lin, torch.bfloat16))
+    kept = graph.call_function(torch.nn.functional.dropout, (cast,), {"p": 0.0, "training": True})
+    random = graph.call_function(torch.nn.functional.dropout, (lin,), {"p": 0.1, "training": True})
+    other = graph.call_function(torch.relu, (lin,))
+    graph.output((kept, random, other))
+    assert branch_output_path(kept) == [kept, cast, lin]
+    assert branch_output_path(random) == [] and branch_output_path(other) == []
+    assert branch_output_path(kept, max_steps=1) == []  # two pass-through ops before the linear

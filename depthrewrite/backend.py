@@ -21,21 +21,23 @@ into the running sums instead of leaving a term to sum; measured on H200 at 350M
 block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
 less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only
 calls with at most that many heads get running sums (an A/B knob; 16-head MHAR is faster
-with them); ``accumulate_in_place`` (default True): each call writes
-its new running sums into the old ones instead of new tensors
-(``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`) where no later
-reader can see the overwrite, so the two do not exist side by side while it runs (H200,
-350M: peak 1.185x -> 1.158x the plain model's for WAV, 1.259x -> 1.189x for full MHAR,
-step time level; docs/benchmarks.md session 14; ``False`` keeps new tensors);
-``recompute_partial_sums`` (default True; :mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
+with them); ``accumulate_in_place`` (default True): each call writes its new running sums
+into the old ones instead of new tensors (``depthrewrite::route_backward_into_``,
+:mod:`depthrewrite.ops.route_into`) where no later reader can see the overwrite, so the
+two do not exist side by side while it runs (H200, 350M: peak 1.185x -> 1.158x the plain
+model's for WAV, 1.259x -> 1.189x for full MHAR, step time level; docs/benchmarks.md
+session 14; ``False`` keeps new tensors); ``recompute_partial_sums`` (default True;
+:mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
 recomputed in the backward from the branch outputs instead of saved for it (H200, 350M:
 peak 1.27x -> 1.19x the plain model's for WAV, 1.29x -> 1.24x for DAR block, step time
 level to 2 % longer in two runs; docs/benchmarks.md session 13);
 ``recompute_branch_outputs`` (default False; needs ``recompute_partial_sums``): the branch
 outputs those sums are rebuilt from are not saved either, their linear layers' matmuls run
 again in the backward (one activation per site less for one matmul per site more,
-:mod:`depthrewrite.recompute`); every other key is an Inductor config patch applied to this compilation only (``config_patches``, never a
-global assignment).
+:mod:`depthrewrite.recompute`; H200, 350M: peak 1.158x -> 1.091x the plain model's for
+WAV, 1.236x -> 1.169x for DAR block, each step 3 % longer; docs/benchmarks.md session 14);
+every other key is an Inductor config patch applied to
+this compilation only (``config_patches``, never a global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
 (:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.

@@ -48,7 +48,11 @@ per-token kernel holds ``(Q, H, C)`` fp32 tiles: 255 registers and spills at one
 d = 1024, 6 queries padded to 8, 4 warps; the tiled one walks its
 pairs one after another). A tensor-core formulation (tiles of tokens, the reductions as
 ``tl.dot``) was built and measured slower (2x in the backward at these shapes: N and S
-padded to 16, split fp32 factors); it is in the history (commit 9091829), not here.
+padded to 16, split fp32 factors); it is in the history (commit 9091829), not here. So
+is a split forward (commit 5112666: the logits and log-sum-exps of all queries in one
+pass over the keys, then the outputs in a streaming pass over the values, no reduction
+across threads): slower at every block-phase shape (0.41 against 0.38 ms at N = 4, 0.71
+against 0.36 at N = 8, 7-8x with 16 heads; docs/benchmarks.md session 14).
 """
 
 from __future__ import annotations

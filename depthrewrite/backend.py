@@ -36,8 +36,8 @@ outputs those sums are rebuilt from are not saved either, their linear layers' m
 again in the backward (one activation per site less for one matmul per site more,
 :mod:`depthrewrite.recompute`; H200, 350M: peak 1.158x -> 1.091x the plain model's for
 WAV, 1.236x -> 1.169x for DAR block, each step 3 % longer; docs/benchmarks.md session 14);
-every other key is an Inductor config patch applied to
-this compilation only (``config_patches``, never a global assignment).
+every other key is an Inductor config patch applied to this compilation only
+(``config_patches``, never a global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
 (:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.

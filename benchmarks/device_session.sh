@@ -7,7 +7,7 @@
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
-#   OUT=... bash benchmarks/device_session.sh memory   # WAV and full MHAR with running sums in place and as new tensors
+#   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -57,13 +57,15 @@ e2e)
   grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -30
   ;;
 memory)
-  # the backend's memory options against their defaults, peak memory and step time side by
-  # side (~4 minutes: the five models compile together, then are timed one at a time):
-  # running sums written in place (the default) against new tensors. Session 13's A/B of
-  # recompute_partial_sums: --schemes baseline wav wav_keepsums dar_block dar_block_keepsums
+  # the backend's memory options, peak memory and step time side by side (~4 minutes: the
+  # five models compile together, then are timed one at a time): DAR block and WAV with
+  # their defaults (since session 14 DAR's merges recompute their float32 copies, not yet
+  # run on a GPU) and with recompute_branch_outputs. Earlier A/Bs: session 13 --schemes
+  # baseline wav wav_keepsums dar_block dar_block_keepsums; session 14 baseline wav
+  # wav_newsums mhar mhar_newsums
   export PYTHONPATH=$PWD
   timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
-      --schemes baseline wav wav_newsums mhar mhar_newsums > "$OUT/memory.txt" 2>&1
+      --schemes baseline wav wav_branch dar_block dar_block_branch > "$OUT/memory.txt" 2>&1
   grep "^|" "$OUT/memory.txt" | tail -8
   ;;
 fsdp2)

@@ -13,6 +13,11 @@ passes per site). With the option off the tags change nothing. On the H200 at 35
 (docs/benchmarks.md session 13, two runs side by side): WAV's peak 20.56 -> 19.25 GiB,
 DAR block's 20.90 -> 20.08 GiB, each step level to 2 % longer (one host-bound WAV run 11 %).
 
+Besides the sums, ``merge_partial`` (the two-phase merge) tags its float32 copy of the
+phase-1 output: saved, that copy is twice the bytes of the output it is made from (DAR
+block's saved set on the CPU, d = 128, 12 layers: 243.9 -> 227.9 units, the plain model's
+209.9; docs/design.md).
+
 With ``recompute_branch_outputs`` as well (off by default) the branch outputs those sums
 are made from are not saved either: the backend follows each tagged sum's other inputs up
 to the linear layer that made them (through a dropout of probability 0, dtype conversions

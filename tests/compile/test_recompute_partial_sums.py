@@ -52,7 +52,7 @@ def test_recomputed_partial_sums_same_gradients_fewer_saved_tensors(scheme, sche
 
 
 def test_recompute_without_partial_sums_marks_nothing_and_bad_value_is_refused(caplog):
-    _, _, report = _run("block_attnres", {}, recompute=True)
+    _, _, report = _run("attnres", {"group_size": None}, recompute=True)  # site by site: no sums, no merges
     assert report.recompute_marked == 0
     assert "no partial sums were tagged" in caplog.text
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
@@ -63,7 +63,7 @@ def test_recompute_without_partial_sums_marks_nothing_and_bad_value_is_refused(c
 def test_on_by_default_and_silent_where_nothing_is_tagged(caplog):
     _, _, wav = _run("wav", {"block_size": 4}, recompute=None)
     assert wav.recompute_marked > 0
-    _, _, plain = _run("block_attnres", {}, recompute=None)
+    _, _, plain = _run("attnres", {"group_size": None}, recompute=None)
     assert plain.recompute_marked == 0
     assert "no partial sums were tagged" not in caplog.text  # only a caller who asked is told
 
@@ -141,3 +141,54 @@ def test_branch_output_path_stops_at_random_or_unknown_ops():
     assert branch_output_path(kept) == [kept, cast, lin]
     assert branch_output_path(random) == [] and branch_output_path(other) == []
     assert branch_output_path(kept, max_steps=1) == []  # two pass-through ops before the linear
+
+
+def _saved_by_min_cut(monkeypatch, tag_merges: bool) -> list[torch.Tensor]:
+    """What the backward of a bf16 DAR (two-phase, one block of 4 sites) takes from the
+    forward under the partitioner Inductor uses (min-cut), the partial sums marked as the
+    backend marks them, no code generation; ``tag_merges`` False: ``merge_partial``'s
+    float32 copy of the phase-1 output left untagged."""
+    import contextlib
+    import sys
+
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    if not tag_merges:
+        monkeypatch.setattr(sys.modules["depthrewrite.ops.route_many"], "recomputable", contextlib.nullcontext)
+    saved = []
+
+    def backward(g, _inputs):
+        saved.extend(n.meta["val"] for n in g.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        return make_boxed_func(g.forward)
+
+    inner = aot_autograd(fw_compiler=lambda g, _inputs: make_boxed_func(g.forward), bw_compiler=backward,
+                         partition_fn=min_cut_rematerialization_partition)
+
+    def compiler(gm, example_inputs):
+        mark_recomputable(gm.graph)
+        return inner(gm, example_inputs)
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=4, n_head=2, max_seq_len=32)), "dar",
+                                 layers_per_block=2).to(torch.bfloat16).train()
+    idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.compile(model, backend=compiler, fullgraph=True)(idx, idx)[1].backward()
+    return [t for t in saved if isinstance(t, torch.Tensor)]
+
+
+def test_the_merge_saves_no_float32_copy_of_the_phase_one_output(monkeypatch):
+    """``merge_partial`` upcasts the phase-1 output to float32; tagged, the partitioner makes
+    that copy again in the backward from the bf16 output instead of saving it (twice the
+    bytes): 4 float32 activations fewer here (DAR, 2 blocks, 2 streams)."""
+    tagged = _saved_by_min_cut(monkeypatch, tag_merges=True)
+    monkeypatch.undo()
+    untagged = _saved_by_min_cut(monkeypatch, tag_merges=False)
+    activation = 2 * 32 * 64
+
+    def float32_activations(saved):
+        return sum(1 for t in saved if t.dtype == torch.float32 and t.numel() >= activation)
+
+    assert float32_activations(untagged) - float32_activations(tagged) == 4
+    assert sum(t.nbytes for t in untagged) - sum(t.nbytes for t in tagged) == 4 * activation * 4

@@ -105,10 +105,10 @@ def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_
 
 
 #: ops whose outputs are new tensors that a running sum may be: the chain's additions, the
-#: routing backwards' gradients and the buffers this pass makes for them (a running sum
-#: made by any other op is left alone: some, like ``aten._unsafe_view``, return storage
-#: that another node may still read)
-_FRESH_LISTS = ("route_backward", "route_many_backward", "route_backward_into_")
+#: routing backwards' gradients and the buffers this pass makes for them (``empty_like``;
+#: a running sum made by any other op is left alone: some, like ``aten._unsafe_view``,
+#: return storage that another node may still read)
+_FRESH_LISTS = ("route_backward", "route_many_backward")
 
 
 def _made_fresh(node: fx.Node) -> bool:
@@ -177,6 +177,7 @@ def write_running_sums_in_place(graph: fx.Graph) -> int:
     other source's gradient into a buffer made for it (``empty_like`` the source), and the
     readers of a gradient read that tensor, after the call. Returns how many calls."""
     replaced = 0
+    position = {node: k for k, node in enumerate(graph.nodes)}
     for call in list(graph.nodes):
         if call.op != "call_function" or call.target is not torch.ops.depthrewrite.route_backward.default:
             continue
@@ -184,11 +185,11 @@ def write_running_sums_in_place(graph: fx.Graph) -> int:
         if all(r is None for lst in running.values() for r in lst):
             continue
         users = _gradient_users(call)
-        position = {node: k for k, node in enumerate(graph.nodes)}
         if users is None or not _overwritable(running[0] + running[1], call, position):
             continue
         _replace_in_place(graph, call, running, users)
         replaced += 1
+        position = {node: k for k, node in enumerate(graph.nodes)}  # the nodes it added, in order
     return replaced
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .route import _route_backward_op
+from .route import _route_backward_fake, _route_backward_op
 
 __all__ = ["ROUTE_BACKWARD_INTO_SCHEMA", "running_sums"]
 
@@ -76,9 +76,6 @@ def _route_backward_into_op(grad_out, out, lse, values, keys, query, key_norm_we
 def _route_backward_into_fake(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
                               heads, eps, grad_normed, out_norm_weight, out_norm_eps, grad_values, values_acc_index,
                               grad_keys, keys_acc_index):
-    return (
-        torch.empty_like(query),
-        torch.empty_like(key_norm_weight),
-        query.new_empty((0,)) if logit_bias is None else torch.empty_like(logit_bias),
-        query.new_empty((0,)) if out_norm_weight is None else torch.empty_like(out_norm_weight),
-    )
+    # route_backward's parameter gradients (its source gradients go into the given outputs)
+    return tuple(_route_backward_fake(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias,
+                                      source_scale, heads, eps, grad_normed, out_norm_weight, out_norm_eps)[2:])

@@ -5,8 +5,13 @@ fewer tensors from the forward."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
 
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -148,12 +153,6 @@ def _saved_by_min_cut(monkeypatch, tag_merges: bool) -> list[torch.Tensor]:
     forward under the partitioner Inductor uses (min-cut), the partial sums marked as the
     backend marks them, no code generation; ``tag_merges`` False: ``merge_partial``'s
     float32 copy of the phase-1 output left untagged."""
-    import contextlib
-    import sys
-
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-
     if not tag_merges:
         monkeypatch.setattr(sys.modules["depthrewrite.ops.route_many"], "recomputable", contextlib.nullcontext)
     saved = []
@@ -183,7 +182,6 @@ def test_the_merge_saves_no_float32_copy_of_the_phase_one_output(monkeypatch):
     that copy again in the backward from the bf16 output instead of saving it (twice the
     bytes): 4 float32 activations fewer here (DAR, 2 blocks, 2 streams)."""
     tagged = _saved_by_min_cut(monkeypatch, tag_merges=True)
-    monkeypatch.undo()
     untagged = _saved_by_min_cut(monkeypatch, tag_merges=False)
     activation = 2 * 32 * 64
 

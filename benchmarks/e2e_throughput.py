@@ -26,7 +26,9 @@ GPU idle when it starts; close to the step time means the GPU waits for the host
 allocator's peak reserved memory. The ``_cg`` configurations record the compiled step as
 CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets) and are
 compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
-memory misses the graphs' pool, so their memory is compared by reserved GiB.
+memory misses the graphs' pool, so their memory is compared by reserved GiB. The ``_cdt``
+configurations have Inductor tune each generated kernel's launch by coordinate descent and
+are compared with ``baseline_cdt``, the baseline tuned the same way.
 
 ``--profile``: after the timed trials, each process also records ``PROFILE_STEPS`` steps
 with ``torch.profiler`` and sums the GPU kernel time per category (``KERNEL_CATEGORIES``:
@@ -104,14 +106,17 @@ BACKEND_VARIANTS = {
     # the branch outputs that the partial sums are rebuilt from recomputed too (their matmuls
     # run again in the backward)
     "branch": {"recompute_branch_outputs": True},
+    # Inductor tunes every generated kernel's launch by coordinate descent (slower compiles);
+    # compared with "baseline_cdt", the plain model compiled the same way
+    "cdt": {"coordinate_descent_tuning": True},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
-    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch"),
+    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums"),
-    "block_attnres": ("unfenced", "cg"),
+    "block_attnres": ("unfenced", "cg", "cdt"),
     "mhar_block": ("unfenced", "cg"),
 }
 #: backend options per configuration (default: none)
@@ -120,8 +125,9 @@ BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffix
 CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffixes in VARIANTS_OF.items()
                 for suffix in suffixes})
 #: the baseline recorded as CUDA graphs too, the reference of the "_cg" variants
-CONFIGS["baseline_cg"] = (None, {}, None)
-BACKEND_OPTIONS["baseline_cg"] = BACKEND_VARIANTS["cg"]
+for suffix in ("cg", "cdt"):
+    CONFIGS[f"baseline_{suffix}"] = (None, {}, None)
+    BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
 #: kernel module's as ``module.CONSTANT``), an A/B of a launch default in one run
@@ -411,9 +417,13 @@ def host_table(rows: list[dict]) -> str:
 
 
 def baseline_of(name: str) -> str:
-    """The configuration a row is compared with: the CUDA-graph variants with the baseline
-    recorded as CUDA graphs, the others with the plain Inductor baseline."""
-    return "baseline_cg" if name.endswith("_cg") else "baseline"
+    """The configuration a row is compared with: the CUDA-graph and coordinate-descent
+    variants with the baseline compiled the same way, the others with the plain Inductor
+    baseline."""
+    for suffix in ("_cg", "_cdt"):
+        if name.endswith(suffix):
+            return "baseline" + suffix
+    return "baseline"
 
 
 def table(rows: list[dict]) -> str:

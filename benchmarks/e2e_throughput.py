@@ -130,12 +130,15 @@ for suffix in ("cg", "cdt"):
     BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
-#: kernel module's as ``module.CONSTANT``), an A/B of a launch default in one run
+#: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``), an A/B of a
+#: module default in one run
 LAUNCH_VARIANTS = {
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
     "launch11": (("wav", "mhar_block", "mhar", "attnres"),
                  {"CAPPED_BACKWARD_MAXNREG": None, "CAPPED_BACKWARD_PER_SM": 4, "MULTI_HEAD_BACKWARD_PER_SM": 4}),
+    # two-phase: the last block's and the readout's phase-1 outputs kept, not recomputed
+    "keeplast": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.KEEP_LAST_GROUPS": 2}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
@@ -165,8 +168,9 @@ def _build(name: str):
     from depthrewrite.backend import depthrewrite_backend
     from depthrewrite.kernels import route_many_triton, route_triton
     from depthrewrite.models.gpt import gpt_from_preset
+    from depthrewrite.passes import two_phase
 
-    modules = {"route_triton": route_triton, "route_many_triton": route_many_triton}
+    modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase}
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")
         module = modules[module or "route_triton"]

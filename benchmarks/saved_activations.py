@@ -34,8 +34,8 @@ from depthrewrite.models.gpt import GPT, GPTConfig  # noqa: E402
 from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
 #: name -> (scheme or None for the baseline, options[, True: the backend's
-#: recompute_partial_sums, the tagged partial sums marked for recomputation]): the e2e
-#: benchmark's block forms
+#: recompute_partial_sums, the tagged partial sums marked for recomputation; "branch": that
+#: and recompute_branch_outputs]): the e2e benchmark's block forms
 CONFIGS = {
     "baseline": (None, {}),
     "block_attnres": ("block_attnres", {}),
@@ -46,6 +46,8 @@ CONFIGS = {
     "dar_block": ("dar", {"layers_per_block": 3}),
     "wav_recompute": ("wav", {"block_size": 6}, True),
     "dar_block_recompute": ("dar", {"layers_per_block": 3}, True),
+    "wav_branch": ("wav", {"block_size": 6}, "branch"),
+    "dar_block_branch": ("dar", {"layers_per_block": 3}, "branch"),
 }
 
 
@@ -114,7 +116,7 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
 
     def backend(gm, example_inputs):
         if recompute:
-            mark_recomputable(gm.graph)
+            mark_recomputable(gm.graph, branch_outputs=recompute == "branch")
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
     torch.manual_seed(0)

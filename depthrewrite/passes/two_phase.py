@@ -20,6 +20,12 @@ from ..ops import route_many
 
 log = logging.getLogger(__name__)
 
+#: with ``recompute``, the phase-1 outputs of this many last groups are kept instead of
+#: recomputed. The backward starts with those groups, so their recomputation would run
+#: before its peak (the last layers' backward) and the outputs would be alive there either
+#: way. 0 (every group recomputed) until measured (e2e_throughput.py's ``_keeplast``).
+KEEP_LAST_GROUPS = 0
+
 
 class TwoPhasePlan:
     """The two-phase Block AttnRes computation (the Attention Residuals paper's; SPEC 3).
@@ -96,7 +102,7 @@ class TwoPhasePlan:
         layout = tuple((len(v), len(k or ()), row) for v, k, row in zip(source_lists, key_lists, query_rows))
         sources = [t for v, k in zip(source_lists, key_lists) for t in (*v, *(k or ()))]
         phase = functools.partial(_phase_one, layout=layout, heads=first.heads, eps=first.eps)
-        if self.recompute:
+        if self.recompute and group <= max(self.groups) - KEEP_LAST_GROUPS:
             return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
         return phase(queries, weights, *sources)
 

@@ -137,8 +137,9 @@ LAUNCH_VARIANTS = {
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
     "launch11": (("wav", "mhar_block", "mhar", "attnres"),
                  {"CAPPED_BACKWARD_MAXNREG": None, "CAPPED_BACKWARD_PER_SM": 4, "MULTI_HEAD_BACKWARD_PER_SM": 4}),
-    # two-phase: the last block's and the readout's phase-1 outputs kept, not recomputed
-    "keeplast": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.KEEP_LAST_GROUPS": 2}),
+    # two-phase: phase 1 recomputed for every group, the last site's and the readout's too
+    # (before session 15; since, those two groups keep theirs)
+    "recomputeall": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.KEEP_LAST_PHASE_ONE": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -20,11 +20,14 @@ from ..ops import route_many
 
 log = logging.getLogger(__name__)
 
-#: with ``recompute``, the phase-1 outputs of this many last groups are kept instead of
-#: recomputed. The backward starts with those groups, so their recomputation would run
-#: before its peak (the last layers' backward) and the outputs would be alive there either
-#: way. 0 (every group recomputed) until measured (e2e_throughput.py's ``_keeplast``).
-KEEP_LAST_GROUPS = 0
+#: with ``recompute``, phase 1 of the groups of the last site and of the readout is kept
+#: instead of recomputed. The backward starts with those groups, so their recomputation
+#: would run before its peak (the last layers' backward) and their outputs would be alive
+#: there either way: the same peak for one ``route_many`` forward per group less (H200, 350M,
+#: docs/benchmarks.md session 15: peaks unchanged, Block AttnRes 0.4 % and DAR block 1.0 %
+#: faster). A model whose peak is at its loss (a large vocabulary over a shallow stack) keeps
+#: those outputs through it: False recomputes every group.
+KEEP_LAST_PHASE_ONE = True
 
 
 class TwoPhasePlan:
@@ -58,7 +61,8 @@ class TwoPhasePlan:
     ``route_many`` forward per block) from the block summaries it keeps anyway instead of
     keeping every site's phase-1 output. Measured at 350M (docs/benchmarks.md): peak memory
     1.06x the baseline instead of 1.14x, 0.844x its throughput instead of 0.867-0.870x
-    (separate runs). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per
+    (separate runs). The groups of the last site and of the readout keep theirs
+    (``KEEP_LAST_PHASE_ONE``: recomputed, they would be alive at the backward's peak anyway). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per
     block that the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing
     only the merges was worse than either: neither is offered.
     """
@@ -102,9 +106,17 @@ class TwoPhasePlan:
         layout = tuple((len(v), len(k or ()), row) for v, k, row in zip(source_lists, key_lists, query_rows))
         sources = [t for v, k in zip(source_lists, key_lists) for t in (*v, *(k or ()))]
         phase = functools.partial(_phase_one, layout=layout, heads=first.heads, eps=first.eps)
-        if self.recompute and group <= max(self.groups) - KEEP_LAST_GROUPS:
+        if self.recompute and not (KEEP_LAST_PHASE_ONE and group in self._last_groups()):
             return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
         return phase(queries, weights, *sources)
+
+
+    def _last_groups(self) -> set[int]:
+        """The groups of the last two routers: the last site's and the readout's (the
+        readout is the last router; it joins the last site's group when that block is
+        unfinished)."""
+        routers = [g for g in sorted(self.groups) for _ in self.groups[g]]
+        return set(routers[-2:])
 
 
 def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *sources: torch.Tensor, layout: tuple,

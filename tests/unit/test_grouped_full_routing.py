@@ -90,25 +90,27 @@ def test_recompute_gives_the_same_gradients_from_fewer_saved_tensors(monkeypatch
     assert len(groups) == 2 * 3  # 7 routers in groups of 3: three groups, once per model
 
 
-@pytest.mark.parametrize("scheme, options", [("block_attnres", {"block_size": 2}), ("dar", {})])
-@pytest.mark.parametrize("keep_last", [1, 2])
-def test_the_last_groups_keep_phase_one_instead_of_recomputing_it(monkeypatch, scheme, options, keep_last):
-    """``two_phase.KEEP_LAST_GROUPS``: with ``recompute`` the last groups' phase 1 runs
-    outside the checkpoint (one checkpoint fewer per group kept), bit for bit the gradients
-    of recomputing every group."""
+@pytest.mark.parametrize("scheme, options, kept", [
+    ("block_attnres", {"block_size": 2}, 2),  # 6 sites: the readout in a group of its own
+    ("block_attnres", {"block_size": 4}, 1),  # the readout joins sites 5 and 6
+    ("dar", {}, 2),  # a group per layer, then the readout's
+])
+def test_the_last_groups_keep_phase_one_instead_of_recomputing_it(monkeypatch, scheme, options, kept):
+    """``two_phase.KEEP_LAST_PHASE_ONE``: with ``recompute`` phase 1 of the last site's group
+    and the readout's runs outside the checkpoint, bit for bit the gradients of recomputing
+    every group."""
     checkpoints = []
     real = two_phase.checkpoint
     monkeypatch.setattr(two_phase, "checkpoint", lambda *a, **k: checkpoints.append(1) or real(*a, **k))
-    results = {}
-    for keep in (0, keep_last):
-        monkeypatch.setattr(two_phase, "KEEP_LAST_GROUPS", keep)
+    results, counts = {}, {}
+    for keep in (False, True):
+        monkeypatch.setattr(two_phase, "KEEP_LAST_PHASE_ONE", keep)
         checkpoints.clear()
         results[keep] = _logits_and_grads(scheme, options, torch.float32, recompute=True)[0]
-        results[keep, "checkpoints"] = len(checkpoints)
-    groups = results[0, "checkpoints"]
-    assert groups >= 3  # blocks, then the readout's group
-    assert results[keep_last, "checkpoints"] == groups - keep_last
-    for a, b in zip(results[keep_last], results[0]):
+        counts[keep] = len(checkpoints)
+    assert counts[False] > kept  # some group is still recomputed
+    assert counts[True] == counts[False] - kept
+    for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
 
 

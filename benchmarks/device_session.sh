@@ -59,10 +59,9 @@ e2e)
 memory)
   # the backend's memory options, peak memory and step time side by side (~4 minutes: the
   # five models compile together, then are timed one at a time): DAR block and WAV with
-  # their defaults (since session 14 DAR's merges recompute their float32 copies, not yet
-  # run on a GPU) and with recompute_branch_outputs. Earlier A/Bs: session 13 --schemes
-  # baseline wav wav_keepsums dar_block dar_block_keepsums; session 14 baseline wav
-  # wav_newsums mhar mhar_newsums
+  # their defaults and with recompute_branch_outputs (session 15: DAR's merges recomputing
+  # their float32 copies). Earlier A/Bs: session 13 --schemes baseline wav wav_keepsums
+  # dar_block dar_block_keepsums; session 14 baseline wav wav_newsums mhar mhar_newsums
   export PYTHONPATH=$PWD
   timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
       --schemes baseline wav wav_branch dar_block dar_block_branch > "$OUT/memory.txt" 2>&1

@@ -62,9 +62,10 @@ class TwoPhasePlan:
     keeping every site's phase-1 output. Measured at 350M (docs/benchmarks.md): peak memory
     1.06x the baseline instead of 1.14x, 0.844x its throughput instead of 0.867-0.870x
     (separate runs). The groups of the last site and of the readout keep theirs
-    (``KEEP_LAST_PHASE_ONE``: recomputed, they would be alive at the backward's peak anyway). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per
-    block that the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing
-    only the merges was worse than either: neither is offered.
+    (``KEEP_LAST_PHASE_ONE``: recomputed, they would be alive at the backward's peak
+    anyway). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per block that
+    the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing only the
+    merges was worse than either: neither is offered.
     """
 
     def __init__(self, recompute: bool = True):
@@ -109,7 +110,6 @@ class TwoPhasePlan:
         if self.recompute and not (KEEP_LAST_PHASE_ONE and group in self._last_groups()):
             return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
         return phase(queries, weights, *sources)
-
 
     def _last_groups(self) -> set[int]:
         """The groups of the last two routers: the last site's and the readout's (the

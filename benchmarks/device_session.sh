@@ -8,6 +8,7 @@
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
+#   OUT=... bash benchmarks/device_session.sh keepgroups  # Block AttnRes and block MHAR with keep_groups=4
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -66,6 +67,14 @@ memory)
   timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
       --schemes baseline wav wav_branch dar_block dar_block_branch > "$OUT/memory.txt" 2>&1
   grep "^|" "$OUT/memory.txt" | tail -8
+  ;;
+keepgroups)
+  # the two-phase schemes' keep_groups (session 15, not timed then): 4 more groups keep
+  # phase 1 instead of recomputing it, side by side with the defaults (~4 minutes)
+  export PYTHONPATH=$PWD
+  timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
+      --schemes baseline block_attnres block_attnres_kg4 mhar_block mhar_block_kg4 > "$OUT/keepgroups.txt" 2>&1
+  grep "^|" "$OUT/keepgroups.txt" | tail -8
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

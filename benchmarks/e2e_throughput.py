@@ -66,6 +66,10 @@ CONFIGS = {
     # two-phase keeping phase 1's outputs for the backward instead of recomputing them
     "block_attnres_keep": ("block_attnres", {"recompute": False}, None),
     "mhar_block": ("mhar", {"block_size": 6}, 0.93),
+    # 4 more groups keeping phase 1 (keep_groups; by the count +0.75 GiB of peak at 350M,
+    # one route_many forward a group less), and the same for block MHAR
+    "block_attnres_kg4": ("block_attnres", {"keep_groups": 4}, None),
+    "mhar_block_kg4": ("mhar", {"block_size": 6, "keep_groups": 4}, None),
     # the same routed site by site (the default until session 9: 2 % faster, 1.11x memory)
     "mhar_block_1p": ("mhar", {"block_size": 6, "two_phase": False}, None),
     "wav": ("wav", {}, 0.90),

@@ -39,6 +39,11 @@ class ResidualScheme(Scheme):
 @dataclasses.dataclass(frozen=True)
 class AttnResOptions(SchemeOptions):
     eps: float = 1e-6  # eps of the key RMSNorm (SPEC 2)
+    # two-phase or grouped routing with ``recompute``: phase 1 of this many more groups, the
+    # last ones before the last site's, keeps its outputs for the backward instead of
+    # recomputing them: each group costs its sites' phase-1 outputs (sites x tokens x d) of
+    # peak memory and saves one route_many forward a step (two_phase.TwoPhasePlan)
+    keep_groups: int = 0
 
 
 class DepthQuery(nn.Module):
@@ -128,12 +133,14 @@ class FullAttnResOptions(AttnResOptions):
     recompute: bool = False
 
 
-def full_routing_plan(scheme: str, group_size: object, recompute: object) -> TwoPhasePlan | None:
-    """The plan of a full scheme's ``group_size`` and ``recompute`` options (checked)."""
+def full_routing_plan(scheme: str, group_size: object, recompute: object, keep_groups: object = 0
+                      ) -> TwoPhasePlan | None:
+    """The plan of a full scheme's ``group_size``, ``recompute`` and ``keep_groups`` options
+    (checked)."""
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"{scheme}: group_size must be None (one route per site) or a positive int, "
                          f"found {group_size!r}")
-    return two_phase_plan(scheme, group_size is not None, recompute)
+    return two_phase_plan(scheme, group_size is not None, recompute, keep_groups)
 
 
 def full_router(scheme: Scheme, index: int, cls: type = FullRouter) -> nn.Module:
@@ -156,15 +163,16 @@ class AttnResScheme(Scheme):
     ``x_l = sum_i a_{l,i} v_i`` with ``a = softmax(w_l . RMSNorm_{g_l}(v_i))``.
     Options: ``eps`` (key RMSNorm, 1e-6), ``group_size`` (4: the two-phase computation
     over groups of 4 consecutive sites, see :class:`FullAttnResOptions`; None: one route per
-    site), ``recompute`` (False; True: phase 1 recomputed in the backward, less memory).
-    New parameters: ``2 d (L + 1)``."""
+    site), ``recompute`` (False; True: phase 1 recomputed in the backward, less memory),
+    ``keep_groups`` (0; with ``recompute``, this many more groups keep phase 1: see
+    :class:`AttnResOptions`). New parameters: ``2 d (L + 1)``."""
 
     name = "attnres"
     Options = FullAttnResOptions
 
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints)
-        self.plan = full_routing_plan(self.name, options.group_size, options.recompute)
+        self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups)
 
     def init_state(self, e):
         return full_initial_state(e, self.plan)
@@ -261,7 +269,7 @@ class BlockAttnResScheme(Scheme):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")
         self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute)
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
 
     def init_state(self, e):
         return initial_block_state(e, self.plan)

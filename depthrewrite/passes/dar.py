@@ -159,8 +159,8 @@ class DarScheme(Scheme):
 
     Options: ``variant`` ('dar'), ``layers_per_block`` K (1: full DAR, one entry per
     layer), ``beta_init`` ((1.0, 0.5): the value where site index + j is even / odd),
-    ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6), ``two_phase`` (True) and
-    ``recompute`` (True) as for block_attnres. Init: queries 0, key norm
+    ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6), ``two_phase`` (True),
+    ``recompute`` (True) and ``keep_groups`` (0) as for block_attnres. Init: queries 0, key norm
     weights 1, mixing gate a = 0. New parameters: ``(4 d + 4) L + 4 d + 1``.
     """
 
@@ -182,7 +182,7 @@ class DarScheme(Scheme):
             raise ValueError(f"dar: transport_init must be a number, found {options.transport_init!r}")
         self.layers_per_block = k
         self._sites_per_layer = stream.sites_per_block()
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute)
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
 
     def init_state(self, e):
         history = ((e,), (e,))

@@ -63,15 +63,18 @@ class TwoPhasePlan:
     1.06x the baseline instead of 1.14x, 0.844x its throughput instead of 0.867-0.870x
     (separate runs). The groups of the last site and of the readout keep theirs
     (``KEEP_LAST_PHASE_ONE``: recomputed, they would be alive at the backward's peak
-    anyway). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per block that
-    the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing only the
-    merges was worse than either: neither is offered.
+    anyway), and so do ``keep_groups`` more, the last ones before them (a scheme option:
+    each costs its sites' phase-1 outputs of peak memory for one ``route_many`` forward a
+    step less). Checkpointing the merges too saved 0.6 GiB more (a float32 copy per block
+    that the partitioner keeps inside the merge) but cost 4 ms more, and checkpointing only
+    the merges was worse than either: neither is offered.
     """
 
-    def __init__(self, recompute: bool = True):
+    def __init__(self, recompute: bool = True, keep_groups: int = 0):
         self.groups: dict[int, list] = {}
         self.enabled = True
         self.recompute = recompute
+        self.keep_groups = keep_groups
         self._told_sharded = False
 
     def add(self, router: nn.Module, group: int, position: int) -> None:
@@ -107,16 +110,19 @@ class TwoPhasePlan:
         layout = tuple((len(v), len(k or ()), row) for v, k, row in zip(source_lists, key_lists, query_rows))
         sources = [t for v, k in zip(source_lists, key_lists) for t in (*v, *(k or ()))]
         phase = functools.partial(_phase_one, layout=layout, heads=first.heads, eps=first.eps)
-        if self.recompute and not (KEEP_LAST_PHASE_ONE and group in self._last_groups()):
+        if self.recompute and group not in self._kept_groups():
             return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
         return phase(queries, weights, *sources)
 
-    def _last_groups(self) -> set[int]:
-        """The groups of the last two routers: the last site's and the readout's (the
-        readout is the last router; it joins the last site's group when that block is
-        unfinished)."""
+    def _kept_groups(self) -> set[int]:
+        """The groups whose phase 1 is kept with ``recompute``: with KEEP_LAST_PHASE_ONE
+        those of the last two routers (the last site's and the readout's: the readout is
+        the last router, and joins the last site's group when that block is unfinished),
+        then ``keep_groups`` more, the last ones before them."""
         routers = [g for g in sorted(self.groups) for _ in self.groups[g]]
-        return set(routers[-2:])
+        last = set(routers[-2:]) if KEEP_LAST_PHASE_ONE else set()
+        earlier = sorted((g for g in self.groups if g not in last and (not last or g < min(last))), reverse=True)
+        return last | set(earlier[:self.keep_groups])
 
 
 def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *sources: torch.Tensor, layout: tuple,
@@ -144,13 +150,20 @@ def join_plan(router: nn.Module, plan: TwoPhasePlan | None, group: int, position
         plan.add(router, group, position)
 
 
-def two_phase_plan(scheme: str, two_phase: object, recompute: object = True) -> TwoPhasePlan | None:
-    """The plan of a block scheme's ``two_phase`` and ``recompute`` options (checked), None
-    when two-phase is off."""
+def two_phase_plan(scheme: str, two_phase: object, recompute: object = True, keep_groups: object = 0
+                   ) -> TwoPhasePlan | None:
+    """The plan of a block scheme's ``two_phase``, ``recompute`` and ``keep_groups`` options
+    (checked), None when two-phase is off."""
     for name, value in (("two_phase", two_phase), ("recompute", recompute)):
         if not isinstance(value, bool):
             raise ValueError(f"{scheme}: {name} must be True or False, found {value!r}")
-    return TwoPhasePlan(recompute) if two_phase else None
+    if isinstance(keep_groups, bool) or not isinstance(keep_groups, int) or keep_groups < 0:
+        raise ValueError(f"{scheme}: keep_groups must be an int >= 0, found {keep_groups!r}")
+    if keep_groups and not (two_phase and recompute):
+        raise ValueError(f"{scheme}: keep_groups={keep_groups} applies only to two-phase or grouped routing with "
+                         f"recompute=True (phase 1 kept for some groups instead of recomputed); found "
+                         f"{'recompute=False' if two_phase else 'no two-phase or grouped routing'}")
+    return TwoPhasePlan(recompute, keep_groups) if two_phase else None
 
 
 def _is_sharded(param: torch.Tensor) -> bool:

@@ -216,8 +216,8 @@ class WavScheme(Scheme):
     Options: ``block_size`` (sites per block; default as block_attnres), ``rho`` (cap of
     the detached RMS-matching factor, 2.0), ``detail_bias_init`` (-2.0), ``details``
     (False: exactly block_attnres), ``eps`` (key RMSNorm and matching, 1e-6),
-    ``two_phase`` (False: measured slower for WAV, see the module docstring) and
-    ``recompute`` (True) as for block_attnres. New
+    ``two_phase`` (False: measured slower for WAV, see the module docstring),
+    ``recompute`` (True) and ``keep_groups`` (0) as for block_attnres. New
     parameters: ``2 d (L + 1) + 2 L`` (``2 d (L + 1)`` with ``details=False``).
     """
 
@@ -237,7 +237,7 @@ class WavScheme(Scheme):
         if not isinstance(options.details, bool):
             raise ValueError(f"wav: details must be True or False, found {options.details!r}")
         self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute)
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
 
     def init_state(self, e):
         if not self.options.details:

@@ -114,6 +114,37 @@ def test_the_last_groups_keep_phase_one_instead_of_recomputing_it(monkeypatch, s
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scheme, options", [("block_attnres", {"block_size": 2}), ("dar", {}),
+                                             ("attnres", {"group_size": 2, "recompute": True})])
+def test_keep_groups_keeps_phase_one_of_more_groups(monkeypatch, scheme, options):
+    """``keep_groups=k``: k more groups than the last site's and the readout's run phase 1
+    outside the checkpoint (the last ones before those), saving more for the backward; the
+    same logits and gradients bit for bit; more than there are keeps every group."""
+    from tests.unit.test_schemes_routed import _saved_bytes
+
+    checkpoints = []
+    real = two_phase.checkpoint
+    monkeypatch.setattr(two_phase, "checkpoint", lambda *a, **k: checkpoints.append(1) or real(*a, **k))
+    found, plans = {}, {}
+    for keep in (0, 1, 50):
+        model = rewrite(tiny(), scheme, keep_groups=keep, **options)
+        plans[keep] = next(m._plan for m in model.modules() if getattr(m, "_plan", None) is not None)
+        randomize_routing(model)
+        checkpoints.clear()
+        logits, saved = _saved_bytes(lambda: model(ids_for()))
+        grads = torch.autograd.grad((logits * torch.linspace(-1, 1, logits.shape[-1])).sum(), list(model.parameters()),
+                                    allow_unused=True, materialize_grads=True)
+        found[keep] = ([logits, *grads], saved, len(checkpoints))
+    (base, base_saved, base_checkpoints), (one, one_saved, one_checkpoints) = found[0], found[1]
+    assert one_checkpoints == base_checkpoints - 1 and found[50][2] == 0
+    assert base_saved < one_saved < found[50][1]
+    for a, b, c in zip(one, base, found[50][0]):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    # each case: 4 groups, the readout's its own; one more kept: the one before the last site's
+    assert plans[1]._kept_groups() == set(sorted(plans[1].groups)[-3:]) and len(plans[1].groups) == 4
+    assert plans[50]._kept_groups() == set(plans[50].groups)
+
+
 def test_grouped_routing_is_skipped_for_sharded_routing_parameters(monkeypatch):
     """As for the block schemes: with FSDP2's sharded queries the plan routes site by site."""
     model = rewrite(tiny(), "attnres", group_size=2)
@@ -154,6 +185,13 @@ def test_routing_weights_are_recorded_per_site_with_groups():
     ("mhar", {"heads": 2, "block_size": 2, "group_size": 3}, r"mhar: group_size groups the sites of the full form; "
                                                              r"with block_size=2 use two_phase=True instead"),
     ("attnres", {"group_size": 2, "recompute": 1}, r"attnres: recompute must be True or False, found 1"),
+    ("block_attnres", {"keep_groups": -1}, r"block_attnres: keep_groups must be an int >= 0, found -1"),
+    ("dar", {"keep_groups": 1.0}, r"dar: keep_groups must be an int >= 0, found 1.0"),
+    ("block_attnres", {"keep_groups": 2, "recompute": False},
+     r"block_attnres: keep_groups=2 applies only to two-phase or grouped routing with recompute=True .* found "
+     r"recompute=False"),
+    ("attnres", {"keep_groups": 1, "group_size": None},
+     r"attnres: keep_groups=1 applies only .* found no two-phase or grouped routing"),
 ])
 def test_bad_group_options_are_value_errors_naming_them(scheme, options, message):
     with pytest.raises(ValueError, match=message):

@@ -121,7 +121,7 @@ class TwoPhasePlan:
         then ``keep_groups`` more, the last ones before them."""
         routers = [g for g in sorted(self.groups) for _ in self.groups[g]]
         last = set(routers[-2:]) if KEEP_LAST_PHASE_ONE else set()
-        earlier = sorted((g for g in self.groups if g not in last and (not last or g < min(last))), reverse=True)
+        earlier = sorted((g for g in self.groups if g not in last), reverse=True)  # `last` are the highest
         return last | set(earlier[:self.keep_groups])
 
 

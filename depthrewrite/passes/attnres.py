@@ -133,8 +133,7 @@ class FullAttnResOptions(AttnResOptions):
     recompute: bool = False
 
 
-def full_routing_plan(scheme: str, group_size: object, recompute: object, keep_groups: object = 0
-                      ) -> TwoPhasePlan | None:
+def full_routing_plan(scheme: str, group_size: object, recompute: object, keep_groups: object) -> TwoPhasePlan | None:
     """The plan of a full scheme's ``group_size``, ``recompute`` and ``keep_groups`` options
     (checked)."""
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):

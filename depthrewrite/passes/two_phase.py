@@ -150,8 +150,7 @@ def join_plan(router: nn.Module, plan: TwoPhasePlan | None, group: int, position
         plan.add(router, group, position)
 
 
-def two_phase_plan(scheme: str, two_phase: object, recompute: object = True, keep_groups: object = 0
-                   ) -> TwoPhasePlan | None:
+def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_groups: object) -> TwoPhasePlan | None:
     """The plan of a block scheme's ``two_phase``, ``recompute`` and ``keep_groups`` options
     (checked), None when two-phase is off."""
     for name, value in (("two_phase", two_phase), ("recompute", recompute)):

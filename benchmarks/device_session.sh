@@ -9,6 +9,7 @@
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
 #   OUT=... bash benchmarks/device_session.sh keepgroups  # Block AttnRes and block MHAR with keep_groups=4
+#   OUT=... bash benchmarks/device_session.sh fwdorder   # route_many's forward: the program orders
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -75,6 +76,22 @@ keepgroups)
   timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
       --schemes baseline block_attnres block_attnres_kg4 mhar_block mhar_block_kg4 > "$OUT/keepgroups.txt" 2>&1
   grep "^|" "$OUT/keepgroups.txt" | tail -8
+  ;;
+fwdorder)
+  # route_many's forward in one launch, the chunks of a token side by side (session 16),
+  # against one chunk's tokens after another (_cm, _fwdcm): the block phase's forward
+  # variants, end to end with a kernel profile, then the scheme check and the kernel tests
+  # of the new launch on the GPU (~9 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 170 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_cm|_q1|_q4|_w" --out "$OUT/bp" \
+      > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
+  timeout 280 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
+      block_attnres block_attnres_fwdcm dar_block dar_block_fwdcm > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
+  timeout 90 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar > "$OUT/check.txt" 2>&1
+  tail -3 "$OUT/check.txt"
+  timeout 50 python3 -m pytest -q -x tests/kernels/test_route_many_triton.py -k "order or chunks" 2>&1 | tail -2
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

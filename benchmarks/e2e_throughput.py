@@ -144,6 +144,9 @@ LAUNCH_VARIANTS = {
     # two-phase: phase 1 recomputed for every group, the last site's and the readout's too
     # (before session 15; since, those two groups keep theirs)
     "recomputeall": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.KEEP_LAST_PHASE_ONE": False}),
+    # route_many's forward with one chunk's tokens after another (one launch per chunk of
+    # queries before session 16; since, the chunks of a token side by side in one launch)
+    "fwdcm": (("block_attnres", "mhar_block", "dar_block"), {"route_many_triton.FORWARD_ORDER": "chunk_major"}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -355,7 +355,11 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
-                            "_q8w8": {"block_q": 8, "num_warps": 8}}
+                            "_q8w8": {"block_q": 8, "num_warps": 8},
+                            # one chunk's tokens after another (each chunk reads every source
+                            # from memory: the order of one launch per chunk, before session 16)
+                            "_cm": {"order": "chunk_major"}, "_q1w1cm": {"block_q": 1, "num_warps": 1,
+                                                                         "order": "chunk_major"}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before

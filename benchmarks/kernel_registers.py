@@ -122,7 +122,7 @@ def compile_many_forward(d: int, heads: int, has_keys: bool):
 
     block_h, block_c = _row_blocks(d, heads)
     constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
-                      HAS_KEYS=has_keys)
+                      HAS_KEYS=has_keys, TOKEN_MAJOR=True)
     warps = _many_forward_warps(heads, block_h * block_c, has_keys)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 

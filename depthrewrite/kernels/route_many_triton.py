@@ -89,6 +89,14 @@ MANY_ELEMS = 8192
 #: 9's run 1, 0.302 / 0.521 against 0.339 / 0.578 in session 10's run 1, docs/benchmarks.md;
 #: without keys 1 warp is as fast as 2 at d = 1024 and 2.4x slower at d = 2048).
 FORWARD_QUERIES = 2
+#: the forward's program order (one launch holds every chunk of queries): "token_major"
+#: (the chunks of a token run side by side and share its source rows through L2) or
+#: "chunk_major" (one chunk's tokens after another: each chunk reads every source from
+#: memory, as the one launch per chunk before session 16)
+FORWARD_ORDER = "token_major"
+FORWARD_ORDERS = ("token_major", "chunk_major")
+#: CUDA's limit on a launch's first grid dimension
+MAX_PROGRAMS = 2**31 - 1
 KEYED_NARROW_FORWARD_WARPS = 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
@@ -168,14 +176,26 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
 
 @triton.jit
 def _route_many_fwd_kernel(
-    like_ptr, vtab, ktab, otab, ltab, qw_ptr, N, D, C, H, S_CHUNK, eps,
+    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, TOKEN_MAJOR: tl.constexpr = True,
 ):
-    tok = tl.program_id(0).to(tl.int64)  # one token per program; int64: tok * D overflows int32
+    """One token and one chunk of BLOCK_Q queries per program, every chunk in one launch.
+    TOKEN_MAJOR: the chunks of a token are neighbouring programs, which run at the same time
+    and read the same source rows, so that the chunks after the first find them in L2 and
+    each source is read from memory about once per call; otherwise the programs run one
+    chunk's tokens after another (the order of one launch per chunk)."""
+    chunks = tl.cdiv(S, BLOCK_Q)
+    pid = tl.program_id(0).to(tl.int64)  # int64: tok * D overflows int32
+    if TOKEN_MAJOR:
+        tok, q0 = pid // chunks, (pid % chunks) * BLOCK_Q
+    else:
+        tok, q0 = pid % T, (pid // T) * BLOCK_Q
     act = like_ptr.dtype.element_ty  # the activation dtype: sources and outputs
     ptr_ty = tl.pointer_type(act)
-    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q, BLOCK_H, BLOCK_C)
+    otab, ltab = otab + q0, ltab + q0
+    qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr + q0 * D, D, C, H, S - q0, BLOCK_Q, BLOCK_H,
+                                                             BLOCK_C)
     offs = tok * D + col
 
     m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
@@ -462,7 +482,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
-    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``).
+    overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
+    ``order``: FORWARD_ORDER's choices).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
@@ -481,15 +502,30 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
-        # the same for every chunk of queries
-        launch = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
-                      ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k),
-                      num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
-        for q0 in range(0, s, block_q):
-            chunk = min(block_q, s - q0)
-            args = (flat_v[0], vtab, ktab if flat_k else vtab, otab[q0:], ltab[q0:], qw[q0:])
-            _route_many_fwd_kernel[(tokens,)](*args, len(values), d, d // heads, heads, chunk, float(eps), **launch)
+        order = _forward_order(cfg)
+        programs = tokens * triton.cdiv(s, block_q)
+        _check_grid(programs, f"{tokens} tokens x {triton.cdiv(s, block_q)} chunks of {block_q} queries")
+        _route_many_fwd_kernel[(programs,)](
+            flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
+            float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
+            ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
+            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
     return out, lse
+
+
+def _forward_order(cfg: dict) -> str:
+    """The forward's program order: ``cfg["order"]`` (checked), else FORWARD_ORDER."""
+    order = cfg.get("order") or FORWARD_ORDER
+    if order not in FORWARD_ORDERS:
+        raise ValueError(f"route_many (Triton): config order must be one of {FORWARD_ORDERS}; found {order!r}")
+    return order
+
+
+def _check_grid(programs: int, what: str) -> None:
+    """A one-dimensional launch holds at most 2**31 - 1 programs (CUDA's grid limit)."""
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"route_many (Triton): a forward launch of {what} = {programs} programs; "
+                         f"at most {MAX_PROGRAMS} are supported (pass fewer tokens per call)")
 
 
 def _many_forward_warps(heads: int, row: int, has_keys: bool) -> int:

@@ -144,6 +144,35 @@ def test_query_chunks_match_one_launch():
         assert _rel(b, a) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("keys", [False, True])
+def test_forward_program_orders_give_the_same_bits(keys):
+    """One launch holds every chunk of queries; its two program orders (chunks of a token
+    side by side, or one chunk's tokens after another) compute each output with the same
+    operations: bit-identical outputs and log-sum-exps, with 7 queries in chunks of 2 (the
+    last chunk holds one) and of 4, and correct against float64."""
+    inp = _make(5, 7, (3, 5), 40, 2, torch.bfloat16, 11, keys)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    args = ([dev(v) for v in inp["values"]], dev(inp["queries"]), dev(inp["key_norm_weights"]), 2, 1e-6)
+    keys_in = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
+    exact_out, exact_lse, _ = _oracle_f64(inp, [torch.zeros(3, 5, 40)] * 7, [torch.zeros(3, 5, 2)] * 7)
+    for block_q in (2, 4):
+        runs = [route_many_triton.route_many_forward(*args, {"block_q": block_q, "order": order}, keys=keys_in)
+                for order in route_many_triton.FORWARD_ORDERS]
+        for (out_a, lse_a), (out_b, lse_b) in zip(runs, runs[1:]):
+            assert all(torch.equal(a, b) for a, b in zip(out_a + lse_a, out_b + lse_b))
+        out, lse = runs[0]
+        for o, e, t, el in zip(out, exact_out.unbind(0), lse, exact_lse.unbind(0)):
+            assert _rel(o.cpu(), e) < TOL[torch.bfloat16] and (t.cpu().double() - el).abs().max().item() < 1e-4
+
+
+def test_unknown_forward_order_is_refused():
+    inp = _make(2, 3, (2,), 16, 1, torch.float32, 1)
+    with pytest.raises(ValueError, match=r"config order must be one of \('token_major', 'chunk_major'\); "
+                                         r"found 'random'"):
+        route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
+                                             {"order": "random"})
+
+
 VARIANTS = [
     {"backward": "per_token"},
     {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks

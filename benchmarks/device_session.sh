@@ -10,6 +10,7 @@
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
 #   OUT=... bash benchmarks/device_session.sh keepgroups  # Block AttnRes and block MHAR with keep_groups=4
 #   OUT=... bash benchmarks/device_session.sh fwdorder   # route_many's forward: the program orders
+#   OUT=... bash benchmarks/device_session.sh fwdlaunch  # its launches: session 16's against 15's
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -81,7 +82,7 @@ fwdorder)
   # route_many's forward in one launch, the chunks of a token side by side (session 16),
   # against one chunk's tokens after another (_cm, _fwdcm): the block phase's forward
   # variants, end to end with a kernel profile, then the scheme check and the kernel tests
-  # of the new launch on the GPU (~9 minutes)
+  # of the new launch on the GPU (~9 minutes; session 16's run 2)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 170 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_cm|_q1|_q4|_w" --out "$OUT/bp" \
       > "$OUT/bp.txt" 2>&1
@@ -92,6 +93,21 @@ fwdorder)
   timeout 90 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar > "$OUT/check.txt" 2>&1
   tail -3 "$OUT/check.txt"
   timeout 50 python3 -m pytest -q -x tests/kernels/test_route_many_triton.py -k "order or chunks" 2>&1 | tail -2
+  ;;
+fwdlaunch)
+  # session 16's forward launches (token-major, 1 warp for one head, 1 query and 2 warps
+  # for several) against session 15's (_cm_w2 / _cm_w1 / _cm_q2w4, _fwd15), then end to
+  # end side by side with a kernel profile (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_cm_|_w2|_q1w2" --out "$OUT/bp" \
+      > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
+  timeout 360 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 --schemes baseline \
+      block_attnres block_attnres_fwd15 mhar_block mhar_block_fwd15 attnres attnres_fwd15 dar_block \
+      > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -18
+  timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres mhar_g3 attnres > "$OUT/check.txt" 2>&1
+  tail -1 "$OUT/check.txt"
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

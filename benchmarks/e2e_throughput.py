@@ -147,6 +147,11 @@ LAUNCH_VARIANTS = {
     # route_many's forward with one chunk's tokens after another (one launch per chunk of
     # queries before session 16; since, the chunks of a token side by side in one launch)
     "fwdcm": (("block_attnres", "mhar_block", "dar_block"), {"route_many_triton.FORWARD_ORDER": "chunk_major"}),
+    # route_many's forward launch as in session 15 for calls without keys (one chunk's
+    # tokens after another; one head: 2 warps; several heads: 2 queries, 4 warps)
+    "fwd15": (("block_attnres", "mhar_block", "attnres"),
+              {"route_many_triton.FORWARD_ORDER": "chunk_major", "route_many_triton.MANY_NARROW_FORWARD_WARPS": 2,
+               "route_many_triton.MULTI_HEAD_FORWARD_QUERIES": 2, "route_many_triton.MULTI_HEAD_FORWARD_WARPS": 4}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -358,8 +358,12 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             "_q8w8": {"block_q": 8, "num_warps": 8},
                             # one chunk's tokens after another (each chunk reads every source
                             # from memory: the order of one launch per chunk, before session 16)
-                            "_cm": {"order": "chunk_major"}, "_q1w1cm": {"block_q": 1, "num_warps": 1,
-                                                                         "order": "chunk_major"}}
+                            "_cm": {"order": "chunk_major"},
+                            # session 15's launches: one head 2 warps (1 with keys), several
+                            # heads 2 queries and 4 warps, one chunk's tokens after another
+                            "_cm_w2": {"order": "chunk_major", "num_warps": 2},
+                            "_cm_w1": {"order": "chunk_major", "num_warps": 1},
+                            "_cm_q2w4": {"order": "chunk_major", "block_q": 2, "num_warps": 4}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before

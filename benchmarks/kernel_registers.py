@@ -117,11 +117,14 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
 
 
 def compile_many_forward(d: int, heads: int, has_keys: bool):
-    from depthrewrite.kernels.route_many_triton import FORWARD_QUERIES, _many_forward_warps, _route_many_fwd_kernel
-    from depthrewrite.kernels.route_triton import _row_blocks
+    from depthrewrite.kernels.route_many_triton import (
+        FORWARD_QUERIES, MULTI_HEAD_FORWARD_QUERIES, _many_forward_warps, _route_many_fwd_kernel,
+    )
+    from depthrewrite.kernels.route_triton import NARROW_ROW, _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
-    constexprs = dict(BLOCK_Q=FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
+    multi_head = heads > 1 and block_h * block_c <= NARROW_ROW
+    constexprs = dict(BLOCK_Q=MULTI_HEAD_FORWARD_QUERIES if multi_head else FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
                       HAS_KEYS=has_keys, TOKEN_MAJOR=True)
     warps = _many_forward_warps(heads, block_h * block_c, has_keys)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps

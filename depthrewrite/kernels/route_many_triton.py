@@ -8,9 +8,11 @@ gradients one at a time).
 
 Forward: one program per token holds a ``(Q, H, C)`` fp32 accumulator for Q queries at a
 time (an online softmax per query and head, as the ``route`` kernel), and writes each
-query's output row and its log-sum-exp. Q queries per launch (``FORWARD_QUERIES``, at most
-``MANY_ELEMS / row``): the forward is fastest with 2 at a time, so it reads each source
-S / 2 times (still S / 2 times fewer than one route per site).
+query's output row and its log-sum-exp. Q queries per program (``FORWARD_QUERIES``, at
+most ``MANY_ELEMS / row``; 1 with several heads): the forward is fastest with few at a
+time. Every chunk of queries runs in one launch, the chunks of a token in neighbouring
+programs (``FORWARD_ORDER``): they run at the same time and read the same source rows, so
+the chunks after the first find them in L2 and each source is read from memory about once.
 
 With separate keys (DAR) every kernel reads each source's key row next to its value row:
 the logits and the key RMSNorm come from the key, the output from the value, and the
@@ -66,7 +68,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    NARROW_FORWARD_WARPS, _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous,
+    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous,
     PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source, _product_as,
     _row_blocks, _src_ptr,
 )
@@ -88,7 +90,14 @@ MANY_ELEMS = 8192
 #: with separate keys: 0.305 / 0.522 ms against 0.341 / 0.581 with 2 at N = 4 / 8 in session
 #: 9's run 1, 0.302 / 0.521 against 0.339 / 0.578 in session 10's run 1, docs/benchmarks.md;
 #: without keys 1 warp is as fast as 2 at d = 1024 and 2.4x slower at d = 2048).
+#: Since session 16 (one launch, token-major order; docs/benchmarks.md session 16): one-head
+#: rows up to d = 1024 with 1 warp, with keys (as before) or without (without keys 0.197 / 0.310 ms
+#: against 0.239 / 0.324 with 2 at N = 4 / 8), several heads 1 query per program and 2 warps
+#: (16 heads: 0.262 / 0.435 against 0.295 / 0.494 with 2 queries and 4 warps).
 FORWARD_QUERIES = 2
+MANY_NARROW_FORWARD_WARPS = 1
+MULTI_HEAD_FORWARD_QUERIES = 1
+MULTI_HEAD_FORWARD_WARPS = 2
 #: the forward's program order (one launch holds every chunk of queries): "token_major"
 #: (the chunks of a token run side by side and share its source rows through L2) or
 #: "chunk_major" (one chunk's tokens after another: each chunk reads every source from
@@ -97,7 +106,6 @@ FORWARD_ORDER = "token_major"
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
-KEYED_NARROW_FORWARD_WARPS = 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -501,7 +509,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
-        block_q = _query_block(s, block_h * block_c, cfg, FORWARD_QUERIES)
+        multi_head = heads > 1 and block_h * block_c <= NARROW_ROW
+        block_q = _query_block(s, block_h * block_c, cfg, MULTI_HEAD_FORWARD_QUERIES if multi_head else FORWARD_QUERIES)
         order = _forward_order(cfg)
         programs = tokens * triton.cdiv(s, block_q)
         _check_grid(programs, f"{tokens} tokens x {triton.cdiv(s, block_q)} chunks of {block_q} queries")
@@ -529,7 +538,11 @@ def _check_grid(programs: int, what: str) -> None:
 
 
 def _many_forward_warps(heads: int, row: int, has_keys: bool) -> int:
-    return _forward_warps(heads, row, NUM_WARPS, KEYED_NARROW_FORWARD_WARPS if has_keys else NARROW_FORWARD_WARPS)
+    """The forward's warps (measured, FORWARD_QUERIES' comment); ``has_keys`` changes nothing
+    since session 16 (1 warp for one-head rows up to d = 1024 with keys or without)."""
+    if heads > 1 and row <= NARROW_ROW:
+        return MULTI_HEAD_FORWARD_WARPS
+    return _forward_warps(heads, row, NUM_WARPS, MANY_NARROW_FORWARD_WARPS)
 
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],

@@ -81,19 +81,21 @@ __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
 MANY_ELEMS = 8192
 #: Launch choices, measured on H200 (bf16, 16384 tokens, S = 6 queries; d = 1024 with N = 4
 #: and 8 sources, heads 1 and 16; d = 2048, N = 4; ms in docs/benchmarks.md). Forward: 2
-#: queries per launch at every shape (the sources are read S / 2 times, but the (Q, H, C)
-#: accumulator stays small: 0.29 ms vs 0.40 with all 6 queries at d = 1024, N = 4). Backward,
-#: one head: as many queries as MANY_ELEMS allows (0.73 ms vs 1.19 with 2); 16 heads: 2
-#: queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
+#: queries per program at every shape (session 9; with a launch per chunk the sources were
+#: read S / 2 times, but the (Q, H, C) accumulator stays small: 0.29 ms vs 0.40 with all 6
+#: queries at d = 1024, N = 4). Backward, one head: as many queries as MANY_ELEMS allows
+#: (0.73 ms vs 1.19 with 2); 16 heads: 2 queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
 #: registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
 #: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps; 1 warp
 #: with separate keys: 0.305 / 0.522 ms against 0.341 / 0.581 with 2 at N = 4 / 8 in session
 #: 9's run 1, 0.302 / 0.521 against 0.339 / 0.578 in session 10's run 1, docs/benchmarks.md;
 #: without keys 1 warp is as fast as 2 at d = 1024 and 2.4x slower at d = 2048).
 #: Since session 16 (one launch, token-major order; docs/benchmarks.md session 16): one-head
-#: rows up to d = 1024 with 1 warp, with keys (as before) or without (without keys 0.197 / 0.310 ms
-#: against 0.239 / 0.324 with 2 at N = 4 / 8), several heads 1 query per program and 2 warps
-#: (16 heads: 0.262 / 0.435 against 0.295 / 0.494 with 2 queries and 4 warps).
+#: rows up to d = 1024 with 1 warp, with keys (as before) or without, and several heads 1
+#: query per program and 2 warps: against session 15's launches (chunk-major, 2 warps; 16
+#: heads 2 queries and 4 warps) 0.236 / 0.317 ms against 0.217 / 0.349 at N = 4 / 8 (one
+#: head: the one shape where the old launch stays faster), 16 heads 0.265 / 0.440 against
+#: 0.280 / 0.466, with keys 0.251 / 0.419 against 0.289 / 0.502 (session 16's run 3).
 FORWARD_QUERIES = 2
 MANY_NARROW_FORWARD_WARPS = 1
 MULTI_HEAD_FORWARD_QUERIES = 1

@@ -8,8 +8,8 @@ at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / n
 without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), ``_route_fwd_kernel``
 at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--forward-caps``
 also under those register caps, 0 for none), and
-``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with several heads) and the
-per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries; also in its
+``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
+several heads) and the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries; also in its
 ``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
 on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
 Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
@@ -118,15 +118,15 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
 
 def compile_many_forward(d: int, heads: int, has_keys: bool):
     from depthrewrite.kernels.route_many_triton import (
-        FORWARD_QUERIES, MULTI_HEAD_FORWARD_QUERIES, _many_forward_warps, _route_many_fwd_kernel,
+        _many_forward_queries, _many_forward_warps, _route_many_fwd_kernel,
     )
-    from depthrewrite.kernels.route_triton import NARROW_ROW, _row_blocks
+    from depthrewrite.kernels.route_triton import _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
-    multi_head = heads > 1 and block_h * block_c <= NARROW_ROW
-    constexprs = dict(BLOCK_Q=MULTI_HEAD_FORWARD_QUERIES if multi_head else FORWARD_QUERIES, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True,
-                      HAS_KEYS=has_keys, TOKEN_MAJOR=True)
-    warps = _many_forward_warps(heads, block_h * block_c, has_keys)
+    row = block_h * block_c
+    constexprs = dict(BLOCK_Q=_many_forward_queries(heads, row), BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True,
+                      ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True)
+    warps = _many_forward_warps(heads, row)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 

@@ -84,8 +84,8 @@ MANY_ELEMS = 8192
 #: queries per program at every shape (session 9; with a launch per chunk the sources were
 #: read S / 2 times, but the (Q, H, C) accumulator stays small: 0.29 ms vs 0.40 with all 6
 #: queries at d = 1024, N = 4). Backward, one head: as many queries as MANY_ELEMS allows
-#: (0.73 ms vs 1.19 with 2); 16 heads: 2 queries and 8 warps (1.27 ms vs 3.83 with all 6: the per-head statistics spill
-#: registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
+#: (0.73 ms vs 1.19 with 2); 16 heads: 2 queries and 8 warps (1.27 ms vs 3.83 with all 6:
+#: the per-head statistics spill registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
 #: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps; 1 warp
 #: with separate keys: 0.305 / 0.522 ms against 0.341 / 0.581 with 2 at N = 4 / 8 in session
 #: 9's run 1, 0.302 / 0.521 against 0.339 / 0.578 in session 10's run 1, docs/benchmarks.md;
@@ -511,8 +511,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
-        multi_head = heads > 1 and block_h * block_c <= NARROW_ROW
-        block_q = _query_block(s, block_h * block_c, cfg, MULTI_HEAD_FORWARD_QUERIES if multi_head else FORWARD_QUERIES)
+        block_q = _query_block(s, block_h * block_c, cfg, _many_forward_queries(heads, block_h * block_c))
         order = _forward_order(cfg)
         programs = tokens * triton.cdiv(s, block_q)
         _check_grid(programs, f"{tokens} tokens x {triton.cdiv(s, block_q)} chunks of {block_q} queries")
@@ -520,7 +519,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
             float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
-            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c, bool(flat_k)))
+            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c))
     return out, lse
 
 
@@ -539,10 +538,20 @@ def _check_grid(programs: int, what: str) -> None:
                          f"at most {MAX_PROGRAMS} are supported (pass fewer tokens per call)")
 
 
-def _many_forward_warps(heads: int, row: int, has_keys: bool) -> int:
-    """The forward's warps (measured, FORWARD_QUERIES' comment); ``has_keys`` changes nothing
-    since session 16 (1 warp for one-head rows up to d = 1024 with keys or without)."""
-    if heads > 1 and row <= NARROW_ROW:
+def _narrow_multi_head(heads: int, row: int) -> bool:
+    return heads > 1 and row <= NARROW_ROW
+
+
+def _many_forward_queries(heads: int, row: int) -> int:
+    """The forward's preferred queries per program for a padded row (measured, FORWARD_QUERIES'
+    comment): 1 for several heads up to d = 1024, else 2."""
+    return MULTI_HEAD_FORWARD_QUERIES if _narrow_multi_head(heads, row) else FORWARD_QUERIES
+
+
+def _many_forward_warps(heads: int, row: int) -> int:
+    """The forward's warps for a padded row (measured, FORWARD_QUERIES' comment): with keys
+    or without, since session 16."""
+    if _narrow_multi_head(heads, row):
         return MULTI_HEAD_FORWARD_WARPS
     return _forward_warps(heads, row, NUM_WARPS, MANY_NARROW_FORWARD_WARPS)
 

@@ -173,6 +173,17 @@ def test_unknown_forward_order_is_refused():
                                              {"order": "random"})
 
 
+def test_forward_launch_past_the_grid_limit_is_refused(monkeypatch):
+    """One launch holds tokens x chunks programs; past CUDA's grid limit (lowered here to
+    what 3 tokens x 2 chunks exceed) the call is refused with the counts, not launched."""
+    monkeypatch.setattr(route_many_triton, "MAX_PROGRAMS", 5)
+    inp = _make(2, 3, (3,), 16, 1, torch.float32, 1)
+    with pytest.raises(ValueError, match=r"a forward launch of 3 tokens x 2 chunks of 2 queries = 6 programs; "
+                                         r"at most 5 are supported"):
+        route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
+                                             {"block_q": 2})
+
+
 VARIANTS = [
     {"backward": "per_token"},
     {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks

@@ -20,6 +20,19 @@ DATA=.devdata/tinystories_sample.txt
 RUN=benchmarks/scaling_run.py
 LOG=$OUT/log.txt
 nvidia-smi -L | tee -a "$LOG"
+# route_many's forward launch variants matching $1 at the block phase's shapes (at most $2 s),
+# then the models $5... end to end with a kernel profile, $4 at a time (at most $3 s)
+forward_launch_ab() {
+  local variants=$1 phase_limit=$2 e2e_limit=$3 wave=$4
+  shift 4
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "$phase_limit" python3 benchmarks/gpu_suite.py --block-phase-only --variants "$variants" --out "$OUT/bp" \
+      > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
+  timeout "$e2e_limit" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave "$wave" --profile 12 --schemes "$@" \
+      > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -18
+}
 case "$1" in
 study)
   timeout "${STUDY_SECONDS:-480}" python3 benchmarks/validation_study.py --data-dir .devdata --out "$OUT" \
@@ -83,13 +96,7 @@ fwdorder)
   # against one chunk's tokens after another (_cm, _fwdcm): the block phase's forward
   # variants, end to end with a kernel profile, then the scheme check and the kernel tests
   # of the new launch on the GPU (~9 minutes; session 16's run 2)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 170 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_cm|_q1|_q4|_w" --out "$OUT/bp" \
-      > "$OUT/bp.txt" 2>&1
-  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
-  timeout 280 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
-      block_attnres block_attnres_fwdcm dar_block dar_block_fwdcm > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -8
+  forward_launch_ab "_cm|_q1|_q4|_w" 170 280 5 baseline block_attnres block_attnres_fwdcm dar_block dar_block_fwdcm
   timeout 90 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar > "$OUT/check.txt" 2>&1
   tail -3 "$OUT/check.txt"
   timeout 50 python3 -m pytest -q -x tests/kernels/test_route_many_triton.py -k "order or chunks" 2>&1 | tail -2
@@ -97,16 +104,11 @@ fwdorder)
 fwdlaunch)
   # session 16's forward launches (token-major, 1 warp for one head, 1 query and 2 warps
   # for several) against session 15's (_cm_w2 / _cm_w1 / _cm_q2w4, _fwd15), then end to
-  # end side by side with a kernel profile (~8 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_cm_|_w2|_q1w2" --out "$OUT/bp" \
-      > "$OUT/bp.txt" 2>&1
-  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
-  timeout 360 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 --schemes baseline \
-      block_attnres block_attnres_fwd15 mhar_block mhar_block_fwd15 attnres attnres_fwd15 dar_block \
-      > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -18
-  timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres mhar_g3 attnres > "$OUT/check.txt" 2>&1
+  # end side by side with a kernel profile (~8 minutes; session 16's run 3)
+  forward_launch_ab "_cm_|_w2|_q1w2" 150 360 4 baseline block_attnres block_attnres_fwd15 mhar_block \
+      mhar_block_fwd15 attnres attnres_fwd15 dar_block
+  timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres mhar_g3 attnres \
+      > "$OUT/check.txt" 2>&1
   tail -1 "$OUT/check.txt"
   ;;
 fsdp2)

@@ -9,8 +9,8 @@ without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), ``_route
 at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--forward-caps``
 also under those register caps, 0 for none), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
-several heads) and the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6 queries; also in its
-``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
+several heads) and the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s
+(6 queries; also in its ``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
 on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
 Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
 global loads and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes,

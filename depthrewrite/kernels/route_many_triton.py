@@ -85,8 +85,8 @@ MANY_ELEMS = 8192
 #: read S / 2 times, but the (Q, H, C) accumulator stays small: 0.29 ms vs 0.40 with all 6
 #: queries at d = 1024, N = 4). Backward, one head: as many queries as MANY_ELEMS allows
 #: (0.73 ms vs 1.19 with 2); 16 heads: 2 queries and 8 warps (1.27 ms vs 3.83 with all 6:
-#: the per-head statistics spill registers). 4 warps otherwise (the per-source reductions cross fewer warps), except the
-#: forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps; 1 warp
+#: the per-head statistics spill registers). 4 warps otherwise (the per-source reductions
+#: cross fewer warps), except the forward's one-head rows up to d = 1024 (route_triton._forward_warps: 2 warps; 1 warp
 #: with separate keys: 0.305 / 0.522 ms against 0.341 / 0.581 with 2 at N = 4 / 8 in session
 #: 9's run 1, 0.302 / 0.521 against 0.339 / 0.578 in session 10's run 1, docs/benchmarks.md;
 #: without keys 1 warp is as fast as 2 at d = 1024 and 2.4x slower at d = 2048).
@@ -511,24 +511,24 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
-        block_q = _query_block(s, block_h * block_c, cfg, _many_forward_queries(heads, block_h * block_c))
-        order = _forward_order(cfg)
-        programs = tokens * triton.cdiv(s, block_q)
-        _check_grid(programs, f"{tokens} tokens x {triton.cdiv(s, block_q)} chunks of {block_q} queries")
-        _route_many_fwd_kernel[(programs,)](
+        row = block_h * block_c
+        block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
+        order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
+        chunks = triton.cdiv(s, block_q)
+        _check_grid(tokens * chunks, f"{tokens} tokens x {chunks} chunks of {block_q} queries")
+        _route_many_fwd_kernel[(tokens * chunks,)](
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
             float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
-            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, block_h * block_c))
+            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row))
     return out, lse
 
 
-def _forward_order(cfg: dict) -> str:
-    """The forward's program order: ``cfg["order"]`` (checked), else FORWARD_ORDER."""
-    order = cfg.get("order") or FORWARD_ORDER
-    if order not in FORWARD_ORDERS:
-        raise ValueError(f"route_many (Triton): config order must be one of {FORWARD_ORDERS}; found {order!r}")
-    return order
+def _checked_choice(name: str, choice: str, choices: tuple) -> str:
+    """``choice``, the launch config's entry ``name``, if it is one of ``choices``."""
+    if choice not in choices:
+        raise ValueError(f"route_many (Triton): config {name} must be one of {choices}; found {choice!r}")
+    return choice
 
 
 def _check_grid(programs: int, what: str) -> None:
@@ -596,9 +596,7 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool = False) -> str:
     choice = cfg["backward"]
     if choice is None:
         return "per_token" if heads == 1 and not has_keys else "tiled"
-    if choice not in BACKWARD_CHOICES:
-        raise ValueError(f"route_many (Triton): config backward must be one of {BACKWARD_CHOICES}; found {choice!r}")
-    return choice
+    return _checked_choice("backward", choice, BACKWARD_CHOICES)
 
 
 def _backward_prefetch(kernel: str, row: int) -> int:
@@ -611,10 +609,7 @@ def _backward_prefetch(kernel: str, row: int) -> int:
 def _param_gradients(cfg: dict) -> str:
     """How the per-token backward forms the parameter gradients: ``cfg["param"]`` (checked),
     else PER_TOKEN_PARAM."""
-    choice = cfg.get("param") or PER_TOKEN_PARAM
-    if choice not in PARAM_CHOICES:
-        raise ValueError(f"route_many (Triton): config param must be one of {PARAM_CHOICES}; found {choice!r}")
-    return choice
+    return _checked_choice("param", cfg.get("param") or PER_TOKEN_PARAM, PARAM_CHOICES)
 
 
 def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,

@@ -135,8 +135,9 @@ def test_route_many_kernels_match_float64(n, s, batch, d, heads, keys, dtype):
 
 def test_query_chunks_match_one_launch():
     """Queries taken in chunks (each chunk's programs re-read the sources; the backward's
-    chunks add into the source gradients) give the same result as one chunk for all of them, up to the order of the
-    fp32 sums (the tile shapes differ): relative L2 difference per tensor."""
+    chunks add into the source gradients) give the same result as one chunk for all of
+    them, up to the order of the fp32 sums (the tile shapes differ): relative L2 difference
+    per tensor."""
     inp = _make(4, 7, (3,), 64, 2, torch.float32, 5)
     whole = _run(inp, torch.float32, 5)
     chunked = _run(inp, torch.float32, 5, config={"many_elems": 128})  # 2 queries per chunk

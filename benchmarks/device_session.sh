@@ -11,6 +11,7 @@
 #   OUT=... bash benchmarks/device_session.sh keepgroups  # Block AttnRes and block MHAR with keep_groups=4
 #   OUT=... bash benchmarks/device_session.sh fwdorder   # route_many's forward: the program orders
 #   OUT=... bash benchmarks/device_session.sh fwdlaunch  # its launches: session 16's against 15's
+#   OUT=... bash benchmarks/device_session.sh fwdruns    # its runs of tokens per program (session 17)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -108,6 +109,20 @@ fwdlaunch)
   forward_launch_ab "_cm_|_w2|_q1w2" 150 360 4 baseline block_attnres block_attnres_fwd15 mhar_block \
       mhar_block_fwd15 attnres attnres_fwd15 dar_block
   timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres mhar_g3 attnres \
+      > "$OUT/check.txt" 2>&1
+  tail -1 "$OUT/check.txt"
+  ;;
+fwdruns)
+  # route_many's forward on runs of consecutive tokens per program (session 17): the block
+  # phase's forward variants, the GPU tests of the runs and the scheme check (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  grep -c "tokens_per_program" depthrewrite/kernels/route_many_triton.py
+  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_r|_cm$" --out "$OUT/bp" \
+      > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
+  timeout 60 python3 -m pytest -q -x tests/kernels/test_route_many_triton.py -k "order or grid or per_program" \
+      2>&1 | tail -2
+  timeout 120 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar mhar_g3 attnres \
       > "$OUT/check.txt" 2>&1
   tail -1 "$OUT/check.txt"
   ;;

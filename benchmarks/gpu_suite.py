@@ -363,7 +363,12 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             # heads 2 queries and 4 warps, one chunk's tokens after another
                             "_cm_w2": {"order": "chunk_major", "num_warps": 2},
                             "_cm_w1": {"order": "chunk_major", "num_warps": 1},
-                            "_cm_q2w4": {"order": "chunk_major", "block_q": 2, "num_warps": 4}}
+                            "_cm_q2w4": {"order": "chunk_major", "block_q": 2, "num_warps": 4},
+                            # runs of consecutive tokens per program, the next token's first
+                            # source loaded during the current one's last (session 17)
+                            **{f"_r{k}": {"tokens_per_program": k} for k in (2, 4, 8, 16, 32)},
+                            "_r8_w2": {"tokens_per_program": 8, "num_warps": 2},
+                            "_r8_cm": {"tokens_per_program": 8, "order": "chunk_major"}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before

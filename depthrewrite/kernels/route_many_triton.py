@@ -105,6 +105,9 @@ MULTI_HEAD_FORWARD_WARPS = 2
 #: "chunk_major" (one chunk's tokens after another: each chunk reads every source from
 #: memory, as the one launch per chunk before session 16)
 FORWARD_ORDER = "token_major"
+#: consecutive tokens a forward program routes, one after another (the next token's first
+#: source requested with the current token's last): 1 is one program per token
+FORWARD_TOKENS = 1
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
@@ -186,56 +189,68 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
 
 @triton.jit
 def _route_many_fwd_kernel(
-    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps,
+    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps, tokens_per_program,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, TOKEN_MAJOR: tl.constexpr = True,
 ):
-    """One token and one chunk of BLOCK_Q queries per program, every chunk in one launch.
-    TOKEN_MAJOR: the chunks of a token are neighbouring programs, which run at the same time
-    and read the same source rows, so that the chunks after the first find them in L2 and
-    each source is read from memory about once per call; otherwise the programs run one
-    chunk's tokens after another (the order of one launch per chunk)."""
+    """A run of ``tokens_per_program`` consecutive tokens and one chunk of BLOCK_Q queries
+    per program, every chunk in one launch. TOKEN_MAJOR: the chunks of a run of tokens are
+    neighbouring programs, which run at the same time and read the same source rows, so
+    that the chunks after the first find them in L2 and each source is read from memory
+    about once per call; otherwise the programs run one chunk's tokens after another (the
+    order of one launch per chunk). Within a run the tokens follow one another and PREFETCH
+    crosses them: the next token's first source is requested with the last source of the
+    current one, so its load overlaps that source's sums and the output stores instead of
+    starting a program cold (the query rows are loaded once per run, not per token)."""
     chunks = tl.cdiv(S, BLOCK_Q)
+    runs = tl.cdiv(T, tokens_per_program)
     pid = tl.program_id(0).to(tl.int64)  # int64: tok * D overflows int32
     if TOKEN_MAJOR:
-        tok, q0 = pid // chunks, (pid % chunks) * BLOCK_Q
+        run, q0 = pid // chunks, (pid % chunks) * BLOCK_Q
     else:
-        tok, q0 = pid % T, (pid // T) * BLOCK_Q
+        run, q0 = pid % runs, (pid // runs) * BLOCK_Q
+    t_start = run * tokens_per_program
+    t_end = tl.minimum(t_start + tokens_per_program, T)
     act = like_ptr.dtype.element_ty  # the activation dtype: sources and outputs
     ptr_ty = tl.pointer_type(act)
     otab, ltab = otab + q0, ltab + q0
     qq, hh, col, cmask, qmask, qmask3, hq, qw = _query_tiles(qw_ptr + q0 * D, D, C, H, S - q0, BLOCK_Q, BLOCK_H,
                                                              BLOCK_C)
-    offs = tok * D + col
-
-    m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
-    acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
-    # PREFETCH: source i + 1 is requested before source i is used (two rows in flight)
-    if PREFETCH:
-        v_raw, k_raw = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-    for i in range(N):
-        if not PREFETCH:
-            v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-        v = v_raw.to(tl.float32)
-        k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
-        if PREFETCH:
-            v_raw, k_raw = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs, _more_sources(hh, i, N, cmask),
-                                        ptr_ty, ALIGNED, HAS_KEYS)
-        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
-        z = tl.sum(k[None, :, :] * qw, 2) * rstd
-        m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
-        l = l * alpha + p
-        acc = acc * alpha[:, :, None] + p[:, :, None] * v[None, :, :]
-        m = m_new
-    acc = acc / l[:, :, None]
-    lse = m + tl.log(l)
     out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
-    tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
     lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
-    tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
+    # PREFETCH: source i + 1 (or the next token's source 0) is requested before source i is used
+    if PREFETCH:
+        v_raw, k_raw = _load_source(vtab, ktab, 0, t_start * D + col, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+    for t in range(t_start, t_end):
+        tok = tl.full((), 0, tl.int64) + t  # int64 (t may be a Python int in the interpreter)
+        offs = tok * D + col
+        m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
+        acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
+        for i in range(N):
+            if not PREFETCH:
+                v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+            v = v_raw.to(tl.float32)
+            k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
+            if PREFETCH:
+                # after the last source: the next token's first (off past the run's end)
+                wrap = (i + 1) // N
+                nxt_tok = tok + wrap
+                v_raw, k_raw = _load_source(vtab, ktab, i + 1 - wrap * N, offs + wrap * D,
+                                            cmask & ((tl.zeros_like(hh) + nxt_tok) < t_end)[:, None], ptr_ty,
+                                            ALIGNED, HAS_KEYS)
+            rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+            z = tl.sum(k[None, :, :] * qw, 2) * rstd
+            m_new = tl.maximum(m, z)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(z - m_new)
+            l = l * alpha + p
+            acc = acc * alpha[:, :, None] + p[:, :, None] * v[None, :, :]
+            m = m_new
+        acc = acc / l[:, :, None]
+        lse = m + tl.log(l)
+        tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
+        tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
 
 
 @triton.jit
@@ -493,7 +508,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
-    ``order``: FORWARD_ORDER's choices).
+    ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: FORWARD_TOKENS').
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
@@ -515,10 +530,13 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
         order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
         chunks = triton.cdiv(s, block_q)
-        _check_grid(tokens * chunks, f"{tokens} tokens x {chunks} chunks of {block_q} queries")
-        _route_many_fwd_kernel[(tokens * chunks,)](
+        per_program = _positive_int("tokens_per_program", cfg.get("tokens_per_program", FORWARD_TOKENS))
+        runs = triton.cdiv(tokens, per_program)
+        _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
+                                  f"of {block_q} queries")
+        _route_many_fwd_kernel[(runs * chunks,)](
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
-            float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
+            float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row))
     return out, lse
@@ -529,6 +547,13 @@ def _checked_choice(name: str, choice: str, choices: tuple) -> str:
     if choice not in choices:
         raise ValueError(f"route_many (Triton): config {name} must be one of {choices}; found {choice!r}")
     return choice
+
+
+def _positive_int(name: str, value) -> int:
+    """The launch config's entry ``name``, if it is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"route_many (Triton): config {name} must be a positive int; found {value!r}")
+    return value
 
 
 def _check_grid(programs: int, what: str) -> None:

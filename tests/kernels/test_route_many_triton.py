@@ -11,6 +11,7 @@ exact float64 gradients. Without a GPU the kernels run in Triton's interpreter.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -146,19 +147,26 @@ def test_query_chunks_match_one_launch():
 
 
 @pytest.mark.parametrize("keys", [False, True])
-def test_forward_program_orders_give_the_same_bits(keys):
+def test_forward_program_orders_and_token_runs_give_the_same_bits(keys):
     """One launch holds every chunk of queries; its two program orders (chunks of a token
-    side by side, or one chunk's tokens after another) compute each output with the same
-    operations: bit-identical outputs and log-sum-exps, with 7 queries in chunks of 2 (the
-    last chunk holds one) and of 4, and correct against float64."""
+    side by side, or one chunk's tokens after another) and its runs of consecutive tokens
+    per program (1, 2, 4 of 15 tokens: the last run shorter; 32: one run), where the next
+    token's first source is loaded during the current token's last, compute each output
+    with the same operations: bit-identical outputs and log-sum-exps, with 7 queries in
+    chunks of 2 (the last chunk holds one) and of 4, and correct against float64 (a run
+    that read another token's rows would differ). Three launches per chunk size, each order
+    and run length at least once (the interpreter takes ~3 s a launch)."""
     inp = _make(5, 7, (3, 5), 40, 2, torch.bfloat16, 11, keys)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     args = ([dev(v) for v in inp["values"]], dev(inp["queries"]), dev(inp["key_norm_weights"]), 2, 1e-6)
     keys_in = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
     exact_out, exact_lse, _ = _oracle_f64(inp, [torch.zeros(3, 5, 40)] * 7, [torch.zeros(3, 5, 2)] * 7)
     for block_q in (2, 4):
-        runs = [route_many_triton.route_many_forward(*args, {"block_q": block_q, "order": order}, keys=keys_in)
-                for order in route_many_triton.FORWARD_ORDERS]
+        launches = [("token_major", 1), ("chunk_major", 2 if block_q == 2 else 4),
+                    ("token_major", 32 if block_q == 2 else 4)]
+        runs = [route_many_triton.route_many_forward(
+                    *args, {"block_q": block_q, "order": order, "tokens_per_program": per_program}, keys=keys_in)
+                for order, per_program in launches]
         for (out_a, lse_a), (out_b, lse_b) in zip(runs, runs[1:]):
             assert all(torch.equal(a, b) for a, b in zip(out_a + lse_a, out_b + lse_b))
         out, lse = runs[0]
@@ -179,10 +187,23 @@ def test_forward_launch_past_the_grid_limit_is_refused(monkeypatch):
     what 3 tokens x 2 chunks exceed) the call is refused with the counts, not launched."""
     monkeypatch.setattr(route_many_triton, "MAX_PROGRAMS", 5)
     inp = _make(2, 3, (3,), 16, 1, torch.float32, 1)
-    with pytest.raises(ValueError, match=r"a forward launch of 3 tokens x 2 chunks of 2 queries = 6 programs; "
-                                         r"at most 5 are supported"):
+    with pytest.raises(ValueError, match=r"a forward launch of 3 tokens in 3 runs of at most 1 x 2 chunks of 2 "
+                                         r"queries = 6 programs; at most 5 are supported"):
         route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
-                                             {"block_q": 2})
+                                             {"block_q": 2, "tokens_per_program": 1})
+    # two tokens a program: 2 runs x 2 chunks fit
+    out, _ = route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
+                                                  {"block_q": 2, "tokens_per_program": 2})
+    assert len(out) == 3
+
+
+@pytest.mark.parametrize("per_program", [0, -2, 1.5, True, "4"])
+def test_forward_tokens_per_program_must_be_a_positive_int(per_program):
+    inp = _make(2, 3, (2,), 16, 1, torch.float32, 1)
+    with pytest.raises(ValueError, match=r"config tokens_per_program must be a positive int; found "
+                                         + re.escape(repr(per_program))):
+        route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
+                                             {"tokens_per_program": per_program})
 
 
 VARIANTS = [

@@ -113,15 +113,18 @@ fwdlaunch)
   tail -1 "$OUT/check.txt"
   ;;
 fwdruns)
-  # route_many's forward on runs of consecutive tokens per program (session 17): the block
-  # phase's forward variants, the GPU tests of the runs and the scheme check (~4 minutes)
+  # route_many's forward on runs of consecutive tokens per program and both kernels with
+  # Triton's software pipeline (session 17): the block phase's variants, the GPU tests of
+  # the new launches and the scheme check (~5 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   grep -c "tokens_per_program" depthrewrite/kernels/route_many_triton.py
-  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_r|_cm$" --out "$OUT/bp" \
-      > "$OUT/bp.txt" 2>&1
-  grep -o "tokens=.*many_bwd=[^ ]*" "$OUT/bp.txt"
-  timeout 60 python3 -m pytest -q -x tests/kernels/test_route_many_triton.py -k "order or grid or per_program" \
-      2>&1 | tail -2
+  grep -c "num_stages" depthrewrite/kernels/route_many_triton.py
+  timeout 240 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_r|_s[0-9]|_cm$|^_pertoken(_pf2)?$" \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt"
+  timeout 90 python3 -m pytest -q tests/kernels/test_route_many_triton.py -k "order or grid or per_program or stages" \
+      > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|E  )|passed|failed" "$OUT/pytest.txt" | head -20
   timeout 120 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar mhar_g3 attnres \
       > "$OUT/check.txt" 2>&1
   tail -1 "$OUT/check.txt"

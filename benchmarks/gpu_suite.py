@@ -368,7 +368,11 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             # source loaded during the current one's last (session 17)
                             **{f"_r{k}": {"tokens_per_program": k} for k in (2, 4, 8, 16, 32)},
                             "_r8_w2": {"tokens_per_program": 8, "num_warps": 2},
-                            "_r8_cm": {"tokens_per_program": 8, "order": "chunk_major"}}
+                            "_r8_cm": {"tokens_per_program": 8, "order": "chunk_major"},
+                            # the sources copied into shared memory stages - 1 ahead by Triton's
+                            # software pipeline (session 17)
+                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4, 6)},
+                            "_s3_w2": {"stages": 3, "num_warps": 2}, "_s3_r8": {"stages": 3, "tokens_per_program": 8}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before
@@ -381,7 +385,10 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             "_pertoken_pf2": {"backward": "per_token", "prefetch": 2},
                             "_pertoken_pf2_table": {"backward": "per_token", "prefetch": 2, "param": "table"},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
-                            "_tiled_t1w2": {"backward": "tiled", "num_warps": 2}}
+                            "_tiled_t1w2": {"backward": "tiled", "num_warps": 2},
+                            # the per-token backward's sources through Triton's software pipeline (session 17)
+                            **{f"_pertoken_s{k}": {"backward": "per_token", "stages": k} for k in (2, 3, 4)},
+                            "_pertoken_s3_table": {"backward": "per_token", "stages": 3, "param": "table"}}
 
 
 def block_phase_timing(pattern: str | None = None) -> list[dict]:

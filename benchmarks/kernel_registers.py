@@ -113,10 +113,10 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
                   gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
                   param_ptr="*fp32", T="i32", N="i32", S="i32", D="i32", C="i32", H="i32",
-                  S_CHUNK="i32", eps="fp32")
+                  S_CHUNK="i32", eps="fp32", tokens_per_program="i32")
 
 
-def compile_many_forward(d: int, heads: int, has_keys: bool):
+def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None):
     from depthrewrite.kernels.route_many_triton import (
         _many_forward_queries, _many_forward_warps, _route_many_fwd_kernel,
     )
@@ -125,13 +125,13 @@ def compile_many_forward(d: int, heads: int, has_keys: bool):
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
     constexprs = dict(BLOCK_Q=_many_forward_queries(heads, row), BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True,
-                      ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True)
+                      ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True, STAGES=stages or 0)
     warps = _many_forward_warps(heads, row)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 
 def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch: int | None = None,
-                                    queries: int = 6, param_table: bool = False):
+                                    queries: int = 6, param_table: bool = False, stages: int = 0):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
     launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
     None: the default depth); with ``param_table``, its ``param="table"`` form."""
@@ -147,7 +147,8 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     if prefetch is None:
         prefetch = _backward_prefetch("per_token", block_h * block_c)
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
-                      ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table)
+                      ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
+                      STAGES=stages)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps), warps
 

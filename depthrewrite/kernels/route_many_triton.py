@@ -108,6 +108,11 @@ FORWARD_ORDER = "token_major"
 #: consecutive tokens a forward program routes, one after another (the next token's first
 #: source requested with the current token's last): 1 is one program per token
 FORWARD_TOKENS = 1
+#: the forward's software pipeline: with 2 or more, Triton copies the source rows into shared
+#: memory STAGES - 1 sources ahead (``tl.range(num_stages=)``); 0: the register prefetch
+FORWARD_STAGES = 0
+#: the same for the per-token backward's sources (0: PREFETCH's register prefetch)
+PER_TOKEN_STAGES = 0
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
@@ -191,17 +196,20 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
 def _route_many_fwd_kernel(
     like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps, tokens_per_program,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, TOKEN_MAJOR: tl.constexpr = True,
+    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, TOKEN_MAJOR: tl.constexpr = True, STAGES: tl.constexpr = 0,
 ):
     """A run of ``tokens_per_program`` consecutive tokens and one chunk of BLOCK_Q queries
     per program, every chunk in one launch. TOKEN_MAJOR: the chunks of a run of tokens are
     neighbouring programs, which run at the same time and read the same source rows, so
     that the chunks after the first find them in L2 and each source is read from memory
     about once per call; otherwise the programs run one chunk's tokens after another (the
-    order of one launch per chunk). Within a run the tokens follow one another and PREFETCH
-    crosses them: the next token's first source is requested with the last source of the
-    current one, so its load overlaps that source's sums and the output stores instead of
-    starting a program cold (the query rows are loaded once per run, not per token)."""
+    order of one launch per chunk). The source rows come in one of two ways: STAGES >= 2
+    lets Triton's software pipeliner copy them into shared memory STAGES - 1 sources ahead
+    (asynchronous copies: rows in flight cost no registers); otherwise PREFETCH requests
+    source i + 1 into registers while source i is used, and within a run it crosses tokens
+    (the next token's first source requested with the current token's last, so that its
+    load overlaps that source's sums and the output stores; the query rows are loaded once
+    per run)."""
     chunks = tl.cdiv(S, BLOCK_Q)
     runs = tl.cdiv(T, tokens_per_program)
     pid = tl.program_id(0).to(tl.int64)  # int64: tok * D overflows int32
@@ -218,8 +226,8 @@ def _route_many_fwd_kernel(
                                                              BLOCK_C)
     out_ptrs = _table_ptrs(otab, qq, qmask, ptr_ty, ALIGNED)
     lse_ptrs = _table_ptrs(ltab, qq, qmask, tl.pointer_type(tl.float32))
-    # PREFETCH: source i + 1 (or the next token's source 0) is requested before source i is used
-    if PREFETCH:
+    REGISTER_PREFETCH: tl.constexpr = PREFETCH and STAGES < 2
+    if REGISTER_PREFETCH:
         v_raw, k_raw = _load_source(vtab, ktab, 0, t_start * D + col, cmask, ptr_ty, ALIGNED, HAS_KEYS)
     for t in range(t_start, t_end):
         tok = tl.full((), 0, tl.int64) + t  # int64 (t may be a Python int in the interpreter)
@@ -227,30 +235,44 @@ def _route_many_fwd_kernel(
         m = tl.full((BLOCK_Q, BLOCK_H), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_Q, BLOCK_H), tl.float32)
         acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)
-        for i in range(N):
-            if not PREFETCH:
+        if STAGES >= 2:
+            for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-            v = v_raw.to(tl.float32)
-            k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
-            if PREFETCH:
-                # after the last source: the next token's first (off past the run's end)
-                wrap = (i + 1) // N
-                nxt_tok = tok + wrap
-                v_raw, k_raw = _load_source(vtab, ktab, i + 1 - wrap * N, offs + wrap * D,
-                                            cmask & ((tl.zeros_like(hh) + nxt_tok) < t_end)[:, None], ptr_ty,
-                                            ALIGNED, HAS_KEYS)
-            rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
-            z = tl.sum(k[None, :, :] * qw, 2) * rstd
-            m_new = tl.maximum(m, z)
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(z - m_new)
-            l = l * alpha + p
-            acc = acc * alpha[:, :, None] + p[:, :, None] * v[None, :, :]
-            m = m_new
+                m, l, acc = _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps)
+        else:
+            for i in range(N):
+                if not REGISTER_PREFETCH:
+                    v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                v_cur, k_cur = v_raw, k_raw
+                if REGISTER_PREFETCH:
+                    # after the last source: the next token's first (off past the run's end)
+                    wrap = (i + 1) // N
+                    nxt_tok = tok + wrap
+                    v_raw, k_raw = _load_source(vtab, ktab, i + 1 - wrap * N, offs + wrap * D,
+                                                cmask & ((tl.zeros_like(hh) + nxt_tok) < t_end)[:, None], ptr_ty,
+                                                ALIGNED, HAS_KEYS)
+                m, l, acc = _online_softmax_step(v_cur, k_cur, qw, m, l, acc, D, eps)
         acc = acc / l[:, :, None]
         lse = m + tl.log(l)
         tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
         tl.store(lse_ptrs[:, None] + (tok * H + hh)[None, :], lse, mask=hq)
+
+
+@triton.jit
+def _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps):
+    """One source into the running softmax of every query and head: its logits from the key
+    row (the source's own row without separate keys) RMS-normalized, the running maximum
+    ``m``, sum ``l`` and weighted sum ``acc`` rescaled to the new maximum."""
+    v = v_raw.to(tl.float32)
+    k = k_raw.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+    z = tl.sum(k[None, :, :] * qw, 2) * rstd
+    m_new = tl.maximum(m, z)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(z - m_new)
+    l = l * alpha + p
+    acc = acc * alpha[:, :, None] + p[:, :, None] * v[None, :, :]
+    return m_new, l, acc
 
 
 @triton.jit
@@ -274,15 +296,17 @@ def _route_many_bwd_kernel(
     T, N, S, D, C, H, S_CHUNK, eps,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
-    HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False,
+    HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
     parameter gradients' per-program partial sums, or with PARAM_TABLE their ``dz * rstd``
     coefficients in the ``(N, S, T, H)`` table (this chunk's first query at ``param_ptr``),
     for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held across tokens.
-    PREFETCH: 0, 1 (the next source requested while one is used) or 2 (two ahead, the first
-    two requested with the output gradients; the default up to PER_TOKEN_PREFETCH2_ROW)."""
+    The source rows come through Triton's software pipeline with STAGES >= 2 (copied into
+    shared memory STAGES - 1 sources ahead), else PREFETCH: 0, 1 (the next source requested
+    while one is used) or 2 (two ahead, the first two requested with the output gradients;
+    the default up to PER_TOKEN_PREFETCH2_ROW)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -293,6 +317,7 @@ def _route_many_bwd_kernel(
     l_ptrs = _table_ptrs(ltab, qq, qmask, f32_ty)
     gl_ptrs = _table_ptrs(gltab, qq, qmask, f32_ty)
     r_acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)  # sum over tokens, sources of dz * norm
+    REGISTER_PREFETCH: tl.constexpr = PREFETCH if STAGES < 2 else 0
 
     for t in range(pid, T, tl.num_programs(0)):
         tok = tl.full((), 0, tl.int64) + t  # int64 (t may be a Python int in the interpreter)
@@ -300,63 +325,89 @@ def _route_many_bwd_kernel(
         hoffs = (tok * H + hh)[None, :]
         g = tl.load(g_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
         g_lse = tl.load(gl_ptrs[:, None] + hoffs, mask=hq, other=0.0)
-        if PREFETCH >= 2:  # the first two sources requested with the gradients, before the sums below
+        if REGISTER_PREFETCH >= 2:  # the first two sources requested with the gradients, before the sums below
             v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
             v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(1, N - 1), offs, _more_sources(hh, 0, N, cmask),
                                         ptr_ty, ALIGNED, HAS_KEYS)
+        lse = g_lse  # only read with several sources
+        s_ada = g_lse
         if not ONE_SOURCE:
             o = tl.load(o_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
             lse = tl.load(l_ptrs[:, None] + hoffs, mask=hq, other=0.0)
             # sum_j a_j <v_j, g> = <out, g> per query and head; d lse / d z_j = a_j joins it
             s_ada = tl.sum(g * o, 2) - g_lse
-        if PREFETCH == 1:
-            v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-        for i in range(N):
-            if PREFETCH:
-                v_raw, k_raw = v_nx, k_nx
-                if PREFETCH >= 2:  # two sources ahead
-                    v_nx, k_nx = v_nx2, k_nx2
-                    v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
-                                                _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
-                else:
-                    v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs,
-                                              _more_sources(hh, i, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
-            else:
+        if STAGES >= 2:
+            for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-            v = v_raw.to(tl.float32)
-            if HAS_KEYS:
-                k = k_raw.to(tl.float32)
-            else:
-                k = v
-            rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
-            zr = tl.sum(k[None, :, :] * qw, 2) * rstd
-            if ONE_SOURCE:
-                # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
-                # exactly (computed, the two sums would leave rounding noise where 0 is exact)
-                a = tl.where(hq, 1.0, 0.0)
-                dz = g_lse
-            else:
-                a = tl.where(hq, tl.exp(zr - lse), 0.0)
-                da = tl.sum(v[None, :, :] * g, 2)
-                dz = a * (da - s_ada)
-            mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
-            norm = k * rstd
-            if PARAM_TABLE:
-                rows = (_query_base(i, 0, S, T, H) + (qq[:, None].to(tl.int64) * T + tok) * H) + hh[None, :]
-                tl.store(param_ptr + rows, dz * rstd, mask=hq)
-            else:
-                r_acc += dz[:, :, None] * norm[None, :, :]
-            d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
-            d_value = tl.sum(a[:, :, None] * g, 0)
-            if HAS_KEYS:
-                _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
-                _store_source_grad(gktab, kacctab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
-            else:
-                _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+                r_acc = _per_token_source_grads(
+                    v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
+                    gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
+                    HAS_KEYS, PARAM_TABLE)
+        else:
+            if REGISTER_PREFETCH == 1:
+                v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+            for i in range(N):
+                if REGISTER_PREFETCH:
+                    v_raw, k_raw = v_nx, k_nx
+                    if REGISTER_PREFETCH >= 2:  # two sources ahead
+                        v_nx, k_nx = v_nx2, k_nx2
+                        v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
+                                                    _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                    else:
+                        v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs,
+                                                  _more_sources(hh, i, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                else:
+                    v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                r_acc = _per_token_source_grads(
+                    v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
+                    gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
+                    HAS_KEYS, PARAM_TABLE)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
         tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
+
+
+@triton.jit
+def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab,
+                            acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
+                            ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
+                            HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr):
+    """Source ``i``'s part of the per-token backward for every query of the chunk: its value
+    (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
+    PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
+    v = v_raw.to(tl.float32)
+    if HAS_KEYS:
+        k = k_raw.to(tl.float32)
+    else:
+        k = v
+    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+    zr = tl.sum(k[None, :, :] * qw, 2) * rstd
+    if ONE_SOURCE:
+        # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
+        # exactly (computed, the two sums would leave rounding noise where 0 is exact)
+        a = tl.where(hq, 1.0, 0.0)
+        dz = g_lse
+    else:
+        a = tl.where(hq, tl.exp(zr - lse), 0.0)
+        da = tl.sum(v[None, :, :] * g, 2)
+        dz = a * (da - s_ada)
+    mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
+    norm = k * rstd
+    if PARAM_TABLE:
+        hh = tl.arange(0, hq.shape[1])
+        rows = (_query_base(i, 0, S, T, H) + (qq[:, None].to(tl.int64) * T + tok) * H) + hh[None, :]
+        tl.store(param_ptr + rows, dz * rstd, mask=hq)
+    else:
+        r_acc += dz[:, :, None] * norm[None, :, :]
+    d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
+    d_value = tl.sum(a[:, :, None] * g, 0)
+    if HAS_KEYS:
+        _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+        _store_source_grad(gktab, kacctab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+    else:
+        _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+    return r_acc
 
 
 @triton.jit
@@ -508,7 +559,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
-    ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: FORWARD_TOKENS').
+    ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: FORWARD_TOKENS, ``stages``:
+    FORWARD_STAGES).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
@@ -530,7 +582,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
         order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
         chunks = triton.cdiv(s, block_q)
-        per_program = _positive_int("tokens_per_program", cfg.get("tokens_per_program", FORWARD_TOKENS))
+        per_program = cfg.get("tokens_per_program")
+        per_program = _positive_int("tokens_per_program", FORWARD_TOKENS if per_program is None else per_program)
         runs = triton.cdiv(tokens, per_program)
         _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
                                   f"of {block_q} queries")
@@ -538,6 +591,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
+            STAGES=_stages(cfg.get("stages"), FORWARD_STAGES),
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row))
     return out, lse
 
@@ -547,6 +601,16 @@ def _checked_choice(name: str, choice: str, choices: tuple) -> str:
     if choice not in choices:
         raise ValueError(f"route_many (Triton): config {name} must be one of {choices}; found {choice!r}")
     return choice
+
+
+def _stages(stages, default: int) -> int:
+    """Software pipeline stages (config ``stages``; None: ``default``): 0 or 1 (no pipelining:
+    the sources prefetched into registers) or at least 2."""
+    if stages is None:
+        return default
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
+        raise ValueError(f"route_many (Triton): config stages must be an int >= 0; found {stages!r}")
+    return stages
 
 
 def _positive_int(name: str, value) -> int:
@@ -590,7 +654,9 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
-    True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``)."""
+    True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
+    ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
+    unused; unset: PER_TOKEN_STAGES)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
@@ -607,6 +673,10 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         cfg["prefetch"] = _backward_prefetch(kernel, math.prod(_row_blocks(queries.shape[1], heads)))
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
+    cfg["stages"] = _stages(cfg.get("stages"), PER_TOKEN_STAGES)
+    if kernel == "tiled" and cfg["stages"] >= 2:
+        raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
+                         "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
@@ -731,7 +801,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
             min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
-            HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, num_warps=warps,
+            HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], num_warps=warps,
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,

@@ -154,19 +154,21 @@ def test_forward_program_orders_and_token_runs_give_the_same_bits(keys):
     token's first source is loaded during the current token's last, compute each output
     with the same operations: bit-identical outputs and log-sum-exps, with 7 queries in
     chunks of 2 (the last chunk holds one) and of 4, and correct against float64 (a run
-    that read another token's rows would differ). Three launches per chunk size, each order
-    and run length at least once (the interpreter takes ~3 s a launch)."""
+    that read another token's rows would differ); the same with the sources copied ahead by
+    Triton's software pipeline (``stages``). Three launches per chunk size, each order, run
+    length and way of loading at least once (the interpreter takes ~3 s a launch)."""
     inp = _make(5, 7, (3, 5), 40, 2, torch.bfloat16, 11, keys)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     args = ([dev(v) for v in inp["values"]], dev(inp["queries"]), dev(inp["key_norm_weights"]), 2, 1e-6)
     keys_in = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
     exact_out, exact_lse, _ = _oracle_f64(inp, [torch.zeros(3, 5, 40)] * 7, [torch.zeros(3, 5, 2)] * 7)
     for block_q in (2, 4):
-        launches = [("token_major", 1), ("chunk_major", 2 if block_q == 2 else 4),
-                    ("token_major", 32 if block_q == 2 else 4)]
+        launches = [("token_major", 1, 0), ("chunk_major", 2 if block_q == 2 else 4, 0),
+                    ("token_major", 32 if block_q == 2 else 4, 3 if block_q == 2 else 2)]
         runs = [route_many_triton.route_many_forward(
-                    *args, {"block_q": block_q, "order": order, "tokens_per_program": per_program}, keys=keys_in)
-                for order, per_program in launches]
+                    *args, {"block_q": block_q, "order": order, "tokens_per_program": per_program, "stages": stages},
+                    keys=keys_in)
+                for order, per_program, stages in launches]
         for (out_a, lse_a), (out_b, lse_b) in zip(runs, runs[1:]):
             assert all(torch.equal(a, b) for a, b in zip(out_a + lse_a, out_b + lse_b))
         out, lse = runs[0]
@@ -206,6 +208,14 @@ def test_forward_tokens_per_program_must_be_a_positive_int(per_program):
                                              {"tokens_per_program": per_program})
 
 
+@pytest.mark.parametrize("stages", [-1, 2.0, False, "3"])
+def test_forward_stages_must_be_a_non_negative_int(stages):
+    inp = _make(2, 3, (2,), 16, 1, torch.float32, 1)
+    with pytest.raises(ValueError, match=r"config stages must be an int >= 0; found " + re.escape(repr(stages))):
+        route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
+                                             {"stages": stages})
+
+
 VARIANTS = [
     {"backward": "per_token"},
     {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks
@@ -214,6 +224,8 @@ VARIANTS = [
     {"backward": "per_token", "prefetch": True},  # one source ahead (two by default up to d = 2048)
     {"backward": "per_token", "prefetch": 2},  # two sources ahead (the forward: one)
     {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
+    {"backward": "per_token", "stages": 3},  # the sources copied ahead by Triton's software pipeline
+    {"backward": "per_token", "stages": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
 ]
@@ -254,6 +266,9 @@ def test_unknown_backward_is_refused():
         _run(inp, torch.float32, 1, config={"backward": "tiled", "prefetch": 2}, fwd_config={})
     with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2\) for the per_token"):
         _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3}, fwd_config={})
+    with pytest.raises(ValueError, match=r"config stages=2 pipelines the per_token backward only; the tiled backward "
+                                         r"takes 0 or 1"):
+        _run(inp, torch.float32, 1, config={"backward": "tiled", "stages": 2}, fwd_config={})
     with pytest.raises(ValueError, match=r"route_many \(Triton\): config prefetch must be one of \(False, True\); "
                                          r"found 2"):  # the forward's check
         route_many_triton.route_many_forward([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE),

@@ -12,6 +12,7 @@
 #   OUT=... bash benchmarks/device_session.sh fwdorder   # route_many's forward: the program orders
 #   OUT=... bash benchmarks/device_session.sh fwdlaunch  # its launches: session 16's against 15's
 #   OUT=... bash benchmarks/device_session.sh fwdruns    # its runs of tokens per program (session 17)
+#   OUT=... bash benchmarks/device_session.sh fwdpipe    # the forward's new launch end to end (session 17)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -128,6 +129,19 @@ fwdruns)
   timeout 120 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar mhar_g3 attnres \
       > "$OUT/check.txt" 2>&1
   tail -1 "$OUT/check.txt"
+  ;;
+fwdpipe)
+  # the one-head forward's new launch (runs of 8 tokens, the sources through Triton's
+  # pipeline) against session 16's (_fwd16), end to end side by side with a kernel profile;
+  # the GPU tests of the new launches (~6 minutes; session 17's run 3)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  grep -c "ONE_HEAD_FORWARD_STAGES" depthrewrite/kernels/route_many_triton.py
+  timeout 120 python3 -m pytest -q tests/kernels/test_route_many_triton.py -k "order or grid or per_program or stages" \
+      > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|E  )|passed|failed" "$OUT/pytest.txt" | head -20
+  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
+      block_attnres block_attnres_fwd16 dar_block dar_block_fwd16 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -152,9 +152,10 @@ LAUNCH_VARIANTS = {
     "fwd15": (("block_attnres", "mhar_block", "attnres"),
               {"route_many_triton.FORWARD_ORDER": "chunk_major", "route_many_triton.MANY_NARROW_FORWARD_WARPS": 2,
                "route_many_triton.MULTI_HEAD_FORWARD_QUERIES": 2, "route_many_triton.MULTI_HEAD_FORWARD_WARPS": 4}),
-    # route_many's forward on runs of consecutive tokens per program (session 17)
-    **{f"fwdr{k}": (("block_attnres", "mhar_block", "dar_block", "attnres"),
-                    {"route_many_triton.FORWARD_TOKENS": k}) for k in (4, 8, 16)},
+    # route_many's one-head forward as in session 16: one token per program, the register
+    # prefetch (since session 17: runs of 8 tokens, the sources through Triton's pipeline)
+    "fwd16": (("block_attnres", "dar_block", "attnres"),
+              {"route_many_triton.ONE_HEAD_FORWARD_TOKENS": 1, "route_many_triton.ONE_HEAD_FORWARD_STAGES": 0}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

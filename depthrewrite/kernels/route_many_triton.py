@@ -105,14 +105,20 @@ MULTI_HEAD_FORWARD_WARPS = 2
 #: "chunk_major" (one chunk's tokens after another: each chunk reads every source from
 #: memory, as the one launch per chunk before session 16)
 FORWARD_ORDER = "token_major"
-#: consecutive tokens a forward program routes, one after another (the next token's first
-#: source requested with the current token's last): 1 is one program per token
-FORWARD_TOKENS = 1
-#: the forward's software pipeline: with 2 or more, Triton copies the source rows into shared
-#: memory STAGES - 1 sources ahead (``tl.range(num_stages=)``); 0: the register prefetch
-FORWARD_STAGES = 0
-#: the same for the per-token backward's sources (0: PREFETCH's register prefetch)
-PER_TOKEN_STAGES = 0
+#: Since session 17 (H200, bf16, 16384 tokens, S = 6, side by side in one run, session 17's
+#: run 2, docs/benchmarks.md): one-head forwards take runs of ONE_HEAD_FORWARD_TOKENS
+#: consecutive tokens per program (the query rows loaded once per run) with the sources
+#: copied ahead by Triton's software pipeline in ONE_HEAD_FORWARD_STAGES stages (two rows in
+#: flight that cost no registers): 0.189 / 0.311 ms against 0.231 / 0.324 at d = 1024, N =
+#: 4 / 8; with keys 0.224 / 0.379 against 0.265 / 0.451; d = 2048 0.431 against 0.436; d =
+#: 4096 0.878 against 0.977. Several heads keep one token and the register prefetch (the
+#: pipeline within 2 % either way, runs of tokens up to 21 % slower). The per-token
+#: backward pipelines its sources (WIDE_PER_TOKEN_STAGES) for rows wider than NARROW_ROW:
+#: 1.181 / 2.745 ms against 1.248 / 3.176 at d = 2048 / 4096, N = 4; at d = 1024 it was
+#: 0.640 / 1.078 (3 stages) and 0.614 / 1.013 (4) against 0.606 / 1.059 (not taken).
+ONE_HEAD_FORWARD_TOKENS = 8
+ONE_HEAD_FORWARD_STAGES = 3
+WIDE_PER_TOKEN_STAGES = 3
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
@@ -559,8 +565,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
-    ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: FORWARD_TOKENS, ``stages``:
-    FORWARD_STAGES).
+    ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: consecutive tokens per
+    program, ``stages``: the sources' software pipeline, 0 for the register prefetch; unset:
+    the measured choices, ONE_HEAD_FORWARD_TOKENS' comment).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
@@ -583,7 +590,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
         chunks = triton.cdiv(s, block_q)
         per_program = cfg.get("tokens_per_program")
-        per_program = _positive_int("tokens_per_program", FORWARD_TOKENS if per_program is None else per_program)
+        per_program = _positive_int("tokens_per_program",
+                                    _many_forward_tokens(heads) if per_program is None else per_program)
         runs = triton.cdiv(tokens, per_program)
         _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
                                   f"of {block_q} queries")
@@ -591,7 +599,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
-            STAGES=_stages(cfg.get("stages"), FORWARD_STAGES),
+            STAGES=_stages(cfg.get("stages"), _many_forward_stages(heads)),
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row))
     return out, lse
 
@@ -637,6 +645,16 @@ def _many_forward_queries(heads: int, row: int) -> int:
     return MULTI_HEAD_FORWARD_QUERIES if _narrow_multi_head(heads, row) else FORWARD_QUERIES
 
 
+def _many_forward_tokens(heads: int) -> int:
+    """Consecutive tokens per forward program (measured, ONE_HEAD_FORWARD_TOKENS' comment)."""
+    return ONE_HEAD_FORWARD_TOKENS if heads == 1 else 1
+
+
+def _many_forward_stages(heads: int) -> int:
+    """The forward's pipeline stages (measured, ONE_HEAD_FORWARD_TOKENS' comment)."""
+    return ONE_HEAD_FORWARD_STAGES if heads == 1 else 0
+
+
 def _many_forward_warps(heads: int, row: int) -> int:
     """The forward's warps for a padded row (measured, FORWARD_QUERIES' comment): with keys
     or without, since session 16."""
@@ -656,7 +674,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
-    unused; unset: PER_TOKEN_STAGES)."""
+    unused; unset: WIDE_PER_TOKEN_STAGES for rows wider than NARROW_ROW, else 0)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
@@ -669,11 +687,13 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
+    row = math.prod(_row_blocks(queries.shape[1], heads))
     if cfg["prefetch"] is None:
-        cfg["prefetch"] = _backward_prefetch(kernel, math.prod(_row_blocks(queries.shape[1], heads)))
+        cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
-    cfg["stages"] = _stages(cfg.get("stages"), PER_TOKEN_STAGES)
+    cfg["stages"] = _stages(cfg.get("stages"), WIDE_PER_TOKEN_STAGES if kernel == "per_token" and row > NARROW_ROW
+                            else 0)
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")

@@ -185,18 +185,19 @@ def test_unknown_forward_order_is_refused():
 
 
 def test_forward_launch_past_the_grid_limit_is_refused(monkeypatch):
-    """One launch holds tokens x chunks programs; past CUDA's grid limit (lowered here to
-    what 3 tokens x 2 chunks exceed) the call is refused with the counts, not launched."""
-    monkeypatch.setattr(route_many_triton, "MAX_PROGRAMS", 5)
+    """One launch holds runs x chunks programs; past CUDA's grid limit (lowered here to
+    what 3 tokens x 2 chunks exceed) the call is refused with the counts, not launched;
+    two tokens a program (2 runs x 2 chunks) fit and give the one-token launch's outputs."""
     inp = _make(2, 3, (3,), 16, 1, torch.float32, 1)
+    args = ([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE), 1,
+            1e-6)
+    one_token = route_many_triton.route_many_forward(*args, {"block_q": 2, "tokens_per_program": 1, "stages": 0})
+    monkeypatch.setattr(route_many_triton, "MAX_PROGRAMS", 5)
     with pytest.raises(ValueError, match=r"a forward launch of 3 tokens in 3 runs of at most 1 x 2 chunks of 2 "
                                          r"queries = 6 programs; at most 5 are supported"):
-        route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
-                                             {"block_q": 2, "tokens_per_program": 1})
-    # two tokens a program: 2 runs x 2 chunks fit
-    out, _ = route_many_triton.route_many_forward(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6,
-                                                  {"block_q": 2, "tokens_per_program": 2})
-    assert len(out) == 3
+        route_many_triton.route_many_forward(*args, {"block_q": 2, "tokens_per_program": 1})
+    two_tokens = route_many_triton.route_many_forward(*args, {"block_q": 2, "tokens_per_program": 2, "stages": 0})
+    assert all(torch.equal(a, b) for a, b in zip(one_token[0] + one_token[1], two_tokens[0] + two_tokens[1]))
 
 
 @pytest.mark.parametrize("per_program", [0, -2, 1.5, True, "4"])

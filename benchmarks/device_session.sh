@@ -13,7 +13,6 @@
 #   OUT=... bash benchmarks/device_session.sh fwdlaunch  # its launches: session 16's against 15's
 #   OUT=... bash benchmarks/device_session.sh fwdruns    # its runs of tokens per program (session 17)
 #   OUT=... bash benchmarks/device_session.sh fwdpipe    # the forward's new launch end to end (session 17)
-#   OUT=... bash benchmarks/device_session.sh tiledpipe  # the tiled backward through the pipeline (session 17)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -142,19 +141,6 @@ fwdpipe)
   grep -E "^(FAILED|E  )|passed|failed" "$OUT/pytest.txt" | head -20
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
       block_attnres block_attnres_fwd16 dar_block dar_block_fwd16 > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -12
-  ;;
-tiledpipe)
-  # the tiled backward's query loops through Triton's pipeline (session 17's run 5): the
-  # block phase's backward variants, then DAR block and block MHAR end to end with and
-  # without it (_tiled3), side by side (~7 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  grep -c "TILED_STAGES" depthrewrite/kernels/route_many_triton.py
-  timeout 100 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_tiled_s|^_pertoken_s3$" \
-      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
-  grep -o "tokens=.*many_bwd[^ ]*" "$OUT/bp.txt" | sed 's/many_fwd=[^ ]* //'
-  timeout 360 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
-      dar_block dar_block_tiled3 mhar_block mhar_block_tiled3 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 fsdp2)

@@ -156,8 +156,6 @@ LAUNCH_VARIANTS = {
     # prefetch (since session 17: runs of 8 tokens, the sources through Triton's pipeline)
     "fwd16": (("block_attnres", "dar_block", "attnres"),
               {"route_many_triton.ONE_HEAD_FORWARD_TOKENS": 1, "route_many_triton.ONE_HEAD_FORWARD_STAGES": 0}),
-    # the tiled backward's query loops through Triton's pipeline in 3 stages (session 17)
-    "tiled3": (("dar_block", "mhar_block"), {"route_many_triton.TILED_STAGES": 3}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -388,9 +388,7 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2},
                             # the per-token backward's sources through Triton's software pipeline (session 17)
                             **{f"_pertoken_s{k}": {"backward": "per_token", "stages": k} for k in (2, 3, 4)},
-                            "_pertoken_s3_table": {"backward": "per_token", "stages": 3, "param": "table"},
-                            # the tiled backward's query loops through the pipeline (session 17)
-                            **{f"_tiled_s{k}": {"backward": "tiled", "stages": k} for k in (2, 3, 4)}}
+                            "_pertoken_s3_table": {"backward": "per_token", "stages": 3, "param": "table"}}
 
 
 def block_phase_timing(pattern: str | None = None) -> list[dict]:

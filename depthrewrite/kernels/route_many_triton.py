@@ -119,8 +119,6 @@ FORWARD_ORDER = "token_major"
 ONE_HEAD_FORWARD_TOKENS = 8
 ONE_HEAD_FORWARD_STAGES = 3
 WIDE_PER_TOKEN_STAGES = 3
-#: the tiled backward's query loops through the pipeline (0: the register prefetch)
-TILED_STAGES = 0
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
@@ -429,15 +427,11 @@ def _query_base(i, s, S, T, H):
 def _route_many_bwd_tiled_kernel(
     like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr, STAGES: tl.constexpr = 0,
+    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr,
 ):
-    """BLOCK_T tokens per program: first ``<g_s, out_s> - d lse_s`` per query into a scratch
-    slab, then per source the queries one at a time (their output gradients and query rows
-    from cache). STAGES >= 2: both query loops through Triton's software pipeline (the rows
-    of the next queries copied ahead); otherwise the next query's gradient row is prefetched
-    into registers (PREFETCH, which also prefetches the next source)."""
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
+    f32_ty = tl.pointer_type(tl.float32)
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)
     cc = tl.arange(0, BLOCK_C)
@@ -451,14 +445,15 @@ def _route_many_bwd_tiled_kernel(
 
     # per query and head: <g_s, out_s> - d lse_s (with one source: d lse_s, the whole dz),
     # into a scratch slab of this program's tokens, read back once per source below
-    if STAGES >= 2:
-        for s in tl.range(0, S, num_stages=STAGES):
-            _store_sada(s, gtab, otab, gltab, sada_ptr, offs, mask, hoffs, hmask, T, S, H, ptr_ty, ALIGNED,
-                        ONE_SOURCE)
-    else:
-        for s in range(S):
-            _store_sada(s, gtab, otab, gltab, sada_ptr, offs, mask, hoffs, hmask, T, S, H, ptr_ty, ALIGNED,
-                        ONE_SOURCE)
+    for s in range(S):
+        g_lse = tl.load(_src_ptr(gltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
+        if ONE_SOURCE:
+            s_ada = g_lse
+        else:
+            g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            o = tl.load(_src_ptr(otab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            s_ada = tl.sum(g * o, 2) - g_lse
+        tl.store(sada_ptr + _query_base(0, s, S, T, H) + hoffs, s_ada, mask=hmask)
     tl.debug_barrier()  # other threads of the program read these values back
 
     if PREFETCH:
@@ -479,74 +474,38 @@ def _route_many_bwd_tiled_kernel(
         mt = tl.zeros((BLOCK_T,), tl.float32)  # sum over queries and heads of dz_s z_s (the norm's term)
         # the queries one at a time: their output-gradient rows are read from cache once per
         # source (the first source brought them in), so a program holds a few rows, not S
-        if STAGES >= 2:  # the query rows copied ahead by Triton's software pipeline
-            for s in tl.range(0, S, num_stages=STAGES):
-                g_raw = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-                acc_g, acc_q, mt = _tiled_query_step(
-                    g_raw, s, i, v, k, rstd, acc_g, acc_q, mt, ltab, qw_ptr, sada_ptr, coef_ptr, col, cmask, hoffs,
-                    hmask, T, S, D, H, ONE_SOURCE)
-        else:
-            if PREFETCH:
-                g_nx = tl.load(_src_ptr(gtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-            for s in range(S):
-                if PREFETCH:  # the next query's rows are requested before this one's are used
-                    g_raw = g_nx
-                    nxt, more = _next_source(tok, s, S, mask)
-                    g_nx = tl.load(_src_ptr(gtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
-                else:
-                    g_raw = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-                acc_g, acc_q, mt = _tiled_query_step(
-                    g_raw, s, i, v, k, rstd, acc_g, acc_q, mt, ltab, qw_ptr, sada_ptr, coef_ptr, col, cmask, hoffs,
-                    hmask, T, S, D, H, ONE_SOURCE)
+        if PREFETCH:
+            g_nx = tl.load(_src_ptr(gtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
+        for s in range(S):
+            qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
+            if PREFETCH:  # the next query's rows are requested before this one's are used
+                g = g_nx.to(tl.float32)
+                nxt, more = _next_source(tok, s, S, mask)
+                g_nx = tl.load(_src_ptr(gtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
+            else:
+                g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
+            zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+            if ONE_SOURCE:
+                # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
+                a = tl.where(hmask, 1.0, 0.0)
+                dz = s_ada
+            else:
+                lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
+                a = tl.where(hmask, tl.exp(zr - lse), 0.0)
+                dz = a * (tl.sum(v * g, 2) - s_ada)
+            acc_g += a[:, :, None] * g
+            acc_q += dz[:, :, None] * qw[None, :, :]
+            mt += tl.sum(dz * zr, 1)
+            # d z / d (w q) is the normalized key: the parameter gradients are a separate
+            # reduction over tokens of dz * rstd * k (_route_many_param_kernel)
+            tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
         d_key = rstd[:, None, None] * (acc_q - k * (rstd * mt / D)[:, None, None])
         if HAS_KEYS:
             tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, acc_g.to(act), mask=mask)
             tl.store(_src_ptr(gktab, i, ptr_ty, ALIGNED) + offs, d_key.to(act), mask=mask)
         else:
             tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, (acc_g + d_key).to(act), mask=mask)
-
-
-@triton.jit
-def _store_sada(s, gtab, otab, gltab, sada_ptr, offs, mask, hoffs, hmask, T, S, H, ptr_ty, ALIGNED: tl.constexpr,
-                ONE_SOURCE: tl.constexpr):
-    """Query ``s``'s ``<g_s, out_s> - d lse_s`` per token and head (``d lse_s`` with one
-    source) into the tiled backward's scratch slab."""
-    g_lse = tl.load(_src_ptr(gltab, s, tl.pointer_type(tl.float32), False) + hoffs, mask=hmask, other=0.0)
-    if ONE_SOURCE:
-        s_ada = g_lse
-    else:
-        g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-        o = tl.load(_src_ptr(otab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-        s_ada = tl.sum(g * o, 2) - g_lse
-    tl.store(sada_ptr + _query_base(0, s, S, T, H) + hoffs, s_ada, mask=hmask)
-
-
-@triton.jit
-def _tiled_query_step(g_raw, s, i, v, k, rstd, acc_g, acc_q, mt, ltab, qw_ptr, sada_ptr, coef_ptr, col, cmask, hoffs,
-                      hmask, T, S, D, H, ONE_SOURCE: tl.constexpr):
-    """Query ``s``'s part of source ``i``'s gradients in the tiled backward: ``a_s g_s`` and
-    ``dz_s w_s q_s`` added to the accumulators, ``dz_s z_s`` to the norm's term ``mt``, and
-    ``dz_s * rstd`` stored for the parameter reduction."""
-    f32_ty = tl.pointer_type(tl.float32)
-    g = g_raw.to(tl.float32)
-    qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
-    s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
-    zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
-    if ONE_SOURCE:
-        # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
-        a = tl.where(hmask, 1.0, 0.0)
-        dz = s_ada
-    else:
-        lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
-        a = tl.where(hmask, tl.exp(zr - lse), 0.0)
-        dz = a * (tl.sum(v * g, 2) - s_ada)
-    acc_g += a[:, :, None] * g
-    acc_q += dz[:, :, None] * qw[None, :, :]
-    mt += tl.sum(dz * zr, 1)
-    # d z / d (w q) is the normalized key: the parameter gradients are a separate
-    # reduction over tokens of dz * rstd * k (_route_many_param_kernel)
-    tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
-    return acc_g, acc_q, mt
 
 
 @triton.jit
@@ -714,9 +673,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
-    ``stages`` (2 or more: Triton's software pipeline for the per-token backward's source
-    loads or the tiled backward's query loads, PREFETCH then unused there; unset:
-    WIDE_PER_TOKEN_STAGES for the per-token backward's rows wider than NARROW_ROW, else 0)."""
+    ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
+    unused; unset: WIDE_PER_TOKEN_STAGES for rows wider than NARROW_ROW, else 0)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
@@ -734,7 +692,11 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
-    cfg["stages"] = _stages(cfg.get("stages"), _backward_stages(kernel, row))
+    cfg["stages"] = _stages(cfg.get("stages"), WIDE_PER_TOKEN_STAGES if kernel == "per_token" and row > NARROW_ROW
+                            else 0)
+    if kernel == "tiled" and cfg["stages"] >= 2:
+        raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
+                         "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
@@ -757,14 +719,6 @@ def _backward_prefetch(kernel: str, row: int) -> int:
     a config sets it (measured): two sources ahead in the per-token backward up to
     PER_TOKEN_PREFETCH2_ROW, else one."""
     return 2 if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
-
-
-def _backward_stages(kernel: str, row: int) -> int:
-    """The software pipeline's stages a backward kernel takes for rows of ``row`` padded
-    elements unless a config sets them (measured, ONE_HEAD_FORWARD_TOKENS' comment)."""
-    if kernel == "tiled":
-        return TILED_STAGES
-    return WIDE_PER_TOKEN_STAGES if row > NARROW_ROW else 0
 
 
 def _param_gradients(cfg: dict) -> str:
@@ -798,7 +752,6 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
         heads, float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
         ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
-        STAGES=cfg["stages"],
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
     )
     # the logits' normalized rows are the keys': the parameter reduction reads them

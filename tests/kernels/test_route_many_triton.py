@@ -229,7 +229,6 @@ VARIANTS = [
     {"backward": "per_token", "stages": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
-    {"backward": "tiled", "stages": 3},  # both query loops through Triton's software pipeline
 ]
 
 
@@ -268,6 +267,9 @@ def test_unknown_backward_is_refused():
         _run(inp, torch.float32, 1, config={"backward": "tiled", "prefetch": 2}, fwd_config={})
     with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2\) for the per_token"):
         _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3}, fwd_config={})
+    with pytest.raises(ValueError, match=r"config stages=2 pipelines the per_token backward only; the tiled backward "
+                                         r"takes 0 or 1"):
+        _run(inp, torch.float32, 1, config={"backward": "tiled", "stages": 2}, fwd_config={})
     with pytest.raises(ValueError, match=r"route_many \(Triton\): config prefetch must be one of \(False, True\); "
                                          r"found 2"):  # the forward's check
         route_many_triton.route_many_forward([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE),

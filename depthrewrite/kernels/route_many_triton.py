@@ -6,13 +6,16 @@ The point is the bytes: each source row is read ONCE for all S queries (the per-
 with the contributions of all S queries summed on chip (autograd would otherwise add S
 gradients one at a time).
 
-Forward: one program per token holds a ``(Q, H, C)`` fp32 accumulator for Q queries at a
-time (an online softmax per query and head, as the ``route`` kernel), and writes each
-query's output row and its log-sum-exp. Q queries per program (``FORWARD_QUERIES``, at
+Forward: a program routes one token at a time, holding a ``(Q, H, C)`` fp32 accumulator
+for Q queries (an online softmax per query and head, as the ``route`` kernel), and writes
+each query's output row and its log-sum-exp. Q queries per program (``FORWARD_QUERIES``, at
 most ``MANY_ELEMS / row``; 1 with several heads): the forward is fastest with few at a
 time. Every chunk of queries runs in one launch, the chunks of a token in neighbouring
 programs (``FORWARD_ORDER``): they run at the same time and read the same source rows, so
 the chunks after the first find them in L2 and each source is read from memory about once.
+With one head a program takes a run of 8 consecutive tokens and its source rows come through
+Triton's software pipeline (copied into shared memory two sources ahead:
+``ONE_HEAD_FORWARD_TOKENS``, measured).
 
 With separate keys (DAR) every kernel reads each source's key row next to its value row:
 the logits and the key RMSNorm come from the key, the output from the value, and the

@@ -13,6 +13,7 @@
 #   OUT=... bash benchmarks/device_session.sh fwdlaunch  # its launches: session 16's against 15's
 #   OUT=... bash benchmarks/device_session.sh fwdruns    # its runs of tokens per program (session 17)
 #   OUT=... bash benchmarks/device_session.sh fwdpipe    # the forward's new launch end to end (session 17)
+#   OUT=... bash benchmarks/device_session.sh keyedbwd   # DAR's keyed backward: per-token against tiled
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -142,6 +143,15 @@ fwdpipe)
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
       block_attnres block_attnres_fwd16 dar_block dar_block_fwd16 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -12
+  ;;
+keyedbwd)
+  # DAR block's keyed route_many backwards through the per-token kernel with its sources
+  # pipelined (_pertoken) against the tiled default, end to end side by side (~5 minutes;
+  # prepared in session 17, not run yet)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 330 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 --schemes baseline \
+      dar_block dar_block_pertoken > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

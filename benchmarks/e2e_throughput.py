@@ -156,6 +156,9 @@ LAUNCH_VARIANTS = {
     # prefetch (since session 17: runs of 8 tokens, the sources through Triton's pipeline)
     "fwd16": (("block_attnres", "dar_block", "attnres"),
               {"route_many_triton.ONE_HEAD_FORWARD_TOKENS": 1, "route_many_triton.ONE_HEAD_FORWARD_STAGES": 0}),
+    # every route_many backward through the per-token kernel (DAR's calls are keyed: with
+    # its sources pipelined; their default is the tiled kernel and the parameter reduction)
+    "pertoken": (("dar_block",), {"route_many_triton.BACKWARD": "per_token"}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -118,7 +118,10 @@ FORWARD_ORDER = "token_major"
 #: pipeline within 2 % either way, runs of tokens up to 21 % slower). The per-token
 #: backward pipelines its sources (WIDE_PER_TOKEN_STAGES) for rows wider than NARROW_ROW:
 #: 1.181 / 2.745 ms against 1.248 / 3.176 at d = 2048 / 4096, N = 4; at d = 1024 it was
-#: 0.640 / 1.078 (3 stages) and 0.614 / 1.013 (4) against 0.606 / 1.059 (not taken).
+#: 0.640 / 1.078 (3 stages) and 0.614 / 1.013 (4) against 0.606 / 1.059 (not taken). With
+#: separate keys (not its default kernel: ``backward="per_token"``) it pipelines them too:
+#: 0.704 / 1.179 ms against 0.707 / 1.255 at N = 4 / 8 (and the tiled default's 0.694 /
+#: 1.222; run 5: 0.707 / 1.188 against the tiled 0.734 / 1.295: not switched untimed).
 ONE_HEAD_FORWARD_TOKENS = 8
 ONE_HEAD_FORWARD_STAGES = 3
 WIDE_PER_TOKEN_STAGES = 3
@@ -677,7 +680,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
-    unused; unset: WIDE_PER_TOKEN_STAGES for rows wider than NARROW_ROW, else 0)."""
+    unused; unset: ``_per_token_stages``)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
@@ -695,8 +698,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
-    cfg["stages"] = _stages(cfg.get("stages"), WIDE_PER_TOKEN_STAGES if kernel == "per_token" and row > NARROW_ROW
-                            else 0)
+    cfg["stages"] = _stages(cfg.get("stages"), _per_token_stages(row, bool(flat_k)) if kernel == "per_token" else 0)
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
@@ -722,6 +724,13 @@ def _backward_prefetch(kernel: str, row: int) -> int:
     a config sets it (measured): two sources ahead in the per-token backward up to
     PER_TOKEN_PREFETCH2_ROW, else one."""
     return 2 if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
+
+
+def _per_token_stages(row: int, has_keys: bool) -> int:
+    """The per-token backward's pipeline stages unless a config sets them (measured,
+    ONE_HEAD_FORWARD_TOKENS' comment): WIDE_PER_TOKEN_STAGES for rows wider than NARROW_ROW
+    or with separate keys (two rows a source), else 0."""
+    return WIDE_PER_TOKEN_STAGES if row > NARROW_ROW or has_keys else 0
 
 
 def _param_gradients(cfg: dict) -> str:

@@ -222,8 +222,10 @@ VARIANTS = [
     {"backward": "per_token", "many_elems": 256},  # 2 queries per chunk: fp32 partial gradients between chunks
     {"backward": "per_token", "param": "table"},  # parameter gradients through the dz * rstd table
     {"backward": "per_token", "param": "table", "many_elems": 256},  # the table written chunk by chunk
-    {"backward": "per_token", "prefetch": True},  # one source ahead (two by default up to d = 2048)
-    {"backward": "per_token", "prefetch": 2},  # two sources ahead (the forward: one)
+    # one source ahead (two by default up to d = 2048), two ahead (the forward: one), in
+    # registers: stages=0, as keyed calls take the pipeline by default
+    {"backward": "per_token", "prefetch": True, "stages": 0},
+    {"backward": "per_token", "prefetch": 2, "stages": 0},
     {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
     {"backward": "per_token", "stages": 3},  # the sources copied ahead by Triton's software pipeline
     {"backward": "per_token", "stages": 2, "param": "table", "many_elems": 256},
@@ -284,11 +286,11 @@ def test_backward_is_deterministic():
 
 @pytest.mark.parametrize("n", [2, 9])
 def test_per_token_prefetch_depth_changes_no_bit(n):
-    """The per-token backward's prefetch depths 0, 1 and 2 move loads, not arithmetic: the
-    same bits (n = 2: the second source ahead is past the last)."""
+    """The per-token backward's prefetch depths 0, 1 and 2 and its 3-stage pipeline move
+    loads, not arithmetic: the same bits (n = 2: the second source ahead is past the last)."""
     inp = _make(n, 6, (6,), 64, 1, torch.bfloat16, 3)
-    runs = [_run(inp, torch.bfloat16, 3, config={"backward": "per_token", "prefetch": depth}, fwd_config={})
-            for depth in (False, True, 2)]
+    loads = [{"prefetch": False}, {"prefetch": True}, {"prefetch": 2}, {"stages": 3}]
+    runs = [_run(inp, torch.bfloat16, 3, config={"backward": "per_token", **load}, fwd_config={}) for load in loads]
     for other in runs[1:]:
         assert len(other[2]) == len(runs[0][2]) == n + 2
         assert all(torch.equal(a, b) for a, b in zip(runs[0][2], other[2]))

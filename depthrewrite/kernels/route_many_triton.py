@@ -680,7 +680,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
-    unused; unset: ``_per_token_stages``)."""
+    unused; unset: ``_backward_stages``)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
@@ -698,7 +698,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
-    cfg["stages"] = _stages(cfg.get("stages"), _per_token_stages(row, bool(flat_k)) if kernel == "per_token" else 0)
+    cfg["stages"] = _stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k)))
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
@@ -726,11 +726,12 @@ def _backward_prefetch(kernel: str, row: int) -> int:
     return 2 if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
 
 
-def _per_token_stages(row: int, has_keys: bool) -> int:
-    """The per-token backward's pipeline stages unless a config sets them (measured,
-    ONE_HEAD_FORWARD_TOKENS' comment): WIDE_PER_TOKEN_STAGES for rows wider than NARROW_ROW
-    or with separate keys (two rows a source), else 0."""
-    return WIDE_PER_TOKEN_STAGES if row > NARROW_ROW or has_keys else 0
+def _backward_stages(kernel: str, row: int, has_keys: bool) -> int:
+    """The pipeline stages a backward kernel takes unless a config sets them (measured,
+    ONE_HEAD_FORWARD_TOKENS' comment): the per-token backward WIDE_PER_TOKEN_STAGES for rows
+    wider than NARROW_ROW or with separate keys (two rows a source), else 0 (the tiled
+    backward: always)."""
+    return WIDE_PER_TOKEN_STAGES if kernel == "per_token" and (row > NARROW_ROW or has_keys) else 0
 
 
 def _param_gradients(cfg: dict) -> str:

@@ -14,6 +14,7 @@
 #   OUT=... bash benchmarks/device_session.sh fwdruns    # its runs of tokens per program (session 17)
 #   OUT=... bash benchmarks/device_session.sh fwdpipe    # the forward's new launch end to end (session 17)
 #   OUT=... bash benchmarks/device_session.sh keyedbwd   # DAR's keyed backward: per-token against tiled
+#   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -149,9 +150,30 @@ keyedbwd)
   # pipelined (_pertoken) against the tiled default, end to end side by side (~5 minutes;
   # prepared in session 17, not run yet)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 330 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 --schemes baseline \
-      dar_block dar_block_pertoken > "$OUT/e2e.txt" 2>&1
+  timeout "${E2E_SECONDS:-330}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 40 \
+      --schemes baseline dar_block dar_block_pertoken > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+ncu)
+  # where route_many's kernels stall (session 18): Nsight Compute's warp states, scheduler,
+  # occupancy and memory sections for one launch of each kernel at the block phase's
+  # d = 1024 shapes (~2 minutes); the reports in $OUT/ncu_*.txt
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  profile() {  # name, kernel regex, arguments of route_many_launches.py
+    local name=$1 kernel=$2
+    shift 2
+    timeout 120 "$NCU" --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python3 benchmarks/route_many_launches.py "$@" > "$OUT/ncu_$name.txt" 2>&1
+    echo "== $name"; grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp Per|No Eligible|Memory Throughput|DRAM Throughput|Stall|ERR|rror" "$OUT/ncu_$name.txt" | head -14
+  }
+  profile pertoken_n4 "_route_many_bwd_kernel" --sources 4
+  profile pertoken_n8 "_route_many_bwd_kernel" --sources 8
+  profile tiled_keys_n8 "_route_many_bwd_tiled_kernel" --sources 8 --keys
+  profile param_keys_n8 "_route_many_param_kernel" --sources 8 --keys
+  profile forward_n4 "_route_many_fwd_kernel" --sources 4
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

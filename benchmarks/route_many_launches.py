@@ -1,0 +1,61 @@
+"""Launch ``route_many``'s forward and backward a few times at one block-phase shape, for a
+profiler to read (Nsight Compute on the device machine: ``device_session.sh ncu``).
+
+    python3 benchmarks/route_many_launches.py [--tokens 16384] [--width 1024] [--sources 4]
+        [--queries 6] [--heads 1] [--keys] [--config '{"backward": "per_token"}'] [--repeat 3]
+
+Random bf16 sources, queries and output gradients as ``gpu_suite.py``'s block phase makes
+them; ``--config`` is ``route_many_backward``'s launch config (JSON). Prints nothing but the
+shape: the profiler's report is the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from depthrewrite.kernels import route_many_triton  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--sources", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--keys", action="store_true", help="separate keys (DAR's phase 1)")
+    ap.add_argument("--config", type=json.loads, default=None, help="the backward's launch config, JSON")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rows(count: int) -> list[torch.Tensor]:
+        return [torch.randn(args.tokens, args.width, device="cuda", generator=gen).to(torch.bfloat16)
+                for _ in range(count)]
+
+    values = rows(args.sources)
+    keys = rows(args.sources) if args.keys else None
+    queries = torch.randn(args.queries, args.width, device="cuda", generator=gen) / args.width**0.5
+    weights = torch.rand(args.queries, args.width, device="cuda", generator=gen) + 0.5
+    grads = rows(args.queries)
+    grad_lse = [torch.randn(args.tokens, args.heads, device="cuda", generator=gen) for _ in range(args.queries)]
+    print(f"route_many tokens={args.tokens} d={args.width} N={args.sources} S={args.queries} "
+          f"heads={args.heads} keys={args.keys} config={args.config}", flush=True)
+    with torch.no_grad():
+        for _ in range(args.repeat):
+            out, lse = route_many_triton.route_many_forward(values, queries, weights, args.heads, 1e-6, keys=keys)
+            route_many_triton.route_many_backward(grads, grad_lse, out, lse, values, queries, weights, args.heads,
+                                                  1e-6, args.config, keys=keys)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

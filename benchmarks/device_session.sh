@@ -15,6 +15,7 @@
 #   OUT=... bash benchmarks/device_session.sh fwdpipe    # the forward's new launch end to end (session 17)
 #   OUT=... bash benchmarks/device_session.sh keyedbwd   # DAR's keyed backward: per-token against tiled
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
+#   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -153,6 +154,18 @@ keyedbwd)
   timeout "${E2E_SECONDS:-330}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 40 \
       --schemes baseline dar_block dar_block_pertoken > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+paramstages)
+  # the parameter reduction through Triton's software pipeline and its programs per SM
+  # (session 18): the block phase's backward variants, then the GPU tests of route_many
+  # (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  grep -c "PARAM_STAGES" depthrewrite/kernels/route_many_triton.py
+  timeout 300 python3 benchmarks/gpu_suite.py --block-phase-only --variants "^_tiled$|_tiled_ps|^_pertoken$|_pertoken_s3_table" \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_many_triton.py > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   ;;
 ncu)
   # where route_many's kernels stall (session 18): Nsight Compute's warp states, scheduler,

@@ -388,7 +388,14 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2},
                             # the per-token backward's sources through Triton's software pipeline (session 17)
                             **{f"_pertoken_s{k}": {"backward": "per_token", "stages": k} for k in (2, 3, 4)},
-                            "_pertoken_s3_table": {"backward": "per_token", "stages": 3, "param": "table"}}
+                            "_pertoken_s3_table": {"backward": "per_token", "stages": 3, "param": "table"},
+                            # the parameter reduction's tiles through Triton's software pipeline,
+                            # its programs per SM (session 18)
+                            **{f"_tiled_ps{k}": {"backward": "tiled", "param_stages": k} for k in (2, 3, 4)},
+                            **{f"_tiled_ps3_pp{k}": {"backward": "tiled", "param_stages": 3, "param_per_sm": k}
+                               for k in (2, 3, 8)},
+                            "_pertoken_s3_table_ps3": {"backward": "per_token", "stages": 3, "param": "table",
+                                                       "param_stages": 3}}
 
 
 def block_phase_timing(pattern: str | None = None) -> list[dict]:

@@ -165,6 +165,11 @@ PARAM_QUERIES = 8
 PARAM_COLUMNS = 64
 PARAM_ELEMS = 8192
 PARAM_PER_SM = 4
+#: the parameter-gradient reduction's software pipeline stages (0: none). Nsight Compute
+#: (session 18, DAR's keyed shape, N = 8): without it the kernel issues an instruction every
+#: 4.3 cycles per scheduler, 59 % of its stalls waiting on its global loads, 15 % of DRAM
+#: bandwidth (0.37 ms against a floor of ~0.06)
+PARAM_STAGES = 0
 
 
 @triton.jit
@@ -518,10 +523,13 @@ def _route_many_bwd_tiled_kernel(
 def _route_many_param_kernel(
     like_ptr, vtab, coef_ptr, part_ptr, T, N, S, D, C, H, tokens_per_program, query_chunks,
     BLOCK_TT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_CC: tl.constexpr, ALIGNED: tl.constexpr,
+    STAGES: tl.constexpr = 0,
 ):
     """``r[s, col] = sum over tokens t and sources i of coef[i, s, t, head(col)] * v_i[t, col]``
     for one head, one block of its columns, one chunk of queries and one range of tokens;
-    the ranges' partial sums are added in a fixed order afterwards (deterministic)."""
+    the ranges' partial sums are added in a fixed order afterwards (deterministic). With
+    STAGES >= 2 each source's tiles come through Triton's software pipeline (copied into
+    shared memory STAGES - 1 tiles ahead; without it a program waits for every tile)."""
     ptr_ty = tl.pointer_type(like_ptr.dtype.element_ty)
     h = tl.program_id(0) // query_chunks
     q0 = (tl.program_id(0) % query_chunks) * BLOCK_Q
@@ -536,16 +544,26 @@ def _route_many_param_kernel(
     acc = tl.zeros((BLOCK_TT, BLOCK_Q, BLOCK_CC), tl.float32)
     for i in range(N):
         v_ptr = _src_ptr(vtab, i, ptr_ty, ALIGNED)
-        for t0 in range(t_start, t_end, BLOCK_TT):
-            tt = t0 + tl.arange(0, BLOCK_TT).to(tl.int64)
-            tm = tt < t_end
-            v = tl.load(v_ptr + tt[:, None] * D + col[None, :], mask=tm[:, None] & cmask[None, :], other=0.0)
-            cf = tl.load(coef_ptr + _query_base(i, 0, S, T, H) + (qq[None, :].to(tl.int64) * T + tt[:, None]) * H + h,
-                         mask=tm[:, None] & qmask[None, :], other=0.0)
-            acc += cf[:, :, None] * v.to(tl.float32)[:, None, :]
+        if STAGES >= 2:
+            for t0 in tl.range(t_start, t_end, BLOCK_TT, num_stages=STAGES):
+                acc = _param_tile(acc, v_ptr, coef_ptr, i, t0, t_end, col, cmask, qq, qmask, h, S, T, D, H, BLOCK_TT)
+        else:
+            for t0 in range(t_start, t_end, BLOCK_TT):
+                acc = _param_tile(acc, v_ptr, coef_ptr, i, t0, t_end, col, cmask, qq, qmask, h, S, T, D, H, BLOCK_TT)
     r = tl.sum(acc, 0)
     out = part_ptr + split.to(tl.int64) * S * D
     tl.store(out + qq[:, None] * D + col[None, :], r, mask=qmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _param_tile(acc, v_ptr, coef_ptr, i, t0, t_end, col, cmask, qq, qmask, h, S, T, D, H, BLOCK_TT: tl.constexpr):
+    """``acc`` plus source ``i``'s terms for the BLOCK_TT tokens from ``t0``."""
+    tt = t0 + tl.arange(0, BLOCK_TT).to(tl.int64)
+    tm = tt < t_end
+    v = tl.load(v_ptr + tt[:, None] * D + col[None, :], mask=tm[:, None] & cmask[None, :], other=0.0)
+    cf = tl.load(coef_ptr + _query_base(i, 0, S, T, H) + (qq[None, :].to(tl.int64) * T + tt[:, None]) * H + h,
+                 mask=tm[:, None] & qmask[None, :], other=0.0)
+    return acc + cf[:, :, None] * v.to(tl.float32)[:, None, :]
 
 
 # ------------------------------------------------------------------------ launchers
@@ -617,13 +635,13 @@ def _checked_choice(name: str, choice: str, choices: tuple) -> str:
     return choice
 
 
-def _stages(stages, default: int) -> int:
-    """Software pipeline stages (config ``stages``; None: ``default``): 0 or 1 (no pipelining:
-    the sources prefetched into registers) or at least 2."""
+def _stages(stages, default: int, name: str = "stages") -> int:
+    """Software pipeline stages (the config's entry ``name``; None: ``default``): 0 or 1 (no
+    pipelining: the loads wait, or prefetched into registers) or at least 2."""
     if stages is None:
         return default
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
-        raise ValueError(f"route_many (Triton): config stages must be an int >= 0; found {stages!r}")
+        raise ValueError(f"route_many (Triton): config {name} must be an int >= 0; found {stages!r}")
     return stages
 
 
@@ -680,7 +698,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
-    unused; unset: ``_backward_stages``)."""
+    unused; unset: ``_backward_stages``), and the parameter reduction's (tiled backward, or
+    ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
@@ -768,13 +787,14 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
     )
     # the logits' normalized rows are the keys': the parameter reduction reads them
-    r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_k or flat_v))
+    r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_k or flat_v), cfg)
     return grad_v, grad_k, r
 
 
-def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tensor:
+def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> Tensor:
     """``r`` (fp32 (S, d)) from the ``dz * rstd`` table ``coef`` and the sources: partial sums
-    over ranges of tokens by ``_route_many_param_kernel``, then added in a fixed order."""
+    over ranges of tokens by ``_route_many_param_kernel``, then added in a fixed order.
+    ``cfg``: the backward's launch config (``param_stages``, ``param_per_sm``, checked)."""
     c = d // heads
     block_q = min(_next_pow2(s), PARAM_QUERIES)
     block_cc = min(_next_pow2(c), PARAM_COLUMNS)
@@ -783,14 +803,17 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned) -> Tenso
     column_blocks = triton.cdiv(c, block_cc)
     others = heads * query_chunks * column_blocks
     # token ranges: enough programs in all to fill the GPU, each range a whole number of tiles
+    per_sm = cfg.get("param_per_sm")
+    per_sm = PARAM_PER_SM if per_sm is None else _positive_int("param_per_sm", per_sm)
     tiles = triton.cdiv(tokens, block_tt)
-    splits = max(1, _backward_programs(like.device, tiles * others, PARAM_PER_SM) // others)
+    splits = max(1, _backward_programs(like.device, tiles * others, per_sm) // others)
     per_program = triton.cdiv(triton.cdiv(tokens, splits), block_tt) * block_tt
     splits = triton.cdiv(tokens, per_program)
     part = torch.empty((splits, s, d), dtype=torch.float32, device=like.device)
     _route_many_param_kernel[(heads * query_chunks, column_blocks, splits)](
         like, vtab, coef, part, tokens, n, s, d, c, heads, per_program, query_chunks,
-        BLOCK_TT=block_tt, BLOCK_Q=block_q, BLOCK_CC=block_cc, ALIGNED=aligned, num_warps=NUM_WARPS,
+        BLOCK_TT=block_tt, BLOCK_Q=block_q, BLOCK_CC=block_cc, ALIGNED=aligned,
+        STAGES=_stages(cfg.get("param_stages"), PARAM_STAGES, "param_stages"), num_warps=NUM_WARPS,
     )
     return part.sum(0)  # fixed order: deterministic
 
@@ -838,7 +861,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,
-                                                _aligned(flat_k or flat_v))
+                                                _aligned(flat_k or flat_v), cfg)
     # second pass of the deterministic reduction: a fixed-order sum over the programs
     return grad_v, grad_k, param.sum(1).reshape(-1, d)[:s]
 

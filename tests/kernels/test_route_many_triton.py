@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from depthrewrite.kernels import route_many_triton  # noqa: E402
+from depthrewrite.kernels.pointer_tables import pointer_tables  # noqa: E402
 from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
 # relative L2 error, and the error allowed against float64 by returned dtype: as for route
 from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
@@ -231,6 +232,8 @@ VARIANTS = [
     {"backward": "per_token", "stages": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
+    # the parameter reduction's tiles through Triton's software pipeline, one program per SM
+    {"backward": "tiled", "param_stages": 3, "param_per_sm": 1},
 ]
 
 
@@ -294,6 +297,38 @@ def test_per_token_prefetch_depth_changes_no_bit(n):
     for other in runs[1:]:
         assert len(other[2]) == len(runs[0][2]) == n + 2
         assert all(torch.equal(a, b) for a, b in zip(runs[0][2], other[2]))
+
+
+@pytest.mark.parametrize("heads,s", [(2, 6), (1, 9)])
+def test_parameter_reduction_matches_float64_and_its_pipeline_changes_no_bit(heads, s):
+    """``_param_reduction`` (``r[s, col] = sum over sources i and tokens t of coef[i, s, t,
+    head(col)] * v_i[t, col]``) against float64, over enough tokens that each program sums
+    several tiles of each source (one program per SM on the GPU; the interpreter runs few
+    programs, and fewer tokens do); with 2 and 3 pipeline stages the same bits as without
+    (the loads move, not the sums). 9 queries: two chunks of queries."""
+    n, tokens, d = 5, 8192 if DEVICE == "cuda" else 512, 64
+    gen = torch.Generator().manual_seed(heads + s)
+    values = [torch.randn(tokens, d, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(n)]
+    coef = torch.randn(n, s, tokens, heads, generator=gen).to(DEVICE)
+    (vtab,) = pointer_tables(values[0].device, values)
+    runs = [route_many_triton._param_reduction(vtab, values[0], coef, s, d, heads, tokens, n, True,
+                                               {"param_stages": stages, "param_per_sm": 1}) for stages in (0, 2, 3)]
+    per_column = coef.double().repeat_interleave(d // heads, dim=3)  # (n, s, tokens, d)
+    want = torch.einsum("istc,itc->sc", per_column, torch.stack(values).double())
+    assert _rel(runs[0], want) < 1e-5
+    assert all(torch.equal(runs[0], other) for other in runs[1:])
+
+
+@pytest.mark.parametrize("entry,value,message", [
+    ("param_stages", -1, "config param_stages must be an int >= 0; found -1"),
+    ("param_stages", True, "config param_stages must be an int >= 0; found True"),
+    ("param_per_sm", 0, "config param_per_sm must be a positive int; found 0"),
+    ("param_per_sm", 2.5, "config param_per_sm must be a positive int; found 2.5"),
+])
+def test_bad_parameter_reduction_config_is_refused(entry, value, message):
+    inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
+    with pytest.raises(ValueError, match=r"route_many \(Triton\): " + re.escape(message)):
+        _run(inp, torch.float32, 1, config={"backward": "tiled", entry: value}, fwd_config={})
 
 
 def test_too_wide_a_row_is_refused():

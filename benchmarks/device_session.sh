@@ -16,6 +16,7 @@
 #   OUT=... bash benchmarks/device_session.sh keyedbwd   # DAR's keyed backward: per-token against tiled
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
+#   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -166,6 +167,15 @@ paramstages)
   grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_many_triton.py > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
+  ;;
+paramab)
+  # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to
+  # d = 1024 through the tiled kernel) against the old, end to end side by side with a
+  # kernel profile (~7 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 520 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
+      block_attnres block_attnres_pertoken dar_block dar_block_ps0 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -10
   ;;
 ncu)
   # where route_many's kernels stall (session 18): Nsight Compute's warp states, scheduler,

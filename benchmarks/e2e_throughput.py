@@ -157,8 +157,11 @@ LAUNCH_VARIANTS = {
     "fwd16": (("block_attnres", "dar_block", "attnres"),
               {"route_many_triton.ONE_HEAD_FORWARD_TOKENS": 1, "route_many_triton.ONE_HEAD_FORWARD_STAGES": 0}),
     # every route_many backward through the per-token kernel (DAR's calls are keyed: with
-    # its sources pipelined; their default is the tiled kernel and the parameter reduction)
-    "pertoken": (("dar_block",), {"route_many_triton.BACKWARD": "per_token"}),
+    # its sources pipelined; their default is the tiled kernel and the parameter reduction;
+    # Block AttnRes's one-head calls at d = 1024 took it by default until session 18)
+    "pertoken": (("dar_block", "block_attnres"), {"route_many_triton.BACKWARD": "per_token"}),
+    # the parameter reduction without Triton's software pipeline (before session 18)
+    "ps0": (("dar_block", "mhar_block", "block_attnres"), {"route_many_triton.PARAM_STAGES": 0}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

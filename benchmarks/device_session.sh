@@ -17,6 +17,7 @@
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
+#   OUT=... bash benchmarks/device_session.sh routepipe  # route's kernels through the pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -73,9 +74,11 @@ launch)
   grep -v "^\[" "$OUT/block_phase.txt" | tail -24; grep -v "^\[" "$OUT/design_launch.txt" | tail -6
   ;;
 e2e)
-  # training throughput and peak memory: the models compile in parallel, then are timed one at a time
+  # training throughput and peak memory: the models compile in parallel, then are timed one
+  # at a time (E2E_ARGS="--e2e-profile 40": with a kernel profile, each model's 40 largest)
   export PYTHONPATH=$PWD
-  timeout "${E2E_SECONDS:-540}" python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only > "$OUT/e2e_log.txt" 2>&1
+  timeout "${E2E_SECONDS:-540}" python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only ${E2E_ARGS:-} \
+      > "$OUT/e2e_log.txt" 2>&1
   grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -30
   ;;
 memory)
@@ -176,6 +179,22 @@ paramab)
   timeout 520 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
       block_attnres block_attnres_pertoken dar_block dar_block_ps0 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -10
+  ;;
+routepipe)
+  # route's forward and backward with the sources through Triton's software pipeline
+  # (session 18): the per-site and DESIGN.md shapes' stage variants against the defaults,
+  # then the GPU tests of the pipelined launches (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  grep -c "ROUTE_STAGES" depthrewrite/kernels/route_triton.py
+  timeout 200 python3 benchmarks/gpu_suite.py --site-route-only --route-variants "_s[0-9]" --out "$OUT/site" \
+      > "$OUT/site.txt" 2>&1
+  grep "site-route " "$OUT/site.txt" | sed 's/^.*site-route //' | cut -c1-400
+  timeout 150 python3 benchmarks/gpu_suite.py --design-launch-only --route-variants "_s[0-9]" --out "$OUT/design" \
+      > "$OUT/design.txt" 2>&1
+  grep "site-route" "$OUT/design.txt" | sed 's/^.*site-route //' | cut -c1-400
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_triton.py \
+      -k "pipeline or launch_variants or bad_launch" > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   ;;
 ncu)
   # where route_many's kernels stall (session 18): Nsight Compute's warp states, scheduler,

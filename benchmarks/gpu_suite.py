@@ -407,9 +407,6 @@ def block_phase_timing(pattern: str | None = None) -> list[dict]:
     the variants whose names it matches (a regular expression), and the defaults."""
     from depthrewrite.kernels import route_many_triton
 
-    def chosen(variants: dict) -> dict:
-        return {k: v for k, v in variants.items() if not k or pattern is None or re.search(pattern, k)}
-
     rows = []
     for tokens, d, n, s, heads, with_keys in BLOCK_PHASE_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + s)
@@ -440,8 +437,8 @@ def block_phase_timing(pattern: str | None = None) -> list[dict]:
         row = dict(tokens=tokens, d=d, n=n, s=s, heads=heads, keys=with_keys,
                    floor=(2 * m + 3 * s + m) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
-            for part, fn, variants in (("fwd", many_fwd, chosen(BLOCK_PHASE_FWD_VARIANTS)),
-                                       ("bwd", many_bwd, chosen(BLOCK_PHASE_BWD_VARIANTS))):
+            for part, fn, variants in (("fwd", many_fwd, _matching(BLOCK_PHASE_FWD_VARIANTS, pattern)),
+                                       ("bwd", many_bwd, _matching(BLOCK_PHASE_BWD_VARIANTS, pattern))):
                 for name, cfg in variants.items():
                     try:
                         row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
@@ -469,14 +466,21 @@ SITE_ROUTE_WAV_SHAPES = [(16384, 1024, 16, 1)]
 SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
                            "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8},
-                           "_pair": {"pair_reduce": True}}
+                           "_pair": {"pair_reduce": True},
+                           # the sources through Triton's software pipeline (session 18), with
+                           # the launch's register cap or without
+                           **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
+                           "_s3_uncapped": {"stages": 3, "maxnreg": None}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
                            "_ps8": {"per_sm": 8}, "_ps5": {"per_sm": 5}, "_ps3": {"per_sm": 3},
                            # the launch before session 12 (the compiler's registers, 4 programs
                            # per SM); the defaults since: one head capped at 96 registers with 5
                            # programs per SM, 16 heads 8 programs (route_triton.RESIDENCY_ELEMS)
-                           "_uncapped": {"maxnreg": None, "per_sm": 4}}
+                           "_uncapped": {"maxnreg": None, "per_sm": 4},
+                           # the sources through Triton's software pipeline (session 18)
+                           **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
+                           "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4}}
 #: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
 #: the defaults: one token per program and 4 warps at d = 2048, 2 tokens at d = 4096 with 8
 #: warps forward and 4 backward)
@@ -490,14 +494,25 @@ DESIGN_FWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8
                        "_uncapped": {"maxnreg": None}, "_r64": {"maxnreg": 64},
                        # the row's square sum and query dot in one reduction (sm_90 PTX: 6
                        # bar.sync instead of 9); slower at d = 2048 in session 13 run 2
-                       "_pair": {"pair_reduce": True}}
+                       "_pair": {"pair_reduce": True},
+                       # the sources through Triton's software pipeline (session 18)
+                       **{f"_s{k}": {"stages": k} for k in (2, 3, 4)}, "_s3_uncapped": {"stages": 3, "maxnreg": None}}
 DESIGN_BWD_VARIANTS = {"": None, "_t1w4": {"block_t": 1, "num_warps": 4}, "_t1w8": {"block_t": 1, "num_warps": 8},
                        "_t2w4": {"block_t": 2, "num_warps": 4}, "_t2w8": {"block_t": 2, "num_warps": 8},
                        "_ps8": {"per_sm": 8},
                        # d = 2048: registers capped at 96 with 5 programs per SM by default since
                        # session 11 (route_triton.RESIDENCY_ELEMS); d = 4096: 8 programs per SM
                        # since session 12 (WIDE_BACKWARD_PER_SM); uncapped, 4 programs, as before
-                       "_uncapped": {"maxnreg": None, "per_sm": 4}}
+                       "_uncapped": {"maxnreg": None, "per_sm": 4},
+                       # the sources through Triton's software pipeline (session 18)
+                       **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
+                       "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4}}
+
+
+def _matching(variants: dict, pattern: str | None) -> dict:
+    """The launch variants whose names match ``pattern`` (a regular expression; None: all),
+    and the default ("")."""
+    return {k: v for k, v in variants.items() if not k or pattern is None or re.search(pattern, k)}
 
 
 def _site_inputs(tokens: int, d: int, n: int, heads: int, wav: bool):
@@ -621,8 +636,9 @@ def copy_bandwidth():
 # ------------------------------------------------------------------------- end to end
 
 
-def e2e(schemes: list[str], profile: bool = False) -> list[dict]:
-    """Training throughput and peak memory, one process per model (benchmarks/e2e_throughput.py)."""
+def e2e(schemes: list[str], profile: int = 0) -> list[dict]:
+    """Training throughput and peak memory, one process per model (benchmarks/e2e_throughput.py);
+    ``profile``: with a kernel profile listing each model's ``profile`` largest kernels (0: none)."""
     import e2e_throughput
 
     return e2e_throughput.run(schemes, wave=4, steps=10, trials=3, timeout_s=230, say=say, profile=profile)
@@ -691,7 +707,8 @@ def main() -> int:
     ap.add_argument("--e2e-schemes", default="baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar")
     ap.add_argument("--scheme-check", action="store_true", help="also compile every scheme against eager")
     ap.add_argument("--e2e-only", action="store_true", help="skip the op checks and timings")
-    ap.add_argument("--e2e-profile", action="store_true", help="e2e: also a GPU kernel time breakdown per model")
+    ap.add_argument("--e2e-profile", type=int, nargs="?", const=12, default=0, metavar="TOP",
+                    help="e2e: also a GPU kernel time breakdown per model, with its TOP largest kernels (12)")
     ap.add_argument("--block-phase-only", action="store_true",
                     help="only the launch-variant timings: route_many (two-phase phase 1) and per-site route")
     ap.add_argument("--variants", default=None, metavar="REGEX",
@@ -699,6 +716,9 @@ def main() -> int:
                          "defaults), no site-route timings")
     ap.add_argument("--site-route-only", action="store_true",
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
+    ap.add_argument("--route-variants", default=None, metavar="REGEX",
+                    help="--site-route-only, --design-launch-only: only route's launch variants whose names "
+                         "match (and the defaults)")
     ap.add_argument("--design-launch-only", action="store_true",
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
     ap.add_argument("--launch-ab", type=int, nargs="?", const=7, default=0, metavar="ROUNDS",
@@ -731,7 +751,9 @@ def main() -> int:
         print(summary)
         return 0
     if args.site_route_only:
-        results["site_route"] = site_rows = site_route_timing()
+        results["site_route"] = site_rows = site_route_timing(
+            None, _matching(SITE_ROUTE_FWD_VARIANTS, args.route_variants),
+            _matching(SITE_ROUTE_BWD_VARIANTS, args.route_variants))
         summary = "\n".join(site_route_table(site_rows))
         dump(summary)
         print(summary)
@@ -744,7 +766,8 @@ def main() -> int:
         return 0
     if args.design_launch_only:
         shapes = [(tokens, d, n, 1) for tokens, d, n in DESIGN_SHAPES]
-        results["design_launch"] = rows = site_route_timing(shapes, DESIGN_FWD_VARIANTS, DESIGN_BWD_VARIANTS)
+        results["design_launch"] = rows = site_route_timing(shapes, _matching(DESIGN_FWD_VARIANTS, args.route_variants),
+                                                            _matching(DESIGN_BWD_VARIANTS, args.route_variants))
         summary = "\n".join(site_route_table(rows))
         dump(summary)
         print(summary)

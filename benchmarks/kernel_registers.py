@@ -85,7 +85,7 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     block_t = _route_tokens(heads, row)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False,
-                      HAS_ACC=has_acc)
+                      HAS_ACC=has_acc, STAGES=0)
     warps = _route_backward_warps(heads, row, block_t)
     cap, _ = _route_backward_residency(heads, row, False, block_t, warps)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps, cap), block_t, warps
@@ -105,7 +105,7 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
     warps = _route_forward_warps(heads, row, block_t)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=has_bias, HAS_SCALE=has_scale, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, HAS_NORM=has_norm,
-                      PAIR_REDUCE=False)
+                      PAIR_REDUCE=False, STAGES=0)
     cap = maxnreg if maxnreg is not None else _route_forward_cap(heads, row, False, has_norm, block_t, warps)
     return _compile(_route_fwd_kernel, ARG_TYPES, constexprs, warps, cap or None), warps
 

@@ -73,9 +73,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_supported, _contiguous,
-    PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source, _product_as,
-    _row_blocks, _src_ptr,
+    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
+    _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
+    _product_as, _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
 
@@ -632,7 +632,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
-            STAGES=_stages(cfg.get("stages"), _many_forward_stages(heads)),
+            STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row))
     return out, lse
 
@@ -642,16 +642,6 @@ def _checked_choice(name: str, choice: str, choices: tuple) -> str:
     if choice not in choices:
         raise ValueError(f"route_many (Triton): config {name} must be one of {choices}; found {choice!r}")
     return choice
-
-
-def _stages(stages, default: int, name: str = "stages") -> int:
-    """Software pipeline stages (the config's entry ``name``; None: ``default``): 0 or 1 (no
-    pipelining: the loads wait, or prefetched into registers) or at least 2."""
-    if stages is None:
-        return default
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
-        raise ValueError(f"route_many (Triton): config {name} must be an int >= 0; found {stages!r}")
-    return stages
 
 
 def _positive_int(name: str, value) -> int:
@@ -726,7 +716,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
-    cfg["stages"] = _stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k)))
+    cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k)), "route_many")
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
@@ -824,7 +814,8 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
     _route_many_param_kernel[(heads * query_chunks, column_blocks, splits)](
         like, vtab, coef, part, tokens, n, s, d, c, heads, per_program, query_chunks,
         BLOCK_TT=block_tt, BLOCK_Q=block_q, BLOCK_CC=block_cc, ALIGNED=aligned,
-        STAGES=_stages(cfg.get("param_stages"), PARAM_STAGES, "param_stages"), num_warps=NUM_WARPS,
+        STAGES=_check_stages(cfg.get("param_stages"), PARAM_STAGES, "route_many", "param_stages"),
+        num_warps=NUM_WARPS,
     )
     return part.sum(0)  # fixed order: deterministic
 

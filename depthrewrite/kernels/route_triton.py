@@ -163,8 +163,12 @@ def _route_fwd_kernel(
     T, N, D, C, H, eps, out_norm_eps,
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_NORM: tl.constexpr, PAIR_REDUCE: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_NORM: tl.constexpr, PAIR_REDUCE: tl.constexpr, STAGES: tl.constexpr = 0,
 ):
+    """One program per BLOCK_T tokens: the online softmax over the N sources. Their rows
+    come through Triton's software pipeline with STAGES >= 2 (copied into shared memory
+    STAGES - 1 sources ahead), else with PREFETCH the next source is requested into
+    registers while one is used."""
     pid = tl.program_id(0)
     ptr_ty = tl.pointer_type(out_ptr.dtype.element_ty)
     # 64-bit token index: tokens * d overflows int32 at large batch
@@ -181,47 +185,27 @@ def _route_fwd_kernel(
     m = tl.full((BLOCK_T, BLOCK_H), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
-    # PREFETCH: the loads of source i + 1 are issued before source i is used, so one
-    # program keeps two rows in flight (a masked-off load moves no bytes at the end)
-    if PREFETCH:
-        v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-    for i in range(N):
-        if not PREFETCH:
+    if STAGES >= 2:
+        for i in tl.range(0, N, num_stages=STAGES):
             v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-        v = v_raw.to(tl.float32)
-        k = k_raw.to(tl.float32)
+            m, l, acc = _route_fwd_step(v_raw.to(tl.float32), k_raw.to(tl.float32), i, tok, tmask, T, D, eps, qw,
+                                        bias_ptr, scale_ptr, m, l, acc, HAS_KEYS, HAS_BIAS, HAS_SCALE, ONE_SOURCE,
+                                        PAIR_REDUCE)
+    else:
+        # PREFETCH: the loads of source i + 1 are issued before source i is used, so one
+        # program keeps two rows in flight (a masked-off load moves no bytes at the end)
         if PREFETCH:
-            nxt, more = _next_source(tok, i, N, mask)
-            v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
-        if HAS_SCALE:
-            s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
-            v = v * s[:, None, None]
-        if ONE_SOURCE:
-            # softmax over one source is exactly 1, whatever the logit (even NaN)
-            acc = v
-        else:
-            if HAS_KEYS:
-                if HAS_SCALE:
-                    k = k * s[:, None, None]
-            else:
-                k = v
-            if PAIR_REDUCE:
-                # the square sum and the query dot in one reduction over the row: one
-                # exchange between warps per source instead of two
-                ss, dot = tl.reduce((k * k, k * qw[None, :, :]), 2, _add_pair)
-                rstd = tl.rsqrt(tl.sum(ss, 1) / D + eps)
-                z = dot * rstd[:, None]
-            else:
-                rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
-                z = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
-            if HAS_BIAS:
-                z = z + tl.load(bias_ptr + i).to(tl.float32)
-            m_new = tl.maximum(m, z)
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(z - m_new)
-            l = l * alpha + p
-            acc = acc * alpha[:, :, None] + p[:, :, None] * v
-            m = m_new
+            v_raw, k_raw = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+        for i in range(N):
+            if not PREFETCH:
+                v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+            v = v_raw.to(tl.float32)
+            k = k_raw.to(tl.float32)
+            if PREFETCH:
+                nxt, more = _next_source(tok, i, N, mask)
+                v_raw, k_raw = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
+            m, l, acc = _route_fwd_step(v, k, i, tok, tmask, T, D, eps, qw, bias_ptr, scale_ptr, m, l, acc,
+                                        HAS_KEYS, HAS_BIAS, HAS_SCALE, ONE_SOURCE, PAIR_REDUCE)
     if ONE_SOURCE:
         lse = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)  # defined as 0: the weight exp(0 - 0) is 1
     else:
@@ -240,6 +224,45 @@ def _route_fwd_kernel(
 
 
 @triton.jit
+def _route_fwd_step(v, k, i, tok, tmask, T, D, eps, qw, bias_ptr, scale_ptr, m, l, acc,
+                    HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    ONE_SOURCE: tl.constexpr, PAIR_REDUCE: tl.constexpr):
+    """Source ``i``'s step of the forward's online softmax (rows ``v`` / ``k`` in fp32; ``k``
+    is read only with HAS_KEYS): the running max ``m``, sum ``l`` and accumulator ``acc``,
+    returned."""
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
+        v = v * s[:, None, None]
+    if ONE_SOURCE:
+        # softmax over one source is exactly 1, whatever the logit (even NaN)
+        acc = v
+    else:
+        if HAS_KEYS:
+            if HAS_SCALE:
+                k = k * s[:, None, None]
+        else:
+            k = v
+        if PAIR_REDUCE:
+            # the square sum and the query dot in one reduction over the row: one
+            # exchange between warps per source instead of two
+            ss, dot = tl.reduce((k * k, k * qw[None, :, :]), 2, _add_pair)
+            rstd = tl.rsqrt(tl.sum(ss, 1) / D + eps)
+            z = dot * rstd[:, None]
+        else:
+            rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+            z = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+        if HAS_BIAS:
+            z = z + tl.load(bias_ptr + i).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(z - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, :, None] + p[:, :, None] * v
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _route_bwd_kernel(
     g_ptr, out_ptr, lse_ptr, vtab, ktab, gvtab, gktab, gvacc, gkacc, q_ptr, w_ptr, bias_ptr, scale_ptr,
     part_r_ptr, part_b_ptr, gn_ptr, onw_ptr, part_n_ptr,
@@ -247,7 +270,12 @@ def _route_bwd_kernel(
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ACC: tl.constexpr,
+    STAGES: tl.constexpr = 0,
 ):
+    """A persistent grid over blocks of BLOCK_T tokens: each source (and key) read once, each
+    gradient written once. With STAGES >= 2 the source rows come through Triton's software
+    pipeline (copied into shared memory STAGES - 1 sources ahead), else with PREFETCH the
+    next source is requested into registers while one is used."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # the activation dtype is out's (g may be the fp32 gradient of a separate norm pass)
@@ -283,72 +311,99 @@ def _route_bwd_kernel(
             dn = gn * onw[None, :, :]
             mn = tl.sum(tl.sum(dn * on, 2), 1) / D
             g = g + rs[:, None, None] * (dn - on * mn[:, None, None])
+        s_ada = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)  # with one source: unused
+        lse = s_ada
         if not ONE_SOURCE:
             # the softmax statistics come from the forward, no pass over the sources:
             # a_i = exp(z_i - lse), and sum_j a_j da_j = sum_j a_j <v_j, g> = <out, g> per head
             s_ada = tl.sum(g * o, 2)
             lse = tl.load(lse_ptr + tok[:, None] * H + hh[None, :], mask=hmask, other=0.0)
-            if PREFETCH:
-                v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
 
         # one pass: each source (and key) is read once, each gradient written once
-        for i in range(N):
-            if HAS_SCALE:
-                s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
-            if ONE_SOURCE:
-                d_src = g
-            else:
-                if PREFETCH:
-                    v_cur = v_nx
-                    k_cur = k_nx
+        if STAGES >= 2 and not ONE_SOURCE:
+            for i in tl.range(0, N, num_stages=STAGES):
+                v_cur, k_cur = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+                r_acc = _route_bwd_source(
+                    v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
+                    scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED, HAS_KEYS, HAS_BIAS, HAS_SCALE,
+                    ONE_SOURCE, HAS_ACC)
+        else:
+            if PREFETCH and not ONE_SOURCE:
+                v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+            for i in range(N):
+                if ONE_SOURCE:
+                    v_cur, k_cur = g, g  # not read: the gradient is g itself
+                elif PREFETCH:
+                    v_cur, k_cur = v_nx, k_nx
                     nxt, more = _next_source(tok, i, N, mask)
                     v_nx, k_nx = _load_source(vtab, ktab, nxt, offs, more, ptr_ty, ALIGNED, HAS_KEYS)
                 else:
                     v_cur, k_cur = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-                v = v_cur.to(tl.float32)
-                if HAS_SCALE:
-                    v = v * s[:, None, None]
-                if HAS_KEYS:
-                    k = k_cur.to(tl.float32)
-                    if HAS_SCALE:
-                        k = k * s[:, None, None]
-                else:
-                    k = v
-                rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
-                zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
-                z = zr
-                if HAS_BIAS:
-                    z = z + tl.load(bias_ptr + i).to(tl.float32)
-                a = tl.exp(z - lse)
-                da = tl.sum(v * g, 2)
-                dz = a * (da - s_ada)
-                # padded tokens/heads may carry NaN (eps = 0 on a zero row): keep them out of the sums
-                dz = tl.where(hmask, dz, 0.0)
-                tl.store(part_b_ptr + _row64(tok, i, T), tl.sum(dz, 1), mask=tmask)
-                mt = tl.sum(dz * zr, 1) / D  # mean_c(d_norm * norm) of the RMSNorm backward
-                norm = k * rstd[:, None, None]
-                r_acc += tl.sum(tl.where(mask, dz[:, :, None] * norm, 0.0), 0)
-                d_key = rstd[:, None, None] * (dz[:, :, None] * qw[None, :, :] - norm * mt[:, None, None])
-                d_src = a[:, :, None] * g
-                if HAS_KEYS:
-                    if HAS_SCALE:
-                        d_key = d_key * s[:, None, None]
-                    if HAS_ACC:
-                        d_key = _plus_acc(d_key, gkacc, i, offs, mask, ptr_ty, ALIGNED)
-                    gk_ptr = _src_ptr(gktab, i, ptr_ty, ALIGNED)
-                    tl.store(gk_ptr + offs, d_key.to(out_ptr.dtype.element_ty), mask=mask)
-                else:
-                    d_src = d_src + d_key
-            if HAS_SCALE:
-                d_src = d_src * s[:, None, None]
-            if HAS_ACC:
-                d_src = _plus_acc(d_src, gvacc, i, offs, mask, ptr_ty, ALIGNED)
-            gv_ptr = _src_ptr(gvtab, i, ptr_ty, ALIGNED)
-            tl.store(gv_ptr + offs, d_src.to(out_ptr.dtype.element_ty), mask=mask)
+                r_acc = _route_bwd_source(
+                    v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
+                    scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED, HAS_KEYS, HAS_BIAS, HAS_SCALE,
+                    ONE_SOURCE, HAS_ACC)
 
     tl.store(part_r_ptr + pid.to(tl.int64) * D + col, r_acc, mask=cmask)
     if HAS_NORM:
         tl.store(part_n_ptr + pid.to(tl.int64) * D + col, n_acc, mask=cmask)
+
+
+@triton.jit
+def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
+                      scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED: tl.constexpr,
+                      HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      ONE_SOURCE: tl.constexpr, HAS_ACC: tl.constexpr):
+    """Source ``i``'s part of the backward (rows ``v_cur`` / ``k_cur`` as stored): its value
+    (and key) gradient written, its bias term stored, its ``dz * norm`` added to ``r_acc``
+    (returned)."""
+    act = ptr_ty.element_ty
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
+    if ONE_SOURCE:
+        d_src = g
+    else:
+        v = v_cur.to(tl.float32)
+        if HAS_SCALE:
+            v = v * s[:, None, None]
+        if HAS_KEYS:
+            k = k_cur.to(tl.float32)
+            if HAS_SCALE:
+                k = k * s[:, None, None]
+        else:
+            k = v
+        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+        zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+        z = zr
+        if HAS_BIAS:
+            z = z + tl.load(bias_ptr + i).to(tl.float32)
+        a = tl.exp(z - lse)
+        da = tl.sum(v * g, 2)
+        dz = a * (da - s_ada)
+        # padded tokens/heads may carry NaN (eps = 0 on a zero row): keep them out of the sums
+        dz = tl.where(hmask, dz, 0.0)
+        tl.store(part_b_ptr + _row64(tok, i, T), tl.sum(dz, 1), mask=tmask)
+        mt = tl.sum(dz * zr, 1) / D  # mean_c(d_norm * norm) of the RMSNorm backward
+        norm = k * rstd[:, None, None]
+        r_acc += tl.sum(tl.where(mask, dz[:, :, None] * norm, 0.0), 0)
+        d_key = rstd[:, None, None] * (dz[:, :, None] * qw[None, :, :] - norm * mt[:, None, None])
+        d_src = a[:, :, None] * g
+        if HAS_KEYS:
+            if HAS_SCALE:
+                d_key = d_key * s[:, None, None]
+            if HAS_ACC:
+                d_key = _plus_acc(d_key, gkacc, i, offs, mask, ptr_ty, ALIGNED)
+            gk_ptr = _src_ptr(gktab, i, ptr_ty, ALIGNED)
+            tl.store(gk_ptr + offs, d_key.to(act), mask=mask)
+        else:
+            d_src = d_src + d_key
+    if HAS_SCALE:
+        d_src = d_src * s[:, None, None]
+    if HAS_ACC:
+        d_src = _plus_acc(d_src, gvacc, i, offs, mask, ptr_ty, ALIGNED)
+    gv_ptr = _src_ptr(gvtab, i, ptr_ty, ALIGNED)
+    tl.store(gv_ptr + offs, d_src.to(act), mask=mask)
+    return r_acc
 
 
 @triton.jit
@@ -562,6 +617,20 @@ def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int
 #: 2 (two sources ahead). Two ahead in route's kernels and route_many's forward was slower at
 #: every timed shape (H200, docs/benchmarks.md session 11 run 2), and was taken out again.
 PREFETCH_DEPTHS = (False, True)
+#: software pipeline stages of route's kernels (0: the register prefetch, PREFETCH). Not
+#: timed yet (session 18): route_many's one-head forward and wide per-token backward are
+#: faster with 3 (ONE_HEAD_FORWARD_STAGES' comment in route_many_triton.py)
+ROUTE_STAGES = 0
+
+
+def _check_stages(stages, default: int, op: str, name: str = "stages") -> int:
+    """Software pipeline stages, the launch config's entry ``name`` (None: ``default``): 0 or 1
+    (no pipelining: the loads wait, or are prefetched into registers) or at least 2."""
+    if stages is None:
+        return default
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
+        raise ValueError(f"{op} (Triton): config {name} must be an int >= 0; found {stages!r}")
+    return stages
 
 
 def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel: str = "") -> int:
@@ -630,7 +699,8 @@ def route_forward(
     (an empty tensor without ``out_norm_weight``). ``config`` overrides the launch choices
     (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``, ``pair_reduce``:
     the row's two sums per source in one reduction, level at 16 heads and slower at d = 2048
-    in session 13's runs) for tuning runs."""
+    in session 13's runs; ``stages``: the sources through Triton's software pipeline, 0 for
+    the register prefetch; unset: ROUTE_STAGES) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -659,6 +729,7 @@ def route_forward(
     prefetch = _check_prefetch(cfg["prefetch"], "route")
     if not isinstance(cfg["pair_reduce"], bool):
         raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
+    stages = _check_stages(cfg.get("stages"), ROUTE_STAGES, "route")
     grid = (triton.cdiv(tokens, block_t),)
     _route_fwd_kernel[grid](
         vtab, ktab, query.contiguous(), key_norm_weight.contiguous(),
@@ -667,7 +738,7 @@ def route_forward(
         tokens, n, d, d // heads, heads, float(eps), float(out_norm_eps),
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
-        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=cfg["pair_reduce"],
+        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=cfg["pair_reduce"], STAGES=stages,
         num_warps=warps, **_register_cap(cfg),
     )
     if has_norm and not fused_norm:
@@ -745,8 +816,8 @@ def route_backward(
     ``grad_keys_out``: the tensors to write them into (one per source; a running sum may be
     its own source's output: ``depthrewrite::route_backward_into_``), by default new ones. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
-    (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``) for tuning
-    runs."""
+    (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``, ``stages``:
+    as the forward's) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
@@ -775,6 +846,7 @@ def route_backward(
     cap, per_sm = _route_backward_residency(heads, row, flat_k is not None, block_t, warps)
     cfg = {"maxnreg": cap, "per_sm": per_sm, **cfg}
     prefetch = _check_prefetch(cfg["prefetch"], "route")
+    stages = _check_stages(cfg.get("stages"), ROUTE_STAGES, "route")
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, cfg["per_sm"])
     # the kernel writes every entry of these partial sums (one row per program, one entry
@@ -817,7 +889,7 @@ def route_backward(
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
-            PREFETCH=prefetch, HAS_NORM=fused_norm, HAS_ACC=has_acc,
+            PREFETCH=prefetch, HAS_NORM=fused_norm, HAS_ACC=has_acc, STAGES=stages,
             num_warps=warps, **_register_cap(cfg),
         )
     # second pass of the deterministic reduction: a fixed-order sum over the programs

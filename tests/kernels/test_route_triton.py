@@ -269,8 +269,27 @@ def test_backward_is_deterministic_and_prefetch_changes_no_bit(keys):
         assert torch.equal(a, c)  # prefetching moves loads, not arithmetic
 
 
+@pytest.mark.parametrize("n,keys", [(9, False), (9, True), (1, True)], ids=["values_as_keys", "keys", "one_source"])
+def test_pipeline_changes_no_bit(n, keys):
+    """Forward and backward with the sources through Triton's software pipeline (2 and 3
+    stages) give the same bits as with the register prefetch: the loads move, not the
+    arithmetic (bias, source scale and, with keys, the output norm; one source: the
+    pipeline is not used)."""
+    inp = _on(_make(n, (37,), 24, 2, keys, True, True, torch.bfloat16, seed=13, out_norm=keys), DEVICE)
+    grad_out = torch.randn(37, 24).to(DEVICE, torch.bfloat16)
+    grad_normed = torch.randn(37, 24).to(DEVICE, torch.bfloat16) if keys else None
+    runs = [_run_fused(inp, grad_out, grad_normed, fwd_cfg=dict(stages=stages), bwd_cfg=dict(stages=stages))
+            for stages in (0, 2, 3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0][:3], other[:3]):  # out, lse, normed
+            assert torch.equal(a, b)
+        assert len(other[3]) == len(runs[0][3]) == n * (2 if keys else 1) + 3 + (1 if keys else 0)
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][3], other[3]))
+
+
 BAD_CONFIGS = [("prefetch", v, r"prefetch must be one of \(False, True\)") for v in (2, 1.0, "1")] + [
-    ("maxnreg", v, "maxnreg must be an int from 16 to 255 or None") for v in (8, 256, 64.0, True, "64")]
+    ("maxnreg", v, "maxnreg must be an int from 16 to 255 or None") for v in (8, 256, 64.0, True, "64")] + [
+    ("stages", v, "stages must be an int >= 0") for v in (-1, True, 2.0)]
 
 
 @pytest.mark.parametrize("key,value,expected", BAD_CONFIGS, ids=lambda x: repr(x)[:20])
@@ -308,6 +327,8 @@ def test_width_limit_is_a_value_error():
     (dict(block_t=1, maxnreg=40), dict(block_t=1, per_sm=6, maxnreg=64)),
     # the forward's two row sums in one reduction
     (dict(block_t=2, pair_reduce=True), dict(block_t=2)),
+    # the sources through Triton's software pipeline
+    (dict(block_t=2, stages=3), dict(block_t=2, per_sm=2, stages=2)),
 ])
 @pytest.mark.parametrize("keys", [False, True], ids=["values_as_keys", "keys"])
 def test_launch_variants_match_reference(fwd_cfg, bwd_cfg, keys):

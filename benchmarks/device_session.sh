@@ -18,6 +18,7 @@
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh routepipe  # route's kernels through the pipeline (session 18)
+#   OUT=... bash benchmarks/device_session.sh pipeab     # both pipelines end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -195,6 +196,15 @@ routepipe)
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_triton.py \
       -k "pipeline or launch_variants or bad_launch" > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
+  ;;
+pipeab)
+  # session 18's pipelines end to end side by side with the old launches: WAV and full
+  # AttnRes (route, _rs0), block MHAR (the parameter reduction, _ps0), with a kernel
+  # profile (~9 minutes: 7 models, 4 at a time)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 --schemes \
+      baseline wav wav_rs0 attnres attnres_rs0 mhar_block mhar_block_ps0 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -20
   ;;
 ncu)
   # where route_many's kernels stall (session 18): Nsight Compute's warp states, scheduler,

@@ -162,6 +162,9 @@ LAUNCH_VARIANTS = {
     "pertoken": (("dar_block", "block_attnres"), {"route_many_triton.BACKWARD": "per_token"}),
     # the parameter reduction without Triton's software pipeline (before session 18)
     "ps0": (("dar_block", "mhar_block", "block_attnres"), {"route_many_triton.PARAM_STAGES": 0}),
+    # route's kernels with the register prefetch only (before session 18; since, the one-head
+    # forward at d = 1024 and the one-head backward with running sums through the pipeline)
+    "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

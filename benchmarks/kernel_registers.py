@@ -77,7 +77,8 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | N
 def compile_backward(d: int, heads: int, has_acc: bool):
     """route's backward as ``route_backward`` launches it (no keys, bias or scale)."""
     from depthrewrite.kernels.route_triton import (
-        _route_backward_residency, _route_backward_warps, _route_bwd_kernel, _route_tokens, _row_blocks,
+        _route_backward_residency, _route_backward_stages, _route_backward_warps, _route_bwd_kernel, _route_tokens,
+        _row_blocks,
     )
 
     block_h, block_c = _row_blocks(d, heads)
@@ -85,7 +86,7 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     block_t = _route_tokens(heads, row)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False,
-                      HAS_ACC=has_acc, STAGES=0)
+                      HAS_ACC=has_acc, STAGES=_route_backward_stages(heads, row, has_acc))
     warps = _route_backward_warps(heads, row, block_t)
     cap, _ = _route_backward_residency(heads, row, False, block_t, warps)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps, cap), block_t, warps
@@ -96,7 +97,8 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
     """route's forward as ``route_forward`` launches it (no keys), with ``maxnreg`` as the
     register cap (None: the launch's default cap, if any; 0: none, the compiler's choice)."""
     from depthrewrite.kernels.route_triton import (
-        _route_forward_cap, _route_forward_warps, _route_fwd_kernel, _route_tokens, _row_blocks,
+        _route_forward_cap, _route_forward_stages, _route_forward_warps, _route_fwd_kernel, _route_tokens,
+        _row_blocks,
     )
 
     block_h, block_c = _row_blocks(d, heads)
@@ -105,7 +107,7 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
     warps = _route_forward_warps(heads, row, block_t)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=has_bias, HAS_SCALE=has_scale, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, HAS_NORM=has_norm,
-                      PAIR_REDUCE=False, STAGES=0)
+                      PAIR_REDUCE=False, STAGES=_route_forward_stages(heads, row))
     cap = maxnreg if maxnreg is not None else _route_forward_cap(heads, row, False, has_norm, block_t, warps)
     return _compile(_route_fwd_kernel, ARG_TYPES, constexprs, warps, cap or None), warps
 

@@ -518,6 +518,16 @@ def _route_tokens(heads: int, row: int) -> int:
     return WIDE_TOKENS if _is_wide(heads, row) else _tokens_per_program(row)
 
 
+def _route_forward_stages(heads: int, row: int) -> int:
+    """Pipeline stages of route's forward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
+    return ROUTE_FORWARD_STAGES if heads == 1 and row <= NARROW_ROW else 0
+
+
+def _route_backward_stages(heads: int, row: int, has_acc: bool) -> int:
+    """Pipeline stages of route's backward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
+    return ROUTE_BACKWARD_STAGES if heads == 1 and (has_acc or row >= WIDE_ROW) else 0
+
+
 def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     """Warps of route's forward for ``block_t`` tokens per program unless a config sets them."""
     if _is_wide(heads, row) and block_t == WIDE_TOKENS:
@@ -617,10 +627,16 @@ def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int
 #: 2 (two sources ahead). Two ahead in route's kernels and route_many's forward was slower at
 #: every timed shape (H200, docs/benchmarks.md session 11 run 2), and was taken out again.
 PREFETCH_DEPTHS = (False, True)
-#: software pipeline stages of route's kernels (0: the register prefetch, PREFETCH). Not
-#: timed yet (session 18): route_many's one-head forward and wide per-token backward are
-#: faster with 3 (ONE_HEAD_FORWARD_STAGES' comment in route_many_triton.py)
-ROUTE_STAGES = 0
+#: software pipeline stages of route's kernels where they were measured faster (else 0:
+#: the register prefetch, PREFETCH; H200, bf16, 16384 tokens unless said, session 18's run
+#: 4, docs/benchmarks.md): the forward for one-head rows of at most NARROW_ROW elements
+#: (d = 1024: 0.150 / 0.286 ms against 0.160 / 0.302 at N = 16 / 33, a WAV site 0.160
+#: against 0.178; at d = 2048 and 4096 level or up to 10 % slower), the backward for one
+#: head with running sums (a WAV site: 0.462 against 0.524) or on rows of WIDE_ROW (d =
+#: 4096: 0.696 against 0.831 ms at N = 9, 2.298 against 2.618 at 8192 tokens, N = 65; level
+#: at d = 1024 and 2048 without running sums)
+ROUTE_FORWARD_STAGES = 3
+ROUTE_BACKWARD_STAGES = 3
 
 
 def _check_stages(stages, default: int, op: str, name: str = "stages") -> int:
@@ -700,7 +716,7 @@ def route_forward(
     (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``, ``pair_reduce``:
     the row's two sums per source in one reduction, level at 16 heads and slower at d = 2048
     in session 13's runs; ``stages``: the sources through Triton's software pipeline, 0 for
-    the register prefetch; unset: ROUTE_STAGES) for tuning runs."""
+    the register prefetch; unset: ``_route_forward_stages``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     n, d = len(values), values[0].shape[-1]
@@ -729,7 +745,7 @@ def route_forward(
     prefetch = _check_prefetch(cfg["prefetch"], "route")
     if not isinstance(cfg["pair_reduce"], bool):
         raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
-    stages = _check_stages(cfg.get("stages"), ROUTE_STAGES, "route")
+    stages = _check_stages(cfg.get("stages"), _route_forward_stages(heads, row), "route")
     grid = (triton.cdiv(tokens, block_t),)
     _route_fwd_kernel[grid](
         vtab, ktab, query.contiguous(), key_norm_weight.contiguous(),
@@ -817,7 +833,7 @@ def route_backward(
     its own source's output: ``depthrewrite::route_backward_into_``), by default new ones. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
     (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``, ``stages``:
-    as the forward's) for tuning runs."""
+    as the forward's; unset: ``_route_backward_stages``) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
@@ -846,7 +862,8 @@ def route_backward(
     cap, per_sm = _route_backward_residency(heads, row, flat_k is not None, block_t, warps)
     cfg = {"maxnreg": cap, "per_sm": per_sm, **cfg}
     prefetch = _check_prefetch(cfg["prefetch"], "route")
-    stages = _check_stages(cfg.get("stages"), ROUTE_STAGES, "route")
+    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
+    stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc), "route")
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, cfg["per_sm"])
     # the kernel writes every entry of these partial sums (one row per program, one entry
@@ -871,7 +888,6 @@ def route_backward(
             grad_k[0].copy_(acc0)
         elif acc0 is None and grad_keys_out is not None:
             grad_k[0].zero_()
-    has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)
         acc_v, acc_k = (_contiguous(acc or [None] * n) for acc in (grad_values_acc, grad_keys_acc))

@@ -19,6 +19,7 @@
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh routepipe  # route's kernels through the pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh pipeab     # both pipelines end to end against the old (session 18)
+#   OUT=... bash benchmarks/device_session.sh fullbwd    # full AttnRes's backward kernel A/B, GPU tests (session 18)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -205,6 +206,20 @@ pipeab)
   timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 --schemes \
       baseline wav wav_rs0 attnres attnres_rs0 mhar_block mhar_block_ps0 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -20
+  ;;
+fullbwd)
+  # full AttnRes's one-head route_many backwards through the tiled kernel (session 18's
+  # default) against the per-token kernel, end to end side by side; then the kernel tests
+  # and the scheme check on the GPU (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 280 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 --schemes \
+      baseline attnres attnres_pertoken > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt" | head -20
+  timeout 120 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres dar attnres mhar_g3 wav \
+      > "$OUT/check.txt" 2>&1
+  grep "scheme-check" "$OUT/check.txt" | tail -14
   ;;
 ncu)
   # where route_many's kernels stall (session 18): Nsight Compute's warp states, scheduler,

@@ -158,8 +158,8 @@ LAUNCH_VARIANTS = {
               {"route_many_triton.ONE_HEAD_FORWARD_TOKENS": 1, "route_many_triton.ONE_HEAD_FORWARD_STAGES": 0}),
     # every route_many backward through the per-token kernel (DAR's calls are keyed: with
     # its sources pipelined; their default is the tiled kernel and the parameter reduction;
-    # Block AttnRes's one-head calls at d = 1024 took it by default until session 18)
-    "pertoken": (("dar_block", "block_attnres"), {"route_many_triton.BACKWARD": "per_token"}),
+    # Block AttnRes's and full AttnRes's one-head calls at d = 1024 took it by default until session 18)
+    "pertoken": (("dar_block", "block_attnres", "attnres"), {"route_many_triton.BACKWARD": "per_token"}),
     # the parameter reduction without Triton's software pipeline (before session 18)
     "ps0": (("dar_block", "mhar_block", "block_attnres"), {"route_many_triton.PARAM_STAGES": 0}),
     # route's kernels with the register prefetch only (before session 18; since, the one-head

@@ -26,8 +26,7 @@ slower at DAR's shapes, docs/benchmarks.md sessions 10 and 11).
 Two backward kernels, both deterministic (fixed summation order, no atomics), chosen per
 call by ``_backward_kernel`` (measured):
 
-- tiled (``_route_many_bwd_tiled_kernel``, the default with several heads, keys, or rows of
-  at most ``NARROW_ROW`` elements): ``BLOCK_T`` tokens
+- tiled (``_route_many_bwd_tiled_kernel``, the default with several heads or keys): ``BLOCK_T`` tokens
   per program (1, with one warp: the row reductions stay inside the warp). It first stores
   ``<g_s, out_s> - d lse_s`` per query and head in a small scratch table, then walks the
   sources; for each source it walks the queries one at a time (their output-gradient rows
@@ -36,8 +35,7 @@ call by ``_backward_kernel`` (measured):
   (source, query, token, head) to a table from which ``_route_many_param_kernel`` reduces
   the parameter gradients over tokens (reading the sources once more, its tiles through
   Triton's software pipeline: ``PARAM_STAGES``), so no program holds a ``(Q, d)`` accumulator;
-- per-token (``_route_many_bwd_kernel``, the default with one head and no keys on rows wider
-  than ``NARROW_ROW``): a persistent grid,
+- per-token (``_route_many_bwd_kernel``, the default with one head and no keys): a persistent grid,
   per token the Q output gradients, saved outputs and log-sum-exps as ``(Q, H, C)`` tiles,
   one walk over the sources for all queries at once, the parameter gradients accumulated
   per program in a ``(programs, Q, d)`` fp32 buffer; more queries than fit on chip are taken
@@ -135,10 +133,13 @@ NUM_WARPS = 4
 MULTI_HEAD_BACKWARD_WARPS = 8
 #: which backward runs: "tiled" (BLOCK_T tokens per program, the queries one at a time,
 #: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles);
-#: None: the measured choice (_backward_kernel). Since session 18 the tiled kernel also
-#: takes one-head rows of up to NARROW_ROW elements without keys: with the reduction
-#: pipelined, 0.565 / 0.983 ms against the per-token kernel's 0.605 / 1.057 at d = 1024, N
-#: = 4 / 8 (run 2); at d = 2048 1.441 against 1.182, so wider rows stay per-token
+#: None: the measured choice (_backward_kernel). With the parameter reduction pipelined
+#: (session 18) the tiled kernel beat the per-token one at Block AttnRes's phase-1 shapes
+#: (0.565 / 0.983 ms against 0.605 / 1.057 at d = 1024, S = 6, N = 4 / 8; run 2), but end
+#: to end it was level for Block AttnRes (90.7 against 90.7 ms a step, run 3) and slower
+#: for full AttnRes (117.3 against 114.3, run 6: its phase-2 calls route one query over 2-3
+#: entries, and the reduction reads every source again): one-head calls without keys stay
+#: per-token
 BACKWARD = None
 BACKWARD_CHOICES = ("tiled", "per_token")
 #: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
@@ -157,11 +158,11 @@ PARAM_CHOICES = ("registers", "table")
 PER_TOKEN_PREFETCH2_ROW = 2048
 #: the tiled backward's tokens per program and warps, and the padded row one warp reduces
 #: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
-#: one more warp per 1024 elements). It runs the calls with several heads or separate keys,
-#: and since session 18 (its parameter reduction pipelined: BACKWARD's comment) one-head
-#: calls without keys on rows up to NARROW_ROW; wider ones go to the per-token backward
-#: (from session 9 to 17 every one-head call without keys did: then faster at every
-#: measured width, 0.61 vs 0.66 ms at d = 1024, N = 4; docs/benchmarks.md, session 9)
+#: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
+#: one-head calls without keys go to the per-token backward (faster at every measured width
+#: since its loads of the output gradients carry alignment hints: 0.61 vs 0.66 ms at d = 1024,
+#: N = 4; 1.01 vs 1.15 at N = 8; 1.22 vs 1.62 at d = 2048; docs/benchmarks.md, session 9;
+#: session 18: BACKWARD's comment)
 TILED_TOKENS = 1
 TILED_WARPS = 1
 TILED_MAX_ROW = 1024
@@ -710,8 +711,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
+    kernel = _backward_kernel(heads, cfg, bool(flat_k))
     row = math.prod(_row_blocks(queries.shape[1], heads))
-    kernel = _backward_kernel(heads, cfg, bool(flat_k), row)
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
@@ -727,15 +728,14 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     return grad_v, grad_k, grad_queries, grad_weights
 
 
-def _backward_kernel(heads: int, cfg: dict, has_keys: bool, row: int) -> str:
-    """The backward kernel of a call with ``row`` padded elements a row: ``cfg["backward"]``
-    (checked), else the measured choice (BACKWARD's comment): per-token for one head without
-    separate keys on rows wider than NARROW_ROW, tiled otherwise (with 16 heads the per-token
-    kernel's per-head statistics make it 2x slower; with keys 10 % slower than the tiled
-    kernel with its pipelined reduction)."""
+def _backward_kernel(heads: int, cfg: dict, has_keys: bool) -> str:
+    """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice
+    (BACKWARD's comment): per-token for one head without separate keys, tiled otherwise
+    (with 16 heads the per-token kernel's per-head statistics make it 2x slower; with keys
+    12-16 % slower than the tiled kernel with its pipelined parameter reduction)."""
     choice = cfg["backward"]
     if choice is None:
-        return "per_token" if heads == 1 and not has_keys and row > NARROW_ROW else "tiled"
+        return "per_token" if heads == 1 and not has_keys else "tiled"
     return _checked_choice("backward", choice, BACKWARD_CHOICES)
 
 

@@ -161,7 +161,7 @@ LAUNCH_VARIANTS = {
     # Block AttnRes's and full AttnRes's one-head calls at d = 1024 took it by default until session 18)
     "pertoken": (("dar_block", "block_attnres", "attnres"), {"route_many_triton.BACKWARD": "per_token"}),
     # the parameter reduction without Triton's software pipeline (before session 18)
-    "ps0": (("dar_block", "mhar_block", "block_attnres"), {"route_many_triton.PARAM_STAGES": 0}),
+    "ps0": (("dar_block", "mhar_block", "block_attnres", "mhar"), {"route_many_triton.PARAM_STAGES": 0}),
     # route's kernels with the register prefetch only (before session 18; since, the one-head
     # forward at d = 1024 and the one-head backward with running sums through the pipeline)
     "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),

@@ -20,6 +20,7 @@
 #   OUT=... bash benchmarks/device_session.sh routepipe  # route's kernels through the pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh pipeab     # both pipelines end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh fullbwd    # full AttnRes's backward kernel A/B, GPU tests (session 18)
+#   OUT=... bash benchmarks/device_session.sh table      # every scheme end to end, 40 kernels each (session 19)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -175,8 +176,8 @@ paramstages)
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to
-  # d = 1024 through the tiled kernel) against the old, end to end side by side with a
-  # kernel profile (~7 minutes)
+  # d = 1024 through the tiled kernel, reverted in 79c3d20 after fullbwd) against the old,
+  # end to end side by side with a kernel profile (~7 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 520 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes baseline \
       block_attnres block_attnres_pertoken dar_block dar_block_ps0 > "$OUT/e2e.txt" 2>&1
@@ -241,6 +242,15 @@ ncu)
   profile tiled_keys_n8 "_route_many_bwd_tiled_kernel" --sources 8 --keys
   profile param_keys_n8 "_route_many_param_kernel" --sources 8 --keys
   profile forward_n4 "_route_many_fwd_kernel" --sources 4
+  ;;
+table)
+  # the end-to-end table of every scheme with each model's 40 largest kernels and host
+  # profile (session 19's command; ~7 minutes: 5 models, then 2)
+  export PYTHONPATH=$PWD
+  grep -c "PARAM_STAGES" depthrewrite/kernels/route_many_triton.py
+  timeout "${E2E_SECONDS:-570}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --compile-timeout-s 300 \
+      --profile 40 --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -24
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

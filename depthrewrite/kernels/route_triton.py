@@ -357,7 +357,7 @@ def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, 
     """Source ``i``'s part of the backward (rows ``v_cur`` / ``k_cur`` as stored): its value
     (and key) gradient written, its bias term stored, its ``dz * norm`` added to ``r_acc``
     (returned)."""
-    act = ptr_ty.element_ty
+    s = tl.full((), 1.0, tl.float32)  # read only with HAS_SCALE
     if HAS_SCALE:
         s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
     if ONE_SOURCE:
@@ -389,21 +389,23 @@ def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, 
         d_key = rstd[:, None, None] * (dz[:, :, None] * qw[None, :, :] - norm * mt[:, None, None])
         d_src = a[:, :, None] * g
         if HAS_KEYS:
-            if HAS_SCALE:
-                d_key = d_key * s[:, None, None]
-            if HAS_ACC:
-                d_key = _plus_acc(d_key, gkacc, i, offs, mask, ptr_ty, ALIGNED)
-            gk_ptr = _src_ptr(gktab, i, ptr_ty, ALIGNED)
-            tl.store(gk_ptr + offs, d_key.to(act), mask=mask)
+            _write_source_grad(d_key, s, gkacc, gktab, i, offs, mask, ptr_ty, ALIGNED, HAS_SCALE, HAS_ACC)
         else:
             d_src = d_src + d_key
-    if HAS_SCALE:
-        d_src = d_src * s[:, None, None]
-    if HAS_ACC:
-        d_src = _plus_acc(d_src, gvacc, i, offs, mask, ptr_ty, ALIGNED)
-    gv_ptr = _src_ptr(gvtab, i, ptr_ty, ALIGNED)
-    tl.store(gv_ptr + offs, d_src.to(act), mask=mask)
+    _write_source_grad(d_src, s, gvacc, gvtab, i, offs, mask, ptr_ty, ALIGNED, HAS_SCALE, HAS_ACC)
     return r_acc
+
+
+@triton.jit
+def _write_source_grad(grad, s, acctab, gtab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, HAS_ACC: tl.constexpr):
+    """Source ``i``'s gradient row: times its per-token scale ``s`` (HAS_SCALE), plus its
+    running sum (HAS_ACC), stored in the activation dtype through the table ``gtab``."""
+    if HAS_SCALE:
+        grad = grad * s[:, None, None]
+    if HAS_ACC:
+        grad = _plus_acc(grad, acctab, i, offs, mask, ptr_ty, ALIGNED)
+    tl.store(_src_ptr(gtab, i, ptr_ty, ALIGNED) + offs, grad.to(ptr_ty.element_ty), mask=mask)
 
 
 @triton.jit

@@ -21,6 +21,7 @@
 #   OUT=... bash benchmarks/device_session.sh pipeab     # both pipelines end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh fullbwd    # full AttnRes's backward kernel A/B, GPU tests (session 18)
 #   OUT=... bash benchmarks/device_session.sh table      # every scheme end to end, 40 kernels each (session 19)
+#   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -251,6 +252,19 @@ table)
   timeout "${E2E_SECONDS:-570}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --compile-timeout-s 300 \
       --profile 40 --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -24
+  ;;
+inductorcode)
+  # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth
+  # each reaches (session 19, prepared, not run yet; ~6 minutes): each model compiled and
+  # profiled in one process with Inductor's code logged and its bytes estimated
+  export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
+  for model in dar_block mhar_block; do
+    TORCH_LOGS=output_code timeout 270 python3 benchmarks/kernel_code.py "$model" 60 \
+        > "$OUT/${model}_profile.txt" 2> "$OUT/${model}_code.txt"
+    python3 benchmarks/kernel_inputs.py "$OUT/${model}_code.txt" "$OUT/${model}_profile.txt" \
+        > "$OUT/${model}_kernels.md" 2>&1
+    echo "== $model"; head -1 "$OUT/${model}_profile.txt"; grep "triton_" "$OUT/${model}_kernels.md" | head -25 | cut -c1-220
+  done
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -1,0 +1,109 @@
+"""The HBM floor of each scheme's routing in one training step: every routing op call of a
+step, counted on the CPU, priced in bytes at the end-to-end benchmark's shape.
+
+    python benchmarks/routing_floor.py [--schemes block_attnres mhar_block ...] [--width 64]
+
+Each configuration of ``benchmarks/e2e_throughput.py`` (the bundled GPT's depth: 24 layers,
+16 heads) is rewritten at a small width and trained for one step in eager mode on a few
+tokens while a dispatch mode records every ``depthrewrite::`` routing call, forward and
+backward (the backward's recomputation of phase 1 included), with its number of sources,
+queries and separate keys. A call's floor is the rows it must move at least once: the
+forward reads each source (and key) and writes its outputs (and the fused norm's); the
+backward reads the output gradients, the outputs and each source (and key) and writes
+their gradients. Running sums that a backward adds its gradients to are not counted (a
+lower bound: whoever sums the gradients reads them), nor are the log-sum-exps (one float
+per token and head). Rows are priced at 8 x 2048 tokens, d = 1024, bf16 (32 MiB) and
+4.8 TB/s, as the end-to-end table's model (docs/benchmarks.md). The compiled step makes the
+same calls: the backend lowers each routing op to one kernel call (``route_backward_into_``
+for ``route_backward`` with running sums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from e2e_throughput import BATCH, CONFIGS, SEQ  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12
+E2E_WIDTH = 1024
+ROW_BYTES = BATCH * SEQ * E2E_WIDTH * 2  # one bf16 activation of the end-to-end model
+
+
+def _rows(name: str, a: dict) -> int:
+    """Rows a call of ``depthrewrite::<name>`` moves at least once (module docstring);
+    ``a``: its arguments by schema name."""
+    per_source = 2 if a.get("keys") is not None else 1  # a value and its key
+    if name == "route":
+        return len(a["values"]) * per_source + 1 + (a.get("out_norm_weight") is not None)
+    if name in ("route_backward", "route_backward_into_"):
+        return 2 + 2 * len(a["values"]) * per_source
+    if name == "route_many":
+        return len(a["values"]) * per_source + a["queries"].shape[0]
+    if name == "route_many_backward":
+        return 2 * len(a["grad_out"]) + 2 * len(a["values"]) * per_source
+    raise ValueError(f"routing_floor: no floor for depthrewrite::{name}")
+
+
+class RoutingCalls(TorchDispatchMode):
+    """Counts the ``depthrewrite::`` calls below autograd: calls and rows per op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+        self.rows: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "depthrewrite" and name != "fence_":
+            self.calls[name] += 1
+            named = dict(zip((arg.name for arg in func._schema.arguments), args), **(kwargs or {}))
+            self.rows[name] += _rows(name, named)
+        return func(*args, **(kwargs or {}))
+
+
+def count(config: str, width: int, tokens: int = 64) -> RoutingCalls:
+    """One eager training step of ``config`` at ``width`` on ``tokens`` tokens, counted."""
+    import depthrewrite
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    scheme, options, _ = CONFIGS[config]
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(gpt_from_preset("medium", d_model=width, max_seq_len=tokens), scheme, **options)
+    x = torch.randint(0, model.config.vocab_size, (1, tokens))
+    counter = RoutingCalls()
+    with counter:
+        model(x, x)[1].backward()
+    return counter
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schemes", nargs="+", default=["block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar"])
+    ap.add_argument("--width", type=int, default=64, help="model width of the counted step (16 heads divide it)")
+    args = ap.parse_args()
+    print(f"routing floor per training step at {BATCH} x {SEQ} tokens, d = {E2E_WIDTH}, bf16, "
+          f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s (calls counted at d = {args.width})")
+    print("| model | calls: forward / backward | rows moved (32 MiB each) | floor ms/step |")
+    print("| --- | --- | ---: | ---: |")
+    for config in args.schemes:
+        counter = count(config, args.width)
+        forward = sum(n for op, n in counter.calls.items() if "backward" not in op)
+        backward = sum(n for op, n in counter.calls.items() if "backward" in op)
+        rows = sum(counter.rows.values())
+        detail = ", ".join(f"{op} {n}" for op, n in sorted(counter.calls.items()))
+        print(f"| {config} | {forward} / {backward} ({detail}) | {rows} | "
+              f"{rows * ROW_BYTES / HBM_BYTES_PER_S * 1e3:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@
 #   OUT=... bash benchmarks/device_session.sh pipeab     # both pipelines end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh fullbwd    # full AttnRes's backward kernel A/B, GPU tests (session 18)
 #   OUT=... bash benchmarks/device_session.sh table      # every scheme end to end, 40 kernels each (session 19)
+#   OUT=... bash benchmarks/device_session.sh algorithms   # two-phase WAV, grouped full MHAR vs the defaults (session 19)
 #   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
@@ -252,6 +253,15 @@ table)
   timeout "${E2E_SECONDS:-570}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --compile-timeout-s 300 \
       --profile 40 --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -24
+  ;;
+algorithms)
+  # the forms whose routing floor fits their goal's budget (session 19: routing_floor.py)
+  # against the defaults that cannot meet it: WAV two-phase, full MHAR in groups of 6,
+  # side by side with a kernel profile (~6 minutes; prepared in session 19, not run yet)
+  export PYTHONPATH=$PWD
+  timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --compile-timeout-s 300 \
+      --profile 40 --schemes baseline wav wav_2p mhar mhar_g6 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 inductorcode)
   # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth

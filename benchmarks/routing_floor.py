@@ -70,14 +70,23 @@ class RoutingCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(config: str, width: int, tokens: int = 64) -> RoutingCalls:
-    """One eager training step of ``config`` at ``width`` on ``tokens`` tokens, counted."""
+def count(config: str, width: int) -> RoutingCalls:
+    """One eager training step of the end-to-end configuration ``config`` (the benchmark
+    model's depth and heads) at ``width``, counted."""
+    scheme, options, _ = CONFIGS[config]
+    return count_step(scheme, options, width)
+
+
+def count_step(scheme: str, options: dict, width: int, layers: int | None = None, tokens: int = 64) -> RoutingCalls:
+    """One eager training step of the bundled GPT ("medium": 24 layers, 16 heads; ``layers``
+    overrides its depth) at ``width`` rewritten with ``scheme``, on ``tokens`` tokens, counted."""
     import depthrewrite
     from depthrewrite.models.gpt import gpt_from_preset
 
-    scheme, options, _ = CONFIGS[config]
     torch.manual_seed(0)
-    model = depthrewrite.rewrite(gpt_from_preset("medium", d_model=width, max_seq_len=tokens), scheme, **options)
+    depth = {} if layers is None else {"n_layer": layers}
+    model = gpt_from_preset("medium", d_model=width, max_seq_len=tokens, **depth)
+    model = depthrewrite.rewrite(model, scheme, **options)
     x = torch.randint(0, model.config.vocab_size, (1, tokens))
     counter = RoutingCalls()
     with counter:

@@ -165,6 +165,9 @@ LAUNCH_VARIANTS = {
     # route's kernels with the register prefetch only (before session 18; since, the one-head
     # forward at d = 1024 and the one-head backward with running sums through the pipeline)
     "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),
+    # the second phase through depthrewrite::route_merge's fused kernels (session 19; off by
+    # default until timed: merge_partial's torch ops, compiled by Inductor)
+    "fm": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.FUSED_MERGE": True}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

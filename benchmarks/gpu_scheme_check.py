@@ -64,7 +64,12 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            # that route site by site with running sums by default
            "wav_newsums": ("wav", {}), "mhar_newsums": ("mhar", {}),
            # the backend's recompute_branch_outputs (the branch matmuls run again in the backward)
-           "wav_branch": ("wav", {"block_size": 4}), "dar_branch": ("dar", {})}
+           "wav_branch": ("wav", {"block_size": 4}), "dar_branch": ("dar", {}),
+           # the second phase through depthrewrite::route_merge (two_phase.FUSED_MERGE)
+           "block_attnres_fm": ("block_attnres", {}), "mhar_block_fm": ("mhar", {"block_size": 2}),
+           "dar_fm": ("dar", {})}
+#: configurations checked with two_phase.FUSED_MERGE on: their route_merge calls must be lowered
+FUSED_MERGE_CONFIGS = ("block_attnres_fm", "mhar_block_fm", "dar_fm")
 #: backend options per configuration, besides ``inner`` (default: none)
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
                    "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False},
@@ -100,6 +105,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_scheme(scheme: str, precision: str, device: str) -> dict:
+    from depthrewrite.passes import two_phase
+
+    previous = two_phase.FUSED_MERGE
+    two_phase.FUSED_MERGE = scheme in FUSED_MERGE_CONFIGS
+    try:
+        return _check_scheme(scheme, precision, device)
+    finally:
+        two_phase.FUSED_MERGE = previous
+
+
+def _check_scheme(scheme: str, precision: str, device: str) -> dict:
     model = _model(scheme, device)
     idx = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1)).to(device)
     previous = set_fused_enabled(False)
@@ -132,6 +148,8 @@ def check_scheme(scheme: str, precision: str, device: str) -> dict:
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
     if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
+    if scheme in FUSED_MERGE_CONFIGS:
+        ok = ok and any(op.startswith("depthrewrite::route_merge ") for op in ops)  # the op really ran
     if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,

@@ -3,7 +3,8 @@
 Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, normed)``),
 ``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), its in-place running-sum
 form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`), ``depthrewrite::route_many``
-and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`) for the "cuda" device
+and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`),
+``depthrewrite::route_merge`` and its backward (the second phase, :mod:`.route_merge_triton`) for the "cuda" device
 with ``torch.library.register_kernel``; the CPU (and any other device) keeps the
 pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
 compiled graphs (Inductor calls custom ops through the dispatcher) both reach the kernels.
@@ -26,6 +27,7 @@ import torch
 from ..ops.route import _route_backward_op, _route_op
 from ..ops.route_into import _route_backward_into_op, running_sums
 from ..ops.route_many import _route_many_backward_op, _route_many_op
+from ..ops.route_merge import _route_merge_backward_op, _route_merge_op
 
 __all__ = ["triton_available", "implementation_for", "set_fused_enabled", "FUSED_DTYPES"]
 
@@ -130,6 +132,30 @@ def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key
                                keys=keys)
 
 
+def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps):
+    if not _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix):
+        return _route_merge_op._init_fn(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps)
+    from .route_merge_triton import route_merge_forward
+
+    return route_merge_forward(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps)
+
+
+def _route_merge_backward_cuda(grad, outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps):
+    if not _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix):
+        return _route_merge_backward_op._init_fn(grad, outs, lses, values, keys, queries, key_norm_weights, mix,
+                                                 heads, eps)
+    from .route_merge_triton import route_merge_backward
+
+    return route_merge_backward(grad, outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps)
+
+
+def _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix) -> bool:
+    # the kernels take one or two results (route_merge_triton.MAX_RESULTS) and float32
+    # log-sum-exps (route_many's for every kernel dtype); anything else runs the reference
+    return (_use_fused(values, keys, queries, key_norm_weights, mix) and outs[0].dtype in FUSED_DTYPES
+            and len(outs) <= 2 and all(t.dtype == torch.float32 for t in lses))
+
+
 def _register() -> None:
     if not triton_available():
         log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")
@@ -139,6 +165,8 @@ def _register() -> None:
     torch.library.register_kernel("depthrewrite::route_backward_into_", "cuda", _route_backward_into_cuda)
     torch.library.register_kernel("depthrewrite::route_many", "cuda", _route_many_cuda)
     torch.library.register_kernel("depthrewrite::route_many_backward", "cuda", _route_many_backward_cuda)
+    torch.library.register_kernel("depthrewrite::route_merge", "cuda", _route_merge_cuda)
+    torch.library.register_kernel("depthrewrite::route_merge_backward", "cuda", _route_merge_backward_cuda)
 
 
 _register()

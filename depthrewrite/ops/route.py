@@ -358,11 +358,14 @@ def _describe(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | None, op: str = "route") -> list[Tensor]:
+def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | None, op: str = "route",
+                   first_name: str = "values") -> list[Tensor]:
+    """``tensors`` as a list, each shaped, typed and placed like ``like`` (None: the first),
+    ``count`` of them unless None; ``first_name``: the list that sets both, for the messages."""
     if not isinstance(tensors, (list, tuple)):
         raise _fail(arg, "a list or tuple of tensors", type(tensors).__name__, op)
     if count is not None and len(tensors) != count:
-        raise _fail(arg, f"{count} tensors (one per source in `values`)", f"{len(tensors)}", op)
+        raise _fail(arg, f"{count} tensors (one per entry of `{first_name}`)", f"{len(tensors)}", op)
     if not tensors:
         raise _fail(arg, "a non-empty list of tensors", "an empty sequence", op)
     first = tensors[0] if like is None else like
@@ -372,7 +375,7 @@ def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | 
         if not t.is_floating_point() or t.dim() == 0:
             raise _fail(f"{arg}[{i}]", "a floating-point tensor of shape (*batch, d)", _describe(t), op)
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-            raise _fail(f"{arg}[{i}]", f"like values[0] ({_describe(first)})", _describe(t), op)
+            raise _fail(f"{arg}[{i}]", f"like {first_name}[0] ({_describe(first)})", _describe(t), op)
     return list(tensors)
 
 

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ..analysis import Site
-from ..ops import merge_partial, route
+from ..ops import merge_partial, route, route_merge
 from ..recompute import recomputable
 from .attnres import AttnResOptions
+from . import two_phase
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
 from .base import Scheme, State
 
@@ -72,12 +73,14 @@ class DualRoute(nn.Module):
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
         history, partial = state[:2]
         first = state[2] if self._plan is not None else None
+        s = torch.sigmoid(self.mix)
         if first is None:
             streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
             r0, r1 = (self._route(streams, j) for j in (0, 1))
+        elif partial is not None and two_phase.FUSED_MERGE:
+            return self._fused_merge(first, partial, s)
         else:
             r0, r1 = (self._merge(first[j], partial, j) for j in (0, 1))
-        s = torch.sigmoid(self.mix)
         return s * r0 + (1 - s) * r1
 
     def _route(self, streams, j: int) -> torch.Tensor:
@@ -96,6 +99,16 @@ class DualRoute(nn.Module):
         key = None if key_stream == value_stream else partial[key_stream]
         return merge_partial(out, lse, partial[value_stream], partial_key=key, query=self.query[j],
                              key_norm_weight=self.key_norm_weight[j], eps=self.eps)
+
+    def _fused_merge(self, first: tuple, partial: tuple, s: torch.Tensor) -> torch.Tensor:
+        """Two-phase, both streams merged and mixed in one ``route_merge`` (``two_phase.FUSED_MERGE``)."""
+        streams = [VARIANTS[self.variant](j) for j in (0, 1)]  # (value stream, key stream) per target
+        values = [partial[value] for value, _ in streams]
+        keys = None if streams[0][0] == streams[0][1] else [partial[key] for _, key in streams]
+        outs = [first[j][0][self.position] for j in (0, 1)]
+        lses = [first[j][1][self.position] for j in (0, 1)]
+        return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
+                           mix=torch.cat([s, 1 - s]), eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}"

@@ -29,6 +29,15 @@ log = logging.getLogger(__name__)
 #: those outputs through it: False recomputes every group.
 KEEP_LAST_PHASE_ONE = True
 
+#: phase 2 of Block AttnRes, block MHAR, WAV's readout and DAR (one new entry merged into a
+#: site's phase-1 result, and DAR's gate) through ``depthrewrite::route_merge``, one op with
+#: fused CUDA kernels, instead of ``merge_partial``'s torch ops that Inductor compiles. Same
+#: function (up to rounding: the merged result is rounded once, to the activation dtype).
+#: Off until it is timed on the GPU (docs/benchmarks.md session 19: DAR block's merges
+#: and gate took ~17 ms of Inductor's kernels a step at 350M, ~4x the rows they move;
+#: ``e2e_throughput.py``'s ``*_fm`` configurations, device phase ``fusedmerge``)
+FUSED_MERGE = False
+
 
 class TwoPhasePlan:
     """The two-phase Block AttnRes computation (the Attention Residuals paper's; SPEC 3).

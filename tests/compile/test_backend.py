@@ -105,6 +105,22 @@ def test_aot_eager_matches_eager_and_reports_every_routing_call(scheme):
     assert backend.lowered_ops() == {f"{op} (reference)": expected}  # summed over graphs, by implementation
 
 
+@pytest.mark.parametrize("scheme", ["block_attnres", "dar"])
+def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, monkeypatch):
+    """``two_phase.FUSED_MERGE``: the second phase's ``route_merge`` calls compile with
+    ``fullgraph=True`` (its fake implementation, its backward op) and match eager; the report
+    counts one call per site with a partial entry in the forward and as many backwards."""
+    from depthrewrite.passes import two_phase
+
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    model, reports = _compile_and_compare(scheme, {"inner": "aot_eager"}, rtol=1e-6, atol=1e-7)
+    # 2 layers: Block AttnRes in blocks of 2 sites, DAR in blocks of one layer (2 sites):
+    # the second site of each block merges its partial entry, the readout none
+    merges = model.config.n_layer
+    assert reports[0].aot_graphs["forward"]["depthrewrite::route_merge"] == merges
+    assert reports[0].aot_graphs["backward"]["depthrewrite::route_merge_backward"] == merges
+
+
 def test_inductor_matches_eager():
     before = torch._inductor.config.fallback_random
     model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6)

@@ -503,3 +503,29 @@ def test_two_phase_must_be_a_bool(scheme, options):
         rewrite(tiny(), scheme, two_phase="yes", **options)
     with pytest.raises(ValueError, match=rf"^{scheme}: recompute must be True or False, found 'all'"):
         rewrite(tiny(), scheme, recompute="all", **options)
+
+
+FUSED_MERGE_CASES = [("block_attnres", {"block_size": 4}), ("mhar", {"heads": 4, "block_size": 2}),
+                     ("wav", {"block_size": 4, "two_phase": True}),  # its readout merges the unfinished block
+                     *[("dar", {"variant": v, "layers_per_block": 2}) for v in ("dar", "selfkv", "crossv", "fixedkv")]]
+
+
+@pytest.mark.parametrize("scheme,options", FUSED_MERGE_CASES)
+def test_fused_merge_is_the_same_function(scheme, options, monkeypatch):
+    """``two_phase.FUSED_MERGE``: phase 2 through ``route_merge`` (one op) gives the logits
+    and every parameter gradient of ``merge_partial``'s torch ops, in float64; and the op
+    is what ran (once per site with a partial entry)."""
+    from depthrewrite.passes import attnres, dar, two_phase
+
+    options = dict(options)
+    use_two_phase = options.pop("two_phase", True)
+    truth, _ = _logits_and_grads(scheme, options, torch.float64, two_phase=use_two_phase)
+    calls = []
+    for module in (attnres, dar):
+        real = module.route_merge
+        monkeypatch.setattr(module, "route_merge", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    fused, _ = _logits_and_grads(scheme, options, torch.float64, two_phase=use_two_phase)
+    assert calls
+    for a, b in zip(fused, truth):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

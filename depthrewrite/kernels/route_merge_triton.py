@@ -1,0 +1,243 @@
+"""Fused Triton kernels for ``depthrewrite::route_merge`` (:mod:`depthrewrite.ops.route_merge`):
+the second phase of the two-phase computation, J merged results mixed, forward and backward.
+
+Both kernels take BLOCK_T tokens per step as ``(BLOCK_T, BLOCK_H, BLOCK_C)`` tiles (H heads
+of C channels, padded to powers of two), as ``route``'s kernels do, and J = 1 or 2 results
+(Block AttnRes, block MHAR: 1; DAR: 2, one per stream), each as an unrolled call of one
+helper. The rows are read through int64 pointer tables (:mod:`.pointer_tables`), in the
+activation dtype, with float32 math.
+
+- forward: per token and result, the key's RMS statistic and per-head logit, the new
+  source's weight ``a = sigmoid(z - lse)``, the merged row, summed with its mix weight:
+  reads ``out_j``, ``v_j`` (and ``k_j``) once, writes ``x``.
+- backward: a persistent grid (``PER_SM`` programs per SM) over blocks of tokens; per token
+  and result it recomputes the forward's statistics from the same rows, writes the
+  gradients of ``out_j``, ``lse_j``, ``v_j`` (and ``k_j``), and adds the parameter
+  gradients' ``dz * khat`` and the mix weight's ``<g, r_j>`` to per-program partial sums,
+  added afterwards in a fixed order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .pointer_tables import pointer_tables
+from .route_triton import (
+    _aligned, _backward_programs, _check_supported, _contiguous, _product_as, _row_blocks,
+    _src_ptr, _tokens_per_program,
+)
+
+#: results a launch merges (one per DAR stream); more run the reference
+MAX_RESULTS = 2
+#: backward programs per SM of the persistent grid
+PER_SM = 4
+
+
+@triton.jit
+def _tiles(pid, T, H, C, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token indices (int64), row offsets and masks of token block ``pid``."""
+    tok = (tl.full((), 0, tl.int64) + pid) * BLOCK_T + tl.arange(0, BLOCK_T)  # pid may be a Python int (interpreter)
+    hh = tl.arange(0, BLOCK_H)
+    cc = tl.arange(0, BLOCK_C)
+    col = hh[:, None] * C + cc[None, :]
+    cmask = (hh[:, None] < H) & (cc[None, :] < C)
+    tmask = tok < T
+    mask = tmask[:, None, None] & cmask[None, :, :]
+    hmask = tmask[:, None] & (hh[None, :] < H)
+    offs = tok[:, None, None] * (H * C) + col[None, :, :]
+    hoffs = tok[:, None] * H + hh[None, :]
+    return tok, col, cmask, mask, hmask, offs, hoffs
+
+
+@triton.jit
+def _merge_rows(j, otab, ltab, vtab, ktab, q_ptr, w_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty,
+                HAS_KEYS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Result ``j``'s rows and statistics for a token block: ``out``, ``v``, the normalized
+    key ``khat``, its ``rstd``, the per-query row ``qw`` and the weight ``a`` (float32)."""
+    o = tl.load(_src_ptr(otab, j, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(_src_ptr(vtab, j, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+    k = v
+    if HAS_KEYS:
+        k = tl.load(_src_ptr(ktab, j, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(_src_ptr(ltab, j, tl.pointer_type(tl.float32), False) + hoffs, mask=hmask, other=0.0)
+    qw = (tl.load(q_ptr + j * D + col, mask=cmask, other=0.0).to(tl.float32)
+          * tl.load(w_ptr + j * D + col, mask=cmask, other=0.0).to(tl.float32))
+    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+    khat = k * rstd[:, None, None]
+    a = tl.sigmoid(tl.sum(khat * qw[None, :, :], 2) - lse)
+    return o, v, khat, rstd, qw, a
+
+
+@triton.jit
+def _route_merge_fwd_kernel(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, x_ptr, T, D, C, H, eps,
+                            J: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+    """``x = sum_j m_j (out_j + a_j (v_j - out_j))`` for one block of BLOCK_T tokens."""
+    ptr_ty = tl.pointer_type(x_ptr.dtype.element_ty)
+    tok, col, cmask, mask, hmask, offs, hoffs = _tiles(tl.program_id(0), T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
+    x = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
+    for j in tl.static_range(J):
+        o, v, khat, rstd, qw, a = _merge_rows(j, otab, ltab, vtab, ktab, q_ptr, w_ptr, offs, mask, hoffs, hmask,
+                                              col, cmask, D, eps, ptr_ty, HAS_KEYS, ALIGNED)
+        x += tl.load(m_ptr + j).to(tl.float32) * (o + a[:, :, None] * (v - o))
+    tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr, m_ptr,
+                            part_r_ptr, part_m_ptr, T, D, C, H, eps, num_blocks,
+                            J: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+    """A persistent grid over blocks of tokens: every gradient row written once; per program
+    the sums over its tokens of ``dz_j * khat_j`` (the parameter gradients before the
+    parameter products) and of ``<g, r_j>`` (the mix weights'), one row / entry per result."""
+    pid = tl.program_id(0)
+    ptr_ty = tl.pointer_type(g_ptr.dtype.element_ty)
+    f32_ty = tl.pointer_type(tl.float32)
+    r0 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    r1 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    m0 = tl.zeros((BLOCK_H,), tl.float32)
+    m1 = tl.zeros((BLOCK_H,), tl.float32)
+    col = tl.arange(0, BLOCK_H)[:, None] * C + tl.arange(0, BLOCK_C)[None, :]
+    cmask = (tl.arange(0, BLOCK_H)[:, None] < H) & (tl.arange(0, BLOCK_C)[None, :] < C)
+    for blk in range(pid, num_blocks, tl.num_programs(0)):
+        _, _, _, mask, hmask, offs, hoffs = _tiles(blk, T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r0, m0 = _merge_grads(0, g, r0, m0, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
+                              m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS, ALIGNED)
+        if J == 2:
+            r1, m1 = _merge_grads(1, g, r1, m1, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
+                                  m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS,
+                                  ALIGNED)
+    row = pid.to(tl.int64) * J
+    tl.store(part_r_ptr + row * D + col, r0, mask=cmask)
+    tl.store(part_m_ptr + row, tl.sum(m0, 0))
+    if J == 2:
+        tl.store(part_r_ptr + (row + 1) * D + col, r1, mask=cmask)
+        tl.store(part_m_ptr + row + 1, tl.sum(m1, 0))
+
+
+@triton.jit
+def _merge_grads(j, g, r_acc, m_acc, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr, m_ptr, offs,
+                 mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS: tl.constexpr,
+                 ALIGNED: tl.constexpr):
+    """Result ``j``'s gradients for a token block (``g``: the gradient of ``x``, float32),
+    written; its partial sums ``r_acc`` and ``m_acc`` returned with this block added."""
+    o, v, khat, rstd, qw, a = _merge_rows(j, otab, ltab, vtab, ktab, q_ptr, w_ptr, offs, mask, hoffs, hmask, col,
+                                          cmask, D, eps, ptr_ty, HAS_KEYS, ALIGNED)
+    diff = v - o
+    # padded tokens, heads or channels may carry NaN (eps = 0 on a zero row): kept out of the sums
+    m_acc += tl.sum(tl.sum(tl.where(mask, g * (o + a[:, :, None] * diff), 0.0), 2), 0)
+    gr = tl.load(m_ptr + j).to(tl.float32) * g
+    dz = tl.where(hmask, tl.sum(gr * diff, 2) * a * (1.0 - a), 0.0)
+    tl.store(_src_ptr(gltab, j, f32_ty, False) + hoffs, -dz, mask=hmask)
+    r_acc += tl.sum(tl.where(mask, dz[:, :, None] * khat, 0.0), 0)
+    # RMSNorm backward: the key's statistic couples all of its channels
+    dkhat = dz[:, :, None] * qw[None, :, :]
+    mt = tl.sum(tl.sum(dkhat * khat, 2), 1) / D
+    g_key = rstd[:, None, None] * (dkhat - khat * mt[:, None, None])
+    g_value = gr * a[:, :, None]
+    act = ptr_ty.element_ty
+    if HAS_KEYS:
+        tl.store(_src_ptr(gktab, j, ptr_ty, ALIGNED) + offs, g_key.to(act), mask=mask)
+    else:
+        g_value += g_key
+    tl.store(_src_ptr(gvtab, j, ptr_ty, ALIGNED) + offs, g_value.to(act), mask=mask)
+    tl.store(_src_ptr(gotab, j, ptr_ty, ALIGNED) + offs, (gr * (1.0 - a[:, :, None])).to(act), mask=mask)
+    return r_acc, m_acc
+
+
+# ------------------------------------------------------------------------ launchers
+
+
+def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, queries, key_norm_weights,
+                  mix) -> None:
+    _check_supported(values, keys, ("outs", outs[0]), ("queries", queries), ("key_norm_weights", key_norm_weights),
+                     ("mix", mix))
+    if len(outs) > MAX_RESULTS:
+        raise ValueError(f"route_merge (Triton): at most {MAX_RESULTS} results a launch; found {len(outs)}")
+    if any(t.dtype != torch.float32 for t in lses):
+        raise ValueError(f"route_merge (Triton): `lses` must be float32 (route_many's for fp32/bf16/fp16 "
+                         f"sources); found {[t.dtype for t in lses]}")
+
+
+def _block_t(row: int) -> int:
+    return _tokens_per_program(row)
+
+
+def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
+                        keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
+                        heads: int, eps: float) -> Tensor:
+    """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``."""
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix)
+    d, shape, device = outs[0].shape[-1], outs[0].shape, outs[0].device
+    x = torch.empty(shape, dtype=outs[0].dtype, device=device)
+    tokens = math.prod(shape[:-1])
+    if tokens == 0:
+        return x
+    block_h, block_c = _row_blocks(d, heads)
+    flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
+    flat_k = _contiguous(keys) if keys is not None else []
+    otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
+    block_t = _block_t(block_h * block_c)
+    _route_merge_fwd_kernel[(triton.cdiv(tokens, block_t),)](
+        otab, ltab, vtab, ktab if flat_k else vtab, queries.contiguous(), key_norm_weights.contiguous(),
+        mix.contiguous(), x, tokens, d, d // heads, heads, float(eps),
+        J=len(outs), HAS_KEYS=bool(flat_k), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
+        ALIGNED=_aligned(flat_o, flat_v, flat_k, [x]), num_warps=_warps(block_h * block_c),
+    )
+    return x
+
+
+def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
+                         keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
+                         heads: int, eps: float) -> tuple:
+    """Fused backward: what ``depthrewrite::route_merge_backward`` returns."""
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix)
+    j, d, shape, device = len(outs), outs[0].shape[-1], outs[0].shape, outs[0].device
+    act = outs[0].dtype
+    grad_outs = [torch.empty(shape, dtype=act, device=device) for _ in range(j)]
+    grad_values = [torch.empty(shape, dtype=act, device=device) for _ in range(j)]
+    grad_keys = [torch.empty(shape, dtype=act, device=device) for _ in range(j)] if keys is not None else []
+    grad_lses = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in lses]
+    tokens = math.prod(shape[:-1])
+    block_h, block_c = _row_blocks(d, heads)
+    block_t = _block_t(block_h * block_c)
+    num_blocks = triton.cdiv(tokens, block_t)
+    programs = _backward_programs(device, num_blocks, PER_SM)
+    # every entry written by its program (no tokens: no launch, the sums stay zero)
+    new = torch.zeros if tokens == 0 else torch.empty
+    part_r = new((programs, j, d), dtype=torch.float32, device=device)
+    part_m = new((programs, j), dtype=torch.float32, device=device)
+    if tokens > 0:
+        flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
+        flat_k = _contiguous(keys) if keys is not None else []
+        g = grad.to(act).contiguous()
+        otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab = pointer_tables(
+            device, flat_o, flat_l, flat_v, flat_k, grad_outs, grad_lses, grad_values, grad_keys)
+        if not flat_k:
+            ktab, gktab = vtab, gvtab
+        _route_merge_bwd_kernel[(programs,)](
+            g, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, queries.contiguous(),
+            key_norm_weights.contiguous(), mix.contiguous(), part_r, part_m, tokens, d, d // heads, heads,
+            float(eps), num_blocks, J=j, HAS_KEYS=bool(flat_k), BLOCK_T=block_t, BLOCK_H=block_h,
+            BLOCK_C=block_c, ALIGNED=_aligned(flat_o, flat_v, flat_k, grad_outs, grad_values, grad_keys, [g]),
+            num_warps=_warps(block_h * block_c),
+        )
+    # second pass of the deterministic reductions: fixed-order sums over the programs
+    r = part_r.sum(0)  # (J, d)
+    grad_queries = _product_as(r, key_norm_weights, queries)
+    grad_weights = _product_as(r, queries, key_norm_weights)
+    grad_mix = part_m.sum(0).to(mix.dtype)
+    return grad_outs, grad_lses, grad_values, grad_keys, grad_queries, grad_weights, grad_mix
+
+
+def _warps(row: int) -> int:
+    # one warp per 256 padded elements of a row, 1 to 8 (not tuned on the GPU yet)
+    return max(1, min(8, row // 256))

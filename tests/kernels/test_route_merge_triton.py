@@ -1,0 +1,162 @@
+"""The fused ``route_merge`` kernels against float64: the output and every gradient (the
+results, their log-sum-exps, the values, the keys, the queries, the key-norm weights and the
+mix weights) on awkward shapes, in fp32, bf16 and fp16. Without a GPU the kernels run in
+Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of triton.jit code
+
+triton = pytest.importorskip("triton")
+
+from depthrewrite.kernels import route_merge_triton  # noqa: E402
+from depthrewrite.ops import route_merge, route_merge_reference  # noqa: E402
+from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
+
+
+def _make(j, batch, d, heads, keys, dtype, seed, shared_keys=False):
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(j)]
+    if shared_keys:  # DAR: each stream's key is the other stream's entry
+        key_list = values[::-1]
+    elif keys:
+        key_list = [3.0 * torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(j)]
+    else:
+        key_list = None
+    return dict(
+        outs=[torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(j)],
+        # log-sum-exps near the logits' scale, so that the weights are spread over (0, 1)
+        lses=[torch.randn(*batch, heads, generator=gen) for _ in range(j)],
+        values=values,
+        keys=key_list,
+        queries=torch.randn(j, d, generator=gen) * 2.0 / d**0.5 * heads**0.5,
+        key_norm_weights=torch.rand(j, d, generator=gen) + 0.5,
+        mix=torch.rand(j, generator=gen) + 0.25,
+        heads=heads,
+    )
+
+
+def _tensors(inp):
+    return [*inp["outs"], *inp["lses"], *inp["values"], *(inp["keys"] or []), inp["queries"],
+            inp["key_norm_weights"], inp["mix"]]
+
+
+def _oracle_f64(inp, grad):
+    """The output and the gradients of every tensor argument (each list entry its own) in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in _tensors(inp)]
+    j, k = len(inp["outs"]), len(inp["keys"] or [])
+    outs, lses, values = leaves[:j], leaves[j:2 * j], leaves[2 * j:3 * j]
+    keys = leaves[3 * j:3 * j + k] or None
+    queries, weights, mix = leaves[-3:]
+    x = route_merge_reference(outs, lses, values, keys, queries=queries, key_norm_weights=weights, mix=mix,
+                              heads=inp["heads"])
+    return x.detach(), torch.autograd.grad(x, leaves, grad.double())
+
+
+def _on_device(inp):
+    moved = {}
+    for name, value in inp.items():
+        if isinstance(value, list):
+            moved[name] = [t.to(DEVICE) for t in value]
+        elif isinstance(value, torch.Tensor):
+            moved[name] = value.to(DEVICE)
+        else:
+            moved[name] = value
+    if inp["keys"] is not None and inp["keys"][0] is inp["values"][-1]:
+        moved["keys"] = moved["values"][::-1]  # keep the shared tensors shared
+    return moved
+
+
+CASES = [
+    # j, batch, d, heads, keys, shared keys
+    (1, (3, 5), 1000, 1, False, False),  # Block AttnRes: one result, width not a power of two
+    (1, (7,), 64, 4, False, False),  # block MHAR: several heads
+    (2, (3, 5), 1000, 1, True, True),  # DAR: two streams, each keyed by the other
+    (2, (9,), 96, 1, True, False),
+    (2, (2, 3), 48, 3, False, False),  # heads of 16 channels, 3 heads padded to 4
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"j{c[0]}-{'x'.join(map(str, c[1]))}-d{c[2]}-h{c[3]}"
+                         f"{'-keys' if c[4] else ''}{'-shared' if c[5] else ''}")
+def test_kernels_match_float64_output_and_every_gradient(case, dtype):
+    j, batch, d, heads, keys, shared = case
+    inp = _make(j, batch, d, heads, keys, dtype, seed=j * 100 + d, shared_keys=shared)
+    gen = torch.Generator().manual_seed(7)
+    grad = torch.randn(*batch, d, generator=gen).to(dtype)
+    x64, grads64 = _oracle_f64(inp, grad)
+
+    dev = _on_device(inp)
+    args = (dev["outs"], dev["lses"], dev["values"], dev["keys"], dev["queries"], dev["key_norm_weights"],
+            dev["mix"], heads, 1e-6)
+    x = route_merge_triton.route_merge_forward(*args)
+    assert x.dtype == dtype and x.shape == x64.shape
+    assert _rel(x, x64) < TOL[dtype]
+    grad_outs, grad_lses, grad_values, grad_keys, grad_q, grad_w, grad_mix = route_merge_triton.route_merge_backward(
+        grad.to(DEVICE), *args)
+    got = [*grad_outs, *grad_lses, *grad_values, *grad_keys, grad_q, grad_w, grad_mix]
+    assert len(got) == len(grads64)
+    names = ([f"outs[{i}]" for i in range(j)] + [f"lses[{i}]" for i in range(j)] + [f"values[{i}]" for i in range(j)]
+             + [f"keys[{i}]" for i in range(len(grad_keys))] + ["queries", "key_norm_weights", "mix"])
+    for name, g, ref, like in zip(names, got, grads64, _tensors(inp)):
+        assert g.shape == like.shape and g.dtype == like.dtype, name
+        # the gradients are computed in float32 and returned in the argument's dtype
+        assert _rel(g, ref) < TOL[like.dtype] * (1 if like.dtype == torch.float32 else 2), name
+
+
+def test_one_result_with_unit_mix_is_merge_partial():
+    """J = 1, m = 1: the op is merge_partial (Block AttnRes's second phase), forward and backward."""
+    from depthrewrite.ops import merge_partial
+
+    inp = _make(1, (5,), 40, 1, False, torch.float32, seed=3)
+    leaves = [t.detach().requires_grad_() for t in (inp["outs"][0], inp["lses"][0], inp["values"][0],
+                                                     inp["queries"][0], inp["key_norm_weights"][0])]
+    expected = merge_partial(leaves[0], leaves[1], leaves[2], query=leaves[3], key_norm_weight=leaves[4])
+    expected_grads = torch.autograd.grad(expected.square().sum(), leaves)
+    fused = [t.detach().requires_grad_() for t in leaves]
+    x = route_merge([fused[0]], [fused[1]], [fused[2]], queries=fused[3][None], key_norm_weights=fused[4][None],
+                    mix=torch.ones(1))
+    torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-6)
+    for g, e in zip(torch.autograd.grad(x.square().sum(), fused), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_op_gradients_match_finite_differences():
+    inp = _make(2, (3,), 12, 2, True, torch.float64, seed=5)
+    leaves = [t.detach().double().requires_grad_() for t in _tensors(inp)]
+
+    def fn(*ts):
+        outs, lses, values, keys = ts[0:2], ts[2:4], ts[4:6], ts[6:8]
+        return route_merge(list(outs), list(lses), list(values), list(keys), queries=ts[8], key_norm_weights=ts[9],
+                           mix=ts[10], heads=2)
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(lses=a["lses"][:1]), "`lses` must be a list of 2 tensors"),
+    (lambda a: a.update(mix=torch.ones(3)), r"`mix` must be a floating-point tensor of shape \(2,\)"),
+    (lambda a: a.update(heads=5), "`heads` must be a positive int dividing the width d=12"),
+    (lambda a: a.update(values=a["values"][:1]), r"`values` must be 2 tensors \(one per entry of `outs`\)"),
+    (lambda a: a.update(queries=torch.ones(2, 11)), r"`queries` must be a floating-point tensor of shape \(2, 12\)"),
+])
+def test_bad_input_is_refused_with_the_argument_named(change, message):
+    inp = _make(2, (3,), 12, 1, False, torch.float32, seed=1)
+    change(inp)
+    with pytest.raises(ValueError, match=message):
+        route_merge(inp["outs"], inp["lses"], inp["values"], inp["keys"], queries=inp["queries"],
+                    key_norm_weights=inp["key_norm_weights"], mix=inp["mix"], heads=inp["heads"])
+
+
+def test_kernel_refuses_more_results_than_it_takes():
+    inp = _make(3, (3,), 16, 1, False, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="at most 2 results a launch; found 3"):
+        route_merge_triton.route_merge_forward(inp["outs"], inp["lses"], inp["values"], None, inp["queries"],
+                                               inp["key_norm_weights"], inp["mix"], 1, 1e-6)

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from depthrewrite.kernels import route_merge_triton  # noqa: E402
 from depthrewrite.ops import route_merge, route_merge_reference  # noqa: E402
-from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
+from tests.kernels.test_route_triton import DEVICE, TOL, _on, _rel  # noqa: E402
 
 
 def _make(j, batch, d, heads, keys, dtype, seed, shared_keys=False):
@@ -60,14 +60,7 @@ def _oracle_f64(inp, grad):
 
 
 def _on_device(inp):
-    moved = {}
-    for name, value in inp.items():
-        if isinstance(value, list):
-            moved[name] = [t.to(DEVICE) for t in value]
-        elif isinstance(value, torch.Tensor):
-            moved[name] = value.to(DEVICE)
-        else:
-            moved[name] = value
+    moved = _on(inp, DEVICE)
     if inp["keys"] is not None and inp["keys"][0] is inp["values"][-1]:
         moved["keys"] = moved["values"][::-1]  # keep the shared tensors shared
     return moved

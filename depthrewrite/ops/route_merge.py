@@ -16,10 +16,9 @@ stream and mixes them with its gate (J = 2, ``m = (s, 1 - s)``). Float32 math (f
 an input is), ``x`` in ``outs[0]``'s dtype; differentiable in every tensor argument
 (``lse_j`` included: it comes from ``route_many``, whose log-sum-exp is).
 
-Why an op: as plain torch ops (``merge_partial`` and the gate) Inductor's kernels for DAR's
-merges, their parameter gradients and the gate's took ~17 ms of a 118 ms step at 350M
-(docs/benchmarks.md session 19), about four times the rows they must move. The op's CUDA
-kernels (:mod:`depthrewrite.kernels.route_merge_triton`) read each row once per pass and
+Why an op: as plain torch ops (``merge_partial`` and the gate) they are Inductor's to fuse,
+and DAR block's Inductor kernels named after them and its transport took 19 ms of a 118
+ms step at 350M (docs/design.md "The second phase in one op"). The op's CUDA kernels (:mod:`depthrewrite.kernels.route_merge_triton`) read each row once per pass and
 sum the parameter gradients per program, in a fixed order. Which schemes route their
 second phase through it: ``two_phase.FUSED_MERGE``.
 

@@ -33,9 +33,8 @@ KEEP_LAST_PHASE_ONE = True
 #: site's phase-1 result, and DAR's gate) through ``depthrewrite::route_merge``, one op with
 #: fused CUDA kernels, instead of ``merge_partial``'s torch ops that Inductor compiles. Same
 #: function (up to rounding: the merged result is rounded once, to the activation dtype).
-#: Off until it is timed on the GPU (docs/benchmarks.md session 19: DAR block's merges
-#: and gate took ~17 ms of Inductor's kernels a step at 350M, ~4x the rows they move;
-#: ``e2e_throughput.py``'s ``*_fm`` configurations, device phase ``fusedmerge``)
+#: Off until it is timed on the GPU (``e2e_throughput.py``'s ``*_fm`` configurations,
+#: device phase ``fusedmerge``; why it may pay: docs/design.md "The second phase in one op")
 FUSED_MERGE = False
 
 

@@ -40,13 +40,19 @@ PER_SM = 4
 
 
 @triton.jit
+def _row_tiles(H, C, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The ``(BLOCK_H, BLOCK_C)`` column offsets of a row and their mask."""
+    hh = tl.arange(0, BLOCK_H)
+    cc = tl.arange(0, BLOCK_C)
+    return hh[:, None] * C + cc[None, :], (hh[:, None] < H) & (cc[None, :] < C)
+
+
+@triton.jit
 def _tiles(pid, T, H, C, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """Token indices (int64), row offsets and masks of token block ``pid``."""
     tok = (tl.full((), 0, tl.int64) + pid) * BLOCK_T + tl.arange(0, BLOCK_T)  # pid may be a Python int (interpreter)
     hh = tl.arange(0, BLOCK_H)
-    cc = tl.arange(0, BLOCK_C)
-    col = hh[:, None] * C + cc[None, :]
-    cmask = (hh[:, None] < H) & (cc[None, :] < C)
+    col, cmask = _row_tiles(H, C, BLOCK_H, BLOCK_C)
     tmask = tok < T
     mask = tmask[:, None, None] & cmask[None, :, :]
     hmask = tmask[:, None] & (hh[None, :] < H)
@@ -104,8 +110,7 @@ def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, 
     r1 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     m0 = tl.zeros((BLOCK_H,), tl.float32)
     m1 = tl.zeros((BLOCK_H,), tl.float32)
-    col = tl.arange(0, BLOCK_H)[:, None] * C + tl.arange(0, BLOCK_C)[None, :]
-    cmask = (tl.arange(0, BLOCK_H)[:, None] < H) & (tl.arange(0, BLOCK_C)[None, :] < C)
+    col, cmask = _row_tiles(H, C, BLOCK_H, BLOCK_C)
     for blk in range(pid, num_blocks, tl.num_programs(0)):
         _, _, _, mask, hmask, offs, hoffs = _tiles(blk, T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -167,10 +172,6 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
                          f"sources); found {[t.dtype for t in lses]}")
 
 
-def _block_t(row: int) -> int:
-    return _tokens_per_program(row)
-
-
 def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
                         keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
                         heads: int, eps: float) -> Tensor:
@@ -185,7 +186,7 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
     otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
-    block_t = _block_t(block_h * block_c)
+    block_t = _tokens_per_program(block_h * block_c)
     _route_merge_fwd_kernel[(triton.cdiv(tokens, block_t),)](
         otab, ltab, vtab, ktab if flat_k else vtab, queries.contiguous(), key_norm_weights.contiguous(),
         mix.contiguous(), x, tokens, d, d // heads, heads, float(eps),
@@ -208,7 +209,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     grad_lses = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in lses]
     tokens = math.prod(shape[:-1])
     block_h, block_c = _row_blocks(d, heads)
-    block_t = _block_t(block_h * block_c)
+    block_t = _tokens_per_program(block_h * block_c)
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, PER_SM)
     # every entry written by its program (no tokens: no launch, the sums stay zero)

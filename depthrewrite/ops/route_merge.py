@@ -59,17 +59,27 @@ def _reference(outs, lses, values, keys, queries, key_norm_weights, mix, heads: 
     dtype = _compute_dtype(outs[0], values[0], queries, key_norm_weights, mix)
     x = None
     for j in range(len(outs)):
-        out, value = outs[j].to(dtype), values[j].to(dtype)
-        key = value if keys is None else keys[j].to(dtype)
-        khat = key * torch.rsqrt(key.square().mean(-1, keepdim=True) + eps)
-        per_query = queries[j].to(dtype) * key_norm_weights[j].to(dtype)
-        z = (khat * per_query).unflatten(-1, (heads, -1)).sum(-1)  # (*batch, H)
-        a = torch.sigmoid(z - lses[j].to(dtype)).unsqueeze(-1)
+        out, value, _, _, _, a = _merge_statistics(j, outs, lses, values, keys, queries, key_norm_weights, heads, eps,
+                                                   dtype)
         o = out.unflatten(-1, (heads, -1))
         merged = (o + a * (value.unflatten(-1, (heads, -1)) - o)).flatten(-2)
         term = mix[j].to(dtype) * merged
         x = term if x is None else x + term
     return x.to(outs[0].dtype)
+
+
+def _merge_statistics(j, outs, lses, values, keys, queries, key_norm_weights, heads: int, eps: float, dtype) -> tuple:
+    """Result ``j``'s rows in ``dtype`` and the statistics of its new entry's key: ``(out,
+    value, rstd, khat, per_query, a)``, ``a`` the entry's weight shaped ``(*batch, H, 1)``
+    (differentiable torch ops: the forward's and the hand-written backward's)."""
+    out, value = outs[j].to(dtype), values[j].to(dtype)
+    key = value if keys is None else keys[j].to(dtype)
+    rstd = torch.rsqrt(key.square().mean(-1, keepdim=True) + eps)
+    khat = key * rstd
+    per_query = queries[j].to(dtype) * key_norm_weights[j].to(dtype)
+    z = (khat * per_query).unflatten(-1, (heads, -1)).sum(-1)  # (*batch, H)
+    a = torch.sigmoid(z - lses[j].to(dtype)).unsqueeze(-1)
+    return out, value, rstd, khat, per_query, a
 
 
 # ---------------------------------------------------------------------- the ops
@@ -110,12 +120,8 @@ def _result_grads(g, j, outs, lses, values, keys, queries, key_norm_weights, mix
     def heads_of(t):
         return t.unflatten(-1, (heads, -1))
 
-    out, value = outs[j].to(dtype), values[j].to(dtype)
-    key = value if keys is None else keys[j].to(dtype)
-    rstd = torch.rsqrt(key.square().mean(-1, keepdim=True) + eps)
-    khat = key * rstd
-    per_query = queries[j].to(dtype) * key_norm_weights[j].to(dtype)
-    a = torch.sigmoid(heads_of(khat * per_query).sum(-1) - lses[j].to(dtype)).unsqueeze(-1)  # (*batch, H, 1)
+    out, value, rstd, khat, per_query, a = _merge_statistics(j, outs, lses, values, keys, queries, key_norm_weights,
+                                                             heads, eps, dtype)
     diff = heads_of(value - out)
     grad_mix = (g * (out + (a * diff).flatten(-2))).sum()
     gr = heads_of(mix[j].to(dtype) * g)

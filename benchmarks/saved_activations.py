@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -31,11 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import depthrewrite  # noqa: E402
 from depthrewrite.models.gpt import GPT, GPTConfig  # noqa: E402
+from depthrewrite.passes import two_phase  # noqa: E402
 from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
 #: name -> (scheme or None for the baseline, options[, True: the backend's
 #: recompute_partial_sums, the tagged partial sums marked for recomputation; "branch": that
-#: and recompute_branch_outputs]): the e2e benchmark's block forms
+#: and recompute_branch_outputs[, True: the second phase through route_merge,
+#: two_phase.FUSED_MERGE]]): the e2e benchmark's block forms
 CONFIGS = {
     "baseline": (None, {}),
     "block_attnres": ("block_attnres", {}),
@@ -48,6 +51,12 @@ CONFIGS = {
     "dar_block_recompute": ("dar", {"layers_per_block": 3}, True),
     "wav_branch": ("wav", {"block_size": 6}, "branch"),
     "dar_block_branch": ("dar", {"layers_per_block": 3}, "branch"),
+    "block_attnres_recompute": ("block_attnres", {}, True),
+    "mhar_block_recompute": ("mhar", {"block_size": 6}, True),
+    "block_attnres_recompute_fm": ("block_attnres", {}, True, True),
+    "mhar_block_recompute_fm": ("mhar", {"block_size": 6}, True, True),
+    "dar_block_recompute_fm": ("dar", {"layers_per_block": 3}, True, True),
+    "dar_block_branch_fm": ("dar", {"layers_per_block": 3}, "branch", True),
 }
 
 
@@ -102,6 +111,15 @@ def backward_peak(graph, producers: dict) -> tuple[int, list[dict]]:
     return peak, rows
 
 
+@contextlib.contextmanager
+def _fused_merge(on: bool):
+    previous, two_phase.FUSED_MERGE = two_phase.FUSED_MERGE, on
+    try:
+        yield
+    finally:
+        two_phase.FUSED_MERGE = previous
+
+
 def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: int,
                   liveness: bool = False) -> list[dict] | tuple[list[dict], int, list[dict]]:
     """The saved tensors of one compiled training step: size and producing source line
@@ -122,14 +140,16 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = GPT(GPTConfig(d_model=d, n_layer=layers, n_head=heads, max_seq_len=seq))
-    scheme, options, recompute = (*cfg, False)[:3]
+    scheme, options, recompute, fused_merge = (*cfg, False, False)[:4]
     if scheme is not None:
         model = depthrewrite.rewrite(model, scheme, **options)
     model = model.to(torch.bfloat16).train()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(0, 256, (batch, seq))
     # no cache: a cache hit would skip the partition this reads
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    # FUSED_MERGE is read when the forward is traced
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+            enable_autograd_cache=False), _fused_merge(fused_merge):
         _, loss = compiled(ids, ids)
         loss.backward()
     producers = {n.name: n for n in graphs["forward"].graph.nodes}

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..analysis import Site
 from ..ops import merge_partial, merge_routes, route, route_many, route_merge
+from ..recompute import recomputable
 from .base import PassThrough, Scheme, SchemeOptions, State
 from . import two_phase
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
@@ -112,9 +113,10 @@ def add_group_entries(router: DepthQuery, result: tuple, entries: tuple) -> torc
         return out
     if len(entries) == 1:
         if two_phase.FUSED_MERGE:
-            return route_merge([out], [lse], [entries[0]], queries=router.query[None],
-                               key_norm_weights=router.key_norm_weight[None], mix=router.query.new_ones(1),
-                               heads=router.heads, eps=router.eps)
+            with recomputable():  # the branch's RMSNorm backward needs the result: made again, not saved
+                return route_merge([out], [lse], [entries[0]], queries=router.query[None],
+                                   key_norm_weights=router.key_norm_weight[None], mix=router.query.new_ones(1),
+                                   heads=router.heads, eps=router.eps)
         return merge_partial(out, lse, entries[0], query=router.query, **params)
     (fresh,), (fresh_lse,) = route_many(entries, queries=router.query[None],
                                         key_norm_weights=router.key_norm_weight[None], heads=router.heads,

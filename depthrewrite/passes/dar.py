@@ -107,8 +107,9 @@ class DualRoute(nn.Module):
         keys = None if streams[0][0] == streams[0][1] else [partial[key] for _, key in streams]
         outs = [first[j][0][self.position] for j in (0, 1)]
         lses = [first[j][1][self.position] for j in (0, 1)]
-        return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
-                           mix=torch.cat([s, 1 - s]), eps=self.eps)
+        with recomputable():  # the branch's RMSNorm backward needs the result: made again, not saved
+            return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
+                               mix=torch.cat([s, 1 - s]), eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}"

@@ -737,27 +737,18 @@ def route_forward(
     if flat_k is None:
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
-    row = block_h * block_c
-    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, "pair_reduce": False,
-           **(config or {})}
-    block_t = _check_block_t(cfg["block_t"])
-    warps = cfg.get("num_warps") or _route_forward_warps(heads, row, block_t)
-    fused_norm = has_norm and cfg["fuse_norm"]
-    cfg = {"maxnreg": _route_forward_cap(heads, row, flat_k is not None, fused_norm, block_t, warps), **cfg}
-    prefetch = _check_prefetch(cfg["prefetch"], "route")
-    if not isinstance(cfg["pair_reduce"], bool):
-        raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
-    stages = _check_stages(cfg.get("stages"), _route_forward_stages(heads, row), "route")
-    grid = (triton.cdiv(tokens, block_t),)
+    launch = _forward_launch(config, heads, block_h * block_c, flat_k is not None, has_norm)
+    fused_norm = has_norm and launch["fuse_norm"]
+    grid = (triton.cdiv(tokens, launch["block_t"]),)
     _route_fwd_kernel[grid](
         vtab, ktab, query.contiguous(), key_norm_weight.contiguous(),
         logit_bias if logit_bias is not None else query, scale if scale is not None else query, out, lse,
         out_norm_weight.contiguous() if fused_norm else query, normed if fused_norm else out,
         tokens, n, d, d // heads, heads, float(eps), float(out_norm_eps),
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
-        ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
-        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=cfg["pair_reduce"], STAGES=stages,
-        num_warps=warps, **_register_cap(cfg),
+        ONE_SOURCE=n == 1, BLOCK_T=launch["block_t"], BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=launch["prefetch"],
+        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=launch["pair_reduce"],
+        STAGES=launch["stages"], num_warps=launch["num_warps"], **_register_cap(launch),
     )
     if has_norm and not fused_norm:
         block_d = _next_pow2(d)
@@ -778,6 +769,23 @@ def _backward_programs(device: torch.device, num_blocks: int, per_sm: int) -> in
     if device.type == "cuda":
         return max(1, min(num_blocks, per_sm * _multiprocessors(device)))
     return max(1, min(num_blocks, 4))  # the interpreter: few programs, same code path
+
+
+def _forward_launch(config: dict | None, heads: int, row: int, has_keys: bool, has_norm: bool) -> dict:
+    """:func:`route_forward`'s launch choices: ``config``'s entries, checked, over the
+    measured defaults (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``,
+    ``pair_reduce``, ``stages``)."""
+    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, "pair_reduce": False,
+           **(config or {})}
+    block_t = _check_block_t(cfg["block_t"])
+    warps = cfg.get("num_warps") or _route_forward_warps(heads, row, block_t)
+    fused_norm = has_norm and cfg["fuse_norm"]
+    cfg = {"maxnreg": _route_forward_cap(heads, row, has_keys, fused_norm, block_t, warps), **cfg}
+    prefetch = _check_prefetch(cfg["prefetch"], "route")
+    if not isinstance(cfg["pair_reduce"], bool):
+        raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
+    stages = _check_stages(cfg.get("stages"), _route_forward_stages(heads, row), "route")
+    return {**cfg, "block_t": block_t, "num_warps": warps, "prefetch": prefetch, "stages": stages}
 
 
 def _norm_backward_pass(g, out, gn, weight, eps, part_n, tokens, d) -> Tensor:
@@ -856,18 +864,11 @@ def route_backward(
     new_k = torch.zeros if n == 1 else torch.empty
     grad_k = (_gradient_outputs(n, shape, dtype, device, new_k, grad_keys_out, "grad_keys_out")
               if flat_k is not None else [])
-    row = block_h * block_c
-    # prefetch on by default: 18-25 % faster on H200 (module docstring)
-    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
-    block_t = _check_block_t(cfg["block_t"])
-    warps = cfg.get("num_warps") or _route_backward_warps(heads, row, block_t)
-    cap, per_sm = _route_backward_residency(heads, row, flat_k is not None, block_t, warps)
-    cfg = {"maxnreg": cap, "per_sm": per_sm, **cfg}
-    prefetch = _check_prefetch(cfg["prefetch"], "route")
     has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
-    stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc), "route")
+    launch = _backward_launch(config, heads, block_h * block_c, flat_k is not None, has_acc)
+    block_t = launch["block_t"]
     num_blocks = triton.cdiv(tokens, block_t)
-    programs = _backward_programs(device, num_blocks, cfg["per_sm"])
+    programs = _backward_programs(device, num_blocks, launch["per_sm"])
     # the kernel writes every entry of these partial sums (one row per program, one entry
     # per source and token), except with no tokens (no launch) or one source (no logits)
     new_part = torch.zeros if tokens == 0 else torch.empty
@@ -878,18 +879,12 @@ def route_backward(
     # per program: sum over its tokens of grad_normed * rms_norm(out) (the norm weight's gradient)
     part_n = new_part((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
     gn = grad_normed.to(dtype).contiguous() if has_norm else g
-    fused_norm = has_norm and cfg["fuse_norm"]
+    fused_norm = has_norm and launch["fuse_norm"]
     if has_norm and not fused_norm and tokens > 0:
         # the norm's backward as a pass of its own: g becomes the fp32 total gradient of out
         g = _norm_backward_pass(g, flat_out, gn, out_norm_weight, out_norm_eps, part_n, tokens, d)
     if n == 1 and flat_k is not None:
-        # one source: the key's own gradient is zero, so its running sum passes through as
-        # is, and a given output without one is zeroed (new outputs are made as zeros)
-        acc0 = grad_keys_acc[0] if grad_keys_acc is not None else None
-        if acc0 is not None and acc0 is not grad_k[0]:
-            grad_k[0].copy_(acc0)
-        elif acc0 is None and grad_keys_out is not None:
-            grad_k[0].zero_()
+        _one_source_key_grad(grad_k[0], grad_keys_acc, grad_keys_out)
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)
         acc_v, acc_k = (_contiguous(acc or [None] * n) for acc in (grad_values_acc, grad_keys_acc))
@@ -907,10 +902,43 @@ def route_backward(
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
-            PREFETCH=prefetch, HAS_NORM=fused_norm, HAS_ACC=has_acc, STAGES=stages,
-            num_warps=warps, **_register_cap(cfg),
+            PREFETCH=launch["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc, STAGES=launch["stages"],
+            num_warps=launch["num_warps"], **_register_cap(launch),
         )
-    # second pass of the deterministic reduction: a fixed-order sum over the programs
+    return (grad_v, grad_k, *_parameter_grads(part_r, part_b, part_n, query, key_norm_weight, logit_bias,
+                                              out_norm_weight, has_norm))
+
+
+def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, has_acc: bool) -> dict:
+    """:func:`route_backward`'s launch choices: ``config``'s entries, checked, over the
+    measured defaults (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``,
+    ``fuse_norm``, ``stages``)."""
+    # prefetch on by default: 18-25 % faster on H200 (module docstring)
+    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
+    block_t = _check_block_t(cfg["block_t"])
+    warps = cfg.get("num_warps") or _route_backward_warps(heads, row, block_t)
+    cap, per_sm = _route_backward_residency(heads, row, has_keys, block_t, warps)
+    cfg = {"maxnreg": cap, "per_sm": per_sm, **cfg}
+    prefetch = _check_prefetch(cfg["prefetch"], "route")
+    stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc), "route")
+    return {**cfg, "block_t": block_t, "num_warps": warps, "prefetch": prefetch, "stages": stages}
+
+
+def _one_source_key_grad(grad_k: Tensor, grad_keys_acc, grad_keys_out) -> None:
+    """One source: the key's own gradient is zero, so its running sum passes through as is,
+    and a given output without one is zeroed (new outputs are made as zeros)."""
+    acc0 = grad_keys_acc[0] if grad_keys_acc is not None else None
+    if acc0 is not None and acc0 is not grad_k:
+        grad_k.copy_(acc0)
+    elif acc0 is None and grad_keys_out is not None:
+        grad_k.zero_()
+
+
+def _parameter_grads(part_r, part_b, part_n, query, key_norm_weight, logit_bias, out_norm_weight,
+                     has_norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The second pass of the deterministic reduction (a fixed-order sum over the programs'
+    partial sums): the gradients of the query, the key-norm weight, the logit bias and the
+    output norm's weight (empty for an absent input, zeros when ``normed`` was not used)."""
     r = part_r.sum(0)
     grad_query = _product_as(r, key_norm_weight, query)
     grad_weight = _product_as(r, query, key_norm_weight)
@@ -924,4 +952,4 @@ def route_backward(
         grad_norm_weight = part_n.sum(0).to(out_norm_weight.dtype)
     else:  # normed was not used
         grad_norm_weight = torch.zeros_like(out_norm_weight)
-    return grad_v, grad_k, grad_query, grad_weight, grad_bias, grad_norm_weight
+    return grad_query, grad_weight, grad_bias, grad_norm_weight

@@ -190,22 +190,32 @@ KERNEL_CATEGORIES = (
 )
 
 
-def _build(name: str):
-    import torch
-
-    import depthrewrite
-    from depthrewrite.backend import depthrewrite_backend
+def apply_launch_patches(name: str) -> list[tuple]:
+    """Set configuration ``name``'s launch constants (:data:`LAUNCH_PATCHES`); returns
+    ``(module, constant, previous value)`` for each, to put back."""
     from depthrewrite.kernels import route_many_triton, route_triton
-    from depthrewrite.models.gpt import gpt_from_preset
     from depthrewrite.passes import two_phase
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase}
+    previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")
         module = modules[module or "route_triton"]
         if not hasattr(module, constant):
             raise AttributeError(f"{name}: {module.__name__} has no launch constant {constant}")
+        previous.append((module, constant, getattr(module, constant)))
         setattr(module, constant, value)
+    return previous
+
+
+def _build(name: str):
+    import torch
+
+    import depthrewrite
+    from depthrewrite.backend import depthrewrite_backend
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    apply_launch_patches(name)
     scheme, options, _ = CONFIGS[name]
     torch.manual_seed(0)
     model = gpt_from_preset("medium", max_seq_len=SEQ)

@@ -14,8 +14,10 @@ their gradients. Running sums that a backward adds its gradients to are not coun
 lower bound: whoever sums the gradients reads them), nor are the log-sum-exps (one float
 per token and head). Rows are priced at 8 x 2048 tokens, d = 1024, bf16 (32 MiB) and
 4.8 TB/s, as the end-to-end table's model (docs/benchmarks.md). The compiled step makes the
-same calls: the backend lowers each routing op to one kernel call (``route_backward_into_``
-for ``route_backward`` with running sums).
+same calls (but for ``route_merge``'s recomputation, :func:`count`): the backend lowers
+each routing op to one kernel call (``route_backward_into_`` for ``route_backward`` with
+running sums). ``route_merge`` (the ``_fm`` configurations) prices the second phase too,
+which the other configurations leave to Inductor's kernels (not counted).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from e2e_throughput import BATCH, CONFIGS, SEQ  # noqa: E402
+from e2e_throughput import BACKEND_OPTIONS, BATCH, CONFIGS, SEQ, apply_launch_patches  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 E2E_WIDTH = 1024
@@ -50,7 +52,18 @@ def _rows(name: str, a: dict) -> int:
         return len(a["values"]) * per_source + a["queries"].shape[0]
     if name == "route_many_backward":
         return 2 * len(a["grad_out"]) + 2 * len(a["values"]) * per_source
+    if name == "route_merge":  # the results' phase-1 rows and the entries read, x written
+        return len(a["outs"]) + _distinct(a["values"], a.get("keys")) + 1
+    if name == "route_merge_backward":  # x's gradient, the same rows read; a gradient per row argument written
+        j = len(a["outs"])
+        return 1 + j + _distinct(a["values"], a.get("keys")) + j + j * per_source
     raise ValueError(f"routing_floor: no floor for depthrewrite::{name}")
+
+
+def _distinct(*lists) -> int:
+    """Rows among ``lists`` read once each: a tensor given twice (DAR's merge: a stream's
+    partial entry is one target's value and the other's key) counts once."""
+    return len({t.data_ptr() for rows in lists if rows is not None for t in rows})
 
 
 class RoutingCalls(TorchDispatchMode):
@@ -72,9 +85,22 @@ class RoutingCalls(TorchDispatchMode):
 
 def count(config: str, width: int) -> RoutingCalls:
     """One eager training step of the end-to-end configuration ``config`` (the benchmark
-    model's depth and heads) at ``width``, counted."""
+    model's depth and heads, its launch constants: ``two_phase.FUSED_MERGE`` for ``_fm``) at
+    ``width``, counted. Compiled, with the backend's ``recompute_partial_sums`` (its
+    default), the backward makes each ``route_merge`` result again (the partitioner
+    recomputes the tagged call, docs/design.md): those calls are added as
+    ``route_merge (recomputed)``, which eager mode does not run."""
     scheme, options, _ = CONFIGS[config]
-    return count_step(scheme, options, width)
+    previous = apply_launch_patches(config)
+    try:
+        counter = count_step(scheme, options, width)
+    finally:
+        for module, constant, value in previous:
+            setattr(module, constant, value)
+    if counter.calls["route_merge"] and BACKEND_OPTIONS.get(config, {}).get("recompute_partial_sums", True):
+        counter.calls["route_merge (recomputed)"] = counter.calls["route_merge"]
+        counter.rows["route_merge (recomputed)"] = counter.rows["route_merge"]
+    return counter
 
 
 def count_step(scheme: str, options: dict, width: int, layers: int | None = None, tokens: int = 64) -> RoutingCalls:

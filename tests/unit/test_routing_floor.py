@@ -45,3 +45,44 @@ def test_dar_step_counts_both_streams_keyed_calls():
     backward = 2 * sum(2 * s + 2 * 2 * n for n, s in groups)
     assert dict(counter.calls) == {"route_many": 6 + 2, "route_many_backward": 6}
     assert sum(counter.rows.values()) == forward + recomputed + backward == 166
+
+
+def test_fused_merges_are_priced_per_distinct_row(monkeypatch):
+    """With ``two_phase.FUSED_MERGE`` the second phase is ``route_merge`` calls, priced too:
+    Block AttnRes merges one partial entry (the result's row and the entry read, x
+    written; backward: x's gradient and the same rows read, two gradients written); DAR
+    merges both streams, whose partial entries are each one target's value and the other's
+    key: read once each, their value and key gradients written separately."""
+    from depthrewrite.passes import two_phase
+
+    floor = _load()
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    # Block AttnRes, 12 layers in blocks of 6 sites: 5 sites a block merge, the readout none
+    counter = floor.count_step("block_attnres", {"block_size": 6}, width=32, layers=12)
+    merges = 4 * 5
+    assert counter.calls["route_merge"] == counter.calls["route_merge_backward"] == merges
+    assert counter.rows["route_merge"] == merges * (1 + 1 + 1)
+    assert counter.rows["route_merge_backward"] == merges * (1 + 1 + 1 + 1 + 1)
+    assert sum(counter.rows.values()) == 144 + merges * 8
+    # DAR, 6 layers in blocks of 3 layers: 2 blocks of 6 sites, 5 merging in each
+    counter = floor.count_step("dar", {"layers_per_block": 3}, width=32, layers=6)
+    merges = 2 * 5
+    assert counter.calls["route_merge"] == counter.calls["route_merge_backward"] == merges
+    assert counter.rows["route_merge"] == merges * (2 + 2 + 1)
+    assert counter.rows["route_merge_backward"] == merges * (1 + 2 + 2 + 2 + 2 * 2)
+    assert sum(counter.rows.values()) == 166 + merges * 16
+
+
+def test_configuration_count_sets_its_constants_back_and_adds_the_recomputed_merges():
+    """``count`` runs an ``_fm`` configuration with ``two_phase.FUSED_MERGE`` on, puts the
+    constant back, and adds the merges the compiled backward makes again (one per call)."""
+    from depthrewrite.passes import two_phase
+
+    floor = _load()
+    before = two_phase.FUSED_MERGE
+    counter = floor.count("block_attnres_fm", width=32)
+    assert two_phase.FUSED_MERGE == before
+    merges = 8 * 5  # the benchmark model: 48 sites in 8 blocks of 6
+    assert counter.calls["route_merge"] == counter.calls["route_merge (recomputed)"] == merges
+    assert counter.rows["route_merge (recomputed)"] == counter.rows["route_merge"] == merges * 3
+    assert floor.count("block_attnres", width=32).calls["route_merge"] == 0

@@ -21,7 +21,7 @@
 #   OUT=... bash benchmarks/device_session.sh pipeab     # both pipelines end to end against the old (session 18)
 #   OUT=... bash benchmarks/device_session.sh fullbwd    # full AttnRes's backward kernel A/B, GPU tests (session 18)
 #   OUT=... bash benchmarks/device_session.sh table      # every scheme end to end, 40 kernels each (session 19)
-#   OUT=... bash benchmarks/device_session.sh fusedmerge   # route_merge: GPU tests, scheme check, e2e A/B (session 19)
+#   OUT=... bash benchmarks/device_session.sh fusedmerge   # route_merge: GPU tests, scheme check, kernel speed, e2e A/B (sessions 19-20)
 #   OUT=... bash benchmarks/device_session.sh algorithms   # two-phase WAV, grouped full MHAR vs the defaults (session 19)
 #   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
@@ -256,16 +256,19 @@ table)
   grep "^|" "$OUT/e2e.txt" | tail -24
   ;;
 fusedmerge)
-  # depthrewrite::route_merge (session 19, prepared, not run yet; ~9 minutes): its kernel
-  # tests on the GPU, the scheme check with it, then end to end against merge_partial's
-  # torch ops, side by side with a kernel profile
+  # depthrewrite::route_merge (sessions 19-20, prepared, not run yet; ~9 minutes): its
+  # kernel tests on the GPU, the scheme check with it, its kernels against Inductor's and
+  # the floor with launch variants (session 20), then end to end against merge_partial's
+  # torch ops in one wave, side by side with a kernel profile
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
-  timeout 90 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres_fm mhar_block_fm dar_fm \
+  timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres_fm mhar_block_fm dar_fm \
       > "$OUT/check.txt" 2>&1
   grep "scheme-check" "$OUT/check.txt" | tail -8
-  timeout "${E2E_SECONDS:-380}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 40 --schemes \
+  timeout 110 python3 benchmarks/route_merge_speed.py > "$OUT/merge_speed.txt" 2>&1
+  tail -22 "$OUT/merge_speed.txt"
+  timeout "${E2E_SECONDS:-300}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 40 --schemes \
       baseline dar_block dar_block_fm block_attnres block_attnres_fm > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -10
   ;;

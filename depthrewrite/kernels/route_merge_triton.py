@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .pointer_tables import pointer_tables
 from .route_triton import (
-    _aligned, _backward_programs, _check_supported, _contiguous, _product_as, _row_blocks,
+    _aligned, _backward_programs, _check_block_t, _check_supported, _contiguous, _product_as, _row_blocks,
     _src_ptr, _tokens_per_program,
 )
 
@@ -172,10 +172,29 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
                          f"sources); found {[t.dtype for t in lses]}")
 
 
+def _launch(config: dict | None, row: int) -> dict:
+    """Launch choices: ``config``'s entries (``block_t``, ``num_warps``, ``per_sm``: tuning
+    runs, ``benchmarks/route_merge_speed.py``), checked, over the defaults."""
+    cfg = {"block_t": _tokens_per_program(row), "num_warps": _warps(row), "per_sm": PER_SM, **(config or {})}
+    unknown = set(cfg) - {"block_t", "num_warps", "per_sm"}
+    if unknown:
+        raise ValueError(f"route_merge (Triton): unknown config entries {sorted(unknown)}; "
+                         f"expected block_t, num_warps, per_sm")
+    _check_block_t(cfg["block_t"])
+    for name in ("num_warps", "per_sm"):
+        value = cfg[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (
+                name == "num_warps" and value & (value - 1)):
+            kind = "a power of two" if name == "num_warps" else "a positive int"
+            raise ValueError(f"route_merge (Triton): config {name} must be {kind}; found {value!r}")
+    return cfg
+
+
 def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
                         keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
-                        heads: int, eps: float) -> Tensor:
-    """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``."""
+                        heads: int, eps: float, config: dict | None = None) -> Tensor:
+    """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``.
+    ``config``: launch choices for tuning runs (:func:`_launch`)."""
     _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix)
     d, shape, device = outs[0].shape[-1], outs[0].shape, outs[0].device
     x = torch.empty(shape, dtype=outs[0].dtype, device=device)
@@ -183,23 +202,24 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     if tokens == 0:
         return x
     block_h, block_c = _row_blocks(d, heads)
+    launch = _launch(config, block_h * block_c)
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
     otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
-    block_t = _tokens_per_program(block_h * block_c)
-    _route_merge_fwd_kernel[(triton.cdiv(tokens, block_t),)](
+    _route_merge_fwd_kernel[(triton.cdiv(tokens, launch["block_t"]),)](
         otab, ltab, vtab, ktab if flat_k else vtab, queries.contiguous(), key_norm_weights.contiguous(),
         mix.contiguous(), x, tokens, d, d // heads, heads, float(eps),
-        J=len(outs), HAS_KEYS=bool(flat_k), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
-        ALIGNED=_aligned(flat_o, flat_v, flat_k, [x]), num_warps=_warps(block_h * block_c),
+        J=len(outs), HAS_KEYS=bool(flat_k), BLOCK_T=launch["block_t"], BLOCK_H=block_h, BLOCK_C=block_c,
+        ALIGNED=_aligned(flat_o, flat_v, flat_k, [x]), num_warps=launch["num_warps"],
     )
     return x
 
 
 def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
                          keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
-                         heads: int, eps: float) -> tuple:
-    """Fused backward: what ``depthrewrite::route_merge_backward`` returns."""
+                         heads: int, eps: float, config: dict | None = None) -> tuple:
+    """Fused backward: what ``depthrewrite::route_merge_backward`` returns. ``config``:
+    launch choices for tuning runs (:func:`_launch`)."""
     _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix)
     j, d, shape, device = len(outs), outs[0].shape[-1], outs[0].shape, outs[0].device
     act = outs[0].dtype
@@ -209,9 +229,10 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     grad_lses = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in lses]
     tokens = math.prod(shape[:-1])
     block_h, block_c = _row_blocks(d, heads)
-    block_t = _tokens_per_program(block_h * block_c)
+    launch = _launch(config, block_h * block_c)
+    block_t = launch["block_t"]
     num_blocks = triton.cdiv(tokens, block_t)
-    programs = _backward_programs(device, num_blocks, PER_SM)
+    programs = _backward_programs(device, num_blocks, launch["per_sm"])
     # every entry written by its program (no tokens: no launch, the sums stay zero)
     new = torch.zeros if tokens == 0 else torch.empty
     part_r = new((programs, j, d), dtype=torch.float32, device=device)
@@ -229,7 +250,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
             key_norm_weights.contiguous(), mix.contiguous(), part_r, part_m, tokens, d, d // heads, heads,
             float(eps), num_blocks, J=j, HAS_KEYS=bool(flat_k), BLOCK_T=block_t, BLOCK_H=block_h,
             BLOCK_C=block_c, ALIGNED=_aligned(flat_o, flat_v, flat_k, grad_outs, grad_values, grad_keys, [g]),
-            num_warps=_warps(block_h * block_c),
+            num_warps=launch["num_warps"],
         )
     # second pass of the deterministic reductions: fixed-order sums over the programs
     r = part_r.sum(0)  # (J, d)

@@ -153,3 +153,34 @@ def test_kernel_refuses_more_results_than_it_takes():
     with pytest.raises(ValueError, match="at most 2 results a launch; found 3"):
         route_merge_triton.route_merge_forward(inp["outs"], inp["lses"], inp["values"], None, inp["queries"],
                                                inp["key_norm_weights"], inp["mix"], 1, 1e-6)
+
+
+@pytest.mark.parametrize("config", [{"block_t": 1, "num_warps": 1}, {"block_t": 4, "num_warps": 2, "per_sm": 1}],
+                         ids=["one-token", "four-tokens"])
+def test_launch_choices_give_the_same_function(config):
+    """A tuning run's launch choices (``config``) change how the tokens are split among
+    programs, not the result: output and every gradient against float64 as by default."""
+    inp = _make(2, (3, 5), 96, 2, True, torch.float32, seed=11, shared_keys=True)
+    grad = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(5))
+    x64, grads64 = _oracle_f64(inp, grad)
+    dev = _on_device(inp)
+    args = (dev["outs"], dev["lses"], dev["values"], dev["keys"], dev["queries"], dev["key_norm_weights"],
+            dev["mix"], 2, 1e-6)
+    assert _rel(route_merge_triton.route_merge_forward(*args, config=config), x64) < TOL[torch.float32]
+    got = route_merge_triton.route_merge_backward(grad.to(DEVICE), *args, config=config)
+    flat = [*got[0], *got[1], *got[2], *got[3], *got[4:]]
+    for g, ref in zip(flat, grads64, strict=True):
+        assert _rel(g, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"block_t": 3}, "block_t must be a power of two"),
+    ({"num_warps": 3}, "num_warps must be a power of two"),
+    ({"per_sm": 0}, "per_sm must be a positive int"),
+    ({"stages": 2}, "unknown config entries \\['stages'\\]"),
+])
+def test_bad_launch_choices_are_named(config, message):
+    inp = _on_device(_make(1, (4,), 32, 1, False, torch.float32, seed=1))
+    with pytest.raises(ValueError, match=message):
+        route_merge_triton.route_merge_forward(inp["outs"], inp["lses"], inp["values"], None, inp["queries"],
+                                               inp["key_norm_weights"], inp["mix"], 1, 1e-6, config=config)

@@ -1,0 +1,173 @@
+"""``depthrewrite::route_merge``'s kernels timed against Inductor's compilation of the same
+math and the HBM floor, at the end-to-end model's shape, with launch variants side by side.
+
+    python3 benchmarks/route_merge_speed.py [--tokens 16384] [--width 1024] [--reps 100]
+
+Cases: Block AttnRes's merge (one result, no keys), block MHAR's (16 heads), DAR's (two
+results, each stream's partial entry the other's key). For each: the forward and the
+backward of our kernels (``route_merge_forward`` / ``route_merge_backward``, called
+directly: no dispatcher) at the default launch and each variant of :data:`VARIANTS`, and
+``torch.compile`` (Inductor) of the reference, forward and backward through autograd; every
+result first checked against the reference in float32 (relative error printed). The floor
+is the rows each pass must move at least once (``routing_floor``'s pricing: forward reads
+the results and the distinct entries, writes ``x``; backward reads ``x``'s gradient and
+those rows and writes a gradient per row argument) at 4.8 TB/s. Times: median of ``--reps``
+calls after a warm-up, CUDA events (``triton.testing.do_bench``), on fresh random bf16 data
+per case. On a machine without CUDA (Triton's interpreter, a tiny shape) it checks the
+numbers and prints host times, which say nothing about the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of triton.jit code
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BYTES_PER_S = 4.8e12
+#: launch variants timed beside the default (route_merge_triton._launch's entries)
+VARIANTS = {
+    "warps2": {"num_warps": 2},
+    "warps8": {"num_warps": 8},
+    "t1": {"block_t": 1},
+    "sm8": {"per_sm": 8},
+}
+#: name -> (results J, heads, keyed by the other stream's entry)
+CASES = {"block_attnres": (1, 1, False), "mhar_block": (1, 16, False), "dar_block": (2, 1, True)}
+
+
+def make(j: int, tokens: int, d: int, heads: int, shared_keys: bool, device: str, seed: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rows():
+        return torch.randn(tokens, d, device=device, generator=gen).to(torch.bfloat16)
+
+    values = [rows() for _ in range(j)]
+    return dict(
+        outs=[rows() for _ in range(j)],
+        # log-sum-exps near the logits' scale: the weights spread over (0, 1)
+        lses=[torch.randn(tokens, heads, device=device, generator=gen) for _ in range(j)],
+        values=values, keys=values[::-1] if shared_keys else None,
+        queries=torch.randn(j, d, device=device, generator=gen) * heads**0.5 / d**0.5,
+        key_norm_weights=torch.rand(j, d, device=device, generator=gen) + 0.5,
+        mix=torch.rand(j, device=device, generator=gen) + 0.25, heads=heads,
+    )
+
+
+def floor_ms(inp: dict, backward: bool) -> float:
+    j = len(inp["outs"])
+    distinct = len({t.data_ptr() for t in inp["values"] + (inp["keys"] or [])})
+    rows = (1 + j + distinct + j + j * (2 if inp["keys"] is not None else 1)) if backward else (j + distinct + 1)
+    return rows * inp["outs"][0].numel() * 2 / HBM_BYTES_PER_S * 1e3
+
+
+def timer(device: str, reps: int):
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        def cuda_ms(fn):
+            fn()  # the first call compiles
+            torch.cuda.synchronize()
+            return do_bench(fn, warmup=25, rep=reps, return_mode="median")
+        return cuda_ms
+
+    def host_ms(fn):
+        fn()
+        times = []
+        for _ in range(max(3, reps // 20)):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return host_ms
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_case(name: str, tokens: int, d: int, device: str, reps: int, seed: int) -> list[dict]:
+    from depthrewrite.kernels import route_merge_triton as kernels
+    from depthrewrite.ops.route_merge import _reference
+
+    j, heads, shared = CASES[name]
+    inp = make(j, tokens, d, heads, shared, device, seed)
+    args = (inp["outs"], inp["lses"], inp["values"], inp["keys"], inp["queries"], inp["key_norm_weights"],
+            inp["mix"], heads, 1e-6)
+    grad = torch.randn(tokens, d, device=device).to(torch.bfloat16)
+    ms = timer(device, reps)
+
+    leaves = [t.detach().float().requires_grad_() for t in args[0] + args[1] + args[2]]
+    ref_args = (leaves[:j], leaves[j:2 * j], leaves[2 * j:], None if inp["keys"] is None else leaves[2 * j:][::-1],
+                *args[4:])
+    x_ref = _reference(*ref_args)
+    g_ref = torch.autograd.grad(x_ref, leaves, grad.float())
+    x = kernels.route_merge_forward(*args)
+    got = kernels.route_merge_backward(grad, *args)
+    # keys shared with values: their gradients sum to the entries' (as autograd adds them)
+    g_values = [gv + gk for gv, gk in zip(got[2], got[3][::-1])] if inp["keys"] is not None else got[2]
+    error = max([_rel(x, x_ref)] + [_rel(a, b) for a, b in zip(got[0] + got[1] + g_values, g_ref)])
+
+    compiled = torch.compile(_reference, dynamic=False)
+    inductor_leaves = [t.detach().requires_grad_() for t in args[0] + args[2]]
+    ind_args = (inductor_leaves[:j], args[1], inductor_leaves[j:],
+                None if inp["keys"] is None else inductor_leaves[j:][::-1], *args[4:])
+
+    def inductor_fwd_bwd():
+        torch.autograd.grad(compiled(*ind_args), inductor_leaves, grad)
+
+    rows = [dict(case=name, impl="inductor", fwd=ms(lambda: compiled(*ind_args)), fwd_bwd=ms(inductor_fwd_bwd))]
+    for variant, config in {"ours": None, **VARIANTS}.items():
+        rows.append(dict(case=name, impl=variant, fwd=ms(lambda: kernels.route_merge_forward(*args, config=config)),
+                         bwd=ms(lambda: kernels.route_merge_backward(grad, *args, config=config))))
+    floors = dict(fwd=floor_ms(inp, False), bwd=floor_ms(inp, True))
+    for row in rows:
+        row.update(error=error, floor_fwd=floors["fwd"], floor_bwd=floors["bwd"])
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["| case | impl | fwd ms | x floor | bwd ms | x floor | fwd+bwd ms | x floor | x inductor's fwd+bwd |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    inductor = {r["case"]: r["fwd_bwd"] for r in rows if r["impl"] == "inductor"}
+    for r in rows:
+        total = r.get("fwd_bwd", r["fwd"] + r.get("bwd", 0.0))
+        floor_total = r["floor_fwd"] + r["floor_bwd"]
+        bwd = f"{r['bwd']:.3f} | {r['bwd'] / r['floor_bwd']:.2f}" if "bwd" in r else "- | -"
+        out.append(f"| {r['case']} | {r['impl']} | {r['fwd']:.3f} | {r['fwd'] / r['floor_fwd']:.2f} | {bwd} | "
+                   f"{total:.3f} | {total / floor_total:.2f} | {total / inductor[r['case']]:.2f} |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=100, help="do_bench's rep (ms of timed calls) on CUDA")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    import depthrewrite.kernels  # noqa: F401  (registers the CUDA kernels)
+
+    rows = []
+    for i, name in enumerate(args.cases):
+        case_rows = run_case(name, args.tokens, args.width, device, args.reps, seed=100 + i)
+        print(f"{name}: worst relative error of the kernels against the float32 reference "
+              f"{case_rows[0]['error']:.1e}", flush=True)
+        rows += case_rows
+    print(f"route_merge at {args.tokens} tokens x d = {args.width}, bf16, {device} "
+          f"({'CUDA events, median' if device == 'cuda' else 'host times: NOT GPU figures'})")
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

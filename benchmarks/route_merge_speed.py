@@ -4,7 +4,9 @@ math and the HBM floor, at the end-to-end model's shape, with launch variants si
     python3 benchmarks/route_merge_speed.py [--tokens 16384] [--width 1024] [--reps 100]
 
 Cases: Block AttnRes's merge (one result, no keys), block MHAR's (16 heads), DAR's (two
-results, each stream's partial entry the other's key). For each: the forward and the
+results, each stream's partial entry the other's key), and Block AttnRes's and DAR's with
+the branch's RMSNorm fused (``out_norm_weight``: the normed row written instead of ``x``;
+Inductor compiles the merge and the norm together). For each: the forward and the
 backward of our kernels (``route_merge_forward`` / ``route_merge_backward``, called
 directly: no dispatcher) at the default launch and each variant of :data:`VARIANTS`, and
 ``torch.compile`` (Inductor) of the reference, forward and backward through autograd; every
@@ -40,11 +42,13 @@ VARIANTS = {
     "t1": {"block_t": 1},
     "sm8": {"per_sm": 8},
 }
-#: name -> (results J, heads, keyed by the other stream's entry)
-CASES = {"block_attnres": (1, 1, False), "mhar_block": (1, 16, False), "dar_block": (2, 1, True)}
+#: name -> (results J, heads, keyed by the other stream's entry, the branch norm fused)
+CASES = {"block_attnres": (1, 1, False, False), "block_attnres_normed": (1, 1, False, True),
+         "mhar_block": (1, 16, False, False), "dar_block": (2, 1, True, False),
+         "dar_block_normed": (2, 1, True, True)}
 
 
-def make(j: int, tokens: int, d: int, heads: int, shared_keys: bool, device: str, seed: int) -> dict:
+def make(j: int, tokens: int, d: int, heads: int, shared_keys: bool, norm: bool, device: str, seed: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rows():
@@ -59,6 +63,7 @@ def make(j: int, tokens: int, d: int, heads: int, shared_keys: bool, device: str
         queries=torch.randn(j, d, device=device, generator=gen) * heads**0.5 / d**0.5,
         key_norm_weights=torch.rand(j, d, device=device, generator=gen) + 0.5,
         mix=torch.rand(j, device=device, generator=gen) + 0.25, heads=heads,
+        out_norm_weight=torch.rand(d, device=device, generator=gen) + 0.5 if norm else None,
     )
 
 
@@ -91,17 +96,18 @@ def timer(device: str, reps: int):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def run_case(name: str, tokens: int, d: int, device: str, reps: int, seed: int) -> list[dict]:
     from depthrewrite.kernels import route_merge_triton as kernels
     from depthrewrite.ops.route_merge import _reference
 
-    j, heads, shared = CASES[name]
-    inp = make(j, tokens, d, heads, shared, device, seed)
+    j, heads, shared, norm = CASES[name]
+    inp = make(j, tokens, d, heads, shared, norm, device, seed)
     args = (inp["outs"], inp["lses"], inp["values"], inp["keys"], inp["queries"], inp["key_norm_weights"],
-            inp["mix"], heads, 1e-6)
+            inp["mix"], heads, 1e-6, inp["out_norm_weight"], 1e-6)
     grad = torch.randn(tokens, d, device=device).to(torch.bfloat16)
     ms = timer(device, reps)
 

@@ -132,27 +132,30 @@ def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key
                                keys=keys)
 
 
-def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps):
-    if not _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix):
-        return _route_merge_op._init_fn(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps)
+def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight=None,
+                      out_norm_eps=1e-6):
+    args = (outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight, out_norm_eps)
+    if not _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight):
+        return _route_merge_op._init_fn(*args)
     from .route_merge_triton import route_merge_forward
 
-    return route_merge_forward(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps)
+    return route_merge_forward(*args)
 
 
-def _route_merge_backward_cuda(grad, outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps):
-    if not _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix):
-        return _route_merge_backward_op._init_fn(grad, outs, lses, values, keys, queries, key_norm_weights, mix,
-                                                 heads, eps)
+def _route_merge_backward_cuda(grad, outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps,
+                               out_norm_weight=None, out_norm_eps=1e-6):
+    args = (grad, outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight, out_norm_eps)
+    if not _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight):
+        return _route_merge_backward_op._init_fn(*args)
     from .route_merge_triton import route_merge_backward
 
-    return route_merge_backward(grad, outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps)
+    return route_merge_backward(*args)
 
 
-def _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix) -> bool:
+def _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight) -> bool:
     # the kernels take one or two results (route_merge_triton.MAX_RESULTS) and float32
     # log-sum-exps (route_many's for every kernel dtype); anything else runs the reference
-    return (_use_fused(values, keys, queries, key_norm_weights, mix) and outs[0].dtype in FUSED_DTYPES
+    return (_use_fused(values, keys, queries, key_norm_weights, mix, out_norm_weight) and outs[0].dtype in FUSED_DTYPES
             and len(outs) <= 2 and all(t.dtype == torch.float32 for t in lses))
 
 

@@ -9,12 +9,15 @@ activation dtype, with float32 math.
 
 - forward: per token and result, the key's RMS statistic and per-head logit, the new
   source's weight ``a = sigmoid(z - lse)``, the merged row, summed with its mix weight:
-  reads ``out_j``, ``v_j`` (and ``k_j``) once, writes ``x``.
+  reads ``out_j``, ``v_j`` (and ``k_j``) once, writes ``x`` (with the fused output norm
+  ``rms_norm(x) * w`` instead: the row is whole on chip).
 - backward: a persistent grid (``PER_SM`` programs per SM) over blocks of tokens; per token
   and result it recomputes the forward's statistics from the same rows, writes the
   gradients of ``out_j``, ``lse_j``, ``v_j`` (and ``k_j``), and adds the parameter
   gradients' ``dz * khat`` and the mix weight's ``<g, r_j>`` to per-program partial sums,
-  added afterwards in a fixed order (deterministic, no atomics).
+  added afterwards in a fixed order (deterministic, no atomics). With the output norm it
+  first makes ``x`` again from the same rows (read twice: the second time from cache) and
+  runs the norm's backward, its weight's gradient summed per program likewise.
 """
 
 from __future__ import annotations
@@ -81,39 +84,75 @@ def _merge_rows(j, otab, ltab, vtab, ktab, q_ptr, w_ptr, offs, mask, hoffs, hmas
 
 
 @triton.jit
-def _route_merge_fwd_kernel(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, x_ptr, T, D, C, H, eps,
-                            J: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
-    """``x = sum_j m_j (out_j + a_j (v_j - out_j))`` for one block of BLOCK_T tokens."""
-    ptr_ty = tl.pointer_type(x_ptr.dtype.element_ty)
-    tok, col, cmask, mask, hmask, offs, hoffs = _tiles(tl.program_id(0), T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
+def _merged(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty,
+            J: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+    """``x = sum_j m_j (out_j + a_j (v_j - out_j))`` for a token block, float32."""
     x = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)
     for j in tl.static_range(J):
         o, v, khat, rstd, qw, a = _merge_rows(j, otab, ltab, vtab, ktab, q_ptr, w_ptr, offs, mask, hoffs, hmask,
                                               col, cmask, D, eps, ptr_ty, HAS_KEYS, ALIGNED)
         x += tl.load(m_ptr + j).to(tl.float32) * (o + a[:, :, None] * (v - o))
-    tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
+    return x
 
 
 @triton.jit
-def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr, m_ptr,
-                            part_r_ptr, part_m_ptr, T, D, C, H, eps, num_blocks,
-                            J: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+def _out_norm_stats(x, mask, D, norm_eps):
+    """The normalized rows of ``x`` (float32, not rounded) and their RMS statistic per token
+    (over the full width)."""
+    x = tl.where(mask, x, 0.0)
+    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / D + norm_eps)
+    return x * rstd[:, None, None], rstd
+
+
+@triton.jit
+def _route_merge_fwd_kernel(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, nw_ptr, x_ptr, T, D, C, H, eps, norm_eps,
+                            J: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+    """``x`` (or with HAS_NORM ``rms_norm(x) * nw``) for one block of BLOCK_T tokens."""
+    act = x_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
+    tok, col, cmask, mask, hmask, offs, hoffs = _tiles(tl.program_id(0), T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
+    x = _merged(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty,
+                J, HAS_KEYS, BLOCK_T, BLOCK_H, BLOCK_C, ALIGNED)
+    if HAS_NORM:
+        xhat, _ = _out_norm_stats(x, mask, D, norm_eps)
+        x = xhat * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
+    tl.store(x_ptr + offs, x.to(act), mask=mask)
+
+
+@triton.jit
+def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr, m_ptr, nw_ptr,
+                            part_r_ptr, part_m_ptr, part_n_ptr, T, D, C, H, eps, norm_eps, num_blocks,
+                            J: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
     """A persistent grid over blocks of tokens: every gradient row written once; per program
     the sums over its tokens of ``dz_j * khat_j`` (the parameter gradients before the
-    parameter products) and of ``<g, r_j>`` (the mix weights'), one row / entry per result."""
+    parameter products) and of ``<g, r_j>`` (the mix weights'), one row / entry per result;
+    with HAS_NORM (``g_ptr`` is the gradient of the normed output) first the norm's backward,
+    ``x`` made again from the same rows, and the sum of ``g * xhat`` (the norm weight's)."""
     pid = tl.program_id(0)
-    ptr_ty = tl.pointer_type(g_ptr.dtype.element_ty)
+    act = g_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
     f32_ty = tl.pointer_type(tl.float32)
     r0 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     r1 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    n_acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     m0 = tl.zeros((BLOCK_H,), tl.float32)
     m1 = tl.zeros((BLOCK_H,), tl.float32)
     col, cmask = _row_tiles(H, C, BLOCK_H, BLOCK_C)
     for blk in range(pid, num_blocks, tl.num_programs(0)):
         _, _, _, mask, hmask, offs, hoffs = _tiles(blk, T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            x = _merged(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps,
+                        ptr_ty, J, HAS_KEYS, BLOCK_T, BLOCK_H, BLOCK_C, ALIGNED)
+            xhat, rstd = _out_norm_stats(x, mask, D, norm_eps)
+            n_acc += tl.sum(tl.where(mask, g * xhat, 0.0), 0)
+            # RMSNorm backward: the statistic couples all channels of a row
+            g_xhat = g * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
+            mt = tl.sum(tl.sum(g_xhat * xhat, 2), 1) / D
+            g = tl.where(mask, rstd[:, None, None] * (g_xhat - xhat * mt[:, None, None]), 0.0)
         r0, m0 = _merge_grads(0, g, r0, m0, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
                               m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS, ALIGNED)
         if J == 2:
@@ -126,6 +165,8 @@ def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, 
     if J == 2:
         tl.store(part_r_ptr + (row + 1) * D + col, r1, mask=cmask)
         tl.store(part_m_ptr + row + 1, tl.sum(m1, 0))
+    if HAS_NORM:
+        tl.store(part_n_ptr + pid.to(tl.int64) * D + col, n_acc, mask=cmask)
 
 
 @triton.jit
@@ -162,9 +203,9 @@ def _merge_grads(j, g, r_acc, m_acc, otab, ltab, vtab, ktab, gotab, gltab, gvtab
 
 
 def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, queries, key_norm_weights,
-                  mix) -> None:
+                  mix, out_norm_weight=None) -> None:
     _check_supported(values, keys, ("outs", outs[0]), ("queries", queries), ("key_norm_weights", key_norm_weights),
-                     ("mix", mix))
+                     ("mix", mix), ("out_norm_weight", out_norm_weight))
     if len(outs) > MAX_RESULTS:
         raise ValueError(f"route_merge (Triton): at most {MAX_RESULTS} results a launch; found {len(outs)}")
     if any(t.dtype != torch.float32 for t in lses):
@@ -192,10 +233,12 @@ def _launch(config: dict | None, row: int) -> dict:
 
 def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
                         keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
-                        heads: int, eps: float, config: dict | None = None) -> Tensor:
-    """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``.
+                        heads: int, eps: float, out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6,
+                        config: dict | None = None) -> Tensor:
+    """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``, or
+    with ``out_norm_weight`` ``rms_norm(x) * out_norm_weight`` (``x`` is not written).
     ``config``: launch choices for tuning runs (:func:`_launch`)."""
-    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix)
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight)
     d, shape, device = outs[0].shape[-1], outs[0].shape, outs[0].device
     x = torch.empty(shape, dtype=outs[0].dtype, device=device)
     tokens = math.prod(shape[:-1])
@@ -208,19 +251,23 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
     _route_merge_fwd_kernel[(triton.cdiv(tokens, launch["block_t"]),)](
         otab, ltab, vtab, ktab if flat_k else vtab, queries.contiguous(), key_norm_weights.contiguous(),
-        mix.contiguous(), x, tokens, d, d // heads, heads, float(eps),
-        J=len(outs), HAS_KEYS=bool(flat_k), BLOCK_T=launch["block_t"], BLOCK_H=block_h, BLOCK_C=block_c,
-        ALIGNED=_aligned(flat_o, flat_v, flat_k, [x]), num_warps=launch["num_warps"],
+        mix.contiguous(), queries if out_norm_weight is None else out_norm_weight.contiguous(), x, tokens, d,
+        d // heads, heads, float(eps), float(out_norm_eps),
+        J=len(outs), HAS_KEYS=bool(flat_k), HAS_NORM=out_norm_weight is not None, BLOCK_T=launch["block_t"],
+        BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=_aligned(flat_o, flat_v, flat_k, [x]),
+        num_warps=launch["num_warps"],
     )
     return x
 
 
 def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Tensor], values: Sequence[Tensor],
                          keys: Sequence[Tensor] | None, queries: Tensor, key_norm_weights: Tensor, mix: Tensor,
-                         heads: int, eps: float, config: dict | None = None) -> tuple:
-    """Fused backward: what ``depthrewrite::route_merge_backward`` returns. ``config``:
-    launch choices for tuning runs (:func:`_launch`)."""
-    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix)
+                         heads: int, eps: float, out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6,
+                         config: dict | None = None) -> tuple:
+    """Fused backward: what ``depthrewrite::route_merge_backward`` returns (``grad``: the
+    gradient of the op's output, ``normed``'s with ``out_norm_weight``). ``config``: launch
+    choices for tuning runs (:func:`_launch`)."""
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight)
     j, d, shape, device = len(outs), outs[0].shape[-1], outs[0].shape, outs[0].device
     act = outs[0].dtype
     grad_outs = [torch.empty(shape, dtype=act, device=device) for _ in range(j)]
@@ -237,6 +284,8 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     new = torch.zeros if tokens == 0 else torch.empty
     part_r = new((programs, j, d), dtype=torch.float32, device=device)
     part_m = new((programs, j), dtype=torch.float32, device=device)
+    has_norm = out_norm_weight is not None
+    part_n = new((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
     if tokens > 0:
         flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
         flat_k = _contiguous(keys) if keys is not None else []
@@ -247,9 +296,10 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
             ktab, gktab = vtab, gvtab
         _route_merge_bwd_kernel[(programs,)](
             g, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, queries.contiguous(),
-            key_norm_weights.contiguous(), mix.contiguous(), part_r, part_m, tokens, d, d // heads, heads,
-            float(eps), num_blocks, J=j, HAS_KEYS=bool(flat_k), BLOCK_T=block_t, BLOCK_H=block_h,
-            BLOCK_C=block_c, ALIGNED=_aligned(flat_o, flat_v, flat_k, grad_outs, grad_values, grad_keys, [g]),
+            key_norm_weights.contiguous(), mix.contiguous(), out_norm_weight.contiguous() if has_norm else queries,
+            part_r, part_m, part_n, tokens, d, d // heads, heads, float(eps), float(out_norm_eps), num_blocks,
+            J=j, HAS_KEYS=bool(flat_k), HAS_NORM=has_norm, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
+            ALIGNED=_aligned(flat_o, flat_v, flat_k, grad_outs, grad_values, grad_keys, [g]),
             num_warps=launch["num_warps"],
         )
     # second pass of the deterministic reductions: fixed-order sums over the programs
@@ -257,7 +307,8 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     grad_queries = _product_as(r, key_norm_weights, queries)
     grad_weights = _product_as(r, queries, key_norm_weights)
     grad_mix = part_m.sum(0).to(mix.dtype)
-    return grad_outs, grad_lses, grad_values, grad_keys, grad_queries, grad_weights, grad_mix
+    grad_norm_weight = part_n.sum(0).to(out_norm_weight.dtype) if has_norm else queries.new_empty((0,))
+    return grad_outs, grad_lses, grad_values, grad_keys, grad_queries, grad_weights, grad_mix, grad_norm_weight
 
 
 def _warps(row: int) -> int:

@@ -1,7 +1,7 @@
 """The fused ``route_merge`` kernels against float64: the output and every gradient (the
-results, their log-sum-exps, the values, the keys, the queries, the key-norm weights and the
-mix weights) on awkward shapes, in fp32, bf16 and fp16. Without a GPU the kernels run in
-Triton's interpreter."""
+results, their log-sum-exps, the values, the keys, the queries, the key-norm weights, the
+mix weights and the fused output norm's weight) on awkward shapes, in fp32, bf16 and fp16,
+with and without the output norm. Without a GPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from depthrewrite.ops import route_merge, route_merge_reference  # noqa: E402
 from tests.kernels.test_route_triton import DEVICE, TOL, _on, _rel  # noqa: E402
 
 
-def _make(j, batch, d, heads, keys, dtype, seed, shared_keys=False):
+def _make(j, batch, d, heads, keys, dtype, seed, shared_keys=False, norm=False):
     gen = torch.Generator().manual_seed(seed)
     values = [torch.randn(*batch, d, generator=gen).to(dtype) for _ in range(j)]
     if shared_keys:  # DAR: each stream's key is the other stream's entry
@@ -39,12 +39,26 @@ def _make(j, batch, d, heads, keys, dtype, seed, shared_keys=False):
         key_norm_weights=torch.rand(j, d, generator=gen) + 0.5,
         mix=torch.rand(j, generator=gen) + 0.25,
         heads=heads,
+        out_norm_weight=torch.rand(d, generator=gen) + 0.5 if norm else None,
     )
 
 
 def _tensors(inp):
+    norm = [inp["out_norm_weight"]] if inp["out_norm_weight"] is not None else []
     return [*inp["outs"], *inp["lses"], *inp["values"], *(inp["keys"] or []), inp["queries"],
-            inp["key_norm_weights"], inp["mix"]]
+            inp["key_norm_weights"], inp["mix"], *norm]
+
+
+def _args(dev, heads):
+    """The kernels' positional arguments for the inputs ``dev``."""
+    return (dev["outs"], dev["lses"], dev["values"], dev["keys"], dev["queries"], dev["key_norm_weights"],
+            dev["mix"], heads, 1e-6, dev["out_norm_weight"], 1e-5)
+
+
+def _flat(got):
+    """The backward's gradients as one list, each list entry its own (the norm weight's
+    left out when it is the empty placeholder)."""
+    return [*got[0], *got[1], *got[2], *got[3], *got[4:7], *([got[7]] if got[7].numel() else [])]
 
 
 def _oracle_f64(inp, grad):
@@ -53,9 +67,11 @@ def _oracle_f64(inp, grad):
     j, k = len(inp["outs"]), len(inp["keys"] or [])
     outs, lses, values = leaves[:j], leaves[j:2 * j], leaves[2 * j:3 * j]
     keys = leaves[3 * j:3 * j + k] or None
-    queries, weights, mix = leaves[-3:]
+    queries, weights, mix = leaves[3 * j + k:3 * j + k + 3]
     x = route_merge_reference(outs, lses, values, keys, queries=queries, key_norm_weights=weights, mix=mix,
                               heads=inp["heads"])
+    if inp["out_norm_weight"] is not None:  # the norm of x itself, not of x rounded
+        x = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight=leaves[3 * j + k + 3], eps=1e-5)
     return x.detach(), torch.autograd.grad(x, leaves, grad.double())
 
 
@@ -76,32 +92,57 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["x", "normed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"j{c[0]}-{'x'.join(map(str, c[1]))}-d{c[2]}-h{c[3]}"
                          f"{'-keys' if c[4] else ''}{'-shared' if c[5] else ''}")
-def test_kernels_match_float64_output_and_every_gradient(case, dtype):
+def test_kernels_match_float64_output_and_every_gradient(case, dtype, norm):
     j, batch, d, heads, keys, shared = case
-    inp = _make(j, batch, d, heads, keys, dtype, seed=j * 100 + d, shared_keys=shared)
+    inp = _make(j, batch, d, heads, keys, dtype, seed=j * 100 + d, shared_keys=shared, norm=norm)
     gen = torch.Generator().manual_seed(7)
     grad = torch.randn(*batch, d, generator=gen).to(dtype)
     x64, grads64 = _oracle_f64(inp, grad)
 
     dev = _on_device(inp)
-    args = (dev["outs"], dev["lses"], dev["values"], dev["keys"], dev["queries"], dev["key_norm_weights"],
-            dev["mix"], heads, 1e-6)
-    x = route_merge_triton.route_merge_forward(*args)
+    x = route_merge_triton.route_merge_forward(*_args(dev, heads))
     assert x.dtype == dtype and x.shape == x64.shape
     assert _rel(x, x64) < TOL[dtype]
-    grad_outs, grad_lses, grad_values, grad_keys, grad_q, grad_w, grad_mix = route_merge_triton.route_merge_backward(
-        grad.to(DEVICE), *args)
-    got = [*grad_outs, *grad_lses, *grad_values, *grad_keys, grad_q, grad_w, grad_mix]
+    got = route_merge_triton.route_merge_backward(grad.to(DEVICE), *_args(dev, heads))
+    assert got[7].numel() == (d if norm else 0)
+    got = _flat(got)
     assert len(got) == len(grads64)
     names = ([f"outs[{i}]" for i in range(j)] + [f"lses[{i}]" for i in range(j)] + [f"values[{i}]" for i in range(j)]
-             + [f"keys[{i}]" for i in range(len(grad_keys))] + ["queries", "key_norm_weights", "mix"])
-    for name, g, ref, like in zip(names, got, grads64, _tensors(inp)):
+             + [f"keys[{i}]" for i in range(len(inp["keys"] or []))] + ["queries", "key_norm_weights", "mix"]
+             + (["out_norm_weight"] if norm else []))
+    for name, g, ref, like in zip(names, got, grads64, _tensors(inp), strict=True):
         assert g.shape == like.shape and g.dtype == like.dtype, name
         # the gradients are computed in float32 and returned in the argument's dtype
-        assert _rel(g, ref) < TOL[like.dtype] * (1 if like.dtype == torch.float32 else 2), name
+        tol = TOL[like.dtype] * (1 if like.dtype == torch.float32 else 2)
+        if name == "mix" and norm:
+            # rms_norm(x) is invariant to x's scale, so <g_x, r_j> nearly cancels (exactly, but
+            # for eps, at J = 1): the error is measured against the size of its terms
+            assert ((g.double().cpu() - ref).abs() <= tol * _mix_terms(inp, grad)).all(), name
+        else:
+            assert _rel(g, ref) < tol, name
+
+
+def _mix_terms(inp, grad):
+    """Per result j, ``|g_x| |r_j|`` in float64 (``g_x``: the gradient reaching the merged
+    ``x`` through the output norm; ``r_j``: the merged result j): a bound on the sum of the
+    absolute terms of the mix weight's gradient ``<g_x, r_j>``."""
+    import torch.nn.functional as F
+
+    double = {k: ([t.double() for t in v] if isinstance(v, list) else v.double() if isinstance(v, torch.Tensor)
+                  else v) for k, v in inp.items()}
+    one = torch.ones(1, dtype=torch.float64)
+    results = [route_merge_reference([double["outs"][j]], [double["lses"][j]], [double["values"][j]],
+                                     None if inp["keys"] is None else [double["keys"][j]],
+                                     queries=double["queries"][j:j + 1], key_norm_weights=double["key_norm_weights"][j:j + 1],
+                                     mix=one, heads=inp["heads"]) for j in range(len(inp["outs"]))]
+    x = sum(m * r for m, r in zip(double["mix"], results)).requires_grad_()
+    normed = F.rms_norm(x, (x.shape[-1],), weight=double["out_norm_weight"], eps=1e-5)
+    (g_x,) = torch.autograd.grad(normed, x, grad.double())
+    return torch.stack([g_x.norm() * r.norm() for r in results])
 
 
 def test_one_result_with_unit_mix_is_merge_partial():
@@ -121,16 +162,37 @@ def test_one_result_with_unit_mix_is_merge_partial():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-def test_op_gradients_match_finite_differences():
-    inp = _make(2, (3,), 12, 2, True, torch.float64, seed=5)
+@pytest.mark.parametrize("norm", [False, True], ids=["x", "normed"])
+def test_op_gradients_match_finite_differences(norm):
+    inp = _make(2, (3,), 12, 2, True, torch.float64, seed=5, norm=norm)
     leaves = [t.detach().double().requires_grad_() for t in _tensors(inp)]
 
     def fn(*ts):
         outs, lses, values, keys = ts[0:2], ts[2:4], ts[4:6], ts[6:8]
         return route_merge(list(outs), list(lses), list(values), list(keys), queries=ts[8], key_norm_weights=ts[9],
-                           mix=ts[10], heads=2)
+                           mix=ts[10], heads=2, out_norm_weight=ts[11] if norm else None)
 
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
+
+
+def test_normed_output_is_the_norm_of_the_merge():
+    """``out_norm_weight``: the op returns ``rms_norm(x) * w`` of the ``x`` it would return
+    without it, and its gradients are autograd's through that composition."""
+    import torch.nn.functional as F
+
+    inp = _make(2, (4, 3), 24, 2, True, torch.float32, seed=9, shared_keys=True)
+    weight = (torch.rand(24, generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
+    leaves = [t.detach().requires_grad_() for t in (*inp["outs"], *inp["values"])]
+    kwargs = dict(queries=inp["queries"], key_norm_weights=inp["key_norm_weights"], mix=inp["mix"], heads=2)
+    x = route_merge(leaves[:2], inp["lses"], leaves[2:], leaves[2:][::-1], **kwargs)
+    expected = F.rms_norm(x, (24,), weight=weight, eps=1e-5)
+    normed = route_merge(leaves[:2], inp["lses"], leaves[2:], leaves[2:][::-1], out_norm_weight=weight,
+                         out_norm_eps=1e-5, **kwargs)
+    torch.testing.assert_close(normed, expected, rtol=1e-6, atol=1e-6)
+    probe = torch.randn(normed.shape, generator=torch.Generator().manual_seed(4))
+    for got, want in zip(torch.autograd.grad(normed, [*leaves, weight], probe),
+                         torch.autograd.grad(expected, [*leaves, weight], probe), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -139,13 +201,18 @@ def test_op_gradients_match_finite_differences():
     (lambda a: a.update(heads=5), "`heads` must be a positive int dividing the width d=12"),
     (lambda a: a.update(values=a["values"][:1]), r"`values` must be 2 tensors \(one per entry of `outs`\)"),
     (lambda a: a.update(queries=torch.ones(2, 11)), r"`queries` must be a floating-point tensor of shape \(2, 12\)"),
+    (lambda a: a.update(out_norm_weight=torch.ones(11)),
+     r"`out_norm_weight` must be None or a floating-point tensor of shape \(12,\)"),
+    (lambda a: a.update(out_norm_eps=-1.0), "`out_norm_eps` must be a finite non-negative float"),
 ])
 def test_bad_input_is_refused_with_the_argument_named(change, message):
     inp = _make(2, (3,), 12, 1, False, torch.float32, seed=1)
+    inp["out_norm_eps"] = 1e-6
     change(inp)
     with pytest.raises(ValueError, match=message):
         route_merge(inp["outs"], inp["lses"], inp["values"], inp["keys"], queries=inp["queries"],
-                    key_norm_weights=inp["key_norm_weights"], mix=inp["mix"], heads=inp["heads"])
+                    key_norm_weights=inp["key_norm_weights"], mix=inp["mix"], heads=inp["heads"],
+                    out_norm_weight=inp["out_norm_weight"], out_norm_eps=inp["out_norm_eps"])
 
 
 def test_kernel_refuses_more_results_than_it_takes():
@@ -160,16 +227,13 @@ def test_kernel_refuses_more_results_than_it_takes():
 def test_launch_choices_give_the_same_function(config):
     """A tuning run's launch choices (``config``) change how the tokens are split among
     programs, not the result: output and every gradient against float64 as by default."""
-    inp = _make(2, (3, 5), 96, 2, True, torch.float32, seed=11, shared_keys=True)
+    inp = _make(2, (3, 5), 96, 2, True, torch.float32, seed=11, shared_keys=True, norm=True)
     grad = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(5))
     x64, grads64 = _oracle_f64(inp, grad)
-    dev = _on_device(inp)
-    args = (dev["outs"], dev["lses"], dev["values"], dev["keys"], dev["queries"], dev["key_norm_weights"],
-            dev["mix"], 2, 1e-6)
+    args = _args(_on_device(inp), 2)
     assert _rel(route_merge_triton.route_merge_forward(*args, config=config), x64) < TOL[torch.float32]
     got = route_merge_triton.route_merge_backward(grad.to(DEVICE), *args, config=config)
-    flat = [*got[0], *got[1], *got[2], *got[3], *got[4:]]
-    for g, ref in zip(flat, grads64, strict=True):
+    for g, ref in zip(_flat(got), grads64, strict=True):
         assert _rel(g, ref) < TOL[torch.float32]
 
 

@@ -256,10 +256,10 @@ table)
   grep "^|" "$OUT/e2e.txt" | tail -24
   ;;
 fusedmerge)
-  # depthrewrite::route_merge (sessions 19-20, prepared, not run yet; ~9 minutes): its
-  # kernel tests on the GPU, the scheme check with it, its kernels against Inductor's and
-  # the floor with launch variants (session 20), then end to end against merge_partial's
-  # torch ops in one wave, side by side with a kernel profile
+  # depthrewrite::route_merge with the branch norms fused into it (sessions 19-20, prepared,
+  # not run yet; ~9 minutes): its kernel tests on the GPU, the scheme check with it, its
+  # kernels against Inductor's and the floor with launch variants (session 20), then end to
+  # end against merge_partial's torch ops in one wave, side by side with a kernel profile
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20

@@ -166,10 +166,15 @@ LAUNCH_VARIANTS = {
     # forward at d = 1024 and the one-head backward with running sums through the pipeline)
     "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),
     # the second phase through depthrewrite::route_merge's fused kernels (session 19; off by
-    # default until timed: merge_partial's torch ops, compiled by Inductor)
+    # default until timed: merge_partial's torch ops, compiled by Inductor), the branch
+    # norm fused into it by the backend (fuse_output_norms, on by default; session 20)
     "fm": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.FUSED_MERGE": True}),
+    # the same with the branch norms left to Inductor (backend option fuse_output_norms off:
+    # each merge writes x, and the backward makes it again; session 20)
+    "fmnf": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.FUSED_MERGE": True}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
+BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")

@@ -27,6 +27,16 @@ Compared: the loss and every parameter gradient, as relative L2 errors.
   fused backward adds one rounding of the reference's size (it reads the saved bf16
   output, as flash-attention does), which can double the error; 4x leaves a margin of 2.
 
+The ``*_fm`` rows (the second phase through ``route_merge``) run the backend's
+``fuse_output_norms`` in fp32, where the report must show norms fused, and leave it off in
+bf16: fused, the branch norm reads the merge before its rounding to bf16 (a different
+rounding path, not a less accurate one: on the CPU over 8 seeds DAR's gradients were
+0.77x the unfused errors on the scalar parameters and 0.98x on the others, geometric
+means), and the rule above, which measures a candidate against the reference's own
+rounding, fails it on DAR's cancellation-bound scalars in 2 seeds of 8 (at 1.01x and 1.09x
+the allowance; docs/benchmarks.md session 20). The fused path's bf16 accuracy is tested on
+the CPU instead (tests/compile/test_norm_fusion.py).
+
 The lowering report must show the routing ops and which implementation they ran.
 Prints one line per scheme and precision; returns rows for gpu_suite.py.
 """
@@ -130,8 +140,10 @@ def _check_scheme(scheme: str, precision: str, device: str) -> dict:
         set_fused_enabled(previous)
     backend.clear_reports()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
-                             options={"inner": "aot_eager", **BACKEND_OPTIONS.get(scheme, {})})
+    options = {"inner": "aot_eager", **BACKEND_OPTIONS.get(scheme, {})}
+    if scheme in FUSED_MERGE_CONFIGS and precision == "bf16":  # module docstring
+        options["fuse_output_norms"] = False
+    compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
     if truth is None:
@@ -148,13 +160,15 @@ def _check_scheme(scheme: str, precision: str, device: str) -> dict:
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
     if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
-    if scheme in FUSED_MERGE_CONFIGS:
-        ok = ok and any(op.startswith("depthrewrite::route_merge ") for op in ops)  # the op really ran
+    fused_norms = sum(r.fused_norms or 0 for r in backend.reports())
+    if scheme in FUSED_MERGE_CONFIGS:  # the op really ran (in fp32 with the branch norms fused into it)
+        ok = ok and any(op.startswith("depthrewrite::route_merge ") for op in ops)
+        ok = ok and (fused_norms > 0 if precision == "fp32" else fused_norms == 0)
     if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
-                graphs=len(backend.reports()), ops=ops)
+                graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms)
 
 
 def run(schemes: list[str], device: str, say=print) -> list[dict]:
@@ -168,7 +182,7 @@ def run(schemes: list[str], device: str, say=print) -> list[dict]:
             say(f"scheme-check {row['scheme']:14s} {row['precision']} ok={row['ok']} "
                 + (row.get("error") or f"loss {row['loss_err']:.1e} worst grad {row['worst_grad_err']:.1e} "
                    f"(allowed {row['worst_grad_allowed']:.1e}) "
-                   f"({row['worst_grad']}) graphs {row['graphs']} ops {row['ops']}"))
+                   f"({row['worst_grad']}) graphs {row['graphs']} ops {row['ops']} fused norms {row['fused_norms']}"))
             rows.append(row)
     return rows
 

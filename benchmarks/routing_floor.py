@@ -86,10 +86,12 @@ class RoutingCalls(TorchDispatchMode):
 def count(config: str, width: int) -> RoutingCalls:
     """One eager training step of the end-to-end configuration ``config`` (the benchmark
     model's depth and heads, its launch constants: ``two_phase.FUSED_MERGE`` for ``_fm``) at
-    ``width``, counted. Compiled, with the backend's ``recompute_partial_sums`` (its
-    default), the backward makes each ``route_merge`` result again (the partitioner
-    recomputes the tagged call, docs/design.md): those calls are added as
-    ``route_merge (recomputed)``, which eager mode does not run."""
+    ``width``, counted. Compiled with the backend's ``fuse_output_norms`` off and its
+    ``recompute_partial_sums`` on (``_fmnf``), the backward makes each ``route_merge``
+    result again (the partitioner recomputes the tagged call, docs/design.md): those calls
+    are added as ``route_merge (recomputed)``, which eager mode does not run. With the
+    norms fused (the default) a merge writes the normed row instead of ``x``, the same
+    count of rows, and nothing is made again."""
     scheme, options, _ = CONFIGS[config]
     previous = apply_launch_patches(config)
     try:
@@ -97,7 +99,9 @@ def count(config: str, width: int) -> RoutingCalls:
     finally:
         for module, constant, value in previous:
             setattr(module, constant, value)
-    if counter.calls["route_merge"] and BACKEND_OPTIONS.get(config, {}).get("recompute_partial_sums", True):
+    options = BACKEND_OPTIONS.get(config, {})
+    if counter.calls["route_merge"] and options.get("recompute_partial_sums", True) \
+            and not options.get("fuse_output_norms", True):
         counter.calls["route_merge (recomputed)"] = counter.calls["route_merge"]
         counter.rows["route_merge (recomputed)"] = counter.rows["route_merge"]
     return counter

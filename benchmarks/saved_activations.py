@@ -32,13 +32,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import depthrewrite  # noqa: E402
 from depthrewrite.models.gpt import GPT, GPTConfig  # noqa: E402
+from depthrewrite.norm_fusion import fuse_output_norms  # noqa: E402
 from depthrewrite.passes import two_phase  # noqa: E402
 from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
 #: name -> (scheme or None for the baseline, options[, True: the backend's
 #: recompute_partial_sums, the tagged partial sums marked for recomputation; "branch": that
 #: and recompute_branch_outputs[, True: the second phase through route_merge,
-#: two_phase.FUSED_MERGE]]): the e2e benchmark's block forms
+#: two_phase.FUSED_MERGE, the branch norms fused into it as the backend's
+#: fuse_output_norms does]]): the e2e benchmark's block forms
 CONFIGS = {
     "baseline": (None, {}),
     "block_attnres": ("block_attnres", {}),
@@ -133,6 +135,8 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def backend(gm, example_inputs):
+        if fused_merge and fuse_output_norms(gm.graph):  # as the depthrewrite backend does by default
+            gm.recompile()
         if recompute:
             mark_recomputable(gm.graph, branch_outputs=recompute == "branch")
         return compile_fx(gm, example_inputs, inner_compile=inner)

@@ -36,6 +36,9 @@ outputs those sums are rebuilt from are not saved either, their linear layers' m
 again in the backward (one activation per site less for one matmul per site more,
 :mod:`depthrewrite.recompute`; H200, 350M: peak 1.158x -> 1.091x the plain model's for
 WAV, 1.236x -> 1.169x for DAR block, each step 3 % longer; docs/benchmarks.md session 14);
+``fuse_output_norms`` (default True; :mod:`depthrewrite.norm_fusion`): where the second
+phase runs through ``route_merge`` (``two_phase.FUSED_MERGE``), the branch's RMSNorm that
+alone reads a merge's result is fused into it, which then never writes the result itself;
 every other key is an Inductor config patch applied to this compilation only
 (``config_patches``, never a global assignment).
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
@@ -60,6 +63,7 @@ from torch import fx
 from .grad_accumulation import MAX_HEADS
 from .kernels import implementation_for
 from .inductor_pass import backend_pass, rewrite_gradient_sums
+from .norm_fusion import fuse_output_norms
 from .recompute import mark_recomputable
 from .sum_fences import DEFAULT_MAX_TERMS, check_max_terms
 
@@ -108,6 +112,8 @@ class LoweringReport:
     accumulate_in_place: bool = True
     in_place: dict[str, int] = dataclasses.field(default_factory=dict)
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
+    #: branch norms fused into route_merge calls (``fuse_output_norms``; None with it off)
+    fused_norms: int | None = None
     saved_for_backward: dict[str, int] = dataclasses.field(default_factory=dict)
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
@@ -345,12 +351,17 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
         raise ValueError("depthrewrite_backend: options['recompute_branch_outputs'] needs recompute_partial_sums "
                          "(the branch outputs are saved for the partial sums' recomputation); found "
                          "recompute_partial_sums=False")
+    fuse_norms = _pop_flag(options, "fuse_output_norms", True)
+    fused_norms = fuse_output_norms(gm.graph) if fuse_norms else None
+    if fused_norms:
+        gm.recompile()
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
     recomputed = mark_recomputable(gm.graph, branch_outputs) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
-                            accumulate_max_heads=max_heads, recomputed=recomputed, accumulate_in_place=in_place)
+                            accumulate_max_heads=max_heads, recomputed=recomputed, accumulate_in_place=in_place,
+                            fused_norms=fused_norms)
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
              report.num_routing_ops, ops, impls, inner)

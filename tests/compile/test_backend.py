@@ -108,20 +108,23 @@ def test_aot_eager_matches_eager_and_reports_every_routing_call(scheme):
 @pytest.mark.parametrize("scheme", ["block_attnres", "dar"])
 @pytest.mark.parametrize("recompute", [True, False])
 def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, recompute, monkeypatch):
-    """``two_phase.FUSED_MERGE``: the second phase's ``route_merge`` calls compile with
-    ``fullgraph=True`` (its fake implementation, its backward op) and match eager; the report
-    counts one call per site with a partial entry in the forward and as many backwards.
-    With ``recompute_partial_sums`` (the default) the backward makes each merged result
-    again (one more forward per call) rather than keeping it for the branch's RMSNorm."""
+    """``two_phase.FUSED_MERGE`` with the branch norms left unfused: the second phase's
+    ``route_merge`` calls compile with ``fullgraph=True`` (its fake implementation, its
+    backward op) and match eager; the report counts one call per site with a partial entry
+    in the forward and as many backwards. With ``recompute_partial_sums`` (the default) the
+    backward makes each merged result again (one more forward per call) rather than keeping
+    it for the branch's RMSNorm. (With the norms fused, the default, nothing is made again:
+    tests/compile/test_norm_fusion.py.)"""
     from depthrewrite.passes import two_phase
 
     monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
-    options = {"inner": "aot_eager", "recompute_partial_sums": recompute}
+    options = {"inner": "aot_eager", "recompute_partial_sums": recompute, "fuse_output_norms": False}
     model, reports = _compile_and_compare(scheme, options, rtol=1e-6, atol=1e-7)
     # 2 layers: Block AttnRes in blocks of 2 sites, DAR in blocks of one layer (2 sites):
     # the second site of each block merges its partial entry, the readout none
     merges = model.config.n_layer
     assert reports[0].aot_graphs["forward"]["depthrewrite::route_merge"] == merges
+    assert reports[0].fused_norms is None
     backward = reports[0].aot_graphs["backward"]
     assert backward["depthrewrite::route_merge_backward"] == merges
     assert backward.get("depthrewrite::route_merge", 0) == (merges if recompute else 0)
@@ -153,6 +156,8 @@ def test_bad_options_are_value_errors():
         backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"inner": "tvm"})
     with pytest.raises(ValueError, match="unexpected arguments"):
         backend.depthrewrite_backend(gm, [torch.randn(1, 2)], fast=True)
+    with pytest.raises(ValueError, match="options\\['fuse_output_norms'\\] must be True or False; found 'yes'"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"fuse_output_norms": "yes"})
 
 
 def test_report_reads_device_and_dtype_of_each_call():

@@ -74,15 +74,18 @@ def test_fused_merges_are_priced_per_distinct_row(monkeypatch):
 
 
 def test_configuration_count_sets_its_constants_back_and_adds_the_recomputed_merges():
-    """``count`` runs an ``_fm`` configuration with ``two_phase.FUSED_MERGE`` on, puts the
-    constant back, and adds the merges the compiled backward makes again (one per call)."""
+    """``count`` runs an ``_fm`` configuration with ``two_phase.FUSED_MERGE`` on and puts the
+    constant back; with the branch norms unfused (``_fmnf``) it adds the merges the compiled
+    backward makes again (one per call), with them fused (``_fm``) none."""
     from depthrewrite.passes import two_phase
 
     floor = _load()
     before = two_phase.FUSED_MERGE
-    counter = floor.count("block_attnres_fm", width=32)
-    assert two_phase.FUSED_MERGE == before
     merges = 8 * 5  # the benchmark model: 48 sites in 8 blocks of 6
+    counter = floor.count("block_attnres_fmnf", width=32)
+    assert two_phase.FUSED_MERGE == before
     assert counter.calls["route_merge"] == counter.calls["route_merge (recomputed)"] == merges
     assert counter.rows["route_merge (recomputed)"] == counter.rows["route_merge"] == merges * 3
+    fused = floor.count("block_attnres_fm", width=32)
+    assert fused.calls["route_merge"] == merges and fused.calls["route_merge (recomputed)"] == 0
     assert floor.count("block_attnres", width=32).calls["route_merge"] == 0

@@ -10,7 +10,9 @@ at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--fo
 also under those register caps, 0 for none), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
 several heads) and the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s
-(6 queries; also in its ``param="table"`` form), each without and with separate keys; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
+(6 queries; also in its ``param="table"`` form), each without and with separate keys, and
+``route_merge``'s forward and backward (J = 1 and 2, with and without the fused output norm)
+at their launchers' choices; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
 on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
 Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
 global loads and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes,
@@ -167,6 +169,25 @@ def memory_instructions(ptx: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+MERGE_TYPES = dict(otab="*i64", ltab="*i64", vtab="*i64", ktab="*i64", gotab="*i64", gltab="*i64", gvtab="*i64",
+                   gktab="*i64", g_ptr="*bf16", x_ptr="*bf16", q_ptr="*fp32", w_ptr="*fp32", m_ptr="*fp32",
+                   nw_ptr="*fp32", part_r_ptr="*fp32", part_m_ptr="*fp32", part_n_ptr="*fp32", T="i32", D="i32",
+                   C="i32", H="i32", eps="fp32", norm_eps="fp32", num_blocks="i32")
+
+
+def compile_merge(d: int, heads: int, results: int, has_keys: bool, has_norm: bool, backward: bool):
+    """route_merge's forward or backward kernel as its launchers make it (default config)."""
+    from depthrewrite.kernels import route_merge_triton as merge
+    from depthrewrite.kernels.route_triton import _row_blocks
+
+    block_h, block_c = _row_blocks(d, heads)
+    launch = merge._launch(None, block_h * block_c)
+    constexprs = dict(J=results, HAS_KEYS=has_keys, HAS_NORM=has_norm, BLOCK_T=launch["block_t"], BLOCK_H=block_h,
+                      BLOCK_C=block_c, ALIGNED=True)
+    kernel = merge._route_merge_bwd_kernel if backward else merge._route_merge_fwd_kernel
+    return _compile(kernel, MERGE_TYPES, constexprs, launch["num_warps"]), launch
+
+
 def main() -> int:
     import triton
 
@@ -209,6 +230,16 @@ def main() -> int:
                 print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: {regs} registers, "
                       f"{spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers; "
                       f"global memory instructions {memory_instructions(ptx)}")
+    for backward in (False, True):
+        for heads in args.heads:
+            for results, has_keys, has_norm in ((1, False, False), (1, False, True), (2, True, False), (2, True, True)):
+                ptx, launch = compile_merge(args.width, heads, results, has_keys, has_norm, backward)
+                regs, spills = ptxas_report(ptx, args.ptxas)
+                warps = launch["num_warps"]
+                print(f"route_merge {'backward' if backward else 'forward'} heads={heads:3d} J={results} "
+                      f"keys={str(has_keys):5s} norm={has_norm:d} block_t={launch['block_t']} warps={warps}: "
+                      f"{regs} registers, {spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by "
+                      f"registers; global memory instructions {memory_instructions(ptx)}")
     return 0
 
 

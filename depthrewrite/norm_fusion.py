@@ -126,7 +126,7 @@ def _manual_norm(x: fx.Node):
             or mean.kwargs.get("keepdim") is not True or len(mean.users) != 1:
         return None
     add = next(iter(mean.users))
-    eps = _other(add, mean) if _is(add, _ADD) else None
+    eps = _other(add, mean) if _is(add, _ADD) and not add.kwargs else None
     if not isinstance(eps, float) or len(add.users) != 1:
         return None
     rsqrt = next(iter(add.users))

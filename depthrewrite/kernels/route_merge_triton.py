@@ -16,8 +16,9 @@ activation dtype, with float32 math.
   gradients of ``out_j``, ``lse_j``, ``v_j`` (and ``k_j``), and adds the parameter
   gradients' ``dz * khat`` and the mix weight's ``<g, r_j>`` to per-program partial sums,
   added afterwards in a fixed order (deterministic, no atomics). With the output norm it
-  first makes ``x`` again from the same rows (read twice: the second time from cache) and
-  runs the norm's backward, its weight's gradient summed per program likewise.
+  first makes ``x`` again from the same rows (on sm_90 the compiler keeps them in registers
+  for the gradients: no second load, ``benchmarks/kernel_registers.py``) and runs the
+  norm's backward, its weight's gradient summed per program likewise.
 """
 
 from __future__ import annotations

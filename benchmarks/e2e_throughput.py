@@ -168,10 +168,10 @@ LAUNCH_VARIANTS = {
     # the second phase through depthrewrite::route_merge's fused kernels (session 19; off by
     # default until timed: merge_partial's torch ops, compiled by Inductor), the branch
     # norm fused into it by the backend (fuse_output_norms, on by default; session 20)
-    "fm": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.FUSED_MERGE": True}),
+    "fm": (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True}),
     # the same with the branch norms left to Inductor (backend option fuse_output_norms off:
     # each merge writes x, and the backward makes it again; session 20)
-    "fmnf": (("block_attnres", "mhar_block", "dar_block"), {"two_phase.FUSED_MERGE": True}),
+    "fmnf": (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})

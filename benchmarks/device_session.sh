@@ -266,9 +266,10 @@ fusedmerge)
   timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres_fm mhar_block_fm dar_fm \
       > "$OUT/check.txt" 2>&1
   grep "scheme-check" "$OUT/check.txt" | tail -8
-  timeout 110 python3 benchmarks/route_merge_speed.py > "$OUT/merge_speed.txt" 2>&1
-  tail -22 "$OUT/merge_speed.txt"
-  timeout "${E2E_SECONDS:-300}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 40 --schemes \
+  timeout 120 python3 benchmarks/route_merge_speed.py --cases block_attnres block_attnres_normed dar_block \
+      dar_block_normed > "$OUT/merge_speed.txt" 2>&1
+  grep "^|" "$OUT/merge_speed.txt"
+  timeout "${E2E_SECONDS:-280}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 40 --schemes \
       baseline dar_block dar_block_fm block_attnres block_attnres_fm > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -10
   ;;

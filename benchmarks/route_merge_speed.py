@@ -140,9 +140,13 @@ def run_case(name: str, tokens: int, d: int, device: str, reps: int, seed: int) 
     return rows
 
 
+TABLE_HEAD = ["| case | impl | fwd ms | x floor | bwd ms | x floor | fwd+bwd ms | x floor | x inductor's fwd+bwd |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+
 def table(rows: list[dict]) -> list[str]:
-    out = ["| case | impl | fwd ms | x floor | bwd ms | x floor | fwd+bwd ms | x floor | x inductor's fwd+bwd |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """Table rows (no head) for the rows of one or more cases."""
+    out = []
     inductor = {r["case"]: r["fwd_bwd"] for r in rows if r["impl"] == "inductor"}
     for r in rows:
         total = r.get("fwd_bwd", r["fwd"] + r.get("bwd", 0.0))
@@ -163,15 +167,15 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import depthrewrite.kernels  # noqa: F401  (registers the CUDA kernels)
 
-    rows = []
+    # each case's rows as soon as they are timed: a run stopped at its time limit keeps them
+    print(f"route_merge at {args.tokens} tokens x d = {args.width}, bf16, {device} "
+          f"({'CUDA events, median' if device == 'cuda' else 'host times: NOT GPU figures'}); "
+          f"kernels checked against the float32 reference first (worst relative error per case)")
+    print("\n".join(TABLE_HEAD), flush=True)
     for i, name in enumerate(args.cases):
         case_rows = run_case(name, args.tokens, args.width, device, args.reps, seed=100 + i)
-        print(f"{name}: worst relative error of the kernels against the float32 reference "
-              f"{case_rows[0]['error']:.1e}", flush=True)
-        rows += case_rows
-    print(f"route_merge at {args.tokens} tokens x d = {args.width}, bf16, {device} "
-          f"({'CUDA events, median' if device == 'cuda' else 'host times: NOT GPU figures'})")
-    print("\n".join(table(rows)))
+        print("\n".join(table(case_rows)) + f"\n| {name} | error {case_rows[0]['error']:.1e} | | | | | | | |",
+              flush=True)
     return 0
 
 

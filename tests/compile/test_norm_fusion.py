@@ -138,12 +138,13 @@ def test_option_off_leaves_the_graph_and_reports_none():
     assert report.aot_graphs["forward"] == {"depthrewrite::route_merge": 1}
 
 
-@pytest.mark.parametrize("scheme,options,merges", [
-    ("block_attnres", {"block_size": 2}, 2),  # 2 layers: the second site of each block merges
-    ("dar", {"layers_per_block": 1}, 2),
-    ("mhar", {"block_size": 2, "heads": 4}, 2),
+@pytest.mark.parametrize("scheme,options,merges,inner", [
+    ("block_attnres", {"block_size": 2}, 2, "aot_eager"),  # 2 layers: the second site of each block merges
+    ("dar", {"layers_per_block": 1}, 2, "aot_eager"),
+    ("mhar", {"block_size": 2, "heads": 4}, 2, "aot_eager"),
+    ("dar", {"layers_per_block": 1}, 2, "inductor"),  # the fused call through Inductor's lowering
 ])
-def test_rewritten_gpt_fuses_every_merged_sites_norm(scheme, options, merges, monkeypatch):
+def test_rewritten_gpt_fuses_every_merged_sites_norm(scheme, options, merges, inner, monkeypatch):
     """With ``two_phase.FUSED_MERGE`` the bundled GPT's branch norms after each merge are
     fused (the dead residual adds Dynamo hands over do not stop it), loss and gradients as
     eager's in float32."""
@@ -168,7 +169,7 @@ def test_rewritten_gpt_fuses_every_merged_sites_norm(scheme, options, merges, mo
     expected = loss_and_grads(model)
     torch._dynamo.reset()
     backend.clear_reports()
-    got = loss_and_grads(torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"}))
+    got = loss_and_grads(torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": inner}))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     report = backend.last_report()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -169,7 +170,11 @@ def test_rewritten_gpt_fuses_every_merged_sites_norm(scheme, options, merges, in
     expected = loss_and_grads(model)
     torch._dynamo.reset()
     backend.clear_reports()
-    got = loss_and_grads(torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": inner}))
+    # no cache: a graph served from Inductor's or AOTAutograd's caches is not compiled, so
+    # its forward and backward graphs would not be in the report
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got = loss_and_grads(torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": inner}))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     report = backend.last_report()

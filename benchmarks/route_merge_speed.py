@@ -13,8 +13,8 @@ directly: no dispatcher) at the default launch and each variant of :data:`VARIAN
 result first checked against the reference in float32 (relative error printed). The floor
 is the rows each pass must move at least once (``routing_floor``'s pricing: forward reads
 the results and the distinct entries, writes ``x``; backward reads ``x``'s gradient and
-those rows and writes a gradient per row argument) at 4.8 TB/s. Times: median of ``--reps``
-calls after a warm-up, CUDA events (``triton.testing.do_bench``), on fresh random bf16 data
+those rows and writes a gradient per row argument) at 4.8 TB/s. Times: ``gpu_suite.bench``
+(median over ``--reps`` ms of calls after a warm-up, CUDA events), on fresh random bf16 data
 per case. On a machine without CUDA (Triton's interpreter, a tiny shape) it checks the
 numbers and prints host times, which say nothing about the GPU.
 """
@@ -33,8 +33,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of triton.jit code
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HBM_BYTES_PER_S = 4.8e12
+from routing_floor import HBM_BYTES_PER_S, _rows  # noqa: E402
+
 #: launch variants timed beside the default (route_merge_triton._launch's entries)
 VARIANTS = {
     "warps2": {"num_warps": 2},
@@ -68,21 +70,16 @@ def make(j: int, tokens: int, d: int, heads: int, shared_keys: bool, norm: bool,
 
 
 def floor_ms(inp: dict, backward: bool) -> float:
-    j = len(inp["outs"])
-    distinct = len({t.data_ptr() for t in inp["values"] + (inp["keys"] or [])})
-    rows = (1 + j + distinct + j + j * (2 if inp["keys"] is not None else 1)) if backward else (j + distinct + 1)
+    """The HBM floor of one call, priced as ``routing_floor`` prices the step's calls."""
+    rows = _rows("route_merge_backward" if backward else "route_merge", inp)
     return rows * inp["outs"][0].numel() * 2 / HBM_BYTES_PER_S * 1e3
 
 
 def timer(device: str, reps: int):
     if device == "cuda":
-        from triton.testing import do_bench
+        from gpu_suite import bench
 
-        def cuda_ms(fn):
-            fn()  # the first call compiles
-            torch.cuda.synchronize()
-            return do_bench(fn, warmup=25, rep=reps, return_mode="median")
-        return cuda_ms
+        return lambda fn: bench(fn, rep=reps)
 
     def host_ms(fn):
         fn()

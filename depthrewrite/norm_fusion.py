@@ -62,9 +62,8 @@ def _only_users(node: fx.Node, allowed: set) -> bool:
 
 
 def _is_merge(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    name = schema.name if schema is not None else getattr(node.target, "_qualified_op_name", None)
-    return node.op == "call_function" and name == "depthrewrite::route_merge"
+    merge = torch.ops.depthrewrite.route_merge  # registered by depthrewrite.ops, which the backend imports
+    return node.op == "call_function" and node.target in (merge, merge.default)
 
 
 def _float_cast(node: fx.Node, x: fx.Node) -> bool:

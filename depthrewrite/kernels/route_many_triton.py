@@ -73,7 +73,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _product_as, _row_blocks, _src_ptr,
+    _positive_int, _product_as, _row_blocks, _src_ptr,
 )
 from .pointer_tables import pointer_tables
 
@@ -624,7 +624,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
         chunks = triton.cdiv(s, block_q)
         per_program = cfg.get("tokens_per_program")
-        per_program = _positive_int("tokens_per_program",
+        per_program = _positive_int("route_many", "tokens_per_program",
                                     _many_forward_tokens(heads) if per_program is None else per_program)
         runs = triton.cdiv(tokens, per_program)
         _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
@@ -643,13 +643,6 @@ def _checked_choice(name: str, choice: str, choices: tuple) -> str:
     if choice not in choices:
         raise ValueError(f"route_many (Triton): config {name} must be one of {choices}; found {choice!r}")
     return choice
-
-
-def _positive_int(name: str, value) -> int:
-    """The launch config's entry ``name``, if it is a positive int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"route_many (Triton): config {name} must be a positive int; found {value!r}")
-    return value
 
 
 def _check_grid(programs: int, what: str) -> None:
@@ -805,7 +798,7 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
     others = heads * query_chunks * column_blocks
     # token ranges: enough programs in all to fill the GPU, each range a whole number of tiles
     per_sm = cfg.get("param_per_sm")
-    per_sm = PARAM_PER_SM if per_sm is None else _positive_int("param_per_sm", per_sm)
+    per_sm = PARAM_PER_SM if per_sm is None else _positive_int("route_many", "param_per_sm", per_sm)
     tiles = triton.cdiv(tokens, block_tt)
     splits = max(1, _backward_programs(like.device, tiles * others, per_sm) // others)
     per_program = triton.cdiv(triton.cdiv(tokens, splits), block_tt) * block_tt

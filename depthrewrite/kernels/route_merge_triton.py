@@ -33,8 +33,8 @@ from torch import Tensor
 
 from .pointer_tables import pointer_tables
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_supported, _contiguous, _product_as, _row_blocks,
-    _src_ptr, _tokens_per_program,
+    _aligned, _backward_programs, _check_block_t, _check_supported, _contiguous, _positive_int, _product_as,
+    _row_blocks, _src_ptr, _tokens_per_program,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -223,12 +223,10 @@ def _launch(config: dict | None, row: int) -> dict:
         raise ValueError(f"route_merge (Triton): unknown config entries {sorted(unknown)}; "
                          f"expected block_t, num_warps, per_sm")
     _check_block_t(cfg["block_t"])
-    for name in ("num_warps", "per_sm"):
-        value = cfg[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (
-                name == "num_warps" and value & (value - 1)):
-            kind = "a power of two" if name == "num_warps" else "a positive int"
-            raise ValueError(f"route_merge (Triton): config {name} must be {kind}; found {value!r}")
+    _positive_int("route_merge", "per_sm", cfg["per_sm"])
+    warps = _positive_int("route_merge", "num_warps", cfg["num_warps"])
+    if warps & (warps - 1):
+        raise ValueError(f"route_merge (Triton): config num_warps must be a power of two; found {warps!r}")
     return cfg
 
 

@@ -651,6 +651,13 @@ def _check_stages(stages, default: int, op: str, name: str = "stages") -> int:
     return stages
 
 
+def _positive_int(op: str, name: str, value) -> int:
+    """The launch config's entry ``name``, if it is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{op} (Triton): config {name} must be a positive int; found {value!r}")
+    return value
+
+
 def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel: str = "") -> int:
     """``prefetch`` as a kernel's PREFETCH depth (0, 1 or 2), checked against ``allowed``
     (``kernel``, e.g. "the tiled backward", names the kernel in the error where an op has several)."""

@@ -379,13 +379,15 @@ def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | 
     return list(tensors)
 
 
-def _check_param(arg: str, t: object, shape: tuple[int, ...], device: torch.device, optional: bool) -> None:
+def _check_param(arg: str, t: object, shape: tuple[int, ...], device: torch.device, optional: bool,
+                 op: str = "route") -> None:
     if t is None and optional:
         return
+    none_or = "None or " if optional else ""
     if not isinstance(t, Tensor):
-        raise _fail(arg, f"a tensor of shape {shape}", type(t).__name__)
+        raise _fail(arg, f"{none_or}a tensor of shape {shape}", type(t).__name__, op)
     if not t.is_floating_point() or tuple(t.shape) != shape or t.device != device:
-        raise _fail(arg, f"a floating-point tensor of shape {shape} on {device}", _describe(t))
+        raise _fail(arg, f"{none_or}a floating-point tensor of shape {shape} on {device}", _describe(t), op)
 
 
 def _check_eps(arg: str, eps: object, op: str = "route") -> None:

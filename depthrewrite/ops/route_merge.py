@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .route import _check_eps, _check_sources, _compute_dtype, _describe, _out_norm_backward
+from .route import _check_eps, _check_param, _check_sources, _compute_dtype, _describe, _out_norm_backward
 
 __all__ = ["route_merge", "route_merge_reference"]
 
@@ -226,18 +226,11 @@ def _check_inputs(outs, lses, values, keys, queries, key_norm_weights, mix, head
         if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != lse_shape \
                 or t.device != first.device:
             raise _fail(f"lses[{i}]", f"a floating-point tensor of shape {lse_shape} on {first.device}", _found(t))
-    for arg, t, shape in (("queries", queries, (j, d)), ("key_norm_weights", key_norm_weights, (j, d)),
-                          ("mix", mix, (j,))):
-        if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != shape \
-                or t.device != first.device:
-            raise _fail(arg, f"a floating-point tensor of shape {shape} on {first.device}", _found(t))
+    params = (("queries", queries, (j, d), False), ("key_norm_weights", key_norm_weights, (j, d), False),
+              ("mix", mix, (j,), False), ("out_norm_weight", out_norm_weight, (d,), True))
+    for arg, t, shape, optional in params:
+        _check_param(arg, t, shape, first.device, optional, op="route_merge")
     _check_eps("eps", eps, op="route_merge")
-    if out_norm_weight is not None:
-        t = out_norm_weight
-        if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (d,) \
-                or t.device != first.device:
-            raise _fail("out_norm_weight", f"None or a floating-point tensor of shape {(d,)} on {first.device}",
-                        _found(t))
     _check_eps("out_norm_eps", out_norm_eps, op="route_merge")
 
 

@@ -132,6 +132,8 @@ CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffix
 for suffix in ("cg", "cdt"):
     CONFIGS[f"baseline_{suffix}"] = (None, {}, None)
     BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
+#: the second phase through route_merge (two_phase.FUSED_MERGE): the "fm" and "fmnf" variants
+_FUSED_MERGE_VARIANT = (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True})
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
 #: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``), an A/B of a
@@ -168,10 +170,10 @@ LAUNCH_VARIANTS = {
     # the second phase through depthrewrite::route_merge's fused kernels (session 19; off by
     # default until timed: merge_partial's torch ops, compiled by Inductor), the branch
     # norm fused into it by the backend (fuse_output_norms, on by default; session 20)
-    "fm": (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True}),
-    # the same with the branch norms left to Inductor (backend option fuse_output_norms off:
-    # each merge writes x, and the backward makes it again; session 20)
-    "fmnf": (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True}),
+    "fm": _FUSED_MERGE_VARIANT,
+    # the same with the branch norms left to Inductor (backend option fuse_output_norms off,
+    # set below: each merge writes x, and the backward makes it again; session 20)
+    "fmnf": _FUSED_MERGE_VARIANT,
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})

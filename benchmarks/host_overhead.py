@@ -1,8 +1,9 @@
 """Host (CPU) time per call of the routing ops on the GPU, layer by layer: what a compiled
-graph pays on the host for each ``depthrewrite::route`` / ``route_backward`` / ``fence_``
+graph pays on the host for each ``depthrewrite::route`` / ``route_backward`` / ``fence_``,
+``route_many`` / ``route_many_backward`` and ``route_merge`` / ``route_merge_backward``
 call, apart from the GPU's work.
 
-    python3 benchmarks/host_overhead.py [--sources 3 9 24] [--calls 200] [--repeats 7]
+    python3 benchmarks/host_overhead.py [--sources 3 9 24] [--calls 200] [--repeats 7] [--profile-top 12]
 
 Each row calls one layer ``--calls`` times back to back on a few tokens (the kernels take a
 few microseconds, so the host sets the pace), synchronises, and reports the median over
@@ -14,18 +15,29 @@ few microseconds, so the host sets the pace), synchronises, and reports the medi
 - ``pointer tables``: the tables alone, found in the cache or uploaded;
 - ``torch.add``: one eager ATen op, for scale.
 
-Needs CUDA; prints a table.
+Then the two-phase ops at the end-to-end model's sites (second table; session 21, when the
+fused merge's profile showed the host issuing Block AttnRes's step in 88.8 ms against 45.6
+without it): ``route_many`` for Block AttnRes's phase 1 (6 completed blocks, 8 sites) and
+``route_merge`` with the branch norm fused, one result (Block AttnRes) and two keyed ones
+(DAR), each as the op and as its launcher; with ``--profile-top`` > 0, each op's calls
+under ``cProfile``, the functions with the most own time.
+
+Needs CUDA; prints the tables last.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:
@@ -77,6 +89,81 @@ def rows_for(n: int, tokens: int, d: int, calls: int, repeats: int) -> list[tupl
         return [(name, per_call_us(fn, calls, repeats)) for name, fn in layers]
 
 
+def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
+    """name -> (the op as a compiled graph calls it, our registered CUDA kernel function
+    called directly, its Triton launcher called directly)."""
+    import torch
+
+    import depthrewrite.kernels  # registers the CUDA kernels
+    from depthrewrite.kernels import route_many_triton as many
+    from depthrewrite.kernels import route_merge_triton as merge
+    from route_merge_speed import make
+
+    ops, dt, cuda = torch.ops.depthrewrite, torch.bfloat16, depthrewrite.kernels.CUDA_KERNELS
+    values = [torch.randn(tokens, d, device=dev, dtype=dt) for _ in range(6)]  # 6 completed blocks
+    queries, weights = torch.randn(8, d, device=dev) * 0.1, torch.rand(8, d, device=dev) + 0.5  # 8 sites
+    out, lse = (list(t) for t in ops.route_many.default(values, queries, weights, 1, 1e-6, None))
+    grad_out, grad_lse = [torch.randn_like(o) for o in out], [torch.randn_like(t) for t in lse]
+    found = {
+        "route_many fwd (6 blocks, 8 sites)": (
+            lambda: ops.route_many.default(values, queries, weights, 1, 1e-6, None),
+            lambda: cuda["route_many"](values, queries, weights, 1, 1e-6, None),
+            lambda: many.route_many_forward(values, queries, weights, 1, 1e-6)),
+        "route_many bwd (6 blocks, 8 sites)": (
+            lambda: ops.route_many_backward.default(grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6,
+                                                    None),
+            lambda: cuda["route_many_backward"](grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6, None),
+            lambda: many.route_many_backward(grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6)),
+    }
+    for name, (j, keyed) in {"route_merge, normed, J=1": (1, False), "route_merge, normed, J=2 keyed": (2, True)}.items():
+        inp = make(j, tokens, d, 1, keyed, True, dev, seed=11)
+        args = (inp["outs"], inp["lses"], inp["values"], inp["keys"], inp["queries"], inp["key_norm_weights"],
+                inp["mix"], 1, 1e-6, inp["out_norm_weight"], 1e-6)
+        grad = torch.randn(tokens, d, device=dev, dtype=dt)
+        found[f"{name} fwd"] = (lambda a=args: ops.route_merge.default(*a), lambda a=args: cuda["route_merge"](*a),
+                                lambda a=args: merge.route_merge_forward(*a))
+        found[f"{name} bwd"] = (lambda a=args, g=grad: ops.route_merge_backward.default(g, *a),
+                                lambda a=args, g=grad: cuda["route_merge_backward"](g, *a),
+                                lambda a=args, g=grad: merge.route_merge_backward(g, *a))
+    return found
+
+
+def two_phase_rows(tokens: int, d: int, calls: int, repeats: int, profile_top: int) -> dict[str, list[float]]:
+    """name -> host us per call: the op with the kernels registered as ``depthrewrite.kernels``
+    registers them, the op with them registered through the custom op's
+    ``register_kernel`` (as before session 21; it overrides ours for the rest of the
+    process), our kernel function, the Triton launcher. Prints each op's profile first
+    (``profile_top`` > 0)."""
+    from e2e_throughput import _register_through_custom_op
+
+    rows = {name: [per_call_us(fn, calls, repeats) for fn in fns]
+            for name, fns in two_phase_cases(tokens, d).items()}
+    for name, (op, _, _) in two_phase_cases(tokens, d).items() if profile_top > 0 else ():
+        print(f"== {name}: the op's calls under cProfile ({calls} calls)")
+        print(profile(op, calls, profile_top), flush=True)
+    _register_through_custom_op()
+    for name, (op, _, _) in two_phase_cases(tokens, d).items():
+        rows[name].insert(1, per_call_us(op, calls, repeats))
+    return rows
+
+
+def profile(fn, calls: int, top: int) -> str:
+    """cProfile's table of the ``top`` functions by own time over ``calls`` calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sources", type=int, nargs="+", default=[3, 9, 24])
@@ -84,14 +171,24 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile-top", type=int, default=12, help="0: no cProfile tables")
     args = ap.parse_args()
+    import torch
+
     results = {n: rows_for(n, args.tokens, args.width, args.calls, args.repeats) for n in args.sources}
+    with torch.no_grad():
+        two_phase = two_phase_rows(args.tokens, args.width, args.calls, args.repeats, args.profile_top)
     names = [name for name, _ in results[args.sources[0]]]
     print(f"host us per call ({args.tokens} tokens, d={args.width}, bf16; median of {args.repeats} x {args.calls})")
     print("| layer | " + " | ".join(f"N={n}" for n in args.sources) + " |")
     print("| --- |" + " ---: |" * len(args.sources))
     for i, name in enumerate(names):
         print(f"| {name} | " + " | ".join(f"{results[n][i][1]:.1f}" for n in args.sources) + " |")
+    print("| two-phase op (the end-to-end model's sites) | op | op, custom-op registration | kernel function "
+          "| launcher |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, times in two_phase.items():
+        print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
     return 0
 
 

@@ -25,7 +25,6 @@
 #   OUT=... bash benchmarks/device_session.sh algorithms   # two-phase WAV, grouped full MHAR vs the defaults (session 19)
 #   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh session21  # kernel tests, DAR fm check, host time per op, op table (carry .whl)
-#   OUT=... bash benchmarks/device_session.sh registration  # kernels registered with the dispatcher directly: tests, check, host time, e2e A/B
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -312,22 +311,6 @@ session21)
   timeout 250 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 190 --no-e2e --no-block-phase \
       > "$OUT/suite_log.txt" 2>&1
   tail -13 "$OUT/suite_log.txt"; grep "^|" "$OUT/host.txt"
-  ;;
-registration)
-  # the CUDA kernels registered with the dispatcher directly (session 21) against the
-  # custom op's register_kernel (_cop): the GPU kernel tests, the scheme check of the
-  # schemes that call every op (the in-place route_backward_into_: WAV), the host's time
-  # per call, then end to end side by side (~8.5 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 110 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt" | tail -8 | tee -a "$LOG"
-  timeout 60 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres wav dar_fm \
-      > "$OUT/check.txt" 2>&1
-  grep "scheme-check" "$OUT/check.txt" | tail -7
-  timeout 55 python3 benchmarks/host_overhead.py --profile-top 8 --repeats 5 > "$OUT/host.txt" 2>&1
-  timeout "${E2E_SECONDS:-260}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes \
-      baseline dar_block dar_block_cop block_attnres block_attnres_cop > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/host.txt"; grep "^|" "$OUT/e2e.txt" | tail -14
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

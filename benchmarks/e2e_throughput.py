@@ -175,10 +175,6 @@ LAUNCH_VARIANTS = {
     # set below: each merge writes x, and the backward makes it again; session 20)
     "fmnf": _FUSED_MERGE_VARIANT,
 }
-#: the CUDA kernels registered as before session 21 (``torch.library.register_kernel``: the
-#: custom op's Python wrapper around each call), an A/B of the registration's host time
-CUSTOM_OP_REGISTRATION = ("dar_block_cop", "block_attnres_cop", "wav_cop", "mhar_block_cop")
-CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in CUSTOM_OP_REGISTRATION})
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
@@ -219,16 +215,6 @@ def apply_launch_patches(name: str) -> list[tuple]:
     return previous
 
 
-def _register_through_custom_op() -> None:
-    """Our CUDA kernels registered as before session 21, overriding ``_register``'s."""
-    import torch
-
-    from depthrewrite import kernels
-
-    for op, kernel in kernels.CUDA_KERNELS.items():
-        torch.library.register_kernel(f"depthrewrite::{op}", "cuda", kernel)
-
-
 def _build(name: str):
     import torch
 
@@ -237,8 +223,6 @@ def _build(name: str):
     from depthrewrite.models.gpt import gpt_from_preset
 
     apply_launch_patches(name)
-    if name in CUSTOM_OP_REGISTRATION:
-        _register_through_custom_op()
     scheme, options, _ = CONFIGS[name]
     torch.manual_seed(0)
     model = gpt_from_preset("medium", max_seq_len=SEQ)

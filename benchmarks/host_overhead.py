@@ -19,8 +19,10 @@ Then the two-phase ops at the end-to-end model's sites (second table; session 21
 fused merge's profile showed the host issuing Block AttnRes's step in 88.8 ms against 45.6
 without it): ``route_many`` for Block AttnRes's phase 1 (6 completed blocks, 8 sites) and
 ``route_merge`` with the branch norm fused, one result (Block AttnRes) and two keyed ones
-(DAR), each as the op and as its launcher; with ``--profile-top`` > 0, each op's calls
-under ``cProfile``, the functions with the most own time.
+(DAR), each as the op, as our registered CUDA kernel function (``depthrewrite.kernels``'s:
+the op's time beyond it is the dispatcher's and the custom op's wrapper's) and as its
+launcher; with ``--profile-top`` > 0, each op's calls under ``cProfile`` first, the
+functions with the most own time.
 
 Needs CUDA; prints the tables last.
 """
@@ -129,22 +131,13 @@ def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
 
 
 def two_phase_rows(tokens: int, d: int, calls: int, repeats: int, profile_top: int) -> dict[str, list[float]]:
-    """name -> host us per call: the op with the kernels registered as ``depthrewrite.kernels``
-    registers them, the op with them registered through the custom op's
-    ``register_kernel`` (as before session 21; it overrides ours for the rest of the
-    process), our kernel function, the Triton launcher. Prints each op's profile first
-    (``profile_top`` > 0)."""
-    from e2e_throughput import _register_through_custom_op
-
-    rows = {name: [per_call_us(fn, calls, repeats) for fn in fns]
-            for name, fns in two_phase_cases(tokens, d).items()}
-    for name, (op, _, _) in two_phase_cases(tokens, d).items() if profile_top > 0 else ():
+    """name -> host us per call: the op, our kernel function, the Triton launcher. Prints
+    each op's profile first (``profile_top`` > 0)."""
+    cases = two_phase_cases(tokens, d)
+    for name, (op, _, _) in cases.items() if profile_top > 0 else ():
         print(f"== {name}: the op's calls under cProfile ({calls} calls)")
         print(profile(op, calls, profile_top), flush=True)
-    _register_through_custom_op()
-    for name, (op, _, _) in two_phase_cases(tokens, d).items():
-        rows[name].insert(1, per_call_us(op, calls, repeats))
-    return rows
+    return {name: [per_call_us(fn, calls, repeats) for fn in fns] for name, fns in cases.items()}
 
 
 def profile(fn, calls: int, top: int) -> str:
@@ -184,9 +177,8 @@ def main() -> int:
     print("| --- |" + " ---: |" * len(args.sources))
     for i, name in enumerate(names):
         print(f"| {name} | " + " | ".join(f"{results[n][i][1]:.1f}" for n in args.sources) + " |")
-    print("| two-phase op (the end-to-end model's sites) | op | op, custom-op registration | kernel function "
-          "| launcher |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| two-phase op (the end-to-end model's sites) | op | kernel function | launcher |")
+    print("| --- | ---: | ---: | ---: |")
     for name, times in two_phase.items():
         print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
     return 0

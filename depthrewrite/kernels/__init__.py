@@ -4,8 +4,8 @@ Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, n
 ``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), its in-place running-sum
 form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`), ``depthrewrite::route_many``
 and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`),
-``depthrewrite::route_merge`` and its backward (the second phase, :mod:`.route_merge_triton`) as their CUDA
-kernels (``_register`` says how); the CPU (and any other device) keeps the
+``depthrewrite::route_merge`` and its backward (the second phase, :mod:`.route_merge_triton`) for the "cuda" device
+with ``torch.library.register_kernel``; the CPU (and any other device) keeps the
 pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
 compiled graphs (Inductor calls custom ops through the dispatcher) both reach the kernels.
 Triton itself is imported on the first CUDA call, so importing the package costs nothing
@@ -165,25 +165,24 @@ CUDA_KERNELS = {
     "route_many": _route_many_cuda, "route_many_backward": _route_many_backward_cuda,
     "route_merge": _route_merge_cuda, "route_merge_backward": _route_merge_backward_cuda,
 }
-#: the library our CUDA kernels are registered in (kept: dropping it unregisters them)
-_library: torch.library.Library | None = None
 
 
 def _register() -> None:
-    """Our kernels as the ops' CUDA kernels, registered with the dispatcher directly
-    (``Library.impl``) rather than through ``torch.library.register_kernel``: that wrapper
-    adds a Python layer per call (the custom op's ``backend_impl``, its aliasing check over
-    every input and output) that cost the host 70-230 us a call on the H200 against 4 us on
-    the CPU (``benchmarks/host_overhead.py``, session 21; our kernels always return new
-    tensors, which the GPU tests check). Dynamo is kept out of the kernels' frames as the
-    wrapper kept it (``torch._disable_dynamo``)."""
-    global _library
+    """Our kernels as the ops' CUDA kernels, through ``torch.library.register_kernel``.
+
+    The custom op's wrapper around each call (``backend_impl``: the aliasing check of every
+    input and output, Dynamo kept out) costs the host time: under ``cProfile`` it was
+    most of the op's time beyond our launcher's. Registering the kernels with the
+    dispatcher directly (``Library.impl``) cut the profiled host time of a call by
+    1.7-2.9x, yet end to end it was no faster (DAR block 0.676x of the baseline against
+    0.675x through the wrapper) and the host's time to issue a step grew (DAR block 123.7 ms
+    against 83.5 ms, Block AttnRes 68.1 against 45.6; on another H200 of the same kind); the
+    cause was not found, so the wrapper stays (docs/benchmarks.md, session 21, run 4)."""
     if not triton_available():
         log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")
         return
-    _library = torch.library.Library("depthrewrite", "IMPL")
     for name, kernel in CUDA_KERNELS.items():
-        _library.impl(name, torch._disable_dynamo(kernel), "CUDA")
+        torch.library.register_kernel(f"depthrewrite::{name}", "cuda", kernel)
 
 
 _register()

@@ -1,0 +1,50 @@
+"""benchmarks/gpu_scheme_check.py's gradient errors: a gradient that is exactly zero in the
+reference (a symmetry: DAR's first-site gate) is measured against its kind's scale, so
+rounding passes and a wrong value still fails; every other gradient against its own norm."""
+
+import importlib.util
+import pathlib
+import sys
+
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_scheme_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_scheme_check", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _reference():
+    return {"blocks.0.site1.mix": torch.zeros(1), "blocks.0.site2.mix": torch.tensor([3e-4]),
+            "blocks.1.site1.mix": torch.tensor([-4e-4]), "blocks.0.site1.beta": torch.tensor([3.0, 4.0])}
+
+
+def test_a_zero_gradient_is_scaled_by_its_kind_and_others_by_their_own_norm():
+    check = _load()
+    scales = check._scales(_reference())
+    assert scales["blocks.0.site1.mix"] == torch.tensor([3e-4, -4e-4]).norm().item()  # the other mix gradients
+    assert scales["blocks.0.site2.mix"] == torch.tensor(3e-4).item()
+    assert scales["blocks.0.site1.beta"] == 5.0
+
+
+def test_rounding_of_a_zero_gradient_passes_and_a_wrong_value_fails():
+    check = _load()
+    ref = _reference()
+    scale = check._scales(ref)["blocks.0.site1.mix"]
+    # the H200's fused merge left 1.2e-10 where the reference's two equal sums cancel to 0.0
+    assert check._rel(torch.tensor([1.2e-10]), ref["blocks.0.site1.mix"], scale) < check.TOLERANCE["fp32"]
+    assert check._rel(torch.tensor([1e-5]), ref["blocks.0.site1.mix"], scale) > check.TOLERANCE["fp32"]
+    # without the scale the same rounding reads as a relative error of about 1e20
+    assert check._rel(torch.tensor([1.2e-10]), ref["blocks.0.site1.mix"]) > 1e19
+
+
+def test_a_kind_that_is_all_zero_keeps_the_strict_comparison():
+    check = _load()
+    scales = check._scales({"a.gate": torch.zeros(2), "b.gate": torch.zeros(3)})
+    assert scales == {"a.gate": 0.0, "b.gate": 0.0}
+    assert check._rel(torch.tensor([1e-12, 0.0]), torch.zeros(2), scales["a.gate"]) > 1.0

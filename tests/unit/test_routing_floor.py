@@ -2,19 +2,11 @@
 the docs' floors rest on it, so its count is checked against one derived by hand from
 Block AttnRes's two-phase structure."""
 
-import importlib.util
-import pathlib
-import sys
-
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "routing_floor.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("routing_floor", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("routing_floor")
 
 
 def test_block_attnres_step_counts_the_two_phase_calls_and_rows():

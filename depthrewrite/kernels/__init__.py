@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import torch
 
@@ -167,21 +168,44 @@ CUDA_KERNELS = {
 }
 
 
-def _register() -> None:
-    """Our kernels as the ops' CUDA kernels, through ``torch.library.register_kernel``.
+#: environment variable choosing how the kernels are registered (read once, at import)
+REGISTRATION_ENV = "DEPTHREWRITE_KERNEL_REGISTRATION"
+#: its values: "custom_op" (the default) or "dispatcher" (``_register`` says what each is)
+REGISTRATIONS = ("custom_op", "dispatcher")
+#: the library the "dispatcher" registration holds (kept: dropping it unregisters them)
+_dispatcher_library: torch.library.Library | None = None
 
-    The custom op's wrapper around each call (``backend_impl``: the aliasing check of every
-    input and output, Dynamo kept out) is most of the op's host time beyond our launcher's
-    under ``cProfile``. Registering the kernels with the dispatcher directly
-    (``Library.impl``) cut the profiled host time of a call by 1.7-2.9x, but the models
-    timed with it were GPU-bound and ran no faster (DAR block 0.676x of the baseline against
-    0.675x), so the wrapper and its check stay until a host-bound model shows a gain
-    (docs/benchmarks.md, session 21, run 4)."""
+
+def _registration() -> str:
+    value = os.environ.get(REGISTRATION_ENV) or "custom_op"
+    if value not in REGISTRATIONS:
+        raise ValueError(f"depthrewrite.kernels: {REGISTRATION_ENV} must be one of {REGISTRATIONS}; found {value!r}")
+    return value
+
+
+def _register() -> None:
+    """Our kernels as the ops' CUDA kernels.
+
+    "custom_op" (the default): through ``torch.library.register_kernel``, whose wrapper
+    around each call (``backend_impl``: the aliasing check of every input and output, Dynamo
+    kept out) is most of the op's host time beyond our launcher's under ``cProfile``.
+    "dispatcher": with the dispatcher directly (``Library.impl``, Dynamo kept out as the
+    wrapper keeps it, no aliasing check: our kernels return new tensors, which the GPU tests
+    check). On the H200 it cut the profiled host time of a call by 1.7-2.9x, but the two
+    models timed with it were GPU-bound and ran no faster (DAR block 0.676x of the baseline
+    against 0.675x; docs/benchmarks.md, session 21, run 4), so the default keeps the wrapper
+    and its check until a host-bound model (WAV, the fused merge) shows a gain: the
+    environment variable is the A/B's switch (``e2e_throughput.py``'s ``_raw`` configurations)."""
+    global _dispatcher_library
     if not triton_available():
         log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")
         return
+    if _registration() == "dispatcher":
+        _dispatcher_library = torch.library.Library("depthrewrite", "IMPL")
+        for name, kernel in CUDA_KERNELS.items():
+            _dispatcher_library.impl(name, torch._disable_dynamo(kernel), "CUDA")
+        return
     for name, kernel in CUDA_KERNELS.items():
         torch.library.register_kernel(f"depthrewrite::{name}", "cuda", kernel)
-
 
 _register()

@@ -22,8 +22,10 @@ recorded so the table shows that the fused kernels ran. ``--wave`` bounds how ma
 are on the GPU at once (memory).
 
 Also recorded: the host's time to issue a step (``host_ms``: ``step()`` returning, with the
-GPU idle when it starts; close to the step time means the GPU waits for the host) and the
-allocator's peak reserved memory. The ``_cg`` configurations record the compiled step as
+GPU idle when it starts; close to the step time means the GPU waits for the host), the
+process's host speed beside it (``host_op_us``: one tiny CUDA op's issue time; host times of
+different processes compare only through it, session 21) and the allocator's peak reserved
+memory. The ``_cg`` configurations record the compiled step as
 CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets) and are
 compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
 memory misses the graphs' pool, so their memory is compared by reserved GiB. The ``_cdt``
@@ -304,6 +306,7 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                    loss=float(loss), lowering=_lowering(name),
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
         row["host_ms"] = host_issue_ms(step, steps)
+        row["host_op_us"] = host_op_us()
         if profile:
             row["kernels"] = kernel_breakdown(step, PROFILE_STEPS, top=profile)
             row["host"] = host_breakdown(step, PROFILE_STEPS)
@@ -371,6 +374,27 @@ def host_issue_ms(step, steps: int) -> float:
         step()
         times.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()  # the next step starts on an idle GPU: its queue never throttles the host
+    return statistics.median(times)
+
+
+def host_op_us(ops: int = 2000, repeats: int = 5) -> float:
+    """The host's microseconds to issue one tiny CUDA op (``torch.add`` of one-element
+    tensors, the GPU's work negligible), median of ``repeats`` loops: this process's host
+    speed, against which its ``host_ms`` can be read. Session 21 found the same 363
+    ``aten::mm`` calls of a step taking 6.6-13.7 ms of host time in different processes
+    (docs/benchmarks.md), so host times compare only with this beside them."""
+    import torch
+
+    a, b = torch.ones(1, device="cuda"), torch.ones(1, device="cuda")
+    out = torch.empty(1, device="cuda")
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            torch.add(a, b, out=out)
+        times.append((time.perf_counter() - t0) / ops * 1e6)
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -472,7 +496,8 @@ def host_table(rows: list[dict]) -> str:
     for r in rows:
         if "host" not in r:
             continue
-        lines.append(f"host {r['name']}: issue {r['host_ms']:.1f} ms/step, profiled self time "
+        speed = f" (a tiny CUDA op: {r['host_op_us']:.1f} us)" if "host_op_us" in r else ""
+        lines.append(f"host {r['name']}: issue {r['host_ms']:.1f} ms/step{speed}, profiled self time "
                      f"{r['host']['total_ms']:.1f} ms/step; largest (self ms, total ms, calls per step):")
         lines += [f"    {e['self_ms']:7.2f} {e['total_ms']:7.2f} {e['calls']:5d}  {e['op']}" for e in r["host"]["top"]]
     return "\n".join(lines)
@@ -490,7 +515,7 @@ def baseline_of(name: str) -> str:
 
 def table(rows: list[dict]) -> str:
     bases = {r["name"]: r for r in rows if r["name"].startswith("baseline") and "error" not in r}
-    lines = ["| model | backend | ms/step | host ms/step | tokens/s | x baseline (goal) | peak GiB | x baseline "
+    lines = ["| model | backend | ms/step | host ms/step (us a tiny op) | tokens/s | x baseline (goal) | peak GiB | x baseline "
              "| reserved GiB | alloc retries | routing ops lowered |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
@@ -508,12 +533,15 @@ def table(rows: list[dict]) -> str:
             mem = f"- (reserved: {r['reserved_gib'] / base['reserved_gib']:.3f})" if both else "-"
         elif r["name"] in BLOCK_SCHEMES:
             mem += " (<= 1.10)"
+        host = f"{r.get('host_ms', float('nan')):.1f}"
+        if "host_op_us" in r:  # this process's host speed (host_op_us)
+            host += f" ({r['host_op_us']:.1f})"
         low = r.get("lowering") or {}
         ops = ", ".join(f"{k}: {v}" for k, v in (low.get("ops") or {}).items())
         if low:
             ops += f" in {low['graphs']} graph(s)"
         lines.append(f"| {r['name']} | {'inductor' if CONFIGS[r['name']][0] is None else 'depthrewrite'} | "
-                     f"{r['step_ms']:.1f} | {r.get('host_ms', float('nan')):.1f} | {r['tokens_per_s']:,.0f} | {speed} | "
+                     f"{r['step_ms']:.1f} | {host} | {r['tokens_per_s']:,.0f} | {speed} | "
                      f"{r['peak_gib']:.2f} | {mem} | "
                      f"{r.get('reserved_gib', float('nan')):.2f} | {r.get('alloc_retries', '-')} | {ops or '-'} |")
     return "\n".join(lines)

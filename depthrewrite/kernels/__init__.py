@@ -5,7 +5,7 @@ Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, n
 form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`), ``depthrewrite::route_many``
 and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`),
 ``depthrewrite::route_merge`` and its backward (the second phase, :mod:`.route_merge_triton`) for the "cuda" device
-with ``torch.library.register_kernel``; the CPU (and any other device) keeps the
+with ``torch.library.register_kernel`` (or with the dispatcher directly: ``_register``); the CPU (and any other device) keeps the
 pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
 compiled graphs (Inductor calls custom ops through the dispatcher) both reach the kernels.
 Triton itself is imported on the first CUDA call, so importing the package costs nothing
@@ -167,7 +167,6 @@ CUDA_KERNELS = {
     "route_merge": _route_merge_cuda, "route_merge_backward": _route_merge_backward_cuda,
 }
 
-
 #: environment variable choosing how the kernels are registered (read once, at import)
 REGISTRATION_ENV = "DEPTHREWRITE_KERNEL_REGISTRATION"
 #: its values: "custom_op" (the default) or "dispatcher" (``_register`` says what each is)
@@ -207,5 +206,6 @@ def _register() -> None:
         return
     for name, kernel in CUDA_KERNELS.items():
         torch.library.register_kernel(f"depthrewrite::{name}", "cuda", kernel)
+
 
 _register()

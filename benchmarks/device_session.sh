@@ -26,6 +26,7 @@
 #   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh session21  # kernel tests, DAR fm check, host time per op, op table (carry .whl)
 #   OUT=... bash benchmarks/device_session.sh hostab     # the kernels' registration A/B on the host-bound models (session 21)
+#   OUT=... bash benchmarks/device_session.sh graphtiming  # the routing calls' GPU time alone (CUDA-graph replays) against events per call (session 21)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -326,6 +327,19 @@ hostab)
   timeout "${E2E_SECONDS:-440}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 --schemes \
       baseline wav wav_raw dar_block_fm dar_block_fm_raw block_attnres_fm block_attnres_fm_raw > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/host.txt" | tail -8; grep "^|" "$OUT/host_dispatcher.txt" | tail -8; grep "^|" "$OUT/e2e.txt" | tail -18
+  ;;
+graphtiming)
+  # the routing calls' GPU time alone (CUDA-graph replays, gpu_suite.bench_graph) beside
+  # the events around each call that every timing so far used, which count the host's issue
+  # time where it is the longer (session 21, prepared, not run yet; ~6 minutes):
+  # route_merge's kernels and launch variants, then route_many's block phase (defaults)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 benchmarks/route_merge_speed.py --graph --cases block_attnres_normed dar_block_normed \
+      > "$OUT/merge_graph.txt" 2>&1
+  timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^$' --graph-timing --out "$OUT/bpg" \
+      > "$OUT/bp_graph.txt" 2>&1
+  timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^$' --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  grep "^|" "$OUT/merge_graph.txt"; grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp_graph.txt" "$OUT/bp.txt"
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -242,6 +243,39 @@ def bench(fn, rep=200):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def bench_graph(fn, calls: int = 10, replays: int = 20) -> float:
+    """Median ms of one call of ``fn``, ``calls`` calls recorded in a CUDA graph and replayed
+    ``replays`` times between CUDA events: the GPU's time alone. :func:`bench` records its
+    events around each call, so where the host takes longer to issue a call than the GPU to
+    run it (the routing calls of a step at d = 1024: 95-575 us of host time against 30-640 us
+    of GPU time, docs/benchmarks.md session 21) it counts the host's time too. The calls of
+    a graph run back to back on the same inputs with no cache flush between them: inputs
+    larger than the L2 cache (50 MB) are read from HBM all the same."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs its warm-up off the default stream
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def fla_fn():
     try:
         from fla.ops.attnres import fused_attnres
@@ -398,13 +432,14 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                                                        "param_stages": 3}}
 
 
-def block_phase_timing(pattern: str | None = None) -> list[dict]:
+def block_phase_timing(pattern: str | None = None, timer=bench) -> list[dict]:
     """Phase 1 of two-phase Block AttnRes: ``route_many`` (S queries, each source read once)
     against S separate routes over the same N sources (what site-by-site routing costs for
     the completed blocks), both as kernels called directly, forward + backward, bf16. The
     floor of route_many: forward N + S rows, backward N + 2S read and N written (each N
     twice with keys: values and keys read, both gradients written). ``pattern``: time only
-    the variants whose names it matches (a regular expression), and the defaults."""
+    the variants whose names it matches (a regular expression), and the defaults. ``timer``:
+    :func:`bench` (events around each call) or :func:`bench_graph` (CUDA-graph replays)."""
     from depthrewrite.kernels import route_many_triton
 
     rows = []
@@ -441,10 +476,10 @@ def block_phase_timing(pattern: str | None = None) -> list[dict]:
                                        ("bwd", many_bwd, _matching(BLOCK_PHASE_BWD_VARIANTS, pattern))):
                 for name, cfg in variants.items():
                     try:
-                        row[f"many_{part}{name}"] = bench(lambda cfg=cfg, fn=fn: fn(cfg))
+                        row[f"many_{part}{name}"] = timer(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:
                         say(f"block-phase {part}{name}: ERROR {exc!r}")
-            row["per_site"] = bench(per_site)
+            row["per_site"] = timer(per_site)
         fwd = {k: v for k, v in row.items() if k.startswith("many_fwd")}
         bwd = {k: v for k, v in row.items() if k.startswith("many_bwd")}
         row["many_best"] = min(fwd.values()) + min(bwd.values())
@@ -724,6 +759,9 @@ def main() -> int:
     ap.add_argument("--launch-ab", type=int, nargs="?", const=7, default=0, metavar="ROUNDS",
                     help="only route's forward launch candidates (LAUNCH_AB) against the default, "
                          "in alternating rounds")
+    ap.add_argument("--graph-timing", action="store_true",
+                    help="the block phase's calls timed as CUDA-graph replays (bench_graph: the GPU's time "
+                         "alone) instead of events around each call")
     ap.add_argument("--no-block-phase", action="store_true",
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--widths", type=int, nargs="+", default=None,
@@ -743,7 +781,8 @@ def main() -> int:
             fh.write("\n".join(LOG) + "\n\n" + summary + "\n")
 
     if args.block_phase_only:
-        results["block_phase"] = phase_rows = block_phase_timing(args.variants)
+        timer = bench_graph if args.graph_timing else bench
+        results["block_phase"] = phase_rows = block_phase_timing(args.variants, timer)
         dump()
         results["site_route"] = site_rows = [] if args.variants else site_route_timing()
         summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))
@@ -777,7 +816,8 @@ def main() -> int:
     if not args.e2e_only:
         results["checks"] = checks = correctness(args.quick)
         dump()
-        results["block_phase"] = phase_rows = [] if (args.quick or args.no_block_phase) else block_phase_timing()
+        results["block_phase"] = phase_rows = [] if (args.quick or args.no_block_phase) else block_phase_timing(
+            timer=bench_graph if args.graph_timing else bench)
         dump()
         results["timing"] = rows = timing(not (args.no_compile_ref or args.quick), args.budget_s, args.quick,
                                                 args.widths)

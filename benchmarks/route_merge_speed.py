@@ -15,8 +15,12 @@ is the rows each pass must move at least once (``routing_floor``'s pricing: forw
 the results and the distinct entries, writes ``x``; backward reads ``x``'s gradient and
 those rows and writes a gradient per row argument) at 4.8 TB/s. Times: ``gpu_suite.bench``
 (median over ``--reps`` ms of calls after a warm-up, CUDA events), on fresh random bf16 data
-per case. On a machine without CUDA (Triton's interpreter, a tiny shape) it checks the
-numbers and prints host times, which say nothing about the GPU.
+per case. Those events surround each call, so a call whose host issue time is longer than
+its GPU time is timed as the host's (session 21: the backward's 185-274 us of host time
+against ~100 us of GPU work); ``--graph`` times our kernels replayed from a CUDA graph
+instead (``gpu_suite.bench_graph``), the GPU's time alone, Inductor's still per call. On a
+machine without CUDA (Triton's interpreter, a tiny shape) it checks the numbers and prints
+host times, which say nothing about the GPU.
 """
 
 from __future__ import annotations
@@ -75,11 +79,11 @@ def floor_ms(inp: dict, backward: bool) -> float:
     return rows * inp["outs"][0].numel() * 2 / HBM_BYTES_PER_S * 1e3
 
 
-def timer(device: str, reps: int):
+def timer(device: str, reps: int, graph: bool = False):
     if device == "cuda":
-        from gpu_suite import bench
+        from gpu_suite import bench, bench_graph
 
-        return lambda fn: bench(fn, rep=reps)
+        return bench_graph if graph else (lambda fn: bench(fn, rep=reps))
 
     def host_ms(fn):
         fn()
@@ -97,7 +101,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def run_case(name: str, tokens: int, d: int, device: str, reps: int, seed: int) -> list[dict]:
+def run_case(name: str, tokens: int, d: int, device: str, reps: int, seed: int, graph: bool = False) -> list[dict]:
     from depthrewrite.kernels import route_merge_triton as kernels
     from depthrewrite.ops.route_merge import _reference
 
@@ -128,9 +132,10 @@ def run_case(name: str, tokens: int, d: int, device: str, reps: int, seed: int) 
         torch.autograd.grad(compiled(*ind_args), inductor_leaves, grad)
 
     rows = [dict(case=name, impl="inductor", fwd=ms(lambda: compiled(*ind_args)), fwd_bwd=ms(inductor_fwd_bwd))]
+    ours_ms = timer(device, reps, graph)  # Inductor's above: events around each call (module docstring)
     for variant, config in {"ours": None, **VARIANTS}.items():
-        rows.append(dict(case=name, impl=variant, fwd=ms(lambda: kernels.route_merge_forward(*args, config=config)),
-                         bwd=ms(lambda: kernels.route_merge_backward(grad, *args, config=config))))
+        rows.append(dict(case=name, impl=variant, fwd=ours_ms(lambda: kernels.route_merge_forward(*args, config=config)),
+                         bwd=ours_ms(lambda: kernels.route_merge_backward(grad, *args, config=config))))
     floors = dict(fwd=floor_ms(inp, False), bwd=floor_ms(inp, True))
     for row in rows:
         row.update(error=error, floor_fwd=floors["fwd"], floor_bwd=floors["bwd"])
@@ -160,17 +165,23 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=100, help="do_bench's rep (ms of timed calls) on CUDA")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--graph", action="store_true",
+                    help="time our kernels replayed from a CUDA graph (gpu_suite.bench_graph: the GPU's time "
+                         "alone); Inductor's stay timed per call")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import depthrewrite.kernels  # noqa: F401  (registers the CUDA kernels)
 
     # each case's rows as soon as they are timed: a run stopped at its time limit keeps them
-    print(f"route_merge at {args.tokens} tokens x d = {args.width}, bf16, {device} "
-          f"({'CUDA events, median' if device == 'cuda' else 'host times: NOT GPU figures'}); "
+    clock = "CUDA events around each call, median" if device == "cuda" else "host times: NOT GPU figures"
+    if args.graph and device == "cuda":
+        clock = "ours: CUDA-graph replays, the GPU's time alone; Inductor: CUDA events around each call"
+    print(f"route_merge at {args.tokens} tokens x d = {args.width}, bf16, {device} ({clock}); "
           f"kernels checked against the float32 reference first (worst relative error per case)")
     print("\n".join(TABLE_HEAD), flush=True)
     for i, name in enumerate(args.cases):
-        case_rows = run_case(name, args.tokens, args.width, device, args.reps, seed=100 + i)
+        case_rows = run_case(name, args.tokens, args.width, device, args.reps, seed=100 + i,
+                             graph=args.graph and device == "cuda")
         print("\n".join(table(case_rows)) + f"\n| {name} | error {case_rows[0]['error']:.1e} | | | | | | | |",
               flush=True)
     return 0

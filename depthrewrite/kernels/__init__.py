@@ -2,14 +2,15 @@
 
 Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, normed)``),
 ``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), its in-place running-sum
-form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`), ``depthrewrite::route_many``
-and ``depthrewrite::route_many_backward`` (several queries, :mod:`.route_many_triton`),
-``depthrewrite::route_merge`` and its backward (the second phase, :mod:`.route_merge_triton`) for the "cuda" device
-with ``torch.library.register_kernel`` (or with the dispatcher directly: ``_register``); the CPU (and any other device) keeps the
-pure-PyTorch implementation of :mod:`depthrewrite.ops.route`. Eager CUDA calls and
-compiled graphs (Inductor calls custom ops through the dispatcher) both reach the kernels.
-Triton itself is imported on the first CUDA call, so importing the package costs nothing
-on machines without a GPU.
+form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`),
+``depthrewrite::route_many`` and ``depthrewrite::route_many_backward`` (several queries,
+:mod:`.route_many_triton`), ``depthrewrite::route_merge`` and its backward (the second
+phase, :mod:`.route_merge_triton`) for the "cuda" device with
+``torch.library.register_kernel`` (or with the dispatcher directly: ``_register``); the CPU
+(and any other device) keeps the pure-PyTorch implementation of :mod:`depthrewrite.ops.route`.
+Eager CUDA calls and compiled graphs (Inductor calls custom ops through the dispatcher) both
+reach the kernels. Triton itself is imported on the first CUDA call, so importing the
+package costs nothing on machines without a GPU.
 
 float64 (any input) is not a kernel dtype: such calls run the reference implementation.
 The kernels can be captured in CUDA graphs (``torch.compile(..., mode="reduce-overhead")``):

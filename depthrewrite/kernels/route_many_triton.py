@@ -604,11 +604,12 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     the measured choices, ONE_HEAD_FORWARD_TOKENS' comment).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
-    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
+    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
+                     op="route_many")
     cfg = {"prefetch": True, **(config or {})}
     prefetch = _check_prefetch(cfg["prefetch"], "route_many")
     s, d = queries.shape[0], values[0].shape[-1]
-    block_h, block_c = _row_blocks(d, heads)
+    block_h, block_c = _row_blocks(d, heads, "route_many")
     # the kernels take (tokens, d) rows behind each pointer: contiguous tensors of any batch shape
     flat_v = _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
@@ -693,7 +694,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
     unused; unset: ``_backward_stages``), and the parameter reduction's (tiled backward, or
     ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM)."""
-    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights))
+    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
+                     op="route_many")
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
     s = queries.shape[0]
@@ -705,7 +707,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
-    row = math.prod(_row_blocks(queries.shape[1], heads))
+    row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
     allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
@@ -758,7 +760,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
     then ``r`` (the gradient of ``w_s * q_s``, fp32 (S, d)) from ``_route_many_param_kernel``."""
     s, d = queries.shape
-    block_h, block_c = _row_blocks(d, heads)
+    block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
@@ -766,7 +768,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
         return ([torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k],
                 torch.zeros((s, d), dtype=torch.float32, device=device))
     n = len(flat_v)
-    block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS)
+    block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS, "route_many")
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
     coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
     qw = _per_query_rows(queries, key_norm_weights)
@@ -817,7 +819,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
                         cfg) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
     s, d = queries.shape
-    block_h, block_c = _row_blocks(d, heads)
+    block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
     dtype = flat_v[0].dtype
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]

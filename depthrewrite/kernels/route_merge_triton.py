@@ -206,7 +206,7 @@ def _merge_grads(j, g, r_acc, m_acc, otab, ltab, vtab, ktab, gotab, gltab, gvtab
 def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, queries, key_norm_weights,
                   mix, out_norm_weight=None) -> None:
     _check_supported(values, keys, ("outs", outs[0]), ("queries", queries), ("key_norm_weights", key_norm_weights),
-                     ("mix", mix), ("out_norm_weight", out_norm_weight))
+                     ("mix", mix), ("out_norm_weight", out_norm_weight), op="route_merge")
     if len(outs) > MAX_RESULTS:
         raise ValueError(f"route_merge (Triton): at most {MAX_RESULTS} results a launch; found {len(outs)}")
     if any(t.dtype != torch.float32 for t in lses):
@@ -222,7 +222,7 @@ def _launch(config: dict | None, row: int) -> dict:
     if unknown:
         raise ValueError(f"route_merge (Triton): unknown config entries {sorted(unknown)}; "
                          f"expected block_t, num_warps, per_sm")
-    _check_block_t(cfg["block_t"])
+    _check_block_t(cfg["block_t"], "route_merge")
     _positive_int("route_merge", "per_sm", cfg["per_sm"])
     warps = _positive_int("route_merge", "num_warps", cfg["num_warps"])
     if warps & (warps - 1):
@@ -243,7 +243,7 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     tokens = math.prod(shape[:-1])
     if tokens == 0:
         return x
-    block_h, block_c = _row_blocks(d, heads)
+    block_h, block_c = _row_blocks(d, heads, "route_merge")
     launch = _launch(config, block_h * block_c)
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
@@ -274,7 +274,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     grad_keys = [torch.empty(shape, dtype=act, device=device) for _ in range(j)] if keys is not None else []
     grad_lses = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in lses]
     tokens = math.prod(shape[:-1])
-    block_h, block_c = _row_blocks(d, heads)
+    block_h, block_c = _row_blocks(d, heads, "route_merge")
     launch = _launch(config, block_h * block_c)
     block_t = launch["block_t"]
     num_blocks = triton.cdiv(tokens, block_t)

@@ -454,19 +454,19 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _row_blocks(d: int, heads: int) -> tuple[int, int]:
+def _row_blocks(d: int, heads: int, op: str = "route") -> tuple[int, int]:
     block_h, block_c = _next_pow2(heads), _next_pow2(d // heads)
     if block_h * block_c > MAX_ROW:
         raise ValueError(
-            f"route (Triton): width d={d} with heads={heads} pads to a row of {block_h * block_c} "
+            f"{op} (Triton): width d={d} with heads={heads} pads to a row of {block_h * block_c} "
             f"elements; the fused kernel holds a row on chip and takes at most {MAX_ROW}"
         )
     return block_h, block_c
 
 
-def _check_block_t(block_t: int) -> int:
+def _check_block_t(block_t: int, op: str = "route") -> int:
     if not isinstance(block_t, int) or block_t < 1 or block_t & (block_t - 1):
-        raise ValueError(f"route (Triton): config block_t must be a power of two; found {block_t!r}")
+        raise ValueError(f"{op} (Triton): config block_t must be a power of two; found {block_t!r}")
     return block_t
 
 
@@ -695,10 +695,10 @@ def _aligned(*groups) -> bool:
     return all(t.data_ptr() % 16 == 0 for group in groups if group for t in group)
 
 
-def _check_supported(values: Sequence[Tensor], keys, *params) -> None:
+def _check_supported(values: Sequence[Tensor], keys, *params, op: str = "route") -> None:
     for name, t in (("values", values[0]), ("keys", keys[0] if keys else None)) + params:
         if t is not None and t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"route (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
+            raise ValueError(f"{op} (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
 
 
 def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from depthrewrite.kernels import route_merge_triton  # noqa: E402
+from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
 from depthrewrite.ops import route_merge, route_merge_reference  # noqa: E402
 from tests.kernels.test_route_triton import DEVICE, TOL, _on, _rel  # noqa: E402
 
@@ -215,6 +216,16 @@ def test_bad_input_is_refused_with_the_argument_named(change, message):
                     out_norm_weight=inp["out_norm_weight"], out_norm_eps=inp["out_norm_eps"])
 
 
+def test_kernel_refuses_too_wide_a_row_naming_the_op():
+    d = 2 * MAX_ROW
+    inp = {"outs": [torch.zeros(1, d)], "lses": [torch.zeros(1, 1)], "values": [torch.zeros(1, d)],
+           "keys": None, "queries": torch.zeros(1, d), "key_norm_weights": torch.ones(1, d), "mix": torch.ones(1)}
+    inp = _on_device(inp)
+    with pytest.raises(ValueError, match=rf"route_merge \(Triton\): width d={d} with heads=1 pads to a row of"):
+        route_merge_triton.route_merge_forward(inp["outs"], inp["lses"], inp["values"], None, inp["queries"],
+                                               inp["key_norm_weights"], inp["mix"], 1, 1e-6)
+
+
 def test_kernel_refuses_more_results_than_it_takes():
     inp = _make(3, (3,), 16, 1, False, torch.float32, seed=2)
     with pytest.raises(ValueError, match="at most 2 results a launch; found 3"):
@@ -238,13 +249,13 @@ def test_launch_choices_give_the_same_function(config):
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"block_t": 3}, "block_t must be a power of two"),
-    ({"num_warps": 3}, "num_warps must be a power of two"),
-    ({"per_sm": 0}, "per_sm must be a positive int"),
+    ({"block_t": 3}, "config block_t must be a power of two"),
+    ({"num_warps": 3}, "config num_warps must be a power of two"),
+    ({"per_sm": 0}, "config per_sm must be a positive int"),
     ({"stages": 2}, "unknown config entries \\['stages'\\]"),
 ])
 def test_bad_launch_choices_are_named(config, message):
     inp = _on_device(_make(1, (4,), 32, 1, False, torch.float32, seed=1))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"route_merge \(Triton\): " + message):
         route_merge_triton.route_merge_forward(inp["outs"], inp["lses"], inp["values"], None, inp["queries"],
                                                inp["key_norm_weights"], inp["mix"], 1, 1e-6, config=config)

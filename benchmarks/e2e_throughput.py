@@ -170,7 +170,7 @@ LAUNCH_VARIANTS = {
     # forward at d = 1024 and the one-head backward with running sums through the pipeline)
     "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),
     # the second phase through depthrewrite::route_merge's fused kernels (session 19; off by
-    # default until timed: merge_partial's torch ops, compiled by Inductor), the branch
+    # default, slower end to end in session 21: merge_partial's torch ops, compiled by Inductor), the branch
     # norm fused into it by the backend (fuse_output_norms, on by default; session 20)
     "fm": _FUSED_MERGE_VARIANT,
     # the same with the branch norms left to Inductor (backend option fuse_output_norms off,
@@ -515,8 +515,8 @@ def baseline_of(name: str) -> str:
 
 def table(rows: list[dict]) -> str:
     bases = {r["name"]: r for r in rows if r["name"].startswith("baseline") and "error" not in r}
-    lines = ["| model | backend | ms/step | host ms/step (us a tiny op) | tokens/s | x baseline (goal) | peak GiB | x baseline "
-             "| reserved GiB | alloc retries | routing ops lowered |",
+    lines = ["| model | backend | ms/step | host ms/step (us a tiny op) | tokens/s | x baseline (goal) | peak GiB "
+             "| x baseline | reserved GiB | alloc retries | routing ops lowered |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "error" in r:

@@ -33,8 +33,10 @@ KEEP_LAST_PHASE_ONE = True
 #: site's phase-1 result, and DAR's gate) through ``depthrewrite::route_merge``, one op with
 #: fused CUDA kernels, instead of ``merge_partial``'s torch ops that Inductor compiles. Same
 #: function (up to rounding: the merged result is rounded once, to the activation dtype).
-#: Off until it is timed on the GPU (``e2e_throughput.py``'s ``*_fm`` configurations,
-#: device phase ``fusedmerge``; why it may pay: docs/design.md "The second phase in one op")
+#: Off: timed on the H200 in session 21 (``e2e_throughput.py``'s ``*_fm`` configurations,
+#: device phase ``fusedmerge``) it made Block AttnRes slower (0.851x of the baseline against
+#: 0.878x) and DAR block no faster (0.680x against 0.675x); docs/design.md "The second phase
+#: in one op" says why
 FUSED_MERGE = False
 
 

@@ -330,10 +330,11 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def kernel_breakdown(step, steps: int, top: int = 12) -> dict:
+def kernel_breakdown(step, steps: int, top: int = 12, name_chars: int | None = 120) -> dict:
     """GPU kernel time per category and the ``top`` largest kernels, in ms per step, over
-    ``steps`` profiled steps; and ``gpu_idle_ms``: per step, the time between the first
-    and the last GPU activity in which none ran (the GPU waiting for the host)."""
+    ``steps`` profiled steps, each kernel's name cut to ``name_chars`` (None: whole); and
+    ``gpu_idle_ms``: per step, the time between the first and the last GPU activity in
+    which none ran (the GPU waiting for the host)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -359,7 +360,7 @@ def kernel_breakdown(step, steps: int, top: int = 12) -> dict:
         categories[kernel_category(kernel)] += ms
     largest = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(categories=categories, total_ms=sum(categories.values()), gpu_idle_ms=idle_ms,
-                top=[dict(kernel=k[:120], ms=ms, calls=n) for k, (ms, n) in largest])
+                top=[dict(kernel=k[:name_chars], ms=ms, calls=n) for k, (ms, n) in largest])
 
 
 def host_issue_ms(step, steps: int) -> float:

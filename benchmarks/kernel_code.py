@@ -28,7 +28,7 @@ def step():
 
 for _ in range(3):
     step()
-out = e2e.kernel_breakdown(step, 2, top)
+out = e2e.kernel_breakdown(step, 2, top, name_chars=None)  # whole names: kernel_inputs.py joins on them
 print(out["categories"])
 for t in out["top"]:
     print(f"{t['ms']:8.2f} {t['calls']:4d} {t['kernel']}")

@@ -66,29 +66,40 @@ def profile_rows(text: str) -> list[tuple[float, int, str]]:
     return rows
 
 
-def _lookup(kernels: dict[str, dict], profiled: str) -> dict | None:
-    # the profile truncates kernel names to 120 characters
+def _candidates(kernels: dict[str, dict], profiled: str) -> list[dict]:
+    """The logged kernels a profiled name can be: itself, or every kernel it is the start
+    of (profiles written before session 22 cut names to 120 characters, and kernels that
+    differ only past that point share one cut name)."""
     if profiled in kernels:
-        return kernels[profiled]
-    matches = [k for k in kernels if k.startswith(profiled)]
-    return kernels[matches[0]] if len(matches) == 1 else None
+        return [kernels[profiled]]
+    return [info for name, info in kernels.items() if name.startswith(profiled)]
+
+
+def _span(values: list[float], fmt: str) -> str:
+    low, high = min(values), max(values)
+    return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{low:{fmt}}-{high:{fmt}}"
 
 
 def table(kernels: dict[str, dict], rows: list[tuple[float, int, str]]) -> list[str]:
+    """One row per profiled kernel; where a cut name matches several logged kernels, each
+    column is the range over them and the name says how many."""
     lines = ["| ms/step | calls | in | out | in-place | GB/call | TB/s | kernel | graph nodes fused |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for ms, calls, name in rows:
-        info = _lookup(kernels, name)
-        if info is None:
+        infos = _candidates(kernels, name)
+        if not infos:
             lines.append(f"| {ms:.2f} | {calls} | | | | | | {name} | |")
             continue
-        gb, rate = info["gb"], ""
-        if gb is not None and ms > 0:
-            rate = f"{gb * calls / ms:.2f}"  # GB/ms = TB/s
-        if info["defined"] > 1:
-            name, rate = f"{name} (x{info['defined']}: the first's details)", ""
-        lines.append(f"| {ms:.2f} | {calls} | {info['inputs']} | {info['outputs']} | {info['in_place']} | "
-                     f"{'' if gb is None else f'{gb:.3f}'} | {rate} | {name} | {_shortened(info['nodes'])} |")
+        gbs = [info["gb"] for info in infos if info["gb"] is not None]
+        gb = _span(gbs, ".3f") if gbs else ""
+        rate = _span([g * calls / ms for g in gbs], ".2f") if gbs and ms > 0 else ""  # GB/ms = TB/s
+        counts = [_span([info[key] for info in infos], "d") for key in ("inputs", "outputs", "in_place")]
+        nodes = _shortened(infos[0]["nodes"])
+        if len(infos) > 1:
+            name, nodes = f"{name} (one of {len(infos)} kernels with this cut name)", ""
+        elif infos[0]["defined"] > 1:
+            name, rate = f"{name} (x{infos[0]['defined']}: the first's details)", ""
+        lines.append(f"| {ms:.2f} | {calls} | {' | '.join(counts)} | {gb} | {rate} | {name} | {nodes} |")
     return lines
 
 

@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh algorithms   # two-phase WAV, grouped full MHAR vs the defaults (session 19)
 #   OUT=... bash benchmarks/device_session.sh inductorcode  # what Inductor's kernels read, their bandwidth (session 19)
 #   OUT=... bash benchmarks/device_session.sh session21  # kernel tests, DAR fm check, host time per op, op table (carry .whl)
+#   OUT=... bash benchmarks/device_session.sh opwide     # the op table's d = 4096 rows beside FLA (carry .whl; session 22)
 #   OUT=... bash benchmarks/device_session.sh hostab     # the kernels' registration A/B on the host-bound models (session 21)
 #   OUT=... bash benchmarks/device_session.sh graphtiming  # the routing calls' GPU time alone (CUDA-graph replays) against events per call (session 21)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
@@ -260,7 +261,7 @@ table)
   ;;
 fusedmerge)
   # depthrewrite::route_merge with the branch norms fused into it (sessions 19-20, prepared,
-  # not run yet; ~9 minutes): its kernel tests on the GPU, the scheme check with it, its
+  # run in session 21; ~9 minutes): its kernel tests on the GPU, the scheme check with it, its
   # kernels against Inductor's and the floor with launch variants (session 20), then end to
   # end against merge_partial's torch ops in one wave, side by side with a kernel profile
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
@@ -279,7 +280,7 @@ fusedmerge)
 algorithms)
   # the forms whose routing floor fits their goal's budget (session 19: routing_floor.py)
   # against the defaults that cannot meet it: WAV two-phase, full MHAR in groups of 6,
-  # side by side with a kernel profile (~6 minutes; prepared in session 19, not run yet)
+  # side by side with a kernel profile (~6 minutes; prepared in session 19, run in session 21)
   export PYTHONPATH=$PWD
   timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --compile-timeout-s 300 \
       --profile 40 --schemes baseline wav wav_2p mhar mhar_g6 > "$OUT/e2e.txt" 2>&1
@@ -287,7 +288,7 @@ algorithms)
   ;;
 inductorcode)
   # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth
-  # each reaches (session 19, prepared, not run yet; ~6 minutes): each model compiled and
+  # each reaches (session 19, run in session 22; ~5 minutes): each model compiled and
   # profiled in one process with Inductor's code logged and its bytes estimated
   export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
   for model in dar_block mhar_block; do
@@ -297,6 +298,15 @@ inductorcode)
         > "$OUT/${model}_kernels.md" 2>&1
     echo "== $model"; head -1 "$OUT/${model}_profile.txt"; grep "triton_" "$OUT/${model}_kernels.md" | head -25 | cut -c1-220
   done
+  ;;
+opwide)
+  # the op table's d = 4096 rows beside FLA, both modes with every column (session 22, run 1;
+  # ~3 minutes; session 21's session21 phase timed the d = 2048 rows): carry [".whl"]
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 500 --no-e2e --no-block-phase --widths 4096 \
+      > "$OUT/suite_log.txt" 2>&1
+  tail -14 "$OUT/suite_log.txt"
   ;;
 session21)
   # after fusedmerge's run (session 21): every kernel test on the GPU (route_merge's 48
@@ -319,7 +329,7 @@ hostab)
   # dispatcher) against the custom op's register_kernel (the default), where the host sets
   # the pace: each op's host time per call under both, then WAV and the fused merge (DAR
   # block, Block AttnRes) end to end, each registration in a process of its own, side by
-  # side with a profile (session 21, prepared, not run yet; ~8 minutes)
+  # side with a profile (session 21, run in session 22; ~7 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 60 python3 benchmarks/host_overhead.py --profile-top 0 > "$OUT/host.txt" 2>&1
   DEPTHREWRITE_KERNEL_REGISTRATION=dispatcher timeout 60 python3 benchmarks/host_overhead.py --profile-top 0 \
@@ -331,7 +341,7 @@ hostab)
 graphtiming)
   # the routing calls' GPU time alone (CUDA-graph replays, gpu_suite.bench_graph) beside
   # the events around each call that every timing so far used, which count the host's issue
-  # time where it is the longer (session 21, prepared, not run yet; ~6 minutes):
+  # time where it is the longer (session 21, run in session 22; ~2 minutes):
   # route_merge's kernels and launch variants, then route_many's block phase (defaults)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 150 python3 benchmarks/route_merge_speed.py --graph --cases block_attnres_normed dar_block_normed \

@@ -193,9 +193,10 @@ def _register() -> None:
     wrapper keeps it, no aliasing check: our kernels return new tensors, which the GPU tests
     check). On the H200 it cut the profiled host time of a call by 1.7-2.9x, but the two
     models timed with it were GPU-bound and ran no faster (DAR block 0.676x of the baseline
-    against 0.675x; docs/benchmarks.md, session 21, run 4), so the default keeps the wrapper
-    and its check until a host-bound model (WAV, the fused merge) shows a gain: the
-    environment variable is the A/B's switch (``e2e_throughput.py``'s ``_raw`` configurations)."""
+    against 0.675x; docs/benchmarks.md, session 21, run 4), and on the host-bound ones (WAV,
+    the fused merge; session 22, run 2) within the trials' own spread. So the default keeps
+    the wrapper and its check; the environment variable is the A/B's switch
+    (``e2e_throughput.py``'s ``_raw`` configurations)."""
     global _dispatcher_library
     if not triton_available():
         log.debug("triton is not installed: depthrewrite::route keeps its reference CUDA implementation")

@@ -5,6 +5,7 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
+#   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
@@ -69,11 +70,20 @@ kernels)
   tail -13 "$OUT/suite_log.txt"
   ;;
 schemes)
-  # every scheme compiled with the backend against eager (~3 minutes; 32 rows: with the
-  # kernel tests and the op table it no longer fit in one call, session 13)
+  # every scheme compiled with the backend against eager (~4 minutes, 46 rows in session 22;
+  # with the kernel tests and the op table it no longer fit in one call, session 13)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 500 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
   grep "scheme-check" "$OUT/scheme_check.txt" | tail -40
+  ;;
+schemesinductor)
+  # the routed schemes compiled the way training compiles them (the backend with Inductor
+  # around the kernels) against Inductor alone on the reference ops (session 22, prepared,
+  # not run yet; ~1 minute a scheme: 4 compilations; SCHEMES picks others)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor \
+      --schemes ${SCHEMES:-block_attnres dar mhar wav attnres} > "$OUT/scheme_check_inductor.txt" 2>&1
+  grep "scheme-check" "$OUT/scheme_check_inductor.txt" | tail -12
   ;;
 launch)
   # launch variants (~3 minutes): route_many in the block phase, route at the site and

@@ -9,7 +9,8 @@ kernel's estimated bytes, ``kernel_num_gb``, to its metadata):
 
 One row per profiled kernel: ms per step, calls, its pointer arguments (inputs, outputs,
 in-place), its estimated GB per call, the TB/s that makes, and the graph nodes Inductor
-fused into it (from the comment above its code) (Inductor's estimate counts
+fused into it (from the comment above its code; a name the profile cut short that fits
+several kernels gets each column's range over them) (Inductor's estimate counts
 each buffer once per call: a kernel far under the HBM's ~4.8 TB/s either re-reads its
 inputs, has too little parallel work, or is latency-bound). Kernels that are not Inductor's
 (ours, cuBLAS, cuDNN) are listed with their time alone.

@@ -107,9 +107,12 @@ class DualRoute(nn.Module):
         keys = None if streams[0][0] == streams[0][1] else [partial[key] for _, key in streams]
         outs = [first[j][0][self.position] for j in (0, 1)]
         lses = [first[j][1][self.position] for j in (0, 1)]
-        with recomputable():  # the branch's RMSNorm backward needs the result: made again, not saved
-            return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
-                               mix=torch.cat([s, 1 - s]), eps=self.eps)
+        # Saved for the backward, not tagged for recomputation as Block AttnRes's merge is:
+        # recomputed there under Inductor, this merge left the last site's mix gradient at
+        # 0.1x eager's in fp32 at 4 x 64 tokens, right at 2 x 16 and through aot_eager (cause
+        # not found yet; tests/compile/test_backend.py, docs/benchmarks.md session 22)
+        return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
+                           mix=torch.cat([s, 1 - s]), eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}"

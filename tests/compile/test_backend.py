@@ -56,9 +56,9 @@ def assert_aot_eager_matches_eager(model, idx) -> None:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _compile_and_compare(scheme: str, options: dict, rtol: float, atol: float):
+def _compile_and_compare(scheme: str, options: dict, rtol: float, atol: float, batch: tuple[int, int] = (2, 16)):
     model = _model(scheme)
-    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, model.config.vocab_size, batch, generator=torch.Generator().manual_seed(1))
     eager_loss, eager_grads = _loss_and_grads(model, model, idx)
     backend.clear_reports()
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
@@ -112,8 +112,8 @@ def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, recompute, monke
     ``route_merge`` calls compile with ``fullgraph=True`` (its fake implementation, its
     backward op) and match eager; the report counts one call per site with a partial entry
     in the forward and as many backwards. With ``recompute_partial_sums`` (the default) the
-    backward makes each merged result again (one more forward per call) rather than keeping
-    it for the branch's RMSNorm. (With the norms fused, the default, nothing is made again:
+    backward makes each of Block AttnRes's merged results again (one more forward per call)
+    rather than keeping it for the branch's RMSNorm; DAR's are kept. (With the norms fused, the default, nothing is made again:
     tests/compile/test_norm_fusion.py.)"""
     from depthrewrite.passes import two_phase
 
@@ -127,7 +127,23 @@ def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, recompute, monke
     assert reports[0].fused_norms is None
     backward = reports[0].aot_graphs["backward"]
     assert backward["depthrewrite::route_merge_backward"] == merges
-    assert backward.get("depthrewrite::route_merge", 0) == (merges if recompute else 0)
+    # DAR's merges are saved, not recomputed (passes/dar.py; the test below)
+    assert backward.get("depthrewrite::route_merge", 0) == (merges if recompute and scheme != "dar" else 0)
+
+
+def test_dar_fused_merge_matches_eager_through_inductor(monkeypatch):
+    """DAR's second phase through ``route_merge`` (``two_phase.FUSED_MERGE``) compiled as
+    training compiles it: Inductor, with ``recompute_partial_sums`` (the default). Session
+    22 found the merge tagged for recomputation in the backward there, which left the last
+    site's ``mix`` gradient at 0.1x eager's in fp32 (Block AttnRes's and block MHAR's fused
+    merges were right); DAR's merge is now saved, not recomputed (passes/dar.py)."""
+    from depthrewrite.passes import two_phase
+
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    # (4, 64) tokens: the failure did not show at (2, 16)
+    _, reports = _compile_and_compare("dar", {}, rtol=1e-5, atol=1e-6, batch=(4, 64))
+    assert reports[-1].inner == "inductor"
+    assert reports[-1].aot_graphs["forward"]["depthrewrite::route_merge"] > 0
 
 
 def test_inductor_matches_eager():

@@ -19,7 +19,7 @@ queries moved off zero (zero queries give uniform weights and symmetric gradient
   own, and on DAR's cancellation-bound ``mix`` gradients that alone moves the error against
   float64 both ways (on the CPU, session 22: 6.9e-3 eager against 4.3e-2 for Inductor alone
   and for the backend, identical; 0.31 against 0.19 on another site), past the rule below
-  measured against eager. About a minute of compilation a row on the CPU.
+  measured against eager. Up to a minute of compilation a row on the CPU.
 
 Compared: the loss and every parameter gradient, as relative L2 errors (a gradient that is
 exactly zero in the reference, by a symmetry, relative to its kind's: ``_scales``).

@@ -61,6 +61,7 @@ def _compile_and_compare(scheme: str, options: dict, rtol: float, atol: float, b
     idx = torch.randint(0, model.config.vocab_size, batch, generator=torch.Generator().manual_seed(1))
     eager_loss, eager_grads = _loss_and_grads(model, model, idx)
     backend.clear_reports()
+    torch._dynamo.reset()  # each comparison compiles afresh (the recompile limit is per code object)
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx)
 
@@ -143,7 +144,7 @@ def test_dar_fused_merge_matches_eager_through_inductor(monkeypatch):
     # (4, 64) tokens: the failure did not show at (2, 16)
     _, reports = _compile_and_compare("dar", {}, rtol=1e-5, atol=1e-6, batch=(4, 64))
     assert reports[-1].inner == "inductor"
-    assert reports[-1].aot_graphs["forward"]["depthrewrite::route_merge"] > 0
+    assert "depthrewrite::route_merge" in reports[-1].ops
 
 
 def test_inductor_matches_eager():

@@ -78,7 +78,7 @@ class DualRoute(nn.Module):
             streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
             r0, r1 = (self._route(streams, j) for j in (0, 1))
         elif partial is not None and two_phase.FUSED_MERGE:
-            return self._fused_merge(first, partial, s)
+            return self._fused_merge(first, partial)
         else:
             r0, r1 = (self._merge(first[j], partial, j) for j in (0, 1))
         return s * r0 + (1 - s) * r1
@@ -100,19 +100,23 @@ class DualRoute(nn.Module):
         return merge_partial(out, lse, partial[value_stream], partial_key=key, query=self.query[j],
                              key_norm_weight=self.key_norm_weight[j], eps=self.eps)
 
-    def _fused_merge(self, first: tuple, partial: tuple, s: torch.Tensor) -> torch.Tensor:
+    def _fused_merge(self, first: tuple, partial: tuple) -> torch.Tensor:
         """Two-phase, both streams merged and mixed in one ``route_merge`` (``two_phase.FUSED_MERGE``)."""
         streams = [VARIANTS[self.variant](j) for j in (0, 1)]  # (value stream, key stream) per target
         values = [partial[value] for value, _ in streams]
         keys = None if streams[0][0] == streams[0][1] else [partial[key] for _, key in streams]
         outs = [first[j][0][self.position] for j in (0, 1)]
         lses = [first[j][1][self.position] for j in (0, 1)]
-        # Saved for the backward, not tagged for recomputation as Block AttnRes's merge is:
-        # recomputed there under Inductor, this merge left the last site's mix gradient at
-        # 0.1x eager's in fp32 at 4 x 64 tokens, right at 2 x 16 and through aot_eager (cause
-        # not found yet; tests/compile/test_backend.py, docs/benchmarks.md session 22)
-        return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
-                           mix=torch.cat([s, 1 - s]), eps=self.eps)
+        # the weights [s, 1 - s] made outside recomputable() (two numbers: kept) and as one
+        # pointwise op, sigmoid([a, -a]), not torch.cat([s, 1 - s]): until session 22 the cat
+        # was tagged and recomputed in the backward, where Inductor (torch 2.13) wrote it into
+        # views of one buffer, reused a view in place for the mix gradient, then reused the
+        # whole buffer while that gradient was still to be returned, overwriting it
+        # (docs/design.md "The second phase in one op"; tests/compile/test_backend.py)
+        mix = torch.sigmoid(self.mix * self.mix.new_tensor([1.0, -1.0]))
+        with recomputable():  # the branch's RMSNorm backward needs the result: made again, not saved
+            return route_merge(outs, lses, values, keys, queries=self.query, key_norm_weights=self.key_norm_weight,
+                               mix=mix, eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant}"

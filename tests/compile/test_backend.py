@@ -113,8 +113,8 @@ def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, recompute, monke
     ``route_merge`` calls compile with ``fullgraph=True`` (its fake implementation, its
     backward op) and match eager; the report counts one call per site with a partial entry
     in the forward and as many backwards. With ``recompute_partial_sums`` (the default) the
-    backward makes each of Block AttnRes's merged results again (one more forward per call)
-    rather than keeping it for the branch's RMSNorm; DAR's are kept. (With the norms fused, the default, nothing is made again:
+    backward makes each merged result again (one more forward per call) rather than keeping
+    it for the branch's RMSNorm. (With the norms fused, the default, nothing is made again:
     tests/compile/test_norm_fusion.py.)"""
     from depthrewrite.passes import two_phase
 
@@ -128,16 +128,15 @@ def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, recompute, monke
     assert reports[0].fused_norms is None
     backward = reports[0].aot_graphs["backward"]
     assert backward["depthrewrite::route_merge_backward"] == merges
-    # DAR's merges are saved, not recomputed (passes/dar.py; the test below)
-    assert backward.get("depthrewrite::route_merge", 0) == (merges if recompute and scheme != "dar" else 0)
+    assert backward.get("depthrewrite::route_merge", 0) == (merges if recompute else 0)
 
 
 def test_dar_fused_merge_matches_eager_through_inductor(monkeypatch):
     """DAR's second phase through ``route_merge`` (``two_phase.FUSED_MERGE``) compiled as
-    training compiles it: Inductor, with ``recompute_partial_sums`` (the default). Session
-    22 found the merge tagged for recomputation in the backward there, which left the last
-    site's ``mix`` gradient at 0.1x eager's in fp32 (Block AttnRes's and block MHAR's fused
-    merges were right); DAR's merge is now saved, not recomputed (passes/dar.py)."""
+    training compiles it: Inductor, with ``recompute_partial_sums`` (the default), so the
+    merge and its mix weights are made again in the backward. With the weights made by
+    ``torch.cat([s, 1 - s])`` (until session 22) Inductor overwrote the last site's ``mix``
+    gradient by reusing the cat's buffer (0.1x eager's, fp32); passes/dar.py says how."""
     from depthrewrite.passes import two_phase
 
     monkeypatch.setattr(two_phase, "FUSED_MERGE", True)

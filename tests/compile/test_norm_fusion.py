@@ -97,7 +97,12 @@ def _compile_and_compare(model, inputs, fuse=True):
                              options={"inner": "aot_eager", "fuse_output_norms": fuse})
     got, grads = _run(model, compiled, inputs)
     for a, b in zip(got + grads, expected + expected_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # the absolute tolerance at 1e-6 of the tensor's largest entry: an entry that is a sum
+        # with cancellation carries the rounding of its terms, whose scale is the tensor's
+        # (session 22: with one draw of the parameters, after test_backend.py's tests, a
+        # query gradient entry of 0.078 differed by 1.9e-6 in a tensor up to 8.6, while
+        # both paths were 2.5e-7 / 2.2e-7 from float64 in relative L2)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))
     return backend.last_report()
 
 

@@ -146,6 +146,18 @@ def test_dar_fused_merge_matches_eager_through_inductor(monkeypatch):
     assert "depthrewrite::route_merge" in reports[-1].ops
 
 
+@pytest.mark.parametrize("scheme", ["block_attnres", "dar", "wav", "mhar"])
+def test_routed_schemes_match_eager_through_inductor(scheme):
+    """The path training takes on the CPU (Inductor around the reference routing ops, with
+    the backend's default passes: partial sums recomputed, gradient sums accumulated and
+    fenced, running sums in place) at 4 x 64 tokens, where session 22 found an Inductor
+    buffer-reuse bug in DAR's fused merge that 2 x 16 tokens did not show."""
+    model, reports = _compile_and_compare(scheme, {}, rtol=1e-5, atol=1e-6, batch=(4, 64))
+    assert reports[-1].inner == "inductor"
+    op, expected = _expected_routing_calls(scheme, model)
+    assert reports[-1].ops == {op: expected}
+
+
 def test_inductor_matches_eager():
     before = torch._inductor.config.fallback_random
     model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6)

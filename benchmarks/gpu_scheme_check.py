@@ -1,6 +1,7 @@
 """Every scheme, compiled with the ``depthrewrite`` backend on the GPU, against eager.
 
     python3 benchmarks/gpu_scheme_check.py [--device cuda] [--schemes ...] [--inner aot_eager|inductor]
+        [--preset tiny --layers 2 --batch 4 64]   (--layers 0: the preset's own)
 
 For each entry of ``CONFIGS`` (every scheme of ``depthrewrite.SCHEMES``, and option sets
 with code paths of their own): the bundled tiny GPT (2 layers) is rewritten, its routing
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import pathlib
 import sys
 
@@ -99,10 +101,23 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 BF16_FACTOR = 4.0
 
 
-def _model(name: str, device: str):
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How every row runs: the compiler behind the backend (``inner``), the bundled GPT
+    (``preset``, with ``layers`` of them, None: the preset's) and the token ids' ``batch``
+    (rows, tokens). The default is the quick check; ``--inner inductor --preset medium
+    --layers 0`` is the 350M model of the end-to-end benchmark as it trains."""
+    inner: str = "aot_eager"
+    preset: str = "tiny"
+    layers: int | None = 2
+    batch: tuple[int, int] = (4, 64)
+
+
+def _model(name: str, device: str, setup: Setup = Setup()):
     scheme, options = CONFIGS[name]
     torch.manual_seed(0)
-    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme, **options)
+    overrides = {} if setup.layers is None else {"n_layer": setup.layers}
+    model = depthrewrite.rewrite(gpt_from_preset(setup.preset, **overrides), scheme, **options)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("query"):
@@ -137,24 +152,24 @@ def _scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(g.norm()) or kind_norm[name.rsplit(".", 1)[-1]] for name, g in grads.items()}
 
 
-def check_scheme(scheme: str, precision: str, device: str, inner: str = "aot_eager") -> dict:
+def check_scheme(scheme: str, precision: str, device: str, setup: Setup = Setup()) -> dict:
     from depthrewrite.passes import two_phase
 
     previous = two_phase.FUSED_MERGE
     two_phase.FUSED_MERGE = scheme in FUSED_MERGE_CONFIGS
     try:
-        return _check_scheme(scheme, precision, device, inner)
+        return _check_scheme(scheme, precision, device, setup)
     finally:
         two_phase.FUSED_MERGE = previous
 
 
-def _check_scheme(scheme: str, precision: str, device: str, inner: str) -> dict:
-    model = _model(scheme, device)
-    idx = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1)).to(device)
+def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dict:
+    model = _model(scheme, device, setup)
+    idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1)).to(device)
     previous = set_fused_enabled(False)
     try:
         reference = model
-        if inner == "inductor":  # Inductor without the backend: the same rounding path (docstring)
+        if setup.inner == "inductor":  # Inductor without the backend: the same rounding path (docstring)
             torch._dynamo.reset()
             reference = torch.compile(model, backend="inductor", fullgraph=True)
         ref_loss, ref_grads = _loss_and_grads(model, reference, idx, precision)
@@ -167,7 +182,7 @@ def _check_scheme(scheme: str, precision: str, device: str, inner: str) -> dict:
         set_fused_enabled(previous)
     backend.clear_reports()
     torch._dynamo.reset()
-    options = {"inner": inner, **BACKEND_OPTIONS.get(scheme, {})}
+    options = {"inner": setup.inner, **BACKEND_OPTIONS.get(scheme, {})}
     if scheme in FUSED_MERGE_CONFIGS and precision == "bf16":  # module docstring
         options["fuse_output_norms"] = False
     compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
@@ -201,12 +216,12 @@ def _check_scheme(scheme: str, precision: str, device: str, inner: str) -> dict:
                 graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms)
 
 
-def run(schemes: list[str], device: str, say=print, inner: str = "aot_eager") -> list[dict]:
+def run(schemes: list[str], device: str, say=print, setup: Setup = Setup()) -> list[dict]:
     rows = []
     for scheme in schemes:
         for precision in ("fp32", "bf16"):
             try:
-                row = check_scheme(scheme, precision, device, inner)
+                row = check_scheme(scheme, precision, device, setup)
             except Exception as exc:  # report and go on: one scheme must not hide the others
                 row = dict(scheme=scheme, precision=precision, ok=False, error=f"{type(exc).__name__}: {exc}")
             say(f"scheme-check {row['scheme']:14s} {row['precision']} ok={row['ok']} "
@@ -223,8 +238,14 @@ def main() -> int:
     ap.add_argument("--schemes", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--inner", default="aot_eager", choices=("aot_eager", "inductor"),
                     help="the compiler behind the backend (inductor: as training runs it, minutes per scheme)")
+    ap.add_argument("--preset", default="tiny", help="the bundled GPT's preset (medium: the 350M model)")
+    ap.add_argument("--layers", type=int, default=2, help="its layers (0: the preset's own)")
+    ap.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("ROWS", "TOKENS"))
     args = ap.parse_args()
-    rows = run(args.schemes, args.device, inner=args.inner)
+    if args.layers < 0 or min(args.batch) < 1:
+        ap.error(f"--layers must be >= 0 and --batch positive; found {args.layers} and {args.batch}")
+    setup = Setup(inner=args.inner, preset=args.preset, layers=args.layers or None, batch=tuple(args.batch))
+    rows = run(args.schemes, args.device, setup=setup)
     bad = [f"{r['scheme']}/{r['precision']}" for r in rows if not r["ok"]]
     print(f"scheme-check: {len(rows) - len(bad)}/{len(rows)} OK; failing: {bad or 'none'}")
     return 1 if bad else 0

@@ -25,8 +25,13 @@ queries moved off zero (zero queries give uniform weights and symmetric gradient
 Compared: the loss and every parameter gradient, as relative L2 errors (a gradient that is
 exactly zero in the reference, by a symmetry, relative to its kind's: ``_scales``).
 
-- fp32: candidate against the reference, tolerance 1e-4 (the kernels sum in a different
-  order than the reference).
+- fp32: both against the float64 truth, as bf16 below: the candidate's error at most 1e-4
+  (the kernels sum in a different order than the reference), or 4x the reference's own
+  where that is larger. Until session 22 the candidate was measured against the fp32
+  reference with 1e-4; at the CPU's ``small`` preset (8 layers) DAR's cancellation-bound
+  ``mix`` gradients put the fp32 references themselves up to 1.7e-4 (eager) and 1.0e-4
+  (Inductor alone) from float64, where the backend's was 9.3e-6: against its reference
+  the more accurate candidate read 9.4e-5, at the limit (docs/benchmarks.md, session 22).
 - bf16 autocast: both against the float64 truth (the same model in float64, reference
   routing). Comparing two bf16 runs with each other is not a test: some gradients are
   small sums with heavy cancellation (DAR's scalar ``mix`` gate: the difference of two
@@ -97,8 +102,8 @@ BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recom
 #: configurations whose backward must have route_backward calls written in place (the default)
 IN_PLACE_EXPECTED = ("wav", "mhar")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
-#: bf16: the candidate's error against float64 may be this many times the reference's
-BF16_FACTOR = 4.0
+#: the candidate's error against float64 may be this many times the reference's
+FACTOR = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +157,16 @@ def _scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(g.norm()) or kind_norm[name.rsplit(".", 1)[-1]] for name, g in grads.items()}
 
 
+def gradient_errors(grads: dict, ref_grads: dict, exact_grads: dict, precision: str) -> tuple[dict, dict]:
+    """Per gradient, the candidate's error against the float64 truth and the error it may
+    have: ``TOLERANCE[precision]``, or ``FACTOR`` times the reference's own error where that
+    is larger (module docstring)."""
+    scales = _scales(exact_grads)
+    errors = {n: _rel(grads[n], exact_grads[n], scales[n]) for n in exact_grads if n in grads}
+    allowed = {n: max(TOLERANCE[precision], FACTOR * _rel(ref_grads[n], exact_grads[n], scales[n])) for n in errors}
+    return errors, allowed
+
+
 def check_scheme(scheme: str, precision: str, device: str, setup: Setup = Setup()) -> dict:
     from depthrewrite.passes import two_phase
 
@@ -173,11 +188,9 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
             torch._dynamo.reset()
             reference = torch.compile(model, backend="inductor", fullgraph=True)
         ref_loss, ref_grads = _loss_and_grads(model, reference, idx, precision)
-        truth = None
-        if precision == "bf16":
-            exact = copy.deepcopy(model).double()
-            truth = _loss_and_grads(exact, exact, idx, "fp32")
-            del exact
+        exact = copy.deepcopy(model).double()
+        truth_loss, exact_grads = _loss_and_grads(exact, exact, idx, "fp32")
+        del exact
     finally:
         set_fused_enabled(previous)
     backend.clear_reports()
@@ -188,17 +201,8 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
-    if truth is None:
-        scales = _scales(ref_grads)
-        errors = {n: _rel(grads[n], ref_grads[n], scales[n]) for n in ref_grads if n in grads}
-        allowed = {n: TOLERANCE[precision] for n in errors}
-        loss_ref = ref_loss
-    else:
-        loss_ref, exact_grads = truth
-        scales = _scales(exact_grads)
-        errors = {n: _rel(grads[n], exact_grads[n], scales[n]) for n in exact_grads if n in grads}
-        allowed = {n: max(TOLERANCE[precision], BF16_FACTOR * _rel(ref_grads[n], exact_grads[n], scales[n]))
-                   for n in errors}
+    errors, allowed = gradient_errors(grads, ref_grads, exact_grads, precision)
+    loss_ref = truth_loss if precision == "bf16" else ref_loss
     worst = max(errors, key=lambda n: errors[n] / allowed[n])
     ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))

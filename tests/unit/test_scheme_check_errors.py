@@ -40,3 +40,22 @@ def test_a_kind_that_is_all_zero_keeps_the_strict_comparison():
     scales = check._scales({"a.gate": torch.zeros(2), "b.gate": torch.zeros(3)})
     assert scales == {"a.gate": 0.0, "b.gate": 0.0}
     assert check._rel(torch.tensor([1e-12, 0.0]), torch.zeros(2), scales["a.gate"]) > 1.0
+
+
+
+def test_a_candidate_is_measured_against_float64_with_the_references_own_error_as_slack():
+    """fp32 as bf16: against the float64 truth, at most 1e-4 or 4x the reference's own error.
+    Session 22's case: on a cancellation-bound gate gradient whose fp32 reference is 1e-4
+    from the truth, a candidate 9.3e-6 from it passes (against the reference it read
+    9.4e-5) and one off by a tenth fails; on a well-conditioned gradient the limit is 1e-4."""
+    check = _load()
+    exact = {"gate": torch.tensor([1.0]), "weight": torch.tensor([3.0, 4.0])}
+    reference = {"gate": torch.tensor([1.0 + 1.0e-4]), "weight": torch.tensor([3.0, 4.0 + 1e-7])}
+    errors, allowed = check.gradient_errors(
+        {"gate": torch.tensor([1.0 - 9.3e-6]), "weight": torch.tensor([3.0, 4.0 + 2e-4])}, reference, exact, "fp32")
+    assert abs(allowed["gate"] - 4.0e-4) < 1e-6  # 4x the reference's own error, above 1e-4
+    assert allowed["weight"] == check.TOLERANCE["fp32"]
+    assert errors["gate"] <= allowed["gate"] and errors["weight"] <= allowed["weight"]  # 9.3e-6; 2e-4 / 5
+    errors, allowed = check.gradient_errors(
+        {"gate": torch.tensor([1.1]), "weight": torch.tensor([3.0, 4.0 + 1e-3])}, reference, exact, "fp32")
+    assert errors["gate"] > allowed["gate"] and errors["weight"] > allowed["weight"]  # 0.1; 1e-3 / 5

@@ -73,7 +73,6 @@ class DualRoute(nn.Module):
     def read(self, state: State, h: torch.Tensor) -> torch.Tensor:
         history, partial = state[:2]
         first = state[2] if self._plan is not None else None
-        s = torch.sigmoid(self.mix)
         if first is None:
             streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
             r0, r1 = (self._route(streams, j) for j in (0, 1))
@@ -81,6 +80,7 @@ class DualRoute(nn.Module):
             return self._fused_merge(first, partial)
         else:
             r0, r1 = (self._merge(first[j], partial, j) for j in (0, 1))
+        s = torch.sigmoid(self.mix)
         return s * r0 + (1 - s) * r1
 
     def _route(self, streams, j: int) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""How far each way of running a scheme is from float64, gradient by gradient (session 23):
+
+    python3 benchmarks/gradient_accuracy.py [--device cuda] [--config dar] [--preset medium]
+        [--layers 0] [--batch 2 1024] [--query-std 0.5] [--runs kernels reference] [--top 12]
+
+The same rewritten bundled GPT (``gpu_scheme_check._model``: queries moved off zero, with
+``--query-std``, ``gpu_scheme_check.QUERY_STD`` by default) runs
+in float64 on the reference ops (the truth) and in fp32 each of ``--runs`` ways:
+
+- ``reference``: eager, the routing ops on their pure-PyTorch reference;
+- ``kernels``: eager, the routing ops on the fused kernels (the Triton ones on CUDA);
+- ``inductor``: Inductor alone (the routing ops on the reference inside its graph);
+- ``backend``: ``backend="depthrewrite"`` with Inductor inside, as training compiles it.
+
+Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the gradient's
+kind (its last name: every ``transport``), then the ``--top`` gradients where the first run
+is furthest from the truth relative to the second. It tells a kernel that is less accurate
+than its reference (every kind worse by a similar factor) from a wrong gradient (a few
+gradients far off, the rest as accurate) and from a model whose gradients are themselves
+ill-conditioned (every run equally far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_scheme_check as check  # noqa: E402
+
+from depthrewrite import backend  # noqa: E402
+from depthrewrite.kernels import set_fused_enabled  # noqa: E402
+
+RUNS = ("reference", "kernels", "inductor", "backend")
+
+
+def run_grads(way: str, model, idx) -> dict:
+    """The fp32 gradients of ``model`` run ``way`` (module docstring)."""
+    torch._dynamo.reset()
+    previous = set_fused_enabled(way in ("kernels", "backend"))
+    try:
+        fn = model
+        if way == "inductor":
+            fn = torch.compile(model, backend="inductor", fullgraph=True)
+        elif way == "backend":
+            fn = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
+                               options={"inner": "inductor"})
+        return check._loss_and_grads(model, fn, idx, "fp32")[1]
+    finally:
+        set_fused_enabled(previous)
+
+
+def by_kind(errors: dict) -> dict[str, tuple[float, float]]:
+    """Per kind of gradient (last name), the median and largest error."""
+    kinds: dict[str, list[float]] = {}
+    for name, err in errors.items():
+        kinds.setdefault(name.rsplit(".", 1)[-1], []).append(err)
+    return {kind: (statistics.median(v), max(v)) for kind, v in sorted(kinds.items())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--config", default="dar", choices=list(check.CONFIGS))
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--layers", type=int, default=0, help="0: the preset's own")
+    ap.add_argument("--batch", type=int, nargs=2, default=(2, 1024), metavar=("ROWS", "TOKENS"))
+    ap.add_argument("--query-std", type=float, default=check.QUERY_STD)
+    ap.add_argument("--runs", nargs="+", default=["kernels", "reference"], choices=RUNS)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    if len(args.runs) < 2:
+        ap.error(f"--runs needs two ways at least (the first is compared with the second); found {args.runs}")
+    setup = check.Setup(preset=args.preset, layers=args.layers or None, batch=tuple(args.batch),
+                        query_std=args.query_std)
+    model = check._model(args.config, args.device, setup)
+    idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1))
+    idx = idx.to(args.device)
+    exact = copy.deepcopy(model).double()
+    previous = set_fused_enabled(False)
+    try:
+        truth = check._loss_and_grads(exact, exact, idx, "fp32")[1]
+    finally:
+        set_fused_enabled(previous)
+    del exact
+    errors = {way: check.errors_against(run_grads(way, model, idx), truth) for way in args.runs}
+    print(f"{args.config}, preset {args.preset}, layers {model.config.n_layer}, batch {tuple(args.batch)}, "
+          f"{args.device}: relative error against float64, median / largest per kind")
+    print("| kind | " + " | ".join(args.runs) + " |")
+    print("| --- |" + " ---: |" * len(args.runs))
+    kinds = {way: by_kind(e) for way, e in errors.items()}
+    for kind in kinds[args.runs[0]]:
+        print(f"| {kind} | " + " | ".join(f"{kinds[w][kind][0]:.1e} / {kinds[w][kind][1]:.1e}" for w in args.runs) + " |")
+    first, second = args.runs[:2]
+    ranked = sorted(errors[first], key=lambda n: errors[first][n] / max(errors[second][n], 1e-30), reverse=True)
+    print(f"\n{first} against {second}: the {args.top} gradients with the largest ratio of errors")
+    for name in ranked[:args.top]:
+        print(f"  {name:50s} " + "  ".join(f"{w} {errors[w][name]:.2e}" for w in args.runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
 #   OUT=... bash benchmarks/device_session.sh schemes350m  # the same at the 350M model, 2 x 1024 tokens (session 22; queries scaled, session 23)
-#   OUT=... bash benchmarks/device_session.sh accuracy  # fp32 gradients vs float64 at 350M: kernels, reference, Inductor, backend (session 23)
+#   OUT=... bash benchmarks/device_session.sh accuracy  # fp32 gradients vs float64 at 350M: kernels, reference, Inductor, backend (session 23; queries at 0.0625 since its run 3)
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
@@ -100,17 +100,21 @@ schemes350m)
   grep "scheme-check\|^    " "$OUT/scheme_check_350m.txt" | tail -20
   ;;
 accuracy)
-  # session 23: schemes350m's DAR fp32 row failed (transport gradient 1.2e-1 from float64,
-  # Inductor alone 3.5e-3). Eager with the kernels against eager on the reference first
-  # (seconds), then Block AttnRes the same, then the compiled ways (minutes)
+  # session 23, run 3: schemes350m's DAR fp32 row failed (transport gradient 1.2e-1 from
+  # float64, Inductor alone 3.5e-3) because at the check's query std 0.5 the 350M model's
+  # fp32 gradients are chaotic: eager on the reference ops was a median 62 % from float64.
+  # Now (prepared for session 24) at std 0.0625, where run 4's backend row missed the rule by
+  # 1.2x on one transport gradient: are the kernels less accurate than the reference ops
+  # (per kind, eager with the kernels against eager without, seconds; Block AttnRes too),
+  # and does the rule pass correct pairs (Inductor alone against eager) at 2 x 1024 tokens?
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   for config in dar block_attnres; do
-    timeout 120 python3 benchmarks/gradient_accuracy.py --config $config --runs kernels reference \
-        > "$OUT/accuracy_$config.txt" 2>&1
+    timeout 120 python3 benchmarks/gradient_accuracy.py --config $config --query-std 0.0625 \
+        --runs kernels reference > "$OUT/accuracy_$config.txt" 2>&1
     grep -v "Warning\|warn" "$OUT/accuracy_$config.txt"
   done
-  timeout 360 python3 benchmarks/gradient_accuracy.py --config dar --runs backend inductor kernels reference \
-      > "$OUT/accuracy_dar_compiled.txt" 2>&1
+  timeout 360 python3 benchmarks/gradient_accuracy.py --config dar --query-std 0.0625 \
+      --runs backend inductor kernels reference > "$OUT/accuracy_dar_compiled.txt" 2>&1
   grep -v "Warning\|warn" "$OUT/accuracy_dar_compiled.txt"
   ;;
 launch)

@@ -14,7 +14,9 @@ in float64 on the reference ops (the truth) and in fp32 each of ``--runs`` ways:
 
 Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the gradient's
 kind (its last name: every ``transport``), then the ``--top`` gradients where the first run
-is furthest from the truth relative to the second. It tells a kernel that is less accurate
+is furthest from the truth relative to the second, and, for each run against each later
+one as its reference, how many gradients fail gpu_scheme_check's fp32 rule (applied to two
+correct implementations, the rule shows how much rounding alone moves at the setup). It tells a kernel that is less accurate
 than its reference (every kind worse by a similar factor) from a wrong gradient (a few
 gradients far off, the rest as accurate) and from a model whose gradients are themselves
 ill-conditioned (every run equally far).
@@ -89,7 +91,8 @@ def main() -> int:
     finally:
         set_fused_enabled(previous)
     del exact
-    errors = {way: check.errors_against(run_grads(way, model, idx), truth) for way in args.runs}
+    grads = {way: run_grads(way, model, idx) for way in args.runs}
+    errors = {way: check.errors_against(g, truth) for way, g in grads.items()}
     print(f"{args.config}, preset {args.preset}, layers {model.config.n_layer}, batch {tuple(args.batch)}, "
           f"{args.device}: relative error against float64, median / largest per kind")
     print("| kind | " + " | ".join(args.runs) + " |")
@@ -102,6 +105,15 @@ def main() -> int:
     print(f"\n{first} against {second}: the {args.top} gradients with the largest ratio of errors")
     for name in ranked[:args.top]:
         print(f"  {name:50s} " + "  ".join(f"{w} {errors[w][name]:.2e}" for w in args.runs))
+    for i, candidate in enumerate(args.runs):
+        for reference in args.runs[i + 1:]:
+            _, allowed = check.gradient_errors(grads[candidate], grads[reference], truth, "fp32")
+            over = [n for n in allowed if errors[candidate][n] > allowed[n]]
+            closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
+            print(f"\nthe fp32 rule, {candidate} against {reference} as the reference: {len(over)} of "
+                  f"{len(allowed)} gradients over their allowance; closest {closest} at "
+                  f"{errors[candidate][closest] / allowed[closest]:.2f}x"
+                  + "".join(f"\n  {n}: {errors[candidate][n]:.2e} > {allowed[n]:.2e}" for n in over))
     return 0
 
 

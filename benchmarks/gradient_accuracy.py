@@ -14,7 +14,7 @@ in float64 on the reference ops (the truth) and in fp32 each of ``--runs`` ways:
 
 Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the gradient's
 kind (its last name: every ``transport``), then the ``--top`` gradients where the first run
-is furthest from the truth relative to the second, and, for each run against each later
+is furthest from the truth relative to the second (with two runs or more), and, for each run against each later
 one as its reference, how many gradients fail gpu_scheme_check's fp32 rule (applied to two
 correct implementations, the rule shows how much rounding alone moves at the setup). It tells a kernel that is less accurate
 than its reference (every kind worse by a similar factor) from a wrong gradient (a few
@@ -59,11 +59,12 @@ def run_grads(way: str, model, idx) -> dict:
 
 
 def by_kind(errors: dict) -> dict[str, tuple[float, float]]:
-    """Per kind of gradient (last name), the median and largest error."""
+    """Per kind of gradient (last name), then over all of them, the median and largest error."""
     kinds: dict[str, list[float]] = {}
     for name, err in errors.items():
         kinds.setdefault(name.rsplit(".", 1)[-1], []).append(err)
-    return {kind: (statistics.median(v), max(v)) for kind, v in sorted(kinds.items())}
+    kinds = dict(sorted(kinds.items()), all=list(errors.values()))
+    return {kind: (statistics.median(v), max(v)) for kind, v in kinds.items()}
 
 
 def main() -> int:
@@ -77,8 +78,6 @@ def main() -> int:
     ap.add_argument("--runs", nargs="+", default=["kernels", "reference"], choices=RUNS)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    if len(args.runs) < 2:
-        ap.error(f"--runs needs two ways at least (the first is compared with the second); found {args.runs}")
     setup = check.Setup(preset=args.preset, layers=args.layers or None, batch=tuple(args.batch),
                         query_std=args.query_std)
     model = check._model(args.config, args.device, setup)
@@ -100,6 +99,8 @@ def main() -> int:
     kinds = {way: by_kind(e) for way, e in errors.items()}
     for kind in kinds[args.runs[0]]:
         print(f"| {kind} | " + " | ".join(f"{kinds[w][kind][0]:.1e} / {kinds[w][kind][1]:.1e}" for w in args.runs) + " |")
+    if len(args.runs) < 2:
+        return 0
     first, second = args.runs[:2]
     ranked = sorted(errors[first], key=lambda n: errors[first][n] / max(errors[second][n], 1e-30), reverse=True)
     print(f"\n{first} against {second}: the {args.top} gradients with the largest ratio of errors")

@@ -52,7 +52,8 @@ it on DAR's cancellation-bound scalars in 2 seeds of 8 (at 1.01x and 1.09x the a
 ``benchmarks/norm_fusion_accuracy.py``, docs/benchmarks.md session 20). The fused path's bf16 accuracy is tested on
 the CPU instead (tests/compile/test_norm_fusion.py).
 
-The lowering report must show the routing ops and which implementation they ran.
+The lowering report must show the routing ops and which implementation they ran: on CUDA,
+for a scheme that routes, every call on the Triton kernels.
 Prints one line per scheme and precision; returns rows for gpu_suite.py.
 """
 
@@ -94,6 +95,8 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            # the second phase through depthrewrite::route_merge (two_phase.FUSED_MERGE)
            "block_attnres_fm": ("block_attnres", {}), "mhar_block_fm": ("mhar", {"block_size": 2}),
            "dar_fm": ("dar", {})}
+#: the schemes that route (the others add no routing op to the graph)
+ROUTING_SCHEMES = ("attnres", "block_attnres", "dar", "mhar", "wav")
 #: configurations checked with two_phase.FUSED_MERGE on: their route_merge calls must be lowered
 FUSED_MERGE_CONFIGS = ("block_attnres_fm", "mhar_block_fm", "dar_fm")
 #: backend options per configuration, besides ``inner`` (default: none)
@@ -228,6 +231,8 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
     fused_norms = sum(r.fused_norms or 0 for r in backend.reports())
+    if torch.device(device).type == "cuda" and CONFIGS[scheme][0] in ROUTING_SCHEMES:  # every routing call lowered to a kernel
+        ok = ok and bool(ops) and all(op.endswith(" (triton)") for op in ops)
     if scheme in FUSED_MERGE_CONFIGS:  # the op really ran (in fp32 with the branch norms fused into it)
         ok = ok and any(op.startswith("depthrewrite::route_merge ") for op in ops)
         ok = ok and (fused_norms > 0 if precision == "fp32" else fused_norms == 0)

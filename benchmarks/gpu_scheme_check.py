@@ -188,6 +188,15 @@ def gradient_errors(grads: dict, ref_grads: dict, exact_grads: dict, precision: 
     return errors, allowed
 
 
+def lowered_to_kernels(config: str, device: str, ops: dict[str, int]) -> bool:
+    """Whether the lowering report ``ops`` (``backend.lowered_ops()``) shows what ``config``
+    must run: on CUDA, for a scheme that routes, routing calls, every one on the Triton
+    kernels (none on the reference, none split between the two); elsewhere anything."""
+    if torch.device(device).type != "cuda" or CONFIGS[config][0] not in ROUTING_SCHEMES:
+        return True
+    return bool(ops) and all(op.endswith(" (triton)") for op in ops)
+
+
 def check_scheme(scheme: str, precision: str, device: str, setup: Setup = Setup()) -> dict:
     from depthrewrite.passes import two_phase
 
@@ -231,8 +240,7 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
     fused_norms = sum(r.fused_norms or 0 for r in backend.reports())
-    if torch.device(device).type == "cuda" and CONFIGS[scheme][0] in ROUTING_SCHEMES:  # every routing call lowered to a kernel
-        ok = ok and bool(ops) and all(op.endswith(" (triton)") for op in ops)
+    ok = ok and lowered_to_kernels(scheme, device, ops)
     if scheme in FUSED_MERGE_CONFIGS:  # the op really ran (in fp32 with the branch norms fused into it)
         ok = ok and any(op.startswith("depthrewrite::route_merge ") for op in ops)
         ok = ok and (fused_norms > 0 if precision == "fp32" else fused_norms == 0)

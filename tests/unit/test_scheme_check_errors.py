@@ -59,3 +59,15 @@ def test_a_candidate_is_measured_against_float64_with_the_references_own_error_a
     errors, allowed = check.gradient_errors(
         {"gate": torch.tensor([1.1]), "weight": torch.tensor([3.0, 4.0 + 1e-3])}, reference, exact, "fp32")
     assert errors["gate"] > allowed["gate"] and errors["weight"] > allowed["weight"]  # 0.1; 1e-3 / 5
+
+
+def test_a_routing_scheme_on_cuda_must_run_every_call_on_the_kernels():
+    check = _load()
+    assert check.lowered_to_kernels("dar", "cuda", {"depthrewrite::route_many (triton)": 6})
+    assert check.lowered_to_kernels("mhar_block_fm", "cuda:0", {"depthrewrite::route_many (triton)": 3,
+                                                                "depthrewrite::route_merge (triton)": 2})
+    assert not check.lowered_to_kernels("dar", "cuda", {})  # nothing lowered: the rewrite did not route
+    assert not check.lowered_to_kernels("wav", "cuda", {"depthrewrite::route (triton+reference)": 5})
+    assert not check.lowered_to_kernels("attnres_site", "cuda", {"depthrewrite::route (reference)": 5})
+    assert check.lowered_to_kernels("residual", "cuda", {})  # a baseline adds no routing op
+    assert check.lowered_to_kernels("dar", "cpu", {"depthrewrite::route_many (reference)": 6})

@@ -106,13 +106,13 @@ BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recom
 #: configurations whose backward must have route_backward calls written in place (the default)
 IN_PLACE_EXPECTED = ("wav", "mhar")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
-#: the routing queries' default std. The routing logits are ``query . RMSNorm(key)``, so their spread is the query's
-#: std times sqrt(d): 4 for the tiny GPT at 0.5. Sharp routing over many layers makes the
-#: gradients themselves ill-conditioned: at the 350M model (d = 1024, 24 layers; logits'
-#: std 16 at 0.5) DAR's fp32 gradients in eager on the reference ops are a median 7.6 %
-#: (CPU, 128 tokens) to 62 % (H200, 2 x 1024 tokens) from float64, up to 12x their own norm,
-#: so no implementation can be judged there. At 0.0625 (logits' std 2) the median is 1.6e-5
-#: (docs/benchmarks.md, session 23).
+#: the routing queries' default std. The routing logits are ``query . RMSNorm(key)``, so
+#: their spread is the query's std times sqrt(d): 4 for the tiny GPT at 0.5. Sharp routing
+#: over many layers makes the gradients themselves ill-conditioned: at the 350M model
+#: (d = 1024, 24 layers; logits' std 16 at 0.5) DAR's fp32 gradients in eager on the
+#: reference ops are a median 7.6 % (CPU, 128 tokens) to 62 % (H200, 2 x 1024 tokens) from
+#: float64, up to 13x their own norm, so no implementation can be judged there. At 0.0625
+#: (logits' std 2) the median is 1.6e-5 (docs/benchmarks.md, session 23).
 QUERY_STD = 0.5
 
 #: the candidate's error against float64 may be this many times the reference's
@@ -287,9 +287,9 @@ def main() -> int:
     ap.add_argument("--detail", type=int, default=0, metavar="K",
                     help="also print each row's K gradients nearest their allowance")
     args = ap.parse_args()
-    if args.layers < 0 or min(args.batch) < 1 or args.query_std <= 0:
-        ap.error(f"--layers must be >= 0, --batch and --query-std positive; found {args.layers}, {args.batch} "
-                 f"and {args.query_std}")
+    if args.layers < 0 or args.detail < 0 or min(args.batch) < 1 or args.query_std <= 0:
+        ap.error(f"--layers and --detail must be >= 0, --batch and --query-std positive; found {args.layers}, "
+                 f"{args.detail}, {args.batch} and {args.query_std}")
     setup = Setup(inner=args.inner, preset=args.preset, layers=args.layers or None, batch=tuple(args.batch),
                   query_std=args.query_std)
     rows = run(args.schemes, args.device, setup=setup, detail=args.detail, precisions=tuple(args.precisions))

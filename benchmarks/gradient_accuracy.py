@@ -4,8 +4,8 @@
         [--layers 0] [--batch 2 1024] [--query-std 0.5] [--runs kernels reference] [--top 12]
 
 The same rewritten bundled GPT (``gpu_scheme_check._model``: queries moved off zero, with
-``--query-std``, ``gpu_scheme_check.QUERY_STD`` by default) runs
-in float64 on the reference ops (the truth) and in fp32 each of ``--runs`` ways:
+``--query-std``, ``gpu_scheme_check.QUERY_STD`` by default) runs in float64 on the
+reference ops (the truth) and in fp32 each of ``--runs`` ways:
 
 - ``reference``: eager, the routing ops on their pure-PyTorch reference;
 - ``kernels``: eager, the routing ops on the fused kernels (the Triton ones on CUDA);
@@ -13,13 +13,14 @@ in float64 on the reference ops (the truth) and in fp32 each of ``--runs`` ways:
 - ``backend``: ``backend="depthrewrite"`` with Inductor inside, as training compiles it.
 
 Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the gradient's
-kind (its last name: every ``transport``), then the ``--top`` gradients where the first run
-is furthest from the truth relative to the second (with two runs or more), and, for each run against each later
-one as its reference, how many gradients fail gpu_scheme_check's fp32 rule (applied to two
-correct implementations, the rule shows how much rounding alone moves at the setup). It tells a kernel that is less accurate
-than its reference (every kind worse by a similar factor) from a wrong gradient (a few
-gradients far off, the rest as accurate) and from a model whose gradients are themselves
-ill-conditioned (every run equally far).
+kind (its last name: every ``transport``). With two runs or more, also the ``--top``
+gradients where the first run is furthest from the truth relative to the second, and for
+each run against each later one as its reference how many gradients fail
+gpu_scheme_check's fp32 rule (applied to two correct implementations, the rule shows how
+much rounding alone moves at the setup). It tells a kernel that is less accurate than its
+reference (every kind worse by a similar factor) from a wrong gradient (a few gradients far
+off, the rest as accurate) and from a model whose gradients are themselves ill-conditioned
+(every run equally far).
 """
 
 from __future__ import annotations
@@ -67,6 +68,50 @@ def by_kind(errors: dict) -> dict[str, tuple[float, float]]:
     return {kind: (statistics.median(v), max(v)) for kind, v in kinds.items()}
 
 
+def float64_truth(model, idx) -> dict:
+    """``model``'s gradients in float64 on the reference ops."""
+    exact = copy.deepcopy(model).double()
+    previous = set_fused_enabled(False)
+    try:
+        return check._loss_and_grads(exact, exact, idx, "fp32")[1]
+    finally:
+        set_fused_enabled(previous)
+
+
+def print_kinds(errors: dict[str, dict]) -> None:
+    """The table of :func:`by_kind`, one column per run."""
+    runs = list(errors)
+    kinds = {way: by_kind(e) for way, e in errors.items()}
+    print("| kind | " + " | ".join(runs) + " |")
+    print("| --- |" + " ---: |" * len(runs))
+    for kind in kinds[runs[0]]:
+        print(f"| {kind} | " + " | ".join(f"{kinds[w][kind][0]:.1e} / {kinds[w][kind][1]:.1e}" for w in runs) + " |")
+
+
+def print_top(errors: dict[str, dict], top: int) -> None:
+    """The ``top`` gradients where the first run's error is largest against the second's."""
+    runs = list(errors)
+    first, second = runs[:2]
+    ranked = sorted(errors[first], key=lambda n: errors[first][n] / max(errors[second][n], 1e-30), reverse=True)
+    print(f"\n{first} against {second}: the {top} gradients with the largest ratio of errors")
+    for name in ranked[:top]:
+        print(f"  {name:50s} " + "  ".join(f"{w} {errors[w][name]:.2e}" for w in runs))
+
+
+def print_rule(grads: dict[str, dict], errors: dict[str, dict], truth: dict) -> None:
+    """gpu_scheme_check's fp32 rule for each run against each later one as its reference."""
+    runs = list(grads)
+    for i, candidate in enumerate(runs):
+        for reference in runs[i + 1:]:
+            _, allowed = check.gradient_errors(grads[candidate], grads[reference], truth, "fp32")
+            over = [n for n in allowed if errors[candidate][n] > allowed[n]]
+            closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
+            print(f"\nthe fp32 rule, {candidate} against {reference} as the reference: {len(over)} of "
+                  f"{len(allowed)} gradients over their allowance; closest {closest} at "
+                  f"{errors[candidate][closest] / allowed[closest]:.2f}x"
+                  + "".join(f"\n  {n}: {errors[candidate][n]:.2e} > {allowed[n]:.2e}" for n in over))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -78,43 +123,24 @@ def main() -> int:
     ap.add_argument("--runs", nargs="+", default=["kernels", "reference"], choices=RUNS)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
+    repeated = len(set(args.runs)) < len(args.runs)
+    if args.layers < 0 or args.top < 0 or min(args.batch) < 1 or args.query_std <= 0 or repeated:
+        ap.error(f"--layers and --top must be >= 0, --batch and --query-std positive, --runs each once; found "
+                 f"{args.layers}, {args.top}, {args.batch}, {args.query_std} and {args.runs}")
     setup = check.Setup(preset=args.preset, layers=args.layers or None, batch=tuple(args.batch),
                         query_std=args.query_std)
     model = check._model(args.config, args.device, setup)
     idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1))
     idx = idx.to(args.device)
-    exact = copy.deepcopy(model).double()
-    previous = set_fused_enabled(False)
-    try:
-        truth = check._loss_and_grads(exact, exact, idx, "fp32")[1]
-    finally:
-        set_fused_enabled(previous)
-    del exact
+    truth = float64_truth(model, idx)
     grads = {way: run_grads(way, model, idx) for way in args.runs}
     errors = {way: check.errors_against(g, truth) for way, g in grads.items()}
     print(f"{args.config}, preset {args.preset}, layers {model.config.n_layer}, batch {tuple(args.batch)}, "
           f"{args.device}: relative error against float64, median / largest per kind")
-    print("| kind | " + " | ".join(args.runs) + " |")
-    print("| --- |" + " ---: |" * len(args.runs))
-    kinds = {way: by_kind(e) for way, e in errors.items()}
-    for kind in kinds[args.runs[0]]:
-        print(f"| {kind} | " + " | ".join(f"{kinds[w][kind][0]:.1e} / {kinds[w][kind][1]:.1e}" for w in args.runs) + " |")
-    if len(args.runs) < 2:
-        return 0
-    first, second = args.runs[:2]
-    ranked = sorted(errors[first], key=lambda n: errors[first][n] / max(errors[second][n], 1e-30), reverse=True)
-    print(f"\n{first} against {second}: the {args.top} gradients with the largest ratio of errors")
-    for name in ranked[:args.top]:
-        print(f"  {name:50s} " + "  ".join(f"{w} {errors[w][name]:.2e}" for w in args.runs))
-    for i, candidate in enumerate(args.runs):
-        for reference in args.runs[i + 1:]:
-            _, allowed = check.gradient_errors(grads[candidate], grads[reference], truth, "fp32")
-            over = [n for n in allowed if errors[candidate][n] > allowed[n]]
-            closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
-            print(f"\nthe fp32 rule, {candidate} against {reference} as the reference: {len(over)} of "
-                  f"{len(allowed)} gradients over their allowance; closest {closest} at "
-                  f"{errors[candidate][closest] / allowed[closest]:.2f}x"
-                  + "".join(f"\n  {n}: {errors[candidate][n]:.2e} > {allowed[n]:.2e}" for n in over))
+    print_kinds(errors)
+    if len(args.runs) > 1:
+        print_top(errors, args.top)
+        print_rule(grads, errors, truth)
     return 0
 
 

@@ -33,6 +33,12 @@ exactly zero in the reference, by a symmetry, relative to its kind's: ``_scales`
   ``mix`` gradients put the fp32 references themselves up to 1.7e-4 (eager) and 1.0e-4
   (Inductor alone) from float64, where the backend's was 9.3e-6: against its reference
   the more accurate candidate read 9.4e-5, at the limit (docs/benchmarks.md, session 22).
+  With ``--inner inductor`` the fp32 references are two, Inductor alone and eager, and the
+  allowance is 4x the farther one's error (session 23): at the 350M model (1 x 1024
+  tokens, CPU, queries at std 0.0625) Inductor alone, a correct implementation, failed the
+  rule against eager on 3 of 390 gradients (DAR's ``transport`` and ``mix`` scalars, up to
+  2.0x the allowance): which of two correct roundings lands nearer the truth on one
+  cancellation-bound scalar is chance, and one draw as the yardstick fails correct code.
 - bf16 autocast: both against the float64 truth (the same model in float64, reference
   routing). Comparing two bf16 runs with each other is not a test: some gradients are
   small sums with heavy cancellation (DAR's scalar ``mix`` gate: the difference of two
@@ -179,13 +185,22 @@ def errors_against(grads: dict, exact_grads: dict) -> dict:
     return {n: _rel(grads[n], exact_grads[n], scales[n]) for n in exact_grads if n in grads}
 
 
-def gradient_errors(grads: dict, ref_grads: dict, exact_grads: dict, precision: str) -> tuple[dict, dict]:
+def gradient_errors(grads: dict, ref_grads: dict | list[dict], exact_grads: dict,
+                    precision: str) -> tuple[dict, dict]:
     """Per gradient, the candidate's error against the float64 truth and the error it may
     have: ``TOLERANCE[precision]``, or ``FACTOR`` times the reference's own error where that
-    is larger (module docstring)."""
-    errors, ref_errors = errors_against(grads, exact_grads), errors_against(ref_grads, exact_grads)
+    is larger; with several references (a list), the farthest one's (module docstring)."""
+    references = ref_grads if isinstance(ref_grads, list) else [ref_grads]
+    errors = errors_against(grads, exact_grads)
+    ref_errors = reference_errors(references, exact_grads)
     allowed = {n: max(TOLERANCE[precision], FACTOR * ref_errors[n]) for n in errors}
     return errors, allowed
+
+
+def reference_errors(references: list[dict], exact_grads: dict) -> dict:
+    """Per gradient, the largest error of the references against the float64 truth."""
+    per_reference = [errors_against(r, exact_grads) for r in references]
+    return {n: max(e[n] for e in per_reference) for n in per_reference[0]}
 
 
 def lowered_to_kernels(config: str, device: str, ops: dict[str, int]) -> bool:
@@ -218,6 +233,9 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
             torch._dynamo.reset()
             reference = torch.compile(model, backend="inductor", fullgraph=True)
         ref_loss, ref_grads = _loss_and_grads(model, reference, idx, precision)
+        references = [ref_grads]
+        if setup.inner == "inductor" and precision == "fp32":  # eager too (module docstring)
+            references.append(_loss_and_grads(model, model, idx, precision)[1])
         exact = copy.deepcopy(model).double()
         truth_loss, exact_grads = _loss_and_grads(exact, exact, idx, "fp32")
         del exact
@@ -231,7 +249,7 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
-    errors, allowed = gradient_errors(grads, ref_grads, exact_grads, precision)
+    errors, allowed = gradient_errors(grads, references, exact_grads, precision)
     loss_ref = truth_loss if precision == "bf16" else ref_loss
     worst = max(errors, key=lambda n: errors[n] / allowed[n])
     ops = backend.lowered_ops()
@@ -247,7 +265,7 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     ranked = sorted(errors, key=lambda n: errors[n] / allowed[n], reverse=True)
-    ref_errors = errors_against(ref_grads, exact_grads)
+    ref_errors = reference_errors(references, exact_grads)
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
                 graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms,

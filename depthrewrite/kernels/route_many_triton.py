@@ -42,6 +42,13 @@ call by ``_backward_kernel`` (measured):
   in chunks, each adding into an fp32 partial gradient that the earlier chunks wrote (the
   gradient is rounded to the activation dtype once, by the last chunk).
 
+Both take ``sum_j a_j <v_j, g>`` as ``<out, g>`` from the saved output, as flash-attention
+does (no second pass over the sources). The two round along different paths and the
+difference enters every ``dz_j`` of a token alike: where the sources are nearly equal, the
+query and key-norm-weight gradients (sums of ``dz_j`` over them) come out about 2x as far
+from float64 as the reference's in fp32 (benchmarks/route_many_accuracy.py,
+docs/benchmarks.md session 23).
+
 Outputs and their gradients are separate tensors (the op returns lists): the kernels reach
 them through int64 pointer tables, as they reach the sources; all tables of a call go up in
 one host-to-device copy.

@@ -71,3 +71,20 @@ def test_a_routing_scheme_on_cuda_must_run_every_call_on_the_kernels():
     assert not check.lowered_to_kernels("attnres_site", "cuda", {"depthrewrite::route (reference)": 5})
     assert check.lowered_to_kernels("residual", "cuda", {})  # a baseline adds no routing op
     assert check.lowered_to_kernels("dar", "cpu", {"depthrewrite::route_many (reference)": 6})
+
+
+def test_with_several_references_the_allowance_is_four_times_the_farthest():
+    """Session 23: two correct fp32 implementations (Inductor alone, eager) land on either
+    side of one another on a cancellation-bound scalar; the candidate may be 4x as far from
+    the truth as the farther of them, and a gradient off by a tenth still fails."""
+    check = _load()
+    exact = {"transport": torch.tensor([1.0])}
+    near, far = {"transport": torch.tensor([1.0 + 2e-5])}, {"transport": torch.tensor([1.0 - 1e-4])}
+    candidate = {"transport": torch.tensor([1.0 + 3e-4])}
+    errors, allowed = check.gradient_errors(candidate, near, exact, "fp32")
+    assert errors["transport"] > allowed["transport"]  # 3e-4 against max(1e-4, 4 x 2e-5)
+    errors, allowed = check.gradient_errors(candidate, [near, far], exact, "fp32")
+    assert abs(allowed["transport"] - 4e-4) < 1e-6 and errors["transport"] <= allowed["transport"]
+    assert check.reference_errors([near, far], exact)["transport"] == check.errors_against(far, exact)["transport"]
+    errors, allowed = check.gradient_errors({"transport": torch.tensor([1.1])}, [near, far], exact, "fp32")
+    assert errors["transport"] > allowed["transport"]

@@ -80,8 +80,8 @@ schemes)
   ;;
 schemesinductor)
   # the routed schemes compiled the way training compiles them (the backend with Inductor
-  # around the kernels) against Inductor alone on the reference ops (session 22, prepared,
-  # not run yet; ~1 minute a scheme: 4 compilations; SCHEMES picks others)
+  # around the kernels) against Inductor alone on the reference ops (session 22, run in
+  # session 23; ~1 minute a scheme: 4 compilations; SCHEMES picks others)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 560 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor \
       --schemes ${SCHEMES:-block_attnres dar mhar wav attnres} > "$OUT/scheme_check_inductor.txt" 2>&1

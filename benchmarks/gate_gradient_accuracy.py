@@ -10,7 +10,6 @@ Inductor alone.
 """
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_scheme_check as check  # noqa: E402
+import gradient_accuracy as accuracy  # noqa: E402
 
-from depthrewrite import backend  # noqa: E402
 from depthrewrite.passes import two_phase  # noqa: E402
 
 
@@ -36,21 +35,14 @@ def main() -> int:
     model = check._model("dar_fm", args.device, setup)
     idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1))
     idx = idx.to(args.device)
-    exact = copy.deepcopy(model).double()
-    _, truth = check._loss_and_grads(exact, exact, idx, "fp32")
-    runs = {"eager": model}
-    runs["inductor alone"] = torch.compile(model, backend="inductor", fullgraph=True)
-    runs["backend"] = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
-                                    options={"inner": "inductor"})
-    grads = {}
-    for name, fn in runs.items():
-        torch._dynamo.reset()
-        _, grads[name] = check._loss_and_grads(model, fn, idx, "fp32")
+    truth = check.float64_truth(model, idx)[1]
+    ways = {"eager": "kernels", "inductor alone": "inductor", "backend": "backend"}  # gradient_accuracy's runs
+    grads = {name: accuracy.run_grads(way, model, idx) for name, way in ways.items()}
     scales = check._scales(truth)
-    print("| gradient | " + " | ".join(runs) + " | backend vs inductor alone |")
-    print("| --- |" + " ---: |" * (len(runs) + 1))
+    print("| gradient | " + " | ".join(ways) + " | backend vs inductor alone |")
+    print("| --- |" + " ---: |" * (len(ways) + 1))
     for n in (n for n in truth if n.endswith(".mix")):
-        errors = [check._rel(grads[r][n], truth[n], scales[n]) for r in runs]
+        errors = [check._rel(grads[r][n], truth[n], scales[n]) for r in ways]
         vs = check._rel(grads["backend"][n], grads["inductor alone"][n])
         print(f"| {n} | " + " | ".join(f"{e:.1e}" for e in errors) + f" | {vs:.1e} |")
     return 0

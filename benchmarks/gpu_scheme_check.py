@@ -188,19 +188,33 @@ def errors_against(grads: dict, exact_grads: dict) -> dict:
 def gradient_errors(grads: dict, ref_grads: dict | list[dict], exact_grads: dict,
                     precision: str) -> tuple[dict, dict]:
     """Per gradient, the candidate's error against the float64 truth and the error it may
-    have: ``TOLERANCE[precision]``, or ``FACTOR`` times the reference's own error where that
-    is larger; with several references (a list), the farthest one's (module docstring)."""
+    have (:func:`allowances`; with several references, a list, the farthest one's)."""
     references = ref_grads if isinstance(ref_grads, list) else [ref_grads]
     errors = errors_against(grads, exact_grads)
-    ref_errors = reference_errors(references, exact_grads)
-    allowed = {n: max(TOLERANCE[precision], FACTOR * ref_errors[n]) for n in errors}
-    return errors, allowed
+    allowed = allowances(reference_errors(references, exact_grads), precision)
+    return errors, {n: allowed[n] for n in errors}
 
 
 def reference_errors(references: list[dict], exact_grads: dict) -> dict:
     """Per gradient, the largest error of the references against the float64 truth."""
     per_reference = [errors_against(r, exact_grads) for r in references]
     return {n: max(e[n] for e in per_reference) for n in per_reference[0]}
+
+
+def allowances(ref_errors: dict, precision: str) -> dict:
+    """Per gradient, the error a candidate may have: ``TOLERANCE[precision]``, or ``FACTOR``
+    times the reference's own error where that is larger (module docstring)."""
+    return {n: max(TOLERANCE[precision], FACTOR * e) for n, e in ref_errors.items()}
+
+
+def float64_truth(model, idx) -> tuple[torch.Tensor, dict]:
+    """The loss and gradients of ``model`` copied to float64, on the reference ops."""
+    exact = copy.deepcopy(model).double()
+    previous = set_fused_enabled(False)
+    try:
+        return _loss_and_grads(exact, exact, idx, "fp32")
+    finally:
+        set_fused_enabled(previous)
 
 
 def lowered_to_kernels(config: str, device: str, ops: dict[str, int]) -> bool:
@@ -236,9 +250,7 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
         references = [ref_grads]
         if setup.inner == "inductor" and precision == "fp32":  # eager too (module docstring)
             references.append(_loss_and_grads(model, model, idx, precision)[1])
-        exact = copy.deepcopy(model).double()
-        truth_loss, exact_grads = _loss_and_grads(exact, exact, idx, "fp32")
-        del exact
+        truth_loss, exact_grads = float64_truth(model, idx)
     finally:
         set_fused_enabled(previous)
     backend.clear_reports()
@@ -249,7 +261,9 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
-    errors, allowed = gradient_errors(grads, references, exact_grads, precision)
+    errors = errors_against(grads, exact_grads)
+    ref_errors = reference_errors(references, exact_grads)
+    allowed = allowances({n: ref_errors[n] for n in errors}, precision)
     loss_ref = truth_loss if precision == "bf16" else ref_loss
     worst = max(errors, key=lambda n: errors[n] / allowed[n])
     ops = backend.lowered_ops()
@@ -265,7 +279,6 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     ranked = sorted(errors, key=lambda n: errors[n] / allowed[n], reverse=True)
-    ref_errors = reference_errors(references, exact_grads)
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
                 graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms,

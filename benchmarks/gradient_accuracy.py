@@ -26,7 +26,6 @@ off, the rest as accurate) and from a model whose gradients are themselves ill-c
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 from pathlib import Path
@@ -68,16 +67,6 @@ def by_kind(errors: dict) -> dict[str, tuple[float, float]]:
     return {kind: (statistics.median(v), max(v)) for kind, v in kinds.items()}
 
 
-def float64_truth(model, idx) -> dict:
-    """``model``'s gradients in float64 on the reference ops."""
-    exact = copy.deepcopy(model).double()
-    previous = set_fused_enabled(False)
-    try:
-        return check._loss_and_grads(exact, exact, idx, "fp32")[1]
-    finally:
-        set_fused_enabled(previous)
-
-
 def print_kinds(errors: dict[str, dict]) -> None:
     """The table of :func:`by_kind`, one column per run."""
     runs = list(errors)
@@ -98,12 +87,12 @@ def print_top(errors: dict[str, dict], top: int) -> None:
         print(f"  {name:50s} " + "  ".join(f"{w} {errors[w][name]:.2e}" for w in runs))
 
 
-def print_rule(grads: dict[str, dict], errors: dict[str, dict], truth: dict) -> None:
+def print_rule(errors: dict[str, dict]) -> None:
     """gpu_scheme_check's fp32 rule for each run against each later one as its reference."""
-    runs = list(grads)
+    runs = list(errors)
     for i, candidate in enumerate(runs):
         for reference in runs[i + 1:]:
-            _, allowed = check.gradient_errors(grads[candidate], grads[reference], truth, "fp32")
+            allowed = check.allowances(errors[reference], "fp32")
             over = [n for n in allowed if errors[candidate][n] > allowed[n]]
             closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
             print(f"\nthe fp32 rule, {candidate} against {reference} as the reference: {len(over)} of "
@@ -132,15 +121,14 @@ def main() -> int:
     model = check._model(args.config, args.device, setup)
     idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1))
     idx = idx.to(args.device)
-    truth = float64_truth(model, idx)
-    grads = {way: run_grads(way, model, idx) for way in args.runs}
-    errors = {way: check.errors_against(g, truth) for way, g in grads.items()}
+    truth = check.float64_truth(model, idx)[1]
+    errors = {way: check.errors_against(run_grads(way, model, idx), truth) for way in args.runs}
     print(f"{args.config}, preset {args.preset}, layers {model.config.n_layer}, batch {tuple(args.batch)}, "
           f"{args.device}: relative error against float64, median / largest per kind")
     print_kinds(errors)
     if len(args.runs) > 1:
         print_top(errors, args.top)
-        print_rule(grads, errors, truth)
+        print_rule(errors)
     return 0
 
 

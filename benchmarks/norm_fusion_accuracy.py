@@ -62,7 +62,7 @@ def main() -> int:
         for name in truth:
             if fused[name] > 0 and unfused[name] > 0:
                 logs["scalar" if truth[name].numel() <= 2 else "other"].append(math.log(fused[name] / unfused[name]))
-        allowed = {n: max(check.TOLERANCE["bf16"], check.FACTOR * eager[n]) for n in truth}
+        allowed = check.allowances({n: eager[n] for n in truth}, "bf16")
         worst.append(max(fused[n] / allowed[n] for n in truth))
     for kind, values in logs.items():
         print(f"{args.scheme} {kind} parameters: {len(values)} errors, geometric mean of fused / unfused "

@@ -10,7 +10,7 @@ def test_query_gradient_formulas_match_the_reference_backward_in_float64():
     accuracy = load_benchmark("route_many_accuracy")
     from depthrewrite.ops.route_many import _reference, _route_many_backward_op
 
-    inp = accuracy._inputs(seed=3, spread=0.01, keyed=False, device="cpu")
+    inp = accuracy._inputs(seed=3, spread=0.01, keyed=False)
     values = [v.double() for v in inp["values"]]
     q, w = inp["queries"].double(), inp["weights"].double()
     out, lse = _reference(values, q, w, 1, 1e-6)
@@ -29,7 +29,7 @@ def test_in_fp32_the_shortcut_doubles_the_query_gradients_error_when_sources_are
     accuracy = load_benchmark("route_many_accuracy")
     logs = []
     for seed in range(5):
-        inp = accuracy._inputs(seed, spread=0.01, keyed=False, device="cpu")
+        inp = accuracy._inputs(seed, spread=0.01, keyed=False)
         exact = accuracy.query_grad(inp, torch.float64, shortcut=False)
         err = {s: float((accuracy.query_grad(inp, torch.float32, s).double() - exact).norm() / exact.norm())
                for s in (False, True)}

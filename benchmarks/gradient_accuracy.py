@@ -2,10 +2,11 @@
 
     python3 benchmarks/gradient_accuracy.py [--device cuda] [--config dar] [--preset medium]
         [--layers 0] [--batch 2 1024] [--query-std 0.5] [--runs kernels reference] [--top 12]
+        [--precision fp32|bf16] [--json PATH]
 
 The same rewritten bundled GPT (``gpu_scheme_check._model``: queries moved off zero, with
 ``--query-std``, ``gpu_scheme_check.QUERY_STD`` by default) runs in float64 on the
-reference ops (the truth) and in fp32 each of ``--runs`` ways:
+reference ops (the truth) and in ``--precision`` (fp32, or bf16 autocast) each of ``--runs`` ways:
 
 - ``reference``: eager, the routing ops on their pure-PyTorch reference;
 - ``kernels``: eager, the routing ops on the fused kernels (the Triton ones on CUDA);
@@ -16,16 +17,18 @@ Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the
 kind (its last name: every ``transport``). With two runs or more, also the ``--top``
 gradients where the first run is furthest from the truth relative to the second, and for
 each run against each later one as its reference how many gradients fail
-gpu_scheme_check's fp32 rule (applied to two correct implementations, the rule shows how
+gpu_scheme_check's rule for the precision (applied to two correct implementations, the rule shows how
 much rounding alone moves at the setup). It tells a kernel that is less accurate than its
 reference (every kind worse by a similar factor) from a wrong gradient (a few gradients far
 off, the rest as accurate) and from a model whose gradients are themselves ill-conditioned
-(every run equally far).
+(every run equally far). ``--json`` writes every gradient's error per run, for rules
+worked out afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -42,8 +45,8 @@ from depthrewrite.kernels import set_fused_enabled  # noqa: E402
 RUNS = ("reference", "kernels", "inductor", "backend")
 
 
-def run_grads(way: str, model, idx) -> dict:
-    """The fp32 gradients of ``model`` run ``way`` (module docstring)."""
+def run_grads(way: str, model, idx, precision: str = "fp32") -> dict:
+    """The gradients of ``model`` run ``way`` in ``precision`` (module docstring)."""
     torch._dynamo.reset()
     previous = set_fused_enabled(way in ("kernels", "backend"))
     try:
@@ -53,7 +56,7 @@ def run_grads(way: str, model, idx) -> dict:
         elif way == "backend":
             fn = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
                                options={"inner": "inductor"})
-        return check._loss_and_grads(model, fn, idx, "fp32")[1]
+        return check._loss_and_grads(model, fn, idx, precision)[1]
     finally:
         set_fused_enabled(previous)
 
@@ -87,15 +90,15 @@ def print_top(errors: dict[str, dict], top: int) -> None:
         print(f"  {name:50s} " + "  ".join(f"{w} {errors[w][name]:.2e}" for w in runs))
 
 
-def print_rule(errors: dict[str, dict]) -> None:
-    """gpu_scheme_check's fp32 rule for each run against each later one as its reference."""
+def print_rule(errors: dict[str, dict], precision: str = "fp32") -> None:
+    """gpu_scheme_check's rule for ``precision``, each run against each later one as its reference."""
     runs = list(errors)
     for i, candidate in enumerate(runs):
         for reference in runs[i + 1:]:
-            allowed = check.allowances(errors[reference], "fp32")
+            allowed = check.allowances(errors[reference], precision)
             over = [n for n in allowed if errors[candidate][n] > allowed[n]]
             closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
-            print(f"\nthe fp32 rule, {candidate} against {reference} as the reference: {len(over)} of "
+            print(f"\nthe {precision} rule, {candidate} against {reference} as the reference: {len(over)} of "
                   f"{len(allowed)} gradients over their allowance; closest {closest} at "
                   f"{errors[candidate][closest] / allowed[closest]:.2f}x"
                   + "".join(f"\n  {n}: {errors[candidate][n]:.2e} > {allowed[n]:.2e}" for n in over))
@@ -111,6 +114,8 @@ def main() -> int:
     ap.add_argument("--query-std", type=float, default=check.QUERY_STD)
     ap.add_argument("--runs", nargs="+", default=["kernels", "reference"], choices=RUNS)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--json", type=Path, help="write {run: {gradient: error}} here")
     args = ap.parse_args()
     repeated = len(set(args.runs)) < len(args.runs)
     if args.layers < 0 or args.top < 0 or min(args.batch) < 1 or args.query_std <= 0 or repeated:
@@ -122,13 +127,15 @@ def main() -> int:
     idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1))
     idx = idx.to(args.device)
     truth = check.float64_truth(model, idx)[1]
-    errors = {way: check.errors_against(run_grads(way, model, idx), truth) for way in args.runs}
+    errors = {way: check.errors_against(run_grads(way, model, idx, args.precision), truth) for way in args.runs}
     print(f"{args.config}, preset {args.preset}, layers {model.config.n_layer}, batch {tuple(args.batch)}, "
-          f"{args.device}: relative error against float64, median / largest per kind")
+          f"{args.device}, {args.precision}: relative error against float64, median / largest per kind")
     print_kinds(errors)
+    if args.json:
+        args.json.write_text(json.dumps(errors, indent=1, sort_keys=True))
     if len(args.runs) > 1:
         print_top(errors, args.top)
-        print_rule(errors)
+        print_rule(errors, args.precision)
     return 0
 
 

@@ -9,6 +9,9 @@
 #   OUT=... bash benchmarks/device_session.sh schemes350m  # the same at the 350M model, 2 x 1024 tokens (session 22; queries scaled, session 23)
 #   OUT=... bash benchmarks/device_session.sh accuracy  # fp32 gradients vs float64 at 350M: kernels, reference, Inductor, backend (session 23; queries at 0.0625 since its run 3)
 #   OUT=... bash benchmarks/device_session.sh accuracybf16  # DAR's bf16 gradients at 350M, every way of running, then 350M fp32 rows (session 24)
+#   OUT=... bash benchmarks/device_session.sh exactops   # exact_softmax_grad: GPU tests, op accuracy, op timings (session 24, for 25)
+#   OUT=... bash benchmarks/device_session.sh exactcheck  # DAR's bf16 gradients at 350M with it and without (session 24, for 25)
+#   OUT=... bash benchmarks/device_session.sh exacte2e    # it end to end against the defaults (session 24, for 25)
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
 #   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
@@ -135,6 +138,45 @@ accuracybf16)
       --layers 0 --batch 2 1024 --query-std 0.0625 --detail 3 --schemes ${SCHEMES:-block_attnres mhar} --precisions fp32 \
       > "$OUT/scheme_check_350m.txt" 2>&1
   grep "scheme-check\|^    " "$OUT/scheme_check_350m.txt"
+  ;;
+exactops)
+  # prepared in session 24: the backward kernels forming sum_j a_j <v_j, g> from the sources
+  # (exact_softmax_grad; the sources read twice) instead of <out, g> from the output saved
+  # in bf16. Their GPU tests, the op's accuracy (bf16: the shortcut put 1e-2 into the
+  # parameter gradients on the CPU, exact 6e-7), then their time beside the defaults at the
+  # block phase's and the per-site shapes (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels -k exact > "$OUT/exact_tests.txt" 2>&1
+  tail -2 "$OUT/exact_tests.txt"
+  for dtype in bf16 fp32; do
+    timeout 50 python3 benchmarks/route_many_accuracy.py --device cuda --exact --dtype $dtype \
+        > "$OUT/route_many_accuracy_$dtype.txt" 2>&1
+    grep -v "Warning\|warn" "$OUT/route_many_accuracy_$dtype.txt"
+  done
+  timeout 160 python3 benchmarks/gpu_suite.py --block-phase-only --variants "_exact" --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  grep -v "^\[" "$OUT/bp.txt" | tail -12
+  timeout 120 python3 benchmarks/gpu_suite.py --site-route-only --route-variants "_exact" --out "$OUT/sr" \
+      > "$OUT/sr.txt" 2>&1
+  grep -v "^\[" "$OUT/sr.txt" | tail -10
+  ;;
+exactcheck)
+  # prepared in session 24: session 24's schemes350m DAR bf16 row failed (the backend's
+  # mix and transport gradients 10-80x Inductor alone's error from float64); on the CPU the
+  # shortcut, emulated under Inductor, made such scalars up to 6x worse. DAR at 350M in
+  # bf16: the backend with the shortcut and without, Inductor alone, eager (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/gradient_accuracy.py --config dar --query-std 0.0625 --precision bf16 \
+      --runs backend_exact backend inductor reference --json "$OUT/accuracy_dar_bf16.json" \
+      > "$OUT/accuracy_dar_bf16.txt" 2>&1
+  grep -v "Warning\|warn\|__new__" "$OUT/accuracy_dar_bf16.txt" | head -60
+  ;;
+exacte2e)
+  # prepared in session 24: exact_softmax_grad end to end, side by side with the defaults
+  # (the models compile in parallel, then are timed one at a time; ~8 minutes)
+  export PYTHONPATH=$PWD
+  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
+      --schemes baseline block_attnres block_attnres_exact dar_block dar_block_exact > "$OUT/exact_e2e.txt" 2>&1
+  grep "^|" "$OUT/exact_e2e.txt" | tail -8
   ;;
 launch)
   # launch variants (~3 minutes): route_many in the block phase, route at the site and

@@ -138,7 +138,7 @@ for suffix in ("cg", "cdt"):
 _FUSED_MERGE_VARIANT = (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True})
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
-#: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``), an A/B of a
+#: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``, ``kernels``), an A/B of a
 #: module default in one run
 LAUNCH_VARIANTS = {
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
@@ -176,6 +176,10 @@ LAUNCH_VARIANTS = {
     # the same with the branch norms left to Inductor (backend option fuse_output_norms off,
     # set below: each merge writes x, and the backward makes it again; session 20)
     "fmnf": _FUSED_MERGE_VARIANT,
+    # the backward kernels forming sum_j a_j <v_j, g> from the sources, read twice (session
+    # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
+    "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),
+              {"kernels.EXACT_SOFTMAX_GRAD": True}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})
@@ -212,10 +216,12 @@ KERNEL_CATEGORIES = (
 def apply_launch_patches(name: str) -> list[tuple]:
     """Set configuration ``name``'s launch constants (:data:`LAUNCH_PATCHES`); returns
     ``(module, constant, previous value)`` for each, to put back."""
+    import depthrewrite.kernels as kernels
     from depthrewrite.kernels import route_many_triton, route_triton
     from depthrewrite.passes import two_phase
 
-    modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase}
+    modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
+               "kernels": kernels}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

@@ -429,7 +429,10 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             **{f"_tiled_ps3_pp{k}": {"backward": "tiled", "param_stages": 3, "param_per_sm": k}
                                for k in (2, 3, 8)},
                             "_pertoken_s3_table_ps3": {"backward": "per_token", "stages": 3, "param": "table",
-                                                       "param_stages": 3}}
+                                                       "param_stages": 3},
+                            # sum_j a_j <v_j, g> formed from the sources (read twice) instead of
+                            # <out, g> from the saved output (session 24)
+                            "_exact": {"exact_softmax_grad": True}}
 
 
 def block_phase_timing(pattern: str | None = None, timer=bench) -> list[dict]:
@@ -515,7 +518,9 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            "_uncapped": {"maxnreg": None, "per_sm": 4},
                            # the sources through Triton's software pipeline (session 18)
                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
-                           "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4}}
+                           "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4},
+                           # sum_j a_j <v_j, g> from the sources, read twice (session 24)
+                           "_exact": {"exact_softmax_grad": True}}
 #: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
 #: the defaults: one token per program and 4 warps at d = 2048, 2 tokens at d = 4096 with 8
 #: warps forward and 4 backward)

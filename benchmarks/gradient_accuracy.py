@@ -11,7 +11,15 @@ reference ops (the truth) and in ``--precision`` (fp32, or bf16 autocast) each o
 - ``reference``: eager, the routing ops on their pure-PyTorch reference;
 - ``kernels``: eager, the routing ops on the fused kernels (the Triton ones on CUDA);
 - ``inductor``: Inductor alone (the routing ops on the reference inside its graph);
-- ``backend``: ``backend="depthrewrite"`` with Inductor inside, as training compiles it.
+- ``backend``: ``backend="depthrewrite"`` with Inductor inside, as training compiles it;
+- ``shortcut``: eager on the reference ops, ``route_many``'s backward taking
+  ``sum_j a_j <v_j, g>`` as ``<out, g>`` from its saved output as the fused kernels do
+  (``route_many.reference_backward``'s ``shortcut_out``): the kernels' rounding path where
+  they cannot run (the CPU at this size), or the shortcut's share where they can;
+- ``inductor_shortcut``: Inductor alone with that shortcut (the backend's rounding path on
+  the GPU, where Inductor runs everything but the routing kernels, emulated on the CPU);
+- ``kernels_exact``, ``backend_exact``: ``kernels`` and ``backend`` with the kernels' backward
+  forming ``sum_j a_j <v_j, g>`` from the sources (``set_exact_softmax_grad(True)``).
 
 Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the gradient's
 kind (its last name: every ``transport``). With two runs or more, also the ``--top``
@@ -28,6 +36,8 @@ worked out afterwards.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -40,25 +50,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_scheme_check as check  # noqa: E402
 
 from depthrewrite import backend  # noqa: E402
-from depthrewrite.kernels import set_fused_enabled  # noqa: E402
+from depthrewrite.kernels import set_exact_softmax_grad, set_fused_enabled  # noqa: E402
 
-RUNS = ("reference", "kernels", "inductor", "backend")
+RUNS = ("reference", "kernels", "inductor", "backend", "shortcut", "inductor_shortcut", "kernels_exact",
+        "backend_exact")
+
+
+@contextlib.contextmanager
+def no_compile_caches():
+    """Compile afresh: a cached compilation of the same graph (AOTAutograd's and Inductor's
+    caches, on disk too) would bring back a backward traced with or without the shortcut."""
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+
+
+@contextlib.contextmanager
+def kernels_shortcut():
+    """``route_many``'s reference backward with the fused kernels' shortcut, in eager."""
+    module = importlib.import_module("depthrewrite.ops.route_many")  # the module: ops exports a function of its name
+    original = module._route_many_backward_op
+
+    def shortcut(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, keys):
+        return module.reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys,
+                                         shortcut_out=out)
+
+    module._route_many_backward_op = shortcut  # _backward looks the op up by this name at each call
+    try:
+        yield
+    finally:
+        module._route_many_backward_op = original
 
 
 def run_grads(way: str, model, idx, precision: str = "fp32") -> dict:
     """The gradients of ``model`` run ``way`` in ``precision`` (module docstring)."""
     torch._dynamo.reset()
-    previous = set_fused_enabled(way in ("kernels", "backend"))
+    base = way.removesuffix("_exact")
+    previous = set_fused_enabled(base in ("kernels", "backend"))
+    previous_exact = set_exact_softmax_grad(way.endswith("_exact"))
     try:
         fn = model
-        if way == "inductor":
+        if base in ("inductor", "inductor_shortcut"):
             fn = torch.compile(model, backend="inductor", fullgraph=True)
-        elif way == "backend":
+        elif base == "backend":
             fn = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
                                options={"inner": "inductor"})
-        return check._loss_and_grads(model, fn, idx, precision)[1]
+        with kernels_shortcut() if base.endswith("shortcut") else contextlib.nullcontext(), no_compile_caches():
+            return check._loss_and_grads(model, fn, idx, precision)[1]
     finally:
         set_fused_enabled(previous)
+        set_exact_softmax_grad(previous_exact)
 
 
 def by_kind(errors: dict) -> dict[str, tuple[float, float]]:

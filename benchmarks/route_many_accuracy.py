@@ -1,7 +1,8 @@
 """``route_many``'s fp32 backward against float64, the fused kernels beside the reference,
 where the sources are nearly equal (session 23):
 
-    python3 benchmarks/route_many_accuracy.py [--device cpu] [--seeds 10] [--spreads 1.0 0.01]
+    python3 benchmarks/route_many_accuracy.py [--device cpu] [--seeds 10] [--spreads 1.0 0.01] [--exact]
+        [--dtype fp32|bf16]
 
 Sources ``v_i = b + spread * n_i`` (one base row per token, ``n_i`` standard normal): at a
 small spread the routed sources differ little, as DAR's two streams or a block's entries
@@ -15,8 +16,11 @@ of the relative error against float64 of the query and key-norm-weight gradients
 DAR-like scalar ``sum_i <grad v_i, v_i - v_0>`` (with keys, also the key gradients'), for
 the kernels and for the reference; without keys also the query gradient of the reference's
 formula with the kernels' shortcut (:func:`query_grad`), which tells the shortcut's share
-from the kernels' order of summation. Without a GPU the kernels run in Triton's
-interpreter (about a minute a row).
+from the kernels' order of summation. ``--exact`` adds the kernels with
+``exact_softmax_grad`` (the sum formed from the sources, session 24) after each row's
+figures. ``--dtype bf16`` runs the sources and gradients in bf16 (the truth: float64 of
+the same bf16 inputs), where the shortcut reads the output rounded to bf16. Without a GPU
+the kernels run in Triton's interpreter (about a minute a row).
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ N, S, T, D = 8, 6, 64, 256
 QUERY_STD = 0.125
 
 
-def _inputs(seed: int, spread: float, keyed: bool) -> dict:
+def _inputs(seed: int, spread: float, keyed: bool, dtype: torch.dtype = torch.float32) -> dict:
+    """The sources, their keys and the output gradients in ``dtype``; the parameters fp32."""
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(T, D, generator=gen)
-    values = [base + spread * torch.randn(T, D, generator=gen) for _ in range(N)]
+    values = [(base + spread * torch.randn(T, D, generator=gen)).to(dtype) for _ in range(N)]
     return dict(values=values, keys=[v.clone() for v in values] if keyed else None,
                 queries=torch.randn(S, D, generator=gen) * QUERY_STD, weights=torch.rand(S, D, generator=gen) + 0.5,
-                grad_out=[torch.randn(T, D, generator=gen) for _ in range(S)],
+                grad_out=[torch.randn(T, D, generator=gen).to(dtype) for _ in range(S)],
                 grad_lse=[torch.zeros(T, 1) for _ in range(S)])
 
 
@@ -52,13 +57,14 @@ def _reference_grads(inp: dict, dtype: torch.dtype) -> tuple:
 
     cast = lambda ts: None if ts is None else [t.to(dtype) for t in ts]  # noqa: E731
     values, keys = cast(inp["values"]), cast(inp["keys"])
-    q, w = inp["queries"].to(dtype), inp["weights"].to(dtype)
+    wide = torch.promote_types(dtype, torch.float32)  # the parameters and lse gradients: fp32 at least
+    q, w = inp["queries"].to(wide), inp["weights"].to(wide)
     out, lse = _reference(values, q, w, 1, 1e-6, keys)
-    return _route_many_backward_op(cast(inp["grad_out"]), cast(inp["grad_lse"]), list(out.unbind(0)),
+    return _route_many_backward_op(cast(inp["grad_out"]), [t.to(wide) for t in inp["grad_lse"]], list(out.unbind(0)),
                                    list(lse.unbind(0)), values, q, w, 1, 1e-6, keys)
 
 
-def _kernel_grads(inp: dict, device: str) -> tuple:
+def _kernel_grads(inp: dict, device: str, exact: bool = False) -> tuple:
     from depthrewrite.kernels import route_many_triton
 
     dev = lambda ts: None if ts is None else [t.to(device) for t in ts]  # noqa: E731
@@ -66,21 +72,22 @@ def _kernel_grads(inp: dict, device: str) -> tuple:
     q, w = inp["queries"].to(device), inp["weights"].to(device)
     out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6, None, keys=keys)
     grads = route_many_triton.route_many_backward(dev(inp["grad_out"]), dev(inp["grad_lse"]), out, lse, values,
-                                                  q, w, 1, 1e-6, None, keys=keys)
+                                                  q, w, 1, 1e-6, {"exact_softmax_grad": exact}, keys=keys)
     return tuple([t.cpu() for t in g] if isinstance(g, list) else g.cpu() for g in grads)
 
 
 def query_grad(inp: dict, dtype: torch.dtype, shortcut: bool) -> torch.Tensor:
-    """The query gradient (one head, no keys, ``grad_lse`` 0) in ``dtype`` by the reference's
-    formula, with ``shortcut`` its ``sum_j a_j <v_j, g>`` taken as ``<out, g>`` as the kernels do."""
-    v = torch.stack([t.to(dtype) for t in inp["values"]])  # (N, T, D)
-    q, w = inp["queries"].to(dtype), inp["weights"].to(dtype)
-    norm = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + 1e-6)
-    a = torch.softmax(torch.einsum("ntd,sd->snt", norm, q * w), dim=1)  # (S, N, T)
-    g = torch.stack([t.to(dtype) for t in inp["grad_out"]])  # (S, T, D)
-    d_a = torch.einsum("ntd,std->snt", v, g)
-    total = (g * torch.einsum("snt,ntd->std", a, v)).sum(-1) if shortcut else (a * d_a).sum(1)
-    return torch.einsum("snt,ntd->sd", a * (d_a - total[:, None]), norm) * w
+    """The query gradient (one head, no keys) in ``dtype`` by the reference backward's
+    formula, with ``shortcut`` its ``sum_j a_j <v_j, g>`` taken as ``<out, g>`` as the kernels
+    do (``route_many.reference_backward``'s ``shortcut_out``)."""
+    from depthrewrite.ops.route_many import _reference, reference_backward
+
+    values = [t.to(dtype) for t in inp["values"]]
+    wide = torch.promote_types(dtype, torch.float32)  # the parameters and lse gradients: fp32 at least
+    q, w = inp["queries"].to(wide), inp["weights"].to(wide)
+    out = list(_reference(values, q, w, 1, 1e-6)[0].unbind(0)) if shortcut else None
+    return reference_backward([t.to(dtype) for t in inp["grad_out"]], [t.to(wide) for t in inp["grad_lse"]],
+                              values, q, w, 1, 1e-6, None, shortcut_out=out)[2]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,25 +118,34 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--spreads", type=float, nargs="+", default=[1.0, 0.01])
+    ap.add_argument("--exact", action="store_true", help="also the kernels with exact_softmax_grad")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.seeds < 1 or min(args.spreads) <= 0:
         ap.error(f"--seeds and --spreads must be positive; found {args.seeds} and {args.spreads}")
-    print(f"route_many fp32 backward, {N} sources, {S} queries, {T} tokens, d = {D}, {args.device}, "
+    print(f"route_many {args.dtype} backward, {N} sources, {S} queries, {T} tokens, d = {D}, {args.device}, "
           f"{args.seeds} seeds: geometric mean of the relative error against float64, kernels / reference")
     for keyed in (False, True):
         for spread in args.spreads:
-            kernel_rows, reference_rows, shortcut_rows = [], [], []
+            kernel_rows, reference_rows, shortcut_rows, exact_rows = [], [], [], []
             for seed in range(args.seeds):
-                inp = _inputs(seed, spread, keyed)
+                inp = _inputs(seed, spread, keyed, dtype)
                 exact = _reference_grads(inp, torch.float64)
                 kernel_rows.append(errors(inp, _kernel_grads(inp, args.device), exact))
-                reference_rows.append(errors(inp, _reference_grads(inp, torch.float32), exact))
+                reference_rows.append(errors(inp, _reference_grads(inp, dtype), exact))
+                if args.exact:
+                    exact_rows.append(errors(inp, _kernel_grads(inp, args.device, exact=True), exact))
                 if not keyed:
-                    shortcut_rows.append({"query": _rel(query_grad(inp, torch.float32, shortcut=True), exact[2])})
+                    shortcut_rows.append({"query": _rel(query_grad(inp, dtype, shortcut=True), exact[2])})
             k, r = geometric_means(kernel_rows), geometric_means(reference_rows)
             print(f"keys {keyed!s:5} spread {spread:g}: "
                   + "; ".join(f"{name} {k[name]:.1e} / {r[name]:.1e} ({k[name] / r[name]:.2f}x)" for name in k),
                   flush=True)
+            if exact_rows:
+                e = geometric_means(exact_rows)
+                print("    the kernels with exact_softmax_grad: "
+                      + "; ".join(f"{name} {e[name]:.1e} ({e[name] / r[name]:.2f}x)" for name in e))
             if shortcut_rows:
                 shortcut = geometric_means(shortcut_rows)["query"]
                 print(f"    the reference's formula with the kernels' shortcut: query {shortcut:.1e}")

@@ -31,7 +31,7 @@ from ..ops.route_into import _route_backward_into_op, running_sums
 from ..ops.route_many import _route_many_backward_op, _route_many_op
 from ..ops.route_merge import _route_merge_backward_op, _route_merge_op
 
-__all__ = ["triton_available", "implementation_for", "set_fused_enabled", "FUSED_DTYPES"]
+__all__ = ["triton_available", "implementation_for", "set_fused_enabled", "set_exact_softmax_grad", "FUSED_DTYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _enabled = True
+#: how the fused backward kernels form the softmax backward's ``sum_j a_j <v_j, g>``
+#: (:func:`set_exact_softmax_grad`); read at each backward call
+EXACT_SOFTMAX_GRAD = False
 
 
 def triton_available() -> bool:
@@ -51,6 +54,25 @@ def set_fused_enabled(enabled: bool) -> bool:
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
     return previous
+
+
+def set_exact_softmax_grad(exact: bool) -> bool:
+    """How the fused backward kernels of ``route`` and ``route_many`` form the softmax
+    backward's ``sum_j a_j <v_j, g>``. Off (the default): as ``<out, g>`` from the saved
+    output, as flash-attention does, one pass over the sources. On: from the sources, as
+    the reference does, reading them twice. In bf16 the saved output is rounded, and the
+    shortcut puts that rounding into the routing parameters' gradients (docs/design.md,
+    "The softmax backward's shortcut"). Read at each backward call, so it applies to
+    compiled models too (a CUDA graph keeps what it captured). Returns the previous setting."""
+    global EXACT_SOFTMAX_GRAD
+    if not isinstance(exact, bool):
+        raise TypeError(f"set_exact_softmax_grad: expected True or False, found {exact!r}")
+    previous, EXACT_SOFTMAX_GRAD = EXACT_SOFTMAX_GRAD, exact
+    return previous
+
+
+def _backward_config() -> dict | None:
+    return {"exact_softmax_grad": True} if EXACT_SOFTMAX_GRAD else None
 
 
 def _fused_dtypes(*tensors) -> bool:
@@ -94,7 +116,7 @@ def _route_backward_cuda(grad_out, out, lse, values, keys, query, key_norm_weigh
     # out and lse may come from the reference forward (the fused kernels switched off
     # for it): it computes the same lse, so the one-pass backward still applies
     return route_backward(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
-                          heads, eps, grad_normed, out_norm_weight, out_norm_eps,
+                          heads, eps, grad_normed, out_norm_weight, out_norm_eps, config=_backward_config(),
                           grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
@@ -109,7 +131,7 @@ def _route_backward_into_cuda(grad_out, out, lse, values, keys, query, key_norm_
 
     _, _, *rest = route_backward(
         grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, grad_normed,
-        out_norm_weight, out_norm_eps,
+        out_norm_weight, out_norm_eps, config=_backward_config(),
         grad_values_acc=running_sums(grad_values, values_acc_index, values, "grad_values"),
         grad_keys_acc=running_sums(grad_keys, keys_acc_index, keys, "grad_keys"),
         grad_values_out=grad_values, grad_keys_out=grad_keys if keys is not None else None)
@@ -131,7 +153,7 @@ def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key
     from .route_many_triton import route_many_backward
 
     return route_many_backward(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps,
-                               keys=keys)
+                               config=_backward_config(), keys=keys)
 
 
 def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight=None,

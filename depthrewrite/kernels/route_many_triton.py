@@ -42,12 +42,19 @@ call by ``_backward_kernel`` (measured):
   in chunks, each adding into an fp32 partial gradient that the earlier chunks wrote (the
   gradient is rounded to the activation dtype once, by the last chunk).
 
-Both take ``sum_j a_j <v_j, g>`` as ``<out, g>`` from the saved output, as flash-attention
-does (no second pass over the sources). The two round along different paths and the
-difference enters every ``dz_j`` of a token alike: where the sources are nearly equal, the
-query and key-norm-weight gradients (sums of ``dz_j`` over them) come out about 2x as far
-from float64 as the reference's in fp32 (benchmarks/route_many_accuracy.py,
-docs/benchmarks.md session 23).
+Both take ``sum_j a_j <v_j, g>`` as ``<out, g>`` from the saved output by default, as
+flash-attention does (no second pass over the sources), and the weights ``a_j`` as
+``exp(z_j - lse)`` with the forward's ``lse``. Either rounds along another path than the
+terms of the sum, and the difference enters every ``dz_j`` of a token alike: where the
+sources are nearly equal, the query and key-norm-weight gradients (sums of ``dz_j`` over
+them) come out about 2x as far from float64 as the reference's in fp32; in bf16 the saved
+output is rounded to bf16, and they come out far off (route_many_accuracy.py: 1.2e-2
+against 3.7e-7 at spread 1, 94x their own norm at spread 0.01, in the interpreter).
+With the config's ``exact_softmax_grad`` (for the registered kernels:
+:func:`depthrewrite.kernels.set_exact_softmax_grad`) both kernels first walk the sources to
+form ``sum_j a_j <v_j, g>`` and ``sum_j a_j`` from the same terms as the gradient walk, and
+take their ratio, as the reference's normalized softmax does: within 1.04-1.16x of the
+reference's error in fp32 and bf16 (docs/benchmarks.md session 24), the sources read twice.
 
 Outputs and their gradients are separate tensors (the op returns lists): the kernels reach
 them through int64 pointer tables, as they reach the sources; all tables of a call go up in
@@ -80,7 +87,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _positive_int, _product_as, _row_blocks, _src_ptr,
+    _normalized_sum, _positive_int, _product_as, _row_blocks, _src_ptr, check_exact_softmax_grad,
 )
 from .pointer_tables import pointer_tables
 
@@ -331,6 +338,7 @@ def _route_many_bwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
+    EXACT: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
@@ -340,7 +348,8 @@ def _route_many_bwd_kernel(
     The source rows come through Triton's software pipeline with STAGES >= 2 (copied into
     shared memory STAGES - 1 sources ahead), else PREFETCH: 0, 1 (the next source requested
     while one is used) or 2 (two ahead, the first two requested with the output gradients;
-    the default up to PER_TOKEN_PREFETCH2_ROW)."""
+    the default up to PER_TOKEN_PREFETCH2_ROW). EXACT: ``sum_j a_j <v_j, g>`` from a first
+    walk over the sources instead of ``<out, g>`` (the config's ``exact_softmax_grad``)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -366,10 +375,19 @@ def _route_many_bwd_kernel(
         lse = g_lse  # only read with several sources
         s_ada = g_lse
         if not ONE_SOURCE:
-            o = tl.load(o_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
             lse = tl.load(l_ptrs[:, None] + hoffs, mask=hq, other=0.0)
-            # sum_j a_j <v_j, g> = <out, g> per query and head; d lse / d z_j = a_j joins it
-            s_ada = tl.sum(g * o, 2) - g_lse
+            if EXACT:  # sum_j a_j <v_j, g> as the walk below forms its terms; d lse / d z_j = a_j joins it
+                total, weight = tl.zeros_like(g_lse), tl.zeros_like(g_lse)
+                for j in range(N):
+                    v_raw, k_raw = _load_source(vtab, ktab, j, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                    a, share = _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS)
+                    total += share
+                    weight += a
+                s_ada = _normalized_sum(total, weight, hq) - g_lse
+            else:
+                o = tl.load(o_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
+                # sum_j a_j <v_j, g> = <out, g> per query and head; d lse / d z_j = a_j joins it
+                s_ada = tl.sum(g * o, 2) - g_lse
         if STAGES >= 2:
             for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -403,6 +421,29 @@ def _route_many_bwd_kernel(
 
 
 @triton.jit
+def _per_token_weight(k, qw, lse, hq, D, eps):
+    """Per query and head of the chunk, a source's weight ``a = exp(z - lse)`` from its key
+    row ``k`` (fp32), and its logit ``zr`` and the key's ``rstd``."""
+    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+    zr = tl.sum(k[None, :, :] * qw, 2) * rstd
+    return tl.where(hq, tl.exp(zr - lse), 0.0), zr, rstd
+
+
+@triton.jit
+def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr):
+    """A source's weight ``a`` and term ``a <v, g>`` of ``sum_j a_j <v_j, g>`` (per query and
+    head), computed as :func:`_per_token_source_grads` computes ``a`` and ``<v, g>``."""
+    v = v_raw.to(tl.float32)
+    if HAS_KEYS:
+        k = k_raw.to(tl.float32)
+    else:
+        k = v
+    a = _per_token_weight(k, qw, lse, hq, D, eps)[0]
+    return a, a * tl.sum(v[None, :, :] * g, 2)
+
+
+
+@triton.jit
 def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab,
                             acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
                             ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
@@ -415,15 +456,13 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
         k = k_raw.to(tl.float32)
     else:
         k = v
-    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
-    zr = tl.sum(k[None, :, :] * qw, 2) * rstd
+    a, zr, rstd = _per_token_weight(k, qw, lse, hq, D, eps)
     if ONE_SOURCE:
         # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
         # exactly (computed, the two sums would leave rounding noise where 0 is exact)
         a = tl.where(hq, 1.0, 0.0)
         dz = g_lse
     else:
-        a = tl.where(hq, tl.exp(zr - lse), 0.0)
         da = tl.sum(v[None, :, :] * g, 2)
         dz = a * (da - s_ada)
     mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
@@ -452,10 +491,24 @@ def _query_base(i, s, S, T, H):
 
 
 @triton.jit
+def _tiled_rstd(k, D, eps):
+    """Per token of a tile, the key rows' ``rstd`` (``k``: (T, H, C) fp32)."""
+    return tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+
+
+@triton.jit
+def _tiled_weight(k, qw, rstd, lse, hmask):
+    """Per token and head of a tile, one query's weight of a source ``a = exp(z - lse)``
+    and its logit ``zr``."""
+    zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+    return tl.where(hmask, tl.exp(zr - lse), 0.0), zr
+
+
+@triton.jit
 def _route_many_bwd_tiled_kernel(
     like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr, EXACT: tl.constexpr = False,
 ):
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -471,16 +524,30 @@ def _route_many_bwd_tiled_kernel(
     hoffs = tok[:, None] * H + hh[None, :]
     hmask = tmask[:, None] & (hh < H)[None, :]
 
-    # per query and head: <g_s, out_s> - d lse_s (with one source: d lse_s, the whole dz),
-    # into a scratch slab of this program's tokens, read back once per source below
+    # per query and head: <g_s, out_s> - d lse_s (with one source: d lse_s, the whole dz;
+    # EXACT: sum_j a_j <v_j, g_s> from a walk over the sources, exact_softmax_grad), into a
+    # scratch slab of this program's tokens, read back once per source below
     for s in range(S):
         g_lse = tl.load(_src_ptr(gltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
         if ONE_SOURCE:
             s_ada = g_lse
         else:
             g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-            o = tl.load(_src_ptr(otab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-            s_ada = tl.sum(g * o, 2) - g_lse
+            if EXACT:
+                qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
+                lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
+                total, weight = tl.zeros_like(g_lse), tl.zeros_like(g_lse)
+                for j in range(N):
+                    v_raw, k_raw = _load_source(vtab, ktab, j, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+                    v = v_raw.to(tl.float32)
+                    k = k_raw.to(tl.float32)
+                    a = _tiled_weight(k, qw, _tiled_rstd(k, D, eps), lse, hmask)[0]
+                    total += a * tl.sum(v * g, 2)
+                    weight += a
+                s_ada = _normalized_sum(total, weight, hmask) - g_lse
+            else:
+                o = tl.load(_src_ptr(otab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+                s_ada = tl.sum(g * o, 2) - g_lse
         tl.store(sada_ptr + _query_base(0, s, S, T, H) + hoffs, s_ada, mask=hmask)
     tl.debug_barrier()  # other threads of the program read these values back
 
@@ -496,7 +563,7 @@ def _route_many_bwd_tiled_kernel(
             v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
             v = v_raw.to(tl.float32)
             k = k_raw.to(tl.float32)  # the source itself unless HAS_KEYS
-        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+        rstd = _tiled_rstd(k, D, eps)
         acc_g = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s a_s g_s
         acc_q = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s dz_s w_s q_s
         mt = tl.zeros((BLOCK_T,), tl.float32)  # sum over queries and heads of dz_s z_s (the norm's term)
@@ -513,14 +580,14 @@ def _route_many_bwd_tiled_kernel(
             else:
                 g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
             s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
-            zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
             if ONE_SOURCE:
                 # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
+                zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
                 a = tl.where(hmask, 1.0, 0.0)
                 dz = s_ada
             else:
                 lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
-                a = tl.where(hmask, tl.exp(zr - lse), 0.0)
+                a, zr = _tiled_weight(k, qw, rstd, lse, hmask)
                 dz = a * (tl.sum(v * g, 2) - s_ada)
             acc_g += a[:, :, None] * g
             acc_q += dz[:, :, None] * qw[None, :, :]
@@ -699,12 +766,14 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
-    unused; unset: ``_backward_stages``), and the parameter reduction's (tiled backward, or
-    ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM)."""
+    unused; unset: ``_backward_stages``), the parameter reduction's (tiled backward, or
+    ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM),
+    and ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
     cfg["param"] = _param_gradients(cfg)
+    cfg["exact_softmax_grad"] = check_exact_softmax_grad(cfg.get("exact_softmax_grad", False), "route_many")
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     dtype = values[0].dtype
@@ -787,6 +856,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
         heads, float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
         ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
+        EXACT=cfg["exact_softmax_grad"],
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
     )
     # the logits' normalized rows are the keys': the parameter reduction reads them
@@ -861,7 +931,8 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
             min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
-            HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], num_warps=warps,
+            HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
+            num_warps=warps,
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,

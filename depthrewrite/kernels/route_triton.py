@@ -53,7 +53,11 @@ of the one-pass backward with round-to-nearest gives about half the bf16 figures
 ``dz`` alone, where a value's gradient is dominated by ``a_i g``, which is unchanged. Against a float64 oracle that uses the
 kernel's saved output the same way, every parameter gradient is within 1.4e-6 in every
 dtype and every activation gradient within its own dtype's rounding: the rounding of
-``out`` is the only new error.
+``out`` is the only new error. ``config["exact_softmax_grad"]`` (session 24; for the
+registered kernels ``depthrewrite.kernels.set_exact_softmax_grad``) takes it away again:
+a first walk over the sources forms ``sum_j a_j da_j`` from the same terms as the gradient
+walk (the sources read twice, nothing of size (N, tokens, H) stored); the parameter
+gradients are then within 7e-7 of the exact ones in bf16 (tests/kernels/test_route_triton.py).
 
 Optional output norm (``out_norm_weight``: ``normed = rms_norm(out) * w`` of the output as
 stored, fp32 math). Two implementations, both tested, chosen by ``config["fuse_norm"]``:
@@ -270,12 +274,14 @@ def _route_bwd_kernel(
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ACC: tl.constexpr,
-    STAGES: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, EXACT: tl.constexpr = False,
 ):
     """A persistent grid over blocks of BLOCK_T tokens: each source (and key) read once, each
     gradient written once. With STAGES >= 2 the source rows come through Triton's software
     pipeline (copied into shared memory STAGES - 1 sources ahead), else with PREFETCH the
-    next source is requested into registers while one is used."""
+    next source is requested into registers while one is used. EXACT: ``sum_j a_j <v_j, g>``
+    from a first walk over the sources instead of ``<out, g>`` (route_backward's
+    ``exact_softmax_grad``; the sources are then read twice)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # the activation dtype is out's (g may be the fp32 gradient of a separate norm pass)
@@ -299,7 +305,7 @@ def _route_bwd_kernel(
         mask = tmask[:, None, None] & cmask[None, :, :]
         hmask = tmask[:, None] & (hh[None, :] < H)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM or not ONE_SOURCE:
+        if HAS_NORM or not (ONE_SOURCE or EXACT):
             o = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             # the fused output norm's backward first: its gradient joins g (in fp32)
@@ -314,10 +320,20 @@ def _route_bwd_kernel(
         s_ada = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)  # with one source: unused
         lse = s_ada
         if not ONE_SOURCE:
-            # the softmax statistics come from the forward, no pass over the sources:
-            # a_i = exp(z_i - lse), and sum_j a_j da_j = sum_j a_j <v_j, g> = <out, g> per head
-            s_ada = tl.sum(g * o, 2)
             lse = tl.load(lse_ptr + tok[:, None] * H + hh[None, :], mask=hmask, other=0.0)
+            if EXACT:  # sum_j a_j <v_j, g> from the terms the gradient walk below forms, over sum_j a_j
+                weight = tl.zeros_like(s_ada)
+                for j in range(N):
+                    v_cur, k_cur = _load_source(vtab, ktab, j, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+                    v, _, _, _, _, a = _route_source_rows(v_cur, k_cur, j, tok, tmask, T, D, eps, qw, lse, bias_ptr,
+                                                          scale_ptr, HAS_KEYS, HAS_BIAS, HAS_SCALE)
+                    s_ada += a * tl.sum(v * g, 2)
+                    weight += a
+                s_ada = _normalized_sum(s_ada, weight, hmask)
+            else:
+                # the softmax statistics come from the forward, no pass over the sources:
+                # a_i = exp(z_i - lse), and sum_j a_j da_j = sum_j a_j <v_j, g> = <out, g> per head
+                s_ada = tl.sum(g * o, 2)
 
         # one pass: each source (and key) is read once, each gradient written once
         if STAGES >= 2 and not ONE_SOURCE:
@@ -350,6 +366,48 @@ def _route_bwd_kernel(
 
 
 @triton.jit
+def _normalized_sum(total, weight, mask):
+    """``sum_j a_j <v_j, g>`` over ``sum_j a_j``: the weights come from the forward's ``lse``
+    and sum to 1 only up to its rounding, which would leave that rounding in every ``dz_j``
+    of a token alike, as the shortcut does; normalized, ``sum_j dz_j`` is 0 up to one
+    rounding, as in the reference's softmax (1 where ``mask`` is off: no weight there)."""
+    return total / tl.where(mask, weight, 1.0)
+
+
+@triton.jit
+def _source_scale(i, tok, tmask, T, scale_ptr, HAS_SCALE: tl.constexpr):
+    """Source ``i``'s per-token scale with HAS_SCALE, else 1 (not read)."""
+    s = tl.full((), 1.0, tl.float32)
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
+    return s
+
+
+@triton.jit
+def _route_source_rows(v_cur, k_cur, i, tok, tmask, T, D, eps, qw, lse, bias_ptr, scale_ptr,
+                       HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Source ``i`` in the backward (rows ``v_cur`` / ``k_cur`` as stored): its fp32 value
+    and key rows (scaled with HAS_SCALE), the scale ``s``, the key's ``rstd``, the logit
+    ``zr`` before the bias and the weight ``a = exp(z - lse)`` per token and head."""
+    s = _source_scale(i, tok, tmask, T, scale_ptr, HAS_SCALE)
+    v = v_cur.to(tl.float32)
+    if HAS_SCALE:
+        v = v * s[:, None, None]
+    if HAS_KEYS:
+        k = k_cur.to(tl.float32)
+        if HAS_SCALE:
+            k = k * s[:, None, None]
+    else:
+        k = v
+    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
+    zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+    z = zr
+    if HAS_BIAS:
+        z = z + tl.load(bias_ptr + i).to(tl.float32)
+    return v, k, s, rstd, zr, tl.exp(z - lse)
+
+
+@triton.jit
 def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
                       scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED: tl.constexpr,
                       HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -357,27 +415,12 @@ def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, 
     """Source ``i``'s part of the backward (rows ``v_cur`` / ``k_cur`` as stored): its value
     (and key) gradient written, its bias term stored, its ``dz * norm`` added to ``r_acc``
     (returned)."""
-    s = tl.full((), 1.0, tl.float32)  # read only with HAS_SCALE
-    if HAS_SCALE:
-        s = tl.load(scale_ptr + _row64(tok, i, T), mask=tmask, other=0.0)
     if ONE_SOURCE:
+        s = _source_scale(i, tok, tmask, T, scale_ptr, HAS_SCALE)
         d_src = g
     else:
-        v = v_cur.to(tl.float32)
-        if HAS_SCALE:
-            v = v * s[:, None, None]
-        if HAS_KEYS:
-            k = k_cur.to(tl.float32)
-            if HAS_SCALE:
-                k = k * s[:, None, None]
-        else:
-            k = v
-        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
-        zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
-        z = zr
-        if HAS_BIAS:
-            z = z + tl.load(bias_ptr + i).to(tl.float32)
-        a = tl.exp(z - lse)
+        v, k, s, rstd, zr, a = _route_source_rows(v_cur, k_cur, i, tok, tmask, T, D, eps, qw, lse, bias_ptr,
+                                                  scale_ptr, HAS_KEYS, HAS_BIAS, HAS_SCALE)
         da = tl.sum(v * g, 2)
         dz = a * (da - s_ada)
         # padded tokens/heads may carry NaN (eps = 0 on a zero row): keep them out of the sums
@@ -850,7 +893,10 @@ def route_backward(
     its own source's output: ``depthrewrite::route_backward_into_``), by default new ones. Returns what
     ``depthrewrite::route_backward`` returns. ``config`` overrides the launch choices
     (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``, ``stages``:
-    as the forward's; unset: ``_route_backward_stages``) for tuning runs."""
+    as the forward's; unset: ``_route_backward_stages``) for tuning runs, and
+    ``exact_softmax_grad`` (False by default: the softmax backward's ``sum_j a_j <v_j, g>``
+    taken as ``<out, g>`` from the saved output; True: formed from the sources, read twice;
+    :mod:`depthrewrite.kernels`' ``set_exact_softmax_grad``)."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)
@@ -910,7 +956,7 @@ def route_backward(
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
             PREFETCH=launch["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc, STAGES=launch["stages"],
-            num_warps=launch["num_warps"], **_register_cap(launch),
+            EXACT=launch["exact_softmax_grad"], num_warps=launch["num_warps"], **_register_cap(launch),
         )
     return (grad_v, grad_k, *_parameter_grads(part_r, part_b, part_n, query, key_norm_weight, logit_bias,
                                               out_norm_weight, has_norm))
@@ -921,7 +967,9 @@ def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, 
     measured defaults (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``,
     ``fuse_norm``, ``stages``)."""
     # prefetch on by default: 18-25 % faster on H200 (module docstring)
-    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, **(config or {})}
+    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
+           "exact_softmax_grad": False, **(config or {})}
+    check_exact_softmax_grad(cfg["exact_softmax_grad"], "route")
     block_t = _check_block_t(cfg["block_t"])
     warps = cfg.get("num_warps") or _route_backward_warps(heads, row, block_t)
     cap, per_sm = _route_backward_residency(heads, row, has_keys, block_t, warps)
@@ -929,6 +977,13 @@ def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, 
     prefetch = _check_prefetch(cfg["prefetch"], "route")
     stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc), "route")
     return {**cfg, "block_t": block_t, "num_warps": warps, "prefetch": prefetch, "stages": stages}
+
+
+def check_exact_softmax_grad(exact, op: str) -> bool:
+    """A config's ``exact_softmax_grad``: True or False, else a ValueError naming ``op``."""
+    if not isinstance(exact, bool):
+        raise ValueError(f"{op} (Triton): config exact_softmax_grad must be True or False; found {exact!r}")
+    return exact
 
 
 def _one_source_key_grad(grad_k: Tensor, grad_keys_acc, grad_keys_out) -> None:

@@ -108,6 +108,15 @@ def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out:
                             eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     # the reference recomputes the forward and ignores out and lse (the fused kernel's
     # shortcut), so that it stays an independent check of the kernel
+    return reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys)
+
+
+def reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads: int, eps: float, keys,
+                       shortcut_out: list[Tensor] | None = None) -> tuple:
+    """The reference backward's math (``depthrewrite::route_many_backward``). With
+    ``shortcut_out`` (the saved outputs), the softmax backward's ``sum_j a_j <v_j, g>`` is
+    taken as ``<out, g>`` as the fused kernels take it: for accuracy studies
+    (benchmarks/gradient_accuracy.py's ``shortcut`` run), not for training."""
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
     src, norm, rstd, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
     weights = torch.softmax(logits, dim=1)
@@ -115,8 +124,12 @@ def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out:
     g_lse = torch.stack(grad_lse).to(dtype).unsqueeze(1)  # (S, 1, *batch, H)
     split = src.unflatten(-1, (heads, -1)).unsqueeze(0)  # (1, N, *batch, H, C)
     d_a = (split * g).sum(-1)  # (S, N, *batch, H)
+    if shortcut_out is None:
+        mean_d_a = (weights * d_a).sum(1, keepdim=True)
+    else:
+        mean_d_a = (torch.stack(shortcut_out).to(dtype).unflatten(-1, (heads, -1)).unsqueeze(1) * g).sum(-1)
     # softmax backward over the sources, plus lse's gradient (d lse / d z_i = a_i)
-    d_z = weights * (d_a - (weights * d_a).sum(1, keepdim=True) + g_lse)
+    d_z = weights * (d_a - mean_d_a + g_lse)
     d_src = (weights.unsqueeze(-1) * g).sum(0).flatten(-2)  # (N, *batch, d)
     d_z_wide = d_z.repeat_interleave(src.shape[-1] // heads, dim=-1)  # (S, N, *batch, d)
     r = (d_z_wide * norm.unsqueeze(0)).reshape(d_z.shape[0], -1, src.shape[-1]).sum(1)  # (S, d)

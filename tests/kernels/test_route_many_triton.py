@@ -5,7 +5,9 @@ As for ``route`` (tests/kernels/test_route_triton.py), the backward kernels take
 ``sum_j a_j da_j`` as ``<g, out>`` from the output saved in the activation dtype; its
 gradients are compared with a float64 oracle that uses the kernel's saved output the same
 way (``saved_out``), at the tolerances of the returned dtypes, and in float32 also with the
-exact float64 gradients. Without a GPU the kernels run in Triton's interpreter.
+exact float64 gradients. With ``exact_softmax_grad`` the backward forms that sum from the
+sources, and its gradients are compared with the exact float64 ones in bf16 too. Without a
+GPU the kernels run in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -261,6 +263,109 @@ def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
         assert _rel(got, want) < limit, (k, _rel(got, want))
 
 
+EXACT_CONFIGS = [
+    {"backward": "per_token"},
+    {"backward": "per_token", "many_elems": 256, "stages": 2},  # chunks of queries, each walking the sources first
+    {"backward": "tiled", "block_t": 2, "num_warps": 2},
+]
+
+
+@pytest.mark.parametrize("config", EXACT_CONFIGS, ids=lambda c: "-".join(f"{k}_{v}" for k, v in c.items()))
+@pytest.mark.parametrize("n,s,batch,d,heads,keys", [(9, 6, (5,), 100, 1, False), (3, 5, (3,), 48, 3, True),
+                                                     (2, 3, (7,), 40, 4, False), (1, 3, (5,), 24, 1, False)])
+def test_exact_softmax_grad_gives_the_exact_gradients_in_bf16(n, s, batch, d, heads, keys, config):
+    """With ``exact_softmax_grad`` the backward forms ``sum_j a_j <v_j, g>`` from the bf16
+    sources, as the reference does, not from the output saved in bf16: the fp32 parameter
+    gradients are the exact float64 ones (not the saved-output oracle's) to fp32 rounding, the
+    others to bf16's. The shortcut's parameter gradients are further off than that (with
+    several sources; with one, dz is d lse either way and both are exact)."""
+    dtype = torch.bfloat16
+    inp = _make(n, s, batch, d, heads, dtype, 11, keys)
+    _, _, grads, grad_out, grad_lse = _run(inp, dtype, 11, config={**config, "exact_softmax_grad": True},
+                                           fwd_config={})
+    _, _, exact = _oracle_f64(inp, grad_out, grad_lse)
+    for k, (got, want) in enumerate(zip(grads, exact)):
+        limit = 1e-5 if k in (n, n + 1) else TOL[dtype]  # queries, key-norm weights: fp32
+        assert _rel(got, want) < limit, (k, _rel(got, want))
+    shortcut = _run(inp, dtype, 11, config=config, fwd_config={})[2]
+    if n > 1:
+        assert min(_rel(shortcut[k], exact[k]) for k in (n, n + 1)) > 1e-5
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(shortcut, grads))
+
+
+@pytest.mark.parametrize("backward", ["tiled", "per_token"])
+def test_exact_softmax_grad_matches_float64_in_fp32(backward):
+    inp = _make(9, 6, (5,), 100, 1, torch.float32, 5, keys=backward == "tiled")
+    _, _, grads, grad_out, grad_lse = _run(inp, torch.float32, 5,
+                                           config={"backward": backward, "exact_softmax_grad": True}, fwd_config={})
+    _, _, exact = _oracle_f64(inp, grad_out, grad_lse)
+    assert all(_rel(got, want) < 2e-5 for got, want in zip(grads, exact))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_package_switch_reaches_the_registered_backward_kernels(exact):
+    """``depthrewrite.kernels.set_exact_softmax_grad`` is what the registered CUDA kernels of
+    ``route_many_backward`` and ``route_backward`` run with (called here on the interpreter):
+    the same bits as the kernels called with the config, and the switch put back."""
+    import depthrewrite.kernels as kernels
+    from depthrewrite.kernels import route_triton
+
+    inp = _make(4, 3, (5,), 32, 1, torch.bfloat16, 2)
+    values, q, w = [v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6)
+    gen = torch.Generator().manual_seed(3)
+    grad_out = [torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE) for o in out]
+    grad_lse = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in lse]
+    route_args = (values, None, q[0], w[0], None, None, 1, 1e-6)
+    route_out, route_lse, _ = route_triton.route_forward(*route_args)
+    previous = kernels.set_exact_softmax_grad(exact)
+    try:
+        registered = kernels._route_many_backward_cuda(grad_out, grad_lse, out, lse, values, q, w, 1, 1e-6, None)
+        registered_route = kernels._route_backward_cuda(grad_out[0], route_out, route_lse, *route_args)
+    finally:
+        assert kernels.set_exact_softmax_grad(previous) is exact
+    direct = route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, 1, 1e-6,
+                                                   {"exact_softmax_grad": exact})
+    direct_route = route_triton.route_backward(grad_out[0], route_out, route_lse, *route_args,
+                                               config={"exact_softmax_grad": exact})
+    flat = lambda grads: [t for g in grads for t in (g if isinstance(g, list) else [g])]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(flat(registered), flat(direct), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(flat(registered_route), flat(direct_route), strict=True))
+    other = route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, 1, 1e-6,
+                                                  {"exact_softmax_grad": not exact})
+    assert not torch.equal(flat(other)[-2], flat(direct)[-2])  # the query gradients: the switch matters
+
+
+def test_the_package_switch_takes_a_bool():
+    import depthrewrite.kernels as kernels
+
+    with pytest.raises(TypeError, match=r"set_exact_softmax_grad: expected True or False, found 1"):
+        kernels.set_exact_softmax_grad(1)
+
+
+def test_exact_softmax_grad_is_as_accurate_as_the_reference_where_sources_are_nearly_equal():
+    """fp32, sources within 1 % of each other (benchmarks/route_many_accuracy.py's inputs):
+    against float64, the exact backward's query gradient is within 1.3x of the reference's
+    error (geometric mean over 3 seeds; 1.12x over 5 in session 24), the shortcut's beyond
+    it (2.09x over 5)."""
+    import math
+
+    from tests.benchmark_scripts import load_benchmark
+
+    accuracy = load_benchmark("route_many_accuracy")
+    ratios = {True: [], False: []}
+    for seed in range(3):
+        inp = accuracy._inputs(seed, 0.01, keyed=False)
+        truth = accuracy._reference_grads(inp, torch.float64)[2]
+        reference = accuracy._rel(accuracy._reference_grads(inp, torch.float32)[2], truth)
+        for exact in ratios:
+            kernel = accuracy._kernel_grads(inp, DEVICE, exact=exact)[2]
+            ratios[exact].append(math.log(accuracy._rel(kernel, truth) / reference))
+    mean = {exact: math.exp(sum(logs) / len(logs)) for exact, logs in ratios.items()}
+    assert mean[True] < 1.3 < mean[False], mean
+
+
 def test_unknown_backward_is_refused():
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
     with pytest.raises(ValueError, match=r"config backward must be one of \('tiled', 'per_token'\); found 'fast'"):
@@ -272,6 +377,8 @@ def test_unknown_backward_is_refused():
         _run(inp, torch.float32, 1, config={"backward": "tiled", "prefetch": 2}, fwd_config={})
     with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2\) for the per_token"):
         _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3}, fwd_config={})
+    with pytest.raises(ValueError, match=r"config exact_softmax_grad must be True or False; found 1"):
+        _run(inp, torch.float32, 1, config={"exact_softmax_grad": 1}, fwd_config={})
     with pytest.raises(ValueError, match=r"config stages=2 pipelines the per_token backward only; the tiled backward "
                                          r"takes 0 or 1"):
         _run(inp, torch.float32, 1, config={"backward": "tiled", "stages": 2}, fwd_config={})

@@ -287,6 +287,52 @@ def test_pipeline_changes_no_bit(n, keys):
         assert all(torch.equal(a, b) for a, b in zip(runs[0][3], other[3]))
 
 
+#: n = 2 with heads, bias and scale; n = 9 at a width not a power of two; keys with several
+#: heads; n = 33; one source (dz is d lse either way)
+EXACT_CASES = [CASES[2], CASES[3], CASES[6], CASES[7], CASES[0]]
+
+
+@pytest.mark.parametrize("stages", [0, 2])
+@pytest.mark.parametrize("case", EXACT_CASES, ids=_case_id)
+def test_exact_softmax_grad_gives_the_exact_gradients_in_bf16(case, stages):
+    """With ``exact_softmax_grad`` the backward forms ``sum_j a_j <v_j, g>`` from the bf16
+    sources, not from the output saved in bf16: the fp32 parameter gradients are the exact
+    float64 ones (not the saved-output oracle's) to fp32 rounding, the others to bf16's. The
+    shortcut's parameter gradients are further off than that (several sources)."""
+    n, batch, d, heads, keys, bias, scale = case
+    dtype = torch.bfloat16
+    inp = _make(n, batch, d, heads, keys, bias, scale, dtype, seed=n * 1000 + d)
+    grad_out = torch.randn(*batch, d, generator=torch.Generator().manual_seed(7)).to(dtype)
+    dev_inp = _on(inp, DEVICE)
+    _, _, _, grads = _run_fused(dev_inp, grad_out.to(DEVICE), bwd_cfg={"stages": stages, "exact_softmax_grad": True})
+    _, _, _, exact = _oracle_f64(inp, grad_out)
+    assert len(grads) == len(exact)
+    for got, want in zip(grads, exact):
+        assert _rel(got, want) < TOL[got.dtype], (got.shape, _rel(got, want))
+    _, _, _, shortcut = _run_fused(dev_inp, grad_out.to(DEVICE), bwd_cfg={"stages": stages})
+    params = [i for i, leaf in enumerate(_leaves(inp)) if leaf.dtype == torch.float32]
+    if n > 1:
+        assert min(_rel(shortcut[i], exact[i]) for i in params) > TOL[torch.float32]
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(shortcut, grads))
+
+
+def test_exact_softmax_grad_with_the_fused_output_norm_matches_float64():
+    """fp32, the output norm fused into the backward (its gradient joins g before the sum)."""
+    inp = _make(9, (5,), 48, 3, True, True, True, torch.float32, seed=4, out_norm=True)
+    gen = torch.Generator().manual_seed(8)
+    grad_out, grad_normed = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    dev_inp = _on(inp, DEVICE)
+    norm = dev_inp["out_norm_weight"]
+    out, lse, _ = route_triton.route_forward(*_args(dev_inp), norm, 1e-6)
+    grads = route_triton.route_backward(grad_out.to(DEVICE), out, lse, *_args(dev_inp), grad_normed.to(DEVICE), norm,
+                                        1e-6, config={"exact_softmax_grad": True, "fuse_norm": True})
+    flat = [*grads[0], *grads[1], *grads[2:]]
+    _, _, _, exact = _oracle_f64(inp, grad_out, grad_normed=grad_normed)
+    assert len(flat) == len(exact)
+    assert all(_rel(got, want) < TOL[torch.float32] for got, want in zip(flat, exact))
+
+
 BAD_CONFIGS = [("prefetch", v, r"prefetch must be one of \(False, True\)") for v in (2, 1.0, "1")] + [
     ("maxnreg", v, "maxnreg must be an int from 16 to 255 or None") for v in (8, 256, 64.0, True, "64")] + [
     ("stages", v, "stages must be an int >= 0") for v in (-1, True, 2.0)]
@@ -302,6 +348,15 @@ def test_bad_launch_config_is_a_value_error(key, value, expected):
     out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
     with pytest.raises(ValueError, match=message):
         route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={key: value})
+
+
+@pytest.mark.parametrize("value", [1, None, "yes"])
+def test_bad_exact_softmax_grad_is_a_value_error(value):
+    inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
+    out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
+    message = rf"route \(Triton\): config exact_softmax_grad must be True or False; found {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=message):
+        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={"exact_softmax_grad": value})
 
 
 def test_bad_pair_reduce_is_a_value_error():

@@ -30,7 +30,7 @@ much rounding alone moves at the setup). It tells a kernel that is less accurate
 reference (every kind worse by a similar factor) from a wrong gradient (a few gradients far
 off, the rest as accurate) and from a model whose gradients are themselves ill-conditioned
 (every run equally far). ``--json`` writes every gradient's error per run, for rules
-worked out afterwards.
+worked out afterwards (rewritten as each run ends).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import importlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -168,12 +169,16 @@ def main() -> int:
     idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1))
     idx = idx.to(args.device)
     truth = check.float64_truth(model, idx)[1]
-    errors = {way: check.errors_against(run_grads(way, model, idx, args.precision), truth) for way in args.runs}
+    errors = {}
+    for way in args.runs:  # each run's errors written as it ends: a run cut by a time limit keeps the earlier ones
+        start = time.perf_counter()
+        errors[way] = check.errors_against(run_grads(way, model, idx, args.precision), truth)
+        print(f"{way}: {time.perf_counter() - start:.0f} s", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(errors, indent=1, sort_keys=True))
     print(f"{args.config}, preset {args.preset}, layers {model.config.n_layer}, batch {tuple(args.batch)}, "
           f"{args.device}, {args.precision}: relative error against float64, median / largest per kind")
     print_kinds(errors)
-    if args.json:
-        args.json.write_text(json.dumps(errors, indent=1, sort_keys=True))
     if len(args.runs) > 1:
         print_top(errors, args.top)
         print_rule(errors, args.precision)

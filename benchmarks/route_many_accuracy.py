@@ -1,5 +1,5 @@
-"""``route_many``'s fp32 backward against float64, the fused kernels beside the reference,
-where the sources are nearly equal (session 23):
+"""``route_many``'s backward against float64, the fused kernels beside the reference,
+where the sources are nearly equal (session 23; bf16 and ``--exact``, session 24):
 
     python3 benchmarks/route_many_accuracy.py [--device cpu] [--seeds 10] [--spreads 1.0 0.01] [--exact]
         [--dtype fp32|bf16]
@@ -15,10 +15,10 @@ Printed per spread and with or without separate keys (DAR): the geometric mean o
 of the relative error against float64 of the query and key-norm-weight gradients and of a
 DAR-like scalar ``sum_i <grad v_i, v_i - v_0>`` (with keys, also the key gradients'), for
 the kernels and for the reference; without keys also the query gradient of the reference's
-formula with the kernels' shortcut (:func:`query_grad`), which tells the shortcut's share
-from the kernels' order of summation. ``--exact`` adds the kernels with
-``exact_softmax_grad`` (the sum formed from the sources, session 24) after each row's
-figures. ``--dtype bf16`` runs the sources and gradients in bf16 (the truth: float64 of
+formula with the kernels' shortcut (:func:`query_grad`), the shortcut's share alone.
+``--exact`` adds the kernels with ``exact_softmax_grad`` (the sum and the weights' sum
+formed from the sources) after each row's figures: without the shortcut and without the
+weights' rounding through ``lse``, what is left of the kernels' difference. ``--dtype bf16`` runs the sources and gradients in bf16 (the truth: float64 of
 the same bf16 inputs), where the shortcut reads the output rounded to bf16. Without a GPU
 the kernels run in Triton's interpreter (about a minute a row).
 """

@@ -59,10 +59,11 @@ def set_fused_enabled(enabled: bool) -> bool:
 def set_exact_softmax_grad(exact: bool) -> bool:
     """How the fused backward kernels of ``route`` and ``route_many`` form the softmax
     backward's ``sum_j a_j <v_j, g>``. Off (the default): as ``<out, g>`` from the saved
-    output, as flash-attention does, one pass over the sources. On: from the sources, as
-    the reference does, reading them twice. In bf16 the saved output is rounded, and the
-    shortcut puts that rounding into the routing parameters' gradients (docs/design.md,
-    "The softmax backward's shortcut"). Read at each backward call, so it applies to
+    output, as flash-attention does, one pass over the sources. On: from the sources and
+    over the weights' own sum, as the reference's normalized softmax does, reading the
+    sources twice. In bf16 the saved output is rounded, and the shortcut puts that rounding
+    into the routing parameters' gradients (docs/design.md, "The softmax backward's
+    shortcut"). Read at each backward call, so it applies to
     compiled models too (a CUDA graph keeps what it captured). Returns the previous setting."""
     global EXACT_SOFTMAX_GRAD
     if not isinstance(exact, bool):

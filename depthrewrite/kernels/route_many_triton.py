@@ -348,8 +348,9 @@ def _route_many_bwd_kernel(
     The source rows come through Triton's software pipeline with STAGES >= 2 (copied into
     shared memory STAGES - 1 sources ahead), else PREFETCH: 0, 1 (the next source requested
     while one is used) or 2 (two ahead, the first two requested with the output gradients;
-    the default up to PER_TOKEN_PREFETCH2_ROW). EXACT: ``sum_j a_j <v_j, g>`` from a first
-    walk over the sources instead of ``<out, g>`` (the config's ``exact_softmax_grad``)."""
+    the default up to PER_TOKEN_PREFETCH2_ROW). EXACT: ``sum_j a_j <v_j, g>`` over
+    ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
+    ``exact_softmax_grad``)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -442,7 +443,6 @@ def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexp
     return a, a * tl.sum(v[None, :, :] * g, 2)
 
 
-
 @triton.jit
 def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab,
                             acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
@@ -525,7 +525,7 @@ def _route_many_bwd_tiled_kernel(
     hmask = tmask[:, None] & (hh < H)[None, :]
 
     # per query and head: <g_s, out_s> - d lse_s (with one source: d lse_s, the whole dz;
-    # EXACT: sum_j a_j <v_j, g_s> from a walk over the sources, exact_softmax_grad), into a
+    # EXACT: sum_j a_j <v_j, g_s> over sum_j a_j from a walk over the sources), into a
     # scratch slab of this program's tokens, read back once per source below
     for s in range(S):
         g_lse = tl.load(_src_ptr(gltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)

@@ -55,9 +55,11 @@ kernel's saved output the same way, every parameter gradient is within 1.4e-6 in
 dtype and every activation gradient within its own dtype's rounding: the rounding of
 ``out`` is the only new error. ``config["exact_softmax_grad"]`` (session 24; for the
 registered kernels ``depthrewrite.kernels.set_exact_softmax_grad``) takes it away again:
-a first walk over the sources forms ``sum_j a_j da_j`` from the same terms as the gradient
-walk (the sources read twice, nothing of size (N, tokens, H) stored); the parameter
-gradients are then within 7e-7 of the exact ones in bf16 (tests/kernels/test_route_triton.py).
+a first walk over the sources forms ``sum_j a_j da_j`` and ``sum_j a_j`` from the same
+terms as the gradient walk and takes their ratio (the weights ``exp(z - lse)`` sum to 1
+only up to ``lse``'s rounding; the sources read twice, nothing of size (N, tokens, H)
+stored); the parameter gradients are then within 7e-7 of the exact ones in bf16
+(tests/kernels/test_route_triton.py).
 
 Optional output norm (``out_norm_weight``: ``normed = rms_norm(out) * w`` of the output as
 stored, fp32 math). Two implementations, both tested, chosen by ``config["fuse_norm"]``:
@@ -280,8 +282,8 @@ def _route_bwd_kernel(
     gradient written once. With STAGES >= 2 the source rows come through Triton's software
     pipeline (copied into shared memory STAGES - 1 sources ahead), else with PREFETCH the
     next source is requested into registers while one is used. EXACT: ``sum_j a_j <v_j, g>``
-    from a first walk over the sources instead of ``<out, g>`` (route_backward's
-    ``exact_softmax_grad``; the sources are then read twice)."""
+    over ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>``
+    (route_backward's ``exact_softmax_grad``; the sources are then read twice)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # the activation dtype is out's (g may be the fp32 gradient of a separate norm pass)
@@ -895,8 +897,8 @@ def route_backward(
     (``block_t``, ``num_warps``, ``maxnreg``, ``per_sm``, ``prefetch``, ``fuse_norm``, ``stages``:
     as the forward's; unset: ``_route_backward_stages``) for tuning runs, and
     ``exact_softmax_grad`` (False by default: the softmax backward's ``sum_j a_j <v_j, g>``
-    taken as ``<out, g>`` from the saved output; True: formed from the sources, read twice;
-    :mod:`depthrewrite.kernels`' ``set_exact_softmax_grad``)."""
+    taken as ``<out, g>`` from the saved output; True: formed from the sources, read twice,
+    over ``sum_j a_j``; :mod:`depthrewrite.kernels`' ``set_exact_softmax_grad``)."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
     _check_saved(out, lse, values, heads)

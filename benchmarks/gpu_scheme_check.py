@@ -48,9 +48,11 @@ exactly zero in the reference, by a symmetry, relative to its kind's: ``_scales`
   candidate's error is at most 4x the reference's own bf16 error, or at most 3e-2. The
   fused backward reads the saved bf16 output for its softmax sum, as flash-attention does:
   on the routing parameters that adds errors of 2e-3 to 1e-2, below the ~2e-2 every bf16
-  gradient carries, but DAR's cancellation-bound scalars downstream came out 10-80x
-  Inductor alone's error at the 350M model (session 24; ``--exact-softmax-grad`` runs the
-  kernels without that shortcut, docs/design.md "The softmax backward's shortcut").
+  gradient carries. DAR's cancellation-bound scalars came out 10-80x Inductor alone's
+  error at the 350M model (session 24; the cause is not settled: the shortcut, or the
+  kernels' phase-1 results stored in bf16 where Inductor alone may keep fp32);
+  ``--exact-softmax-grad`` runs the kernels without the shortcut (docs/design.md "The
+  softmax backward's shortcut").
 
 The ``*_fm`` rows (the second phase through ``route_merge``) run the backend's
 ``fuse_output_norms`` in fp32, where the report must show norms fused, and leave it off in

@@ -19,7 +19,10 @@ reference ops (the truth) and in ``--precision`` (fp32, or bf16 autocast) each o
 - ``inductor_shortcut``: Inductor alone with that shortcut (the backend's rounding path on
   the GPU, where Inductor runs everything but the routing kernels, emulated on the CPU);
 - ``kernels_exact``, ``backend_exact``: ``kernels`` and ``backend`` with the kernels' backward
-  forming ``sum_j a_j <v_j, g>`` from the sources (``set_exact_softmax_grad(True)``).
+  forming ``sum_j a_j <v_j, g>`` from the sources (``set_exact_softmax_grad(True)``);
+- ``inductor_casts``: Inductor alone keeping eager's bf16 round trips between the ops it
+  fuses (``emulate_precision_casts``; off by default, where Inductor skips them and keeps
+  fp32), as the kernels' bf16 outputs do.
 
 Prints each run's errors (``gpu_scheme_check.errors_against``) summarised by the gradient's
 kind (its last name: every ``transport``). With two runs or more, also the ``--top``
@@ -54,7 +57,7 @@ from depthrewrite import backend  # noqa: E402
 from depthrewrite.kernels import set_exact_softmax_grad, set_fused_enabled  # noqa: E402
 
 RUNS = ("reference", "kernels", "inductor", "backend", "shortcut", "inductor_shortcut", "kernels_exact",
-        "backend_exact")
+        "backend_exact", "inductor_casts")
 
 
 @contextlib.contextmanager
@@ -91,12 +94,13 @@ def run_grads(way: str, model, idx, precision: str = "fp32") -> dict:
     previous_exact = set_exact_softmax_grad(way.endswith("_exact"))
     try:
         fn = model
-        if base in ("inductor", "inductor_shortcut"):
+        if base in ("inductor", "inductor_shortcut", "inductor_casts"):
             fn = torch.compile(model, backend="inductor", fullgraph=True)
         elif base == "backend":
             fn = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True,
                                options={"inner": "inductor"})
-        with kernels_shortcut() if base.endswith("shortcut") else contextlib.nullcontext(), no_compile_caches():
+        casts = torch._inductor.config.patch(emulate_precision_casts=base == "inductor_casts")
+        with kernels_shortcut() if base.endswith("shortcut") else contextlib.nullcontext(), no_compile_caches(), casts:
             return check._loss_and_grads(model, fn, idx, precision)[1]
     finally:
         set_fused_enabled(previous)

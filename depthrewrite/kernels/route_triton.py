@@ -58,7 +58,7 @@ registered kernels ``depthrewrite.kernels.set_exact_softmax_grad``) takes it awa
 a first walk over the sources forms ``sum_j a_j da_j`` and ``sum_j a_j`` from the same
 terms as the gradient walk and takes their ratio (the weights ``exp(z - lse)`` sum to 1
 only up to ``lse``'s rounding; the sources read twice, nothing of size (N, tokens, H)
-stored); the parameter gradients are then within 7e-7 of the exact ones in bf16
+stored); the parameter gradients are then within 5e-7 of the exact ones in bf16
 (tests/kernels/test_route_triton.py).
 
 Optional output norm (``out_norm_weight``: ``normed = rms_norm(out) * w`` of the output as

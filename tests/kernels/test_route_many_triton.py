@@ -270,16 +270,16 @@ EXACT_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("config", EXACT_CONFIGS, ids=lambda c: "-".join(f"{k}_{v}" for k, v in c.items()))
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [(9, 6, (5,), 100, 1, False), (3, 5, (3,), 48, 3, True),
                                                      (2, 3, (7,), 40, 4, False), (1, 3, (5,), 24, 1, False)])
-def test_exact_softmax_grad_gives_the_exact_gradients_in_bf16(n, s, batch, d, heads, keys, config):
+def test_exact_softmax_grad_gives_the_exact_gradients_in_half_precision(n, s, batch, d, heads, keys, config, dtype):
     """With ``exact_softmax_grad`` the backward forms ``sum_j a_j <v_j, g>`` from the bf16
-    sources, as the reference does, not from the output saved in bf16: the fp32 parameter
-    gradients are the exact float64 ones (not the saved-output oracle's) to fp32 rounding, the
-    others to bf16's. The shortcut's parameter gradients are further off than that (with
-    several sources; with one, dz is d lse either way and both are exact)."""
-    dtype = torch.bfloat16
+    (fp16) sources, as the reference does, not from the output saved in that dtype: the fp32
+    parameter gradients are the exact float64 ones (not the saved-output oracle's) to fp32
+    rounding, the others to the dtype's. The shortcut's parameter gradients are further off
+    than that (with several sources; with one, dz is d lse either way and both are exact)."""
     inp = _make(n, s, batch, d, heads, dtype, 11, keys)
     _, _, grads, grad_out, grad_lse = _run(inp, dtype, 11, config={**config, "exact_softmax_grad": True},
                                            fwd_config={})

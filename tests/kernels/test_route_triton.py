@@ -292,15 +292,16 @@ def test_pipeline_changes_no_bit(n, keys):
 EXACT_CASES = [CASES[2], CASES[3], CASES[6], CASES[7], CASES[0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("stages", [0, 2])
 @pytest.mark.parametrize("case", EXACT_CASES, ids=_case_id)
-def test_exact_softmax_grad_gives_the_exact_gradients_in_bf16(case, stages):
+def test_exact_softmax_grad_gives_the_exact_gradients_in_half_precision(case, stages, dtype):
     """With ``exact_softmax_grad`` the backward forms ``sum_j a_j <v_j, g>`` from the bf16
-    sources, not from the output saved in bf16: the fp32 parameter gradients are the exact
-    float64 ones (not the saved-output oracle's) to fp32 rounding, the others to bf16's. The
-    shortcut's parameter gradients are further off than that (several sources)."""
+    (fp16) sources, not from the output saved in that dtype: the fp32 parameter gradients
+    are the exact float64 ones (not the saved-output oracle's) to fp32 rounding, the others
+    to the dtype's. The shortcut's parameter gradients are further off than that (several
+    sources)."""
     n, batch, d, heads, keys, bias, scale = case
-    dtype = torch.bfloat16
     inp = _make(n, batch, d, heads, keys, bias, scale, dtype, seed=n * 1000 + d)
     grad_out = torch.randn(*batch, d, generator=torch.Generator().manual_seed(7)).to(dtype)
     dev_inp = _on(inp, DEVICE)

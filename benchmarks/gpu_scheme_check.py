@@ -54,7 +54,10 @@ exactly zero in the reference, by a symmetry, relative to its kind's: ``_scales`
   up to 49x nearer float64 than eager (CPU, ``small`` preset; Inductor with eager's round
   trips 41x, near eager's errors), and the kernels, like eager, store their results in bf16.
   Against Inductor alone only, the backend failed at the 350M model on the GPU (those
-  scalars 10-80x Inductor alone's error, session 24's run 3). The fused backward also
+  scalars 10-80x Inductor alone's error, session 24's run 3). Per gradient, the rule can
+  still fail correct code on such a scalar: on the CPU three correct implementations
+  spread 6x on one ``mix`` gradient, and Inductor with eager's round trips was over by
+  1.06x with both references (docs/benchmarks.md session 24). The fused backward also
   reads the saved bf16 output for its softmax sum, as flash-attention does: on the routing
   parameters that adds errors of 2e-3 to 1e-2, below the ~2e-2 every bf16 gradient
   carries, and up to 4.5x on DAR's scalars (emulated on the CPU at 350M);

@@ -202,13 +202,15 @@ def errors_against(grads: dict, exact_grads: dict) -> dict:
 
 
 def gradient_errors(grads: dict, ref_grads: dict | list[dict], exact_grads: dict,
-                    precision: str) -> tuple[dict, dict]:
-    """Per gradient, the candidate's error against the float64 truth and the error it may
-    have (:func:`allowances`; with several references, a list, the farthest one's)."""
+                    precision: str) -> tuple[dict, dict, dict]:
+    """Per gradient, the candidate's error against the float64 truth, the references' (with
+    several, a list, the farthest one's) and the error the candidate may have
+    (:func:`allowances`)."""
     references = ref_grads if isinstance(ref_grads, list) else [ref_grads]
     errors = errors_against(grads, exact_grads)
-    allowed = allowances(reference_errors(references, exact_grads), precision)
-    return errors, {n: allowed[n] for n in errors}
+    ref_errors = reference_errors(references, exact_grads)
+    ref_errors = {n: ref_errors[n] for n in errors}
+    return errors, ref_errors, allowances(ref_errors, precision)
 
 
 def reference_errors(references: list[dict], exact_grads: dict) -> dict:
@@ -277,11 +279,10 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
-    errors = errors_against(grads, exact_grads)
-    ref_errors = reference_errors(references, exact_grads)
-    allowed = allowances({n: ref_errors[n] for n in errors}, precision)
+    errors, ref_errors, allowed = gradient_errors(grads, references, exact_grads, precision)
+    ranked = sorted(errors, key=lambda n: errors[n] / allowed[n], reverse=True)
+    worst = ranked[0]
     loss_ref = truth_loss if precision == "bf16" else ref_loss
-    worst = max(errors, key=lambda n: errors[n] / allowed[n])
     ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
@@ -294,7 +295,6 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
         ok = ok and (fused_norms > 0 if precision == "fp32" else fused_norms == 0)
     if scheme in IN_PLACE_EXPECTED:
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
-    ranked = sorted(errors, key=lambda n: errors[n] / allowed[n], reverse=True)
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
                 graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms,

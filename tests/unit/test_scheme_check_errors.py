@@ -51,12 +51,12 @@ def test_a_candidate_is_measured_against_float64_with_the_references_own_error_a
     check = _load()
     exact = {"gate": torch.tensor([1.0]), "weight": torch.tensor([3.0, 4.0])}
     reference = {"gate": torch.tensor([1.0 + 1.0e-4]), "weight": torch.tensor([3.0, 4.0 + 1e-7])}
-    errors, allowed = check.gradient_errors(
+    errors, _, allowed = check.gradient_errors(
         {"gate": torch.tensor([1.0 - 9.3e-6]), "weight": torch.tensor([3.0, 4.0 + 2e-4])}, reference, exact, "fp32")
     assert abs(allowed["gate"] - 4.0e-4) < 1e-6  # 4x the reference's own error, above 1e-4
     assert allowed["weight"] == check.TOLERANCE["fp32"]
     assert errors["gate"] <= allowed["gate"] and errors["weight"] <= allowed["weight"]  # 9.3e-6; 2e-4 / 5
-    errors, allowed = check.gradient_errors(
+    errors, _, allowed = check.gradient_errors(
         {"gate": torch.tensor([1.1]), "weight": torch.tensor([3.0, 4.0 + 1e-3])}, reference, exact, "fp32")
     assert errors["gate"] > allowed["gate"] and errors["weight"] > allowed["weight"]  # 0.1; 1e-3 / 5
 
@@ -81,10 +81,10 @@ def test_with_several_references_the_allowance_is_four_times_the_farthest():
     exact = {"transport": torch.tensor([1.0])}
     near, far = {"transport": torch.tensor([1.0 + 2e-5])}, {"transport": torch.tensor([1.0 - 1e-4])}
     candidate = {"transport": torch.tensor([1.0 + 3e-4])}
-    errors, allowed = check.gradient_errors(candidate, near, exact, "fp32")
+    errors, _, allowed = check.gradient_errors(candidate, near, exact, "fp32")
     assert errors["transport"] > allowed["transport"]  # 3e-4 against max(1e-4, 4 x 2e-5)
-    errors, allowed = check.gradient_errors(candidate, [near, far], exact, "fp32")
+    errors, _, allowed = check.gradient_errors(candidate, [near, far], exact, "fp32")
     assert abs(allowed["transport"] - 4e-4) < 1e-6 and errors["transport"] <= allowed["transport"]
     assert check.reference_errors([near, far], exact)["transport"] == check.errors_against(far, exact)["transport"]
-    errors, allowed = check.gradient_errors({"transport": torch.tensor([1.1])}, [near, far], exact, "fp32")
+    errors, _, allowed = check.gradient_errors({"transport": torch.tensor([1.1])}, [near, far], exact, "fp32")
     assert errors["transport"] > allowed["transport"]

@@ -52,16 +52,18 @@ def _inputs(seed: int, spread: float, keyed: bool, dtype: torch.dtype = torch.fl
                 grad_lse=[torch.zeros(T, 1) for _ in range(S)])
 
 
-def _reference_grads(inp: dict, dtype: torch.dtype) -> tuple:
-    from depthrewrite.ops.route_many import _reference, _route_many_backward_op
+def _reference_grads(inp: dict, dtype: torch.dtype, shortcut: bool = False) -> tuple:
+    """The reference backward's gradients in ``dtype`` (``route_many.reference_backward``),
+    with ``shortcut`` its ``sum_j a_j <v_j, g>`` taken as ``<out, g>`` as the kernels do."""
+    from depthrewrite.ops.route_many import _reference, reference_backward
 
     cast = lambda ts: None if ts is None else [t.to(dtype) for t in ts]  # noqa: E731
     values, keys = cast(inp["values"]), cast(inp["keys"])
     wide = torch.promote_types(dtype, torch.float32)  # the parameters and lse gradients: fp32 at least
     q, w = inp["queries"].to(wide), inp["weights"].to(wide)
-    out, lse = _reference(values, q, w, 1, 1e-6, keys)
-    return _route_many_backward_op(cast(inp["grad_out"]), [t.to(wide) for t in inp["grad_lse"]], list(out.unbind(0)),
-                                   list(lse.unbind(0)), values, q, w, 1, 1e-6, keys)
+    out = list(_reference(values, q, w, 1, 1e-6, keys)[0].unbind(0)) if shortcut else None
+    return reference_backward(cast(inp["grad_out"]), [t.to(wide) for t in inp["grad_lse"]], values, q, w, 1, 1e-6,
+                              keys, shortcut_out=out)
 
 
 def _kernel_grads(inp: dict, device: str, exact: bool = False) -> tuple:
@@ -77,17 +79,9 @@ def _kernel_grads(inp: dict, device: str, exact: bool = False) -> tuple:
 
 
 def query_grad(inp: dict, dtype: torch.dtype, shortcut: bool) -> torch.Tensor:
-    """The query gradient (one head, no keys) in ``dtype`` by the reference backward's
-    formula, with ``shortcut`` its ``sum_j a_j <v_j, g>`` taken as ``<out, g>`` as the kernels
-    do (``route_many.reference_backward``'s ``shortcut_out``)."""
-    from depthrewrite.ops.route_many import _reference, reference_backward
-
-    values = [t.to(dtype) for t in inp["values"]]
-    wide = torch.promote_types(dtype, torch.float32)  # the parameters and lse gradients: fp32 at least
-    q, w = inp["queries"].to(wide), inp["weights"].to(wide)
-    out = list(_reference(values, q, w, 1, 1e-6)[0].unbind(0)) if shortcut else None
-    return reference_backward([t.to(dtype) for t in inp["grad_out"]], [t.to(wide) for t in inp["grad_lse"]],
-                              values, q, w, 1, 1e-6, None, shortcut_out=out)[2]
+    """The query gradient in ``dtype`` by the reference backward's formula, with or without
+    the kernels' shortcut (:func:`_reference_grads`)."""
+    return _reference_grads(inp, dtype, shortcut)[2]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

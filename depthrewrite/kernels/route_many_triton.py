@@ -422,6 +422,16 @@ def _route_many_bwd_kernel(
 
 
 @triton.jit
+def _fp32_rows(v_raw, k_raw, HAS_KEYS: tl.constexpr):
+    """A source's value and key rows as stored, in fp32 (the key is the value unless HAS_KEYS)."""
+    v = v_raw.to(tl.float32)
+    k = v
+    if HAS_KEYS:
+        k = k_raw.to(tl.float32)
+    return v, k
+
+
+@triton.jit
 def _per_token_weight(k, qw, lse, hq, D, eps):
     """Per query and head of the chunk, a source's weight ``a = exp(z - lse)`` from its key
     row ``k`` (fp32), and its logit ``zr`` and the key's ``rstd``."""
@@ -434,11 +444,7 @@ def _per_token_weight(k, qw, lse, hq, D, eps):
 def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr):
     """A source's weight ``a`` and term ``a <v, g>`` of ``sum_j a_j <v_j, g>`` (per query and
     head), computed as :func:`_per_token_source_grads` computes ``a`` and ``<v, g>``."""
-    v = v_raw.to(tl.float32)
-    if HAS_KEYS:
-        k = k_raw.to(tl.float32)
-    else:
-        k = v
+    v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
     a = _per_token_weight(k, qw, lse, hq, D, eps)[0]
     return a, a * tl.sum(v[None, :, :] * g, 2)
 
@@ -451,11 +457,7 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     """Source ``i``'s part of the per-token backward for every query of the chunk: its value
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
     PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
-    v = v_raw.to(tl.float32)
-    if HAS_KEYS:
-        k = k_raw.to(tl.float32)
-    else:
-        k = v
+    v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
     a, zr, rstd = _per_token_weight(k, qw, lse, hq, D, eps)
     if ONE_SOURCE:
         # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse

@@ -100,6 +100,7 @@ schemes350m)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 560 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor --preset medium --layers 0 \
       --batch 2 1024 --query-std 0.0625 --detail 6 --schemes ${SCHEMES:-dar} --precisions ${PRECISIONS:-fp32} \
+      --json "$OUT/scheme_check_350m.json" \
       > "$OUT/scheme_check_350m.txt" 2>&1
   grep "scheme-check\|^    " "$OUT/scheme_check_350m.txt" | tail -20
   ;;

@@ -63,6 +63,27 @@ exactly zero in the reference, by a symmetry, relative to its kind's: ``_scales`
   carries, and up to 4.5x on DAR's scalars (emulated on the CPU at 350M);
   ``--exact-softmax-grad`` runs the kernels without it (docs/design.md "The softmax
   backward's shortcut").
+- Pooled by kind (session 25, both precisions): a gradient's allowance is also at least
+  ``KIND_CEILING`` (2) times the largest error the references make on any gradient of its
+  kind (its last name: every ``mix``), and per kind the candidate's median error must be at
+  most ``MEDIAN_FACTOR`` (2) times the references' median (or ``TOLERANCE``). On DAR's
+  cancellation-bound scalars which correct rounding lands nearest the truth on one gradient
+  is chance: at the 350M model in bf16 on the H200, with both references, the per-gradient
+  rule of session 24 failed the backend at 2.7x and Inductor with eager's round trips at 1.6x, while
+  every kind's median was the same in all five ways of running DAR (0.17-0.32 from float64,
+  eager included). The pooled rule passes every one of those ways against every pair of the
+  others (at most 0.70x of an allowance), and on the CPU (``small`` preset, every routing
+  scheme, bf16 and fp32) the check's pair, the candidate against Inductor alone and eager
+  (at most 0.50x). It needs the candidate's rounding path among the references: judged
+  against one reference, or two that both keep eager's casts, Inductor-compiled DAR still
+  fails on the ``small`` preset's 8 ``transport`` and ``beta`` gradients (up to 2.8x). What it
+  still catches, measured on the same data as the share of gradients on which an error of
+  1.0 (a gradient zeroed) fails the check: 99-100 % on the ``small`` preset in bf16 and fp32,
+  100 % at 350M in fp32; at 350M in bf16 it is blind, 42 % for DAR, 0 % for WAV and full
+  AttnRes, whose bf16 gradients are 37-51 % from float64 in every way of running them,
+  eager included (the session-24 rule caught 6-62 % there). So at 350M the fp32 rows are
+  the evidence; the bf16 rows show the model compiles and runs on the kernels, and catch
+  only errors larger than bf16 itself makes there (docs/benchmarks.md, session 25).
 
 The ``*_fm`` rows (the second phase through ``route_merge``) run the backend's
 ``fuse_output_norms`` in fp32, where the report must show norms fused, and leave it off in
@@ -84,7 +105,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import pathlib
+import statistics
 import sys
 
 import torch
@@ -139,6 +162,11 @@ QUERY_STD = 0.5
 
 #: the candidate's error against float64 may be this many times the reference's
 FACTOR = 4.0
+#: ... or this many times the largest error the references make on any gradient of its kind
+#: (session 25; module docstring, "Pooled by kind")
+KIND_CEILING = 2.0
+#: per kind, the candidate's median error may be this many times the references' median
+MEDIAN_FACTOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +208,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> float:
     return float((a - b).norm() / (b.norm() if scale is None else torch.tensor(scale)).clamp_min(1e-30))
 
 
+def kind_of(name: str) -> str:
+    """A gradient's kind: its parameter's last name (every ``mix``, every ``weight``)."""
+    return name.rsplit(".", 1)[-1]
+
+
+def _by_kind(values: dict[str, float]) -> dict[str, list[float]]:
+    kinds: dict[str, list[float]] = {}
+    for name, value in values.items():
+        kinds.setdefault(kind_of(name), []).append(value)
+    return kinds
+
+
 def _scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per gradient, the norm its error is divided by: its own, or, where it is exactly zero,
     that of all gradients of its kind (the same last name: every ``mix``). An exact zero is a
@@ -189,9 +229,9 @@ def _scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     against ~3e-4 at the other sites), which a relative error makes 1e20."""
     kinds: dict[str, list[torch.Tensor]] = {}
     for name, g in grads.items():
-        kinds.setdefault(name.rsplit(".", 1)[-1], []).append(g.flatten())
+        kinds.setdefault(kind_of(name), []).append(g.flatten())
     kind_norm = {kind: float(torch.cat(gs).norm()) for kind, gs in kinds.items()}
-    return {name: float(g.norm()) or kind_norm[name.rsplit(".", 1)[-1]] for name, g in grads.items()}
+    return {name: float(g.norm()) or kind_norm[kind_of(name)] for name, g in grads.items()}
 
 
 def errors_against(grads: dict, exact_grads: dict) -> dict:
@@ -220,9 +260,20 @@ def reference_errors(references: list[dict], exact_grads: dict) -> dict:
 
 
 def allowances(ref_errors: dict, precision: str) -> dict:
-    """Per gradient, the error a candidate may have: ``TOLERANCE[precision]``, or ``FACTOR``
-    times the reference's own error where that is larger (module docstring)."""
-    return {n: max(TOLERANCE[precision], FACTOR * e) for n, e in ref_errors.items()}
+    """Per gradient, the error a candidate may have: the largest of ``TOLERANCE[precision]``,
+    ``FACTOR`` times the reference's own error and ``KIND_CEILING`` times the reference's
+    largest error on a gradient of the same kind (module docstring)."""
+    kind_largest = {kind: max(values) for kind, values in _by_kind(ref_errors).items()}
+    return {n: max(TOLERANCE[precision], FACTOR * e, KIND_CEILING * kind_largest[kind_of(n)])
+            for n, e in ref_errors.items()}
+
+
+def kind_medians(errors: dict, ref_errors: dict, precision: str) -> dict[str, tuple[float, float, float]]:
+    """Per kind: the candidate's median error, the reference's, and the median the candidate
+    may have, ``MEDIAN_FACTOR`` times the reference's or ``TOLERANCE[precision]``."""
+    ours, theirs = _by_kind(errors), _by_kind({n: ref_errors[n] for n in errors})
+    return {kind: (statistics.median(ours[kind]), statistics.median(theirs[kind]),
+                   max(TOLERANCE[precision], MEDIAN_FACTOR * statistics.median(theirs[kind]))) for kind in ours}
 
 
 def float64_truth(model, idx) -> tuple[torch.Tensor, dict]:
@@ -282,10 +333,13 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     errors, ref_errors, allowed = gradient_errors(grads, references, exact_grads, precision)
     ranked = sorted(errors, key=lambda n: errors[n] / allowed[n], reverse=True)
     worst = ranked[0]
+    medians = kind_medians(errors, ref_errors, precision)
+    worst_kind = max(medians, key=lambda k: medians[k][0] / medians[k][2])
     loss_ref = truth_loss if precision == "bf16" else ref_loss
     ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
     ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
+    ok = ok and medians[worst_kind][0] <= medians[worst_kind][2]
     if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
     fused_norms = sum(r.fused_norms or 0 for r in backend.reports())
@@ -297,12 +351,15 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
+                worst_kind=worst_kind, kind_medians=medians,
                 graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms,
                 ranked=[(n, errors[n], ref_errors[n], allowed[n]) for n in ranked])
 
 
 def run(schemes: list[str], device: str, say=print, setup: Setup = Setup(), detail: int = 0,
-        precisions: tuple[str, ...] = ("fp32", "bf16")) -> list[dict]:
+        precisions: tuple[str, ...] = ("fp32", "bf16"), json_path: pathlib.Path | None = None) -> list[dict]:
+    """Checks every scheme in every precision; ``json_path``: every row, each gradient's
+    errors included, rewritten as each row ends (for rules worked out afterwards)."""
     rows = []
     for scheme in schemes:
         for precision in precisions:
@@ -313,11 +370,19 @@ def run(schemes: list[str], device: str, say=print, setup: Setup = Setup(), deta
             say(f"scheme-check {row['scheme']:14s} {row['precision']} ok={row['ok']} "
                 + (row.get("error") or f"loss {row['loss_err']:.1e} worst grad {row['worst_grad_err']:.1e} "
                    f"(allowed {row['worst_grad_allowed']:.1e}) "
-                   f"({row['worst_grad']}) graphs {row['graphs']} ops {row['ops']} fused norms {row['fused_norms']}"))
+                   f"({row['worst_grad']}) {_median_summary(row)} "
+                   f"graphs {row['graphs']} ops {row['ops']} fused norms {row['fused_norms']}"))
             for name, err, ref_err, allowed in row.get("ranked", [])[:detail]:
                 say(f"    {name:50s} error {err:.2e} (reference's {ref_err:.2e}; allowed {allowed:.2e})")
             rows.append(row)
+            if json_path:
+                json_path.write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def _median_summary(row: dict) -> str:
+    ours, theirs, allowed = row["kind_medians"][row["worst_kind"]]
+    return f"median {ours:.1e} on {row['worst_kind']} (reference's {theirs:.1e}; allowed {allowed:.1e})"
 
 
 def main() -> int:
@@ -333,6 +398,7 @@ def main() -> int:
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"))
     ap.add_argument("--detail", type=int, default=0, metavar="K",
                     help="also print each row's K gradients nearest their allowance")
+    ap.add_argument("--json", type=pathlib.Path, help="write every row here, each gradient's errors included")
     ap.add_argument("--exact-softmax-grad", action="store_true",
                     help="the kernels' backward forms sum_j a_j <v_j, g> from the sources (set_exact_softmax_grad)")
     args = ap.parse_args()
@@ -342,7 +408,8 @@ def main() -> int:
     setup = Setup(inner=args.inner, preset=args.preset, layers=args.layers or None, batch=tuple(args.batch),
                   query_std=args.query_std)
     set_exact_softmax_grad(args.exact_softmax_grad)
-    rows = run(args.schemes, args.device, setup=setup, detail=args.detail, precisions=tuple(args.precisions))
+    rows = run(args.schemes, args.device, setup=setup, detail=args.detail, precisions=tuple(args.precisions),
+               json_path=args.json)
     bad = [f"{r['scheme']}/{r['precision']}" for r in rows if not r["ok"]]
     print(f"scheme-check: {len(rows) - len(bad)}/{len(rows)} OK; failing: {bad or 'none'}")
     return 1 if bad else 0

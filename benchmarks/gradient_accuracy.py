@@ -144,9 +144,12 @@ def print_rule(errors: dict[str, dict], precision: str = "fp32") -> None:
             allowed = check.allowances(errors[reference], precision)
             over = [n for n in allowed if errors[candidate][n] > allowed[n]]
             closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
+            medians = check.kind_medians(errors[candidate], errors[reference], precision)
+            kind = max(medians, key=lambda k: medians[k][0] / medians[k][2])
             print(f"\nthe {precision} rule, {candidate} against {reference} as the reference: {len(over)} of "
                   f"{len(allowed)} gradients over their allowance; closest {closest} at "
-                  f"{errors[candidate][closest] / allowed[closest]:.2f}x"
+                  f"{errors[candidate][closest] / allowed[closest]:.2f}x; the kind median nearest its "
+                  f"allowance {kind}'s at {medians[kind][0] / medians[kind][2]:.2f}x"
                   + "".join(f"\n  {n}: {errors[candidate][n]:.2e} > {allowed[n]:.2e}" for n in over))
 
 

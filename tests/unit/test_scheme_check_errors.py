@@ -88,3 +88,51 @@ def test_with_several_references_the_allowance_is_four_times_the_farthest():
     assert check.reference_errors([near, far], exact)["transport"] == check.errors_against(far, exact)["transport"]
     errors, _, allowed = check.gradient_errors({"transport": torch.tensor([1.1])}, [near, far], exact, "fp32")
     assert errors["transport"] > allowed["transport"]
+
+
+def _kind(prefix: str, errors: list[float]) -> dict[str, torch.Tensor]:
+    """Gradients ``prefix.{i}.mix`` = 1 + errors[i]: against a truth of ones, each one's
+    relative error is its entry of ``errors``."""
+    return {f"{prefix}.{i}.mix": torch.tensor([1.0 + e]) for i, e in enumerate(errors)}
+
+
+def test_a_gradient_may_reach_twice_the_largest_error_of_its_kind_in_the_references():
+    """Session 25: on a kind of cancellation-bound scalars one correct rounding lands 30x
+    nearer the truth than another on some gradient; its allowance is at least twice the worst
+    the references make on the kind, so that chance passes, and a gradient beyond it fails."""
+    check = _load()
+    exact = _kind("b", [0.0] * 5)
+    reference = _kind("b", [0.2, 0.01, 0.1, 0.15, 0.12])
+    errors, _, allowed = check.gradient_errors(_kind("b", [0.1, 0.3, 0.1, 0.1, 0.1]), reference, exact, "bf16")
+    assert abs(allowed["b.1.mix"] - 0.4) < 1e-6  # 2 x 0.2, above 4 x 0.01
+    assert errors["b.1.mix"] <= allowed["b.1.mix"]
+    errors, _, allowed = check.gradient_errors(_kind("b", [0.1, 0.5, 0.1, 0.1, 0.1]), reference, exact, "bf16")
+    assert errors["b.1.mix"] > allowed["b.1.mix"]
+    # a kind's ceiling is its own: a far-off kind lends nothing to another
+    exact = {**exact, "b.0.weight": torch.tensor([1.0])}
+    errors, _, allowed = check.gradient_errors({**reference, "b.0.weight": torch.tensor([1.2])},
+                                               {**reference, "b.0.weight": torch.tensor([1.001])}, exact, "bf16")
+    assert allowed["b.0.weight"] == check.TOLERANCE["bf16"] and errors["b.0.weight"] > allowed["b.0.weight"]
+
+
+def test_a_kind_whose_median_error_is_over_twice_the_references_fails():
+    """Pooled by kind: every gradient under its own allowance, but the kind as a whole 3x
+    less accurate than the references, as a kernel that rounds worse throughout is."""
+    check = _load()
+    exact = _kind("b", [0.0] * 5)
+    reference = _kind("b", [0.02, 0.04, 0.05, 0.06, 0.2])
+    errors, ref_errors, allowed = check.gradient_errors(_kind("b", [0.12, 0.15, 0.15, 0.18, 0.2]), reference, exact,
+                                                        "bf16")
+    assert all(errors[n] <= allowed[n] for n in errors)
+    ours, theirs, median_allowed = check.kind_medians(errors, ref_errors, "bf16")["mix"]
+    assert abs(ours - 0.15) < 1e-6 and abs(theirs - 0.05) < 1e-6 and abs(median_allowed - 0.1) < 1e-6
+    assert ours > median_allowed
+    errors, ref_errors, _ = check.gradient_errors(_kind("b", [0.03, 0.05, 0.09, 0.1, 0.2]), reference, exact, "bf16")
+    ours, _, median_allowed = check.kind_medians(errors, ref_errors, "bf16")["mix"]
+    assert ours <= median_allowed  # 0.09 against 2 x 0.05
+
+
+def test_a_kind_median_below_the_tolerance_passes():
+    check = _load()
+    medians = check.kind_medians({"a.mix": 1e-5, "b.mix": 2e-5}, {"a.mix": 1e-7, "b.mix": 1e-7}, "fp32")
+    assert medians["mix"][2] == check.TOLERANCE["fp32"]

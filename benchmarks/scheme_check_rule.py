@@ -1,0 +1,102 @@
+"""gpu_scheme_check's rule applied afterwards to saved errors (session 25):
+
+    python3 benchmarks/scheme_check_rule.py docs/data/gradient_accuracy_*_session25.json \\
+        docs/data/accuracy_dar_bf16_2026-12-01_session25_run2.json \\
+        docs/data/scheme_check_350m_2026-12-01_session25_run*.json
+
+Two kinds of file, told apart by their shape:
+
+- ``gradient_accuracy.py --json`` (``{run: {gradient: error}}``, every way of running one
+  scheme, all correct implementations): the rule applied to every run as the candidate
+  against every other run and every pair of others as the references, and to the pair the
+  scheme check uses (``backend`` against ``inductor`` and ``reference``). A rule that fails
+  a correct pair fails correct code.
+- ``gpu_scheme_check.py --json`` (a list of rows): each row's references' errors.
+
+For both, how much the rule can still see: the share of gradients on which an error of 0.1,
+and of 1.0 (a gradient zeroed), would be over its allowance (the check's references; for
+the first kind ``inductor`` and ``reference``). The precision is read from the file name
+(``bf16`` in it, else fp32) for the first kind, from the row for the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_scheme_check as check  # noqa: E402
+
+#: the references of the scheme check with ``--inner inductor``, as gradient_accuracy.py names the runs
+CHECK_REFERENCES = ("inductor", "reference")
+#: the errors whose detection is counted: a tenth, and a gradient zeroed
+PROBES = (0.1, 1.0)
+
+
+def judge(candidate: dict, ref_errors: dict, precision: str) -> tuple[float, float]:
+    """The candidate's worst error over its allowance, and its worst kind median over the
+    median allowed (each over 1: the rule fails it)."""
+    allowed = check.allowances(ref_errors, precision)
+    medians = check.kind_medians(candidate, ref_errors, precision)
+    return (max(candidate[n] / allowed[n] for n in allowed),
+            max(ours / limit for ours, _, limit in medians.values()))
+
+
+def farthest(runs: dict, references: tuple[str, ...]) -> dict:
+    """Per gradient, the largest error among ``references`` (gpu_scheme_check.reference_errors)."""
+    return {n: max(runs[r][n] for r in references) for n in runs[references[0]]}
+
+
+def detection(ref_errors: dict, precision: str) -> str:
+    allowed = check.allowances(ref_errors, precision)
+    return ", ".join(f"an error of {probe:g} caught on {100 * sum(probe > a for a in allowed.values()) / len(allowed):.0f} %"
+                     for probe in PROBES)
+
+
+def report_runs(name: str, runs: dict, precision: str) -> None:
+    """Every run against every other and every pair of others; the check's own pair."""
+    for count in (1, 2):
+        worst = []
+        for candidate in runs:
+            for refs in itertools.combinations([r for r in runs if r != candidate], count):
+                worst.append((max(judge(runs[candidate], farthest(runs, refs), precision)), candidate, refs))
+        ratio, candidate, refs = max(worst)
+        failing = sum(w[0] > 1 for w in worst)
+        print(f"{name} ({precision}), {count} reference(s): {len(worst)} pairs, {failing} failing; worst "
+              f"{ratio:.2f}x ({candidate} against {' + '.join(refs)})")
+    if all(r in runs for r in CHECK_REFERENCES):
+        ref_errors = farthest(runs, CHECK_REFERENCES)
+        for candidate in (r for r in runs if r not in CHECK_REFERENCES):
+            gradient, median = judge(runs[candidate], ref_errors, precision)
+            print(f"    {candidate} against {' + '.join(CHECK_REFERENCES)}: gradient {gradient:.2f}x, "
+                  f"kind median {median:.2f}x")
+        print(f"    what it can see: {detection(ref_errors, precision)}")
+
+
+def report_rows(name: str, rows: list[dict]) -> None:
+    for row in rows:
+        if "ranked" not in row:
+            print(f"{name}: {row['scheme']} {row['precision']}: no errors saved ({row.get('error')})")
+            continue
+        ref_errors = {n: ref for n, _, ref, _ in row["ranked"]}
+        print(f"{name}: {row['scheme']} {row['precision']} ok={row['ok']}; {detection(ref_errors, row['precision'])}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    args = ap.parse_args()
+    for path in args.files:
+        data = json.loads(path.read_text())
+        if isinstance(data, list):
+            report_rows(path.name, data)
+        else:
+            report_runs(path.name, data, "bf16" if "bf16" in path.name else "fp32")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

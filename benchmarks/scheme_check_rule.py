@@ -1,6 +1,6 @@
 """gpu_scheme_check's rule applied afterwards to saved errors (session 25):
 
-    python3 benchmarks/scheme_check_rule.py docs/data/gradient_accuracy_*_session25.json \\
+    python3 benchmarks/scheme_check_rule.py docs/data/gradient_accuracy_*_small_*_session25.json \\
         docs/data/accuracy_dar_bf16_2026-12-01_session25_run2.json \\
         docs/data/scheme_check_350m_2026-12-01_session25_run*.json
 
@@ -58,7 +58,12 @@ def detection(ref_errors: dict, precision: str) -> str:
 
 def report_runs(name: str, runs: dict, precision: str) -> None:
     """Every run against every other and every pair of others; the check's own pair."""
+    if len(runs) < 2:
+        print(f"{name}: {len(runs)} run, nothing to judge")
+        return
     for count in (1, 2):
+        if count >= len(runs):
+            break
         worst = []
         for candidate in runs:
             for refs in itertools.combinations([r for r in runs if r != candidate], count):

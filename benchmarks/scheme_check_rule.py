@@ -8,9 +8,9 @@ Two kinds of file, told apart by their shape:
 
 - ``gradient_accuracy.py --json`` (``{run: {gradient: error}}``, every way of running one
   scheme, all correct implementations): the rule applied to every run as the candidate
-  against every other run and every pair of others as the references, and to the pair the
-  scheme check uses (``backend`` against ``inductor`` and ``reference``). A rule that fails
-  a correct pair fails correct code.
+  against every other run and every pair of others as the references, and every run but
+  those two against the scheme check's references (``inductor`` and ``reference``; the
+  check's candidate is ``backend``). A rule that fails a correct pair fails correct code.
 - ``gpu_scheme_check.py --json`` (a list of rows): each row's references' errors.
 
 For both, how much the rule can still see: the share of gradients on which an error of 0.1,

@@ -215,8 +215,9 @@ def kind_of(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def _by_kind(values: dict[str, float]) -> dict[str, list[float]]:
-    kinds: dict[str, list[float]] = {}
+def group_by_kind(values: dict) -> dict[str, list]:
+    """``values`` (per gradient name) grouped by the gradient's kind (:func:`kind_of`)."""
+    kinds: dict[str, list] = {}
     for name, value in values.items():
         kinds.setdefault(kind_of(name), []).append(value)
     return kinds
@@ -229,9 +230,7 @@ def _scales(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     gradient, the difference of two equal sums, is 0.0 in the reference, and a kernel that
     forms the two sums separately leaves their rounding (session 21 on the H200: 1.2e-10,
     against ~3e-4 at the other sites), which a relative error makes 1e20."""
-    kinds: dict[str, list[torch.Tensor]] = {}
-    for name, g in grads.items():
-        kinds.setdefault(kind_of(name), []).append(g.flatten())
+    kinds = group_by_kind({name: g.flatten() for name, g in grads.items()})
     kind_norm = {kind: float(torch.cat(gs).norm()) for kind, gs in kinds.items()}
     return {name: float(g.norm()) or kind_norm[kind_of(name)] for name, g in grads.items()}
 
@@ -244,20 +243,23 @@ def errors_against(grads: dict, exact_grads: dict) -> dict:
 
 
 def gradient_errors(grads: dict, ref_grads: dict | list[dict], exact_grads: dict,
-                    precision: str) -> tuple[dict, dict, dict]:
-    """Per gradient, the candidate's error against the float64 truth, the references' (with
-    several, a list, the farthest one's) and the error the candidate may have
-    (:func:`allowances`)."""
+                    precision: str) -> tuple[dict, dict, "Judgment"]:
+    """Per gradient, the candidate's error against the float64 truth and the references'
+    (with several, a list, the farthest one's); and the rule's :class:`Judgment` of them."""
     references = ref_grads if isinstance(ref_grads, list) else [ref_grads]
     errors = errors_against(grads, exact_grads)
     ref_errors = reference_errors(references, exact_grads)
     ref_errors = {n: ref_errors[n] for n in errors}
-    return errors, ref_errors, allowances(ref_errors, precision)
+    return errors, ref_errors, judge(errors, ref_errors, precision)
 
 
 def reference_errors(references: list[dict], exact_grads: dict) -> dict:
     """Per gradient, the largest error of the references against the float64 truth."""
-    per_reference = [errors_against(r, exact_grads) for r in references]
+    return farthest([errors_against(r, exact_grads) for r in references])
+
+
+def farthest(per_reference: list[dict]) -> dict:
+    """Per gradient, the largest of the references' errors (each ``{gradient: error}``)."""
     return {n: max(e[n] for e in per_reference) for n in per_reference[0]}
 
 
@@ -265,7 +267,7 @@ def allowances(ref_errors: dict, precision: str) -> dict:
     """Per gradient, the error a candidate may have: the largest of ``TOLERANCE[precision]``,
     ``FACTOR`` times the reference's own error and ``KIND_CEILING`` times the reference's
     largest error on a gradient of the same kind (module docstring)."""
-    kind_largest = {kind: max(values) for kind, values in _by_kind(ref_errors).items()}
+    kind_largest = {kind: max(values) for kind, values in group_by_kind(ref_errors).items()}
     return {n: max(TOLERANCE[precision], FACTOR * e, KIND_CEILING * kind_largest[kind_of(n)])
             for n, e in ref_errors.items()}
 
@@ -273,9 +275,45 @@ def allowances(ref_errors: dict, precision: str) -> dict:
 def kind_medians(errors: dict, ref_errors: dict, precision: str) -> dict[str, tuple[float, float, float]]:
     """Per kind: the candidate's median error, the reference's, and the median the candidate
     may have, ``MEDIAN_FACTOR`` times the reference's or ``TOLERANCE[precision]``."""
-    ours, theirs = _by_kind(errors), _by_kind({n: ref_errors[n] for n in errors})
+    ours, theirs = group_by_kind(errors), group_by_kind({n: ref_errors[n] for n in errors})
     return {kind: (statistics.median(ours[kind]), statistics.median(theirs[kind]),
                    max(TOLERANCE[precision], MEDIAN_FACTOR * statistics.median(theirs[kind]))) for kind in ours}
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgment:
+    """The rule applied to one candidate: every gradient's ``allowed`` error, every kind's
+    ``medians`` (:func:`kind_medians`), the gradient and the kind nearest their allowance."""
+    errors: dict
+    allowed: dict
+    medians: dict
+    worst: str
+    worst_kind: str
+
+    @property
+    def gradient_ratio(self) -> float:
+        """The worst gradient's error over its allowance (over 1: it fails)."""
+        return self.errors[self.worst] / self.allowed[self.worst]
+
+    @property
+    def median_ratio(self) -> float:
+        """The worst kind's median error over the median allowed (over 1: it fails)."""
+        ours, _, limit = self.medians[self.worst_kind]
+        return ours / limit
+
+    @property
+    def ok(self) -> bool:
+        return self.gradient_ratio <= 1.0 and self.median_ratio <= 1.0
+
+
+def judge(errors: dict, ref_errors: dict, precision: str) -> Judgment:
+    """The rule for ``precision``: the candidate's ``errors`` against float64, given the
+    references' ``ref_errors`` on the same gradients (:func:`allowances`, :func:`kind_medians`)."""
+    allowed = allowances(ref_errors, precision)
+    medians = kind_medians(errors, ref_errors, precision)
+    return Judgment(errors=errors, allowed=allowed, medians=medians,
+                    worst=max(errors, key=lambda n: errors[n] / allowed[n]),
+                    worst_kind=max(medians, key=lambda k: medians[k][0] / medians[k][2]))
 
 
 def float64_truth(model, idx) -> tuple[torch.Tensor, dict]:
@@ -332,16 +370,13 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
     compiled = torch.compile(model, backend=backend.depthrewrite_backend, fullgraph=True, options=options)
     loss, grads = _loss_and_grads(model, compiled, idx, precision)
     missing = sorted(set(ref_grads) ^ set(grads))
-    errors, ref_errors, allowed = gradient_errors(grads, references, exact_grads, precision)
+    errors, ref_errors, verdict = gradient_errors(grads, references, exact_grads, precision)
+    allowed, worst = verdict.allowed, verdict.worst
     ranked = sorted(errors, key=lambda n: errors[n] / allowed[n], reverse=True)
-    worst = ranked[0]
-    medians = kind_medians(errors, ref_errors, precision)
-    worst_kind = max(medians, key=lambda k: medians[k][0] / medians[k][2])
     loss_ref = truth_loss if precision == "bf16" else ref_loss
     ops = backend.lowered_ops()
     loss_err = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
-    ok = not missing and loss_err <= TOLERANCE[precision] and errors[worst] <= allowed[worst]
-    ok = ok and medians[worst_kind][0] <= medians[worst_kind][2]
+    ok = not missing and loss_err <= TOLERANCE[precision] and verdict.ok
     if any(BACKEND_OPTIONS.get(scheme, {}).get(k) for k in ("recompute_partial_sums", "recompute_branch_outputs")):
         ok = ok and all(r.recompute_marked for r in backend.reports())  # the option really marked sums
     fused_norms = sum(r.fused_norms or 0 for r in backend.reports())
@@ -353,7 +388,7 @@ def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dic
         ok = ok and any(r.in_place.get("backward") for r in backend.reports())  # calls really written in place
     return dict(scheme=scheme, precision=precision, ok=ok, loss_err=loss_err, worst_grad=worst,
                 worst_grad_err=errors[worst], worst_grad_allowed=allowed[worst], missing_grads=missing,
-                worst_kind=worst_kind, kind_medians=medians,
+                worst_kind=verdict.worst_kind, kind_medians=verdict.medians,
                 graphs=len(backend.reports()), ops=ops, fused_norms=fused_norms,
                 ranked=[(n, errors[n], ref_errors[n], allowed[n]) for n in ranked])
 

@@ -109,10 +109,7 @@ def run_grads(way: str, model, idx, precision: str = "fp32") -> dict:
 
 def by_kind(errors: dict) -> dict[str, tuple[float, float]]:
     """Per kind of gradient (last name), then over all of them, the median and largest error."""
-    kinds: dict[str, list[float]] = {}
-    for name, err in errors.items():
-        kinds.setdefault(name.rsplit(".", 1)[-1], []).append(err)
-    kinds = dict(sorted(kinds.items()), all=list(errors.values()))
+    kinds = dict(sorted(check.group_by_kind(errors).items()), all=list(errors.values()))
     return {kind: (statistics.median(v), max(v)) for kind, v in kinds.items()}
 
 
@@ -141,15 +138,13 @@ def print_rule(errors: dict[str, dict], precision: str = "fp32") -> None:
     runs = list(errors)
     for i, candidate in enumerate(runs):
         for reference in runs[i + 1:]:
-            allowed = check.allowances(errors[reference], precision)
+            verdict = check.judge(errors[candidate], errors[reference], precision)
+            allowed = verdict.allowed
             over = [n for n in allowed if errors[candidate][n] > allowed[n]]
-            closest = max(allowed, key=lambda n: errors[candidate][n] / allowed[n])
-            medians = check.kind_medians(errors[candidate], errors[reference], precision)
-            kind = max(medians, key=lambda k: medians[k][0] / medians[k][2])
             print(f"\nthe {precision} rule, {candidate} against {reference} as the reference: {len(over)} of "
-                  f"{len(allowed)} gradients over their allowance; closest {closest} at "
-                  f"{errors[candidate][closest] / allowed[closest]:.2f}x; the kind median nearest its "
-                  f"allowance {kind}'s at {medians[kind][0] / medians[kind][2]:.2f}x"
+                  f"{len(allowed)} gradients over their allowance; closest {verdict.worst} at "
+                  f"{verdict.gradient_ratio:.2f}x; the kind median nearest its "
+                  f"allowance {verdict.worst_kind}'s at {verdict.median_ratio:.2f}x"
                   + "".join(f"\n  {n}: {errors[candidate][n]:.2e} > {allowed[n]:.2e}" for n in over))
 
 

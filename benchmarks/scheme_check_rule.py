@@ -36,18 +36,16 @@ CHECK_REFERENCES = ("inductor", "reference")
 PROBES = (0.1, 1.0)
 
 
-def judge(candidate: dict, ref_errors: dict, precision: str) -> tuple[float, float]:
-    """The candidate's worst error over its allowance, and its worst kind median over the
-    median allowed (each over 1: the rule fails it)."""
-    allowed = check.allowances(ref_errors, precision)
-    medians = check.kind_medians(candidate, ref_errors, precision)
-    return (max(candidate[n] / allowed[n] for n in allowed),
-            max(ours / limit for ours, _, limit in medians.values()))
+def worst_ratio(candidate: dict, ref_errors: dict, precision: str) -> float:
+    """The larger of the candidate's worst gradient and worst kind median over their
+    allowances (over 1: the rule fails it; gpu_scheme_check.judge)."""
+    verdict = check.judge(candidate, ref_errors, precision)
+    return max(verdict.gradient_ratio, verdict.median_ratio)
 
 
 def farthest(runs: dict, references: tuple[str, ...]) -> dict:
-    """Per gradient, the largest error among ``references`` (gpu_scheme_check.reference_errors)."""
-    return {n: max(runs[r][n] for r in references) for n in runs[references[0]]}
+    """Per gradient, the largest error among the runs named ``references``."""
+    return check.farthest([runs[r] for r in references])
 
 
 def detection(ref_errors: dict, precision: str) -> str:
@@ -67,7 +65,7 @@ def report_runs(name: str, runs: dict, precision: str) -> None:
         worst = []
         for candidate in runs:
             for refs in itertools.combinations([r for r in runs if r != candidate], count):
-                worst.append((max(judge(runs[candidate], farthest(runs, refs), precision)), candidate, refs))
+                worst.append((worst_ratio(runs[candidate], farthest(runs, refs), precision), candidate, refs))
         ratio, candidate, refs = max(worst)
         failing = sum(w[0] > 1 for w in worst)
         print(f"{name} ({precision}), {count} reference(s): {len(worst)} pairs, {failing} failing; worst "
@@ -75,9 +73,9 @@ def report_runs(name: str, runs: dict, precision: str) -> None:
     if all(r in runs for r in CHECK_REFERENCES):
         ref_errors = farthest(runs, CHECK_REFERENCES)
         for candidate in (r for r in runs if r not in CHECK_REFERENCES):
-            gradient, median = judge(runs[candidate], ref_errors, precision)
-            print(f"    {candidate} against {' + '.join(CHECK_REFERENCES)}: gradient {gradient:.2f}x, "
-                  f"kind median {median:.2f}x")
+            verdict = check.judge(runs[candidate], ref_errors, precision)
+            print(f"    {candidate} against {' + '.join(CHECK_REFERENCES)}: gradient {verdict.gradient_ratio:.2f}x, "
+                  f"kind median {verdict.median_ratio:.2f}x")
         print(f"    what it can see: {detection(ref_errors, precision)}")
 
 

@@ -51,13 +51,15 @@ def test_a_candidate_is_measured_against_float64_with_the_references_own_error_a
     check = _load()
     exact = {"gate": torch.tensor([1.0]), "weight": torch.tensor([3.0, 4.0])}
     reference = {"gate": torch.tensor([1.0 + 1.0e-4]), "weight": torch.tensor([3.0, 4.0 + 1e-7])}
-    errors, _, allowed = check.gradient_errors(
+    errors, _, verdict = check.gradient_errors(
         {"gate": torch.tensor([1.0 - 9.3e-6]), "weight": torch.tensor([3.0, 4.0 + 2e-4])}, reference, exact, "fp32")
+    allowed = verdict.allowed
     assert abs(allowed["gate"] - 4.0e-4) < 1e-6  # 4x the reference's own error, above 1e-4
     assert allowed["weight"] == check.TOLERANCE["fp32"]
     assert errors["gate"] <= allowed["gate"] and errors["weight"] <= allowed["weight"]  # 9.3e-6; 2e-4 / 5
-    errors, _, allowed = check.gradient_errors(
+    errors, _, verdict = check.gradient_errors(
         {"gate": torch.tensor([1.1]), "weight": torch.tensor([3.0, 4.0 + 1e-3])}, reference, exact, "fp32")
+    allowed = verdict.allowed
     assert errors["gate"] > allowed["gate"] and errors["weight"] > allowed["weight"]  # 0.1; 1e-3 / 5
 
 
@@ -81,12 +83,15 @@ def test_with_several_references_the_allowance_is_four_times_the_farthest():
     exact = {"transport": torch.tensor([1.0])}
     near, far = {"transport": torch.tensor([1.0 + 2e-5])}, {"transport": torch.tensor([1.0 - 1e-4])}
     candidate = {"transport": torch.tensor([1.0 + 3e-4])}
-    errors, _, allowed = check.gradient_errors(candidate, near, exact, "fp32")
+    errors, _, verdict = check.gradient_errors(candidate, near, exact, "fp32")
+    allowed = verdict.allowed
     assert errors["transport"] > allowed["transport"]  # 3e-4 against max(1e-4, 4 x 2e-5)
-    errors, _, allowed = check.gradient_errors(candidate, [near, far], exact, "fp32")
+    errors, _, verdict = check.gradient_errors(candidate, [near, far], exact, "fp32")
+    allowed = verdict.allowed
     assert abs(allowed["transport"] - 4e-4) < 1e-6 and errors["transport"] <= allowed["transport"]
     assert check.reference_errors([near, far], exact)["transport"] == check.errors_against(far, exact)["transport"]
-    errors, _, allowed = check.gradient_errors({"transport": torch.tensor([1.1])}, [near, far], exact, "fp32")
+    errors, _, verdict = check.gradient_errors({"transport": torch.tensor([1.1])}, [near, far], exact, "fp32")
+    allowed = verdict.allowed
     assert errors["transport"] > allowed["transport"]
 
 
@@ -103,15 +108,18 @@ def test_a_gradient_may_reach_twice_the_largest_error_of_its_kind_in_the_referen
     check = _load()
     exact = _kind("b", [0.0] * 5)
     reference = _kind("b", [0.2, 0.01, 0.1, 0.15, 0.12])
-    errors, _, allowed = check.gradient_errors(_kind("b", [0.1, 0.3, 0.1, 0.1, 0.1]), reference, exact, "bf16")
+    errors, _, verdict = check.gradient_errors(_kind("b", [0.1, 0.3, 0.1, 0.1, 0.1]), reference, exact, "bf16")
+    allowed = verdict.allowed
     assert abs(allowed["b.1.mix"] - 0.4) < 1e-6  # 2 x 0.2, above 4 x 0.01
     assert errors["b.1.mix"] <= allowed["b.1.mix"]
-    errors, _, allowed = check.gradient_errors(_kind("b", [0.1, 0.5, 0.1, 0.1, 0.1]), reference, exact, "bf16")
+    errors, _, verdict = check.gradient_errors(_kind("b", [0.1, 0.5, 0.1, 0.1, 0.1]), reference, exact, "bf16")
+    allowed = verdict.allowed
     assert errors["b.1.mix"] > allowed["b.1.mix"]
     # a kind's ceiling is its own: a far-off kind lends nothing to another
     exact = {**exact, "b.0.weight": torch.tensor([1.0])}
-    errors, _, allowed = check.gradient_errors({**reference, "b.0.weight": torch.tensor([1.2])},
+    errors, _, verdict = check.gradient_errors({**reference, "b.0.weight": torch.tensor([1.2])},
                                                {**reference, "b.0.weight": torch.tensor([1.001])}, exact, "bf16")
+    allowed = verdict.allowed
     assert allowed["b.0.weight"] == check.TOLERANCE["bf16"] and errors["b.0.weight"] > allowed["b.0.weight"]
 
 
@@ -121,15 +129,20 @@ def test_a_kind_whose_median_error_is_over_twice_the_references_fails():
     check = _load()
     exact = _kind("b", [0.0] * 5)
     reference = _kind("b", [0.02, 0.04, 0.05, 0.06, 0.2])
-    errors, ref_errors, allowed = check.gradient_errors(_kind("b", [0.12, 0.15, 0.15, 0.18, 0.2]), reference, exact,
+    errors, ref_errors, verdict = check.gradient_errors(_kind("b", [0.12, 0.15, 0.15, 0.18, 0.2]), reference, exact,
                                                         "bf16")
+    allowed = verdict.allowed
     assert all(errors[n] <= allowed[n] for n in errors)
     ours, theirs, median_allowed = check.kind_medians(errors, ref_errors, "bf16")["mix"]
     assert abs(ours - 0.15) < 1e-6 and abs(theirs - 0.05) < 1e-6 and abs(median_allowed - 0.1) < 1e-6
     assert ours > median_allowed
-    errors, ref_errors, _ = check.gradient_errors(_kind("b", [0.03, 0.05, 0.09, 0.1, 0.2]), reference, exact, "bf16")
+    # the judgment: every gradient within its allowance, the kind's median not
+    assert verdict.gradient_ratio <= 1.0 and abs(verdict.median_ratio - 1.5) < 1e-5 and not verdict.ok
+    errors, ref_errors, verdict = check.gradient_errors(_kind("b", [0.03, 0.05, 0.09, 0.1, 0.2]), reference, exact,
+                                                        "bf16")
     ours, _, median_allowed = check.kind_medians(errors, ref_errors, "bf16")["mix"]
     assert ours <= median_allowed  # 0.09 against 2 x 0.05
+    assert verdict.ok
 
 
 def test_a_kind_median_below_the_tolerance_passes():

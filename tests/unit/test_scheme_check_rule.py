@@ -14,9 +14,12 @@ def test_judge_gives_the_worst_gradient_and_kind_median_over_their_allowances():
     rule = load_benchmark("scheme_check_rule")
     ref_errors = rule.farthest(RUNS, ("inductor", "reference"))
     assert ref_errors == {"a.mix": 0.3, "b.mix": 0.2, "c.mix": 0.05}
-    gradient, median = rule.judge(RUNS["backend"], ref_errors, "bf16")
+    verdict = rule.check.judge(RUNS["backend"], ref_errors, "bf16")
+    gradient, median = verdict.gradient_ratio, verdict.median_ratio
     assert abs(gradient - 0.9 / 0.6) < 1e-9  # c: 2 x the kind's largest, 0.3, above 4 x 0.05
     assert abs(median - 0.05 / 0.4) < 1e-9  # the median 0.05 against 2 x 0.2
+    assert verdict.worst == "c.mix" and not verdict.ok
+    assert rule.worst_ratio(RUNS["backend"], ref_errors, "bf16") == gradient
 
 
 def test_detection_counts_the_gradients_on_which_an_error_would_fail():

@@ -14,7 +14,7 @@
 #   OUT=... bash benchmarks/device_session.sh exacte2e    # it end to end against the defaults (session 24, for 25)
 #   OUT=... bash benchmarks/device_session.sh launch   # kernel launch variants against the defaults
 #   OUT=... bash benchmarks/device_session.sh e2e      # 1-GPU training throughput: Inductor baseline vs schemes
-#   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs
+#   OUT=... bash benchmarks/device_session.sh memory   # WAV and DAR block with and without recompute_branch_outputs, DAR block's fused-merge forms (session 26)
 #   OUT=... bash benchmarks/device_session.sh keepgroups  # Block AttnRes and block MHAR with keep_groups=4
 #   OUT=... bash benchmarks/device_session.sh fwdorder   # route_many's forward: the program orders
 #   OUT=... bash benchmarks/device_session.sh fwdlaunch  # its launches: session 16's against 15's
@@ -202,15 +202,16 @@ e2e)
   grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -30
   ;;
 memory)
-  # the backend's memory options, peak memory and step time side by side (~4 minutes: the
-  # five models compile together, then are timed one at a time): DAR block and WAV with
-  # their defaults and with recompute_branch_outputs (session 15: DAR's merges recomputing
-  # their float32 copies). Earlier A/Bs: session 13 --schemes baseline wav wav_keepsums
-  # dar_block dar_block_keepsums; session 14 baseline wav wav_newsums mhar mhar_newsums
+  # the backend's memory options, peak memory and step time side by side (the models compile
+  # in two waves, then are timed one at a time): DAR block and WAV with their defaults and
+  # with recompute_branch_outputs (session 15), and DAR block with the fused merge alone and
+  # with both (session 26: the latter predicted at 1.03-1.08x the baseline's peak, not measured).
+  # Earlier A/Bs: session 13 --schemes baseline wav wav_keepsums dar_block
+  # dar_block_keepsums; session 14 baseline wav wav_newsums mhar mhar_newsums
   export PYTHONPATH=$PWD
-  timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
-      --schemes baseline wav wav_branch dar_block dar_block_branch > "$OUT/memory.txt" 2>&1
-  grep "^|" "$OUT/memory.txt" | tail -8
+  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --schemes baseline wav wav_branch \
+      dar_block dar_block_branch dar_block_fm dar_block_fm_branch > "$OUT/memory.txt" 2>&1
+  grep "^|" "$OUT/memory.txt" | tail -10
   ;;
 keepgroups)
   # the two-phase schemes' keep_groups (session 15, not timed then): 4 more groups keep

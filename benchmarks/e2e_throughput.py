@@ -194,6 +194,12 @@ for _name in RAW_REGISTRATION:
     CONFIGS[_name] = CONFIGS[_base][:2] + (None,)
     LAUNCH_PATCHES[_name] = LAUNCH_PATCHES.get(_base, {})
     BACKEND_OPTIONS[_name] = BACKEND_OPTIONS.get(_base, {})
+#: DAR block's lowest-memory form: the second phase through route_merge with the branch
+#: outputs recomputed too (the CPU saved set predicts about 1.03-1.08x the baseline's peak
+#: at 350M; session 26: not measured on the GPU yet)
+CONFIGS["dar_block_fm_branch"] = CONFIGS["dar_block"][:2] + (None,)
+LAUNCH_PATCHES["dar_block_fm_branch"] = LAUNCH_PATCHES["dar_block_fm"]
+BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048

@@ -141,15 +141,18 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "wav_branch": ("wav", {"block_size": 4}), "dar_branch": ("dar", {}),
            # the second phase through depthrewrite::route_merge (two_phase.FUSED_MERGE)
            "block_attnres_fm": ("block_attnres", {}), "mhar_block_fm": ("mhar", {"block_size": 2}),
-           "dar_fm": ("dar", {})}
+           "dar_fm": ("dar", {}),
+           # both: DAR block's lowest-memory form (session 26)
+           "dar_fm_branch": ("dar", {})}
 #: the schemes that route (the others add no routing op to the graph)
 ROUTING_SCHEMES = ("attnres", "block_attnres", "dar", "mhar", "wav")
 #: configurations checked with two_phase.FUSED_MERGE on: their route_merge calls must be lowered
-FUSED_MERGE_CONFIGS = ("block_attnres_fm", "mhar_block_fm", "dar_fm")
+FUSED_MERGE_CONFIGS = ("block_attnres_fm", "mhar_block_fm", "dar_fm", "dar_fm_branch")
 #: backend options per configuration, besides ``inner`` (default: none)
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
                    "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False},
-                   "wav_branch": {"recompute_branch_outputs": True}, "dar_branch": {"recompute_branch_outputs": True}}
+                   "wav_branch": {"recompute_branch_outputs": True}, "dar_branch": {"recompute_branch_outputs": True},
+                   "dar_fm_branch": {"recompute_branch_outputs": True}}
 #: configurations whose backward must have route_backward calls written in place (the default)
 IN_PLACE_EXPECTED = ("wav", "mhar")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}

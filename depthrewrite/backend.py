@@ -9,38 +9,42 @@ pure-PyTorch implementation, on CPU or for float64), and hands the graph to Indu
 Inductor calls the custom ops through the dispatcher, so on CUDA the compiled graph runs
 the fused kernels for the routing and Inductor's own kernels for everything else.
 
-Options (``torch.compile(..., options={...})``): ``inner`` picks the compiler behind the
-backend, ``"inductor"`` (default) or ``"aot_eager"`` (AOTAutograd with no code generation:
-same graphs, no C++/Triton build; used by the CPU tests to keep them fast);
-``max_sum_terms`` (default 4; None turns it off) bounds how many terms of a long gradient
-sum Inductor fuses into one kernel (:mod:`depthrewrite.sum_fences`: without it, the sum of
-the gradients a source gets from every later routing call is one kernel at the end of the
-backward, holding every term in memory until then); ``accumulate_grads`` (default True;
-:mod:`depthrewrite.grad_accumulation`: each ``route_backward`` adds its source gradients
-into the running sums instead of leaving a term to sum; measured on H200 at 350M, DAR
-block and WAV steps 14 % shorter than with the fences alone, full AttnRes 3 %, each with
-less memory: docs/benchmarks.md); ``accumulate_max_heads`` (default None: no limit): only
-calls with at most that many heads get running sums (an A/B knob; 16-head MHAR is faster
-with them); ``accumulate_in_place`` (default True): each call writes its new running sums
-into the old ones instead of new tensors (``depthrewrite::route_backward_into_``,
-:mod:`depthrewrite.ops.route_into`) where no later reader can see the overwrite, so the
-two do not exist side by side while it runs (H200, 350M: peak 1.185x -> 1.158x the plain
-model's for WAV, 1.259x -> 1.189x for full MHAR, step time level; docs/benchmarks.md
-session 14; ``False`` keeps new tensors); ``recompute_partial_sums`` (default True;
-:mod:`depthrewrite.recompute`): the partial sums that WAV and DAR make at every site are
-recomputed in the backward from the branch outputs instead of saved for it (H200, 350M:
-peak 1.27x -> 1.19x the plain model's for WAV, 1.29x -> 1.24x for DAR block, step time
-level to 2 % longer in two runs; docs/benchmarks.md session 13);
-``recompute_branch_outputs`` (default False; needs ``recompute_partial_sums``): the branch
-outputs those sums are rebuilt from are not saved either, their linear layers' matmuls run
-again in the backward (one activation per site less for one matmul per site more,
-:mod:`depthrewrite.recompute`; H200, 350M: peak 1.158x -> 1.091x the plain model's for
-WAV, 1.236x -> 1.169x for DAR block, each step 3 % longer; docs/benchmarks.md session 14);
-``fuse_output_norms`` (default True; :mod:`depthrewrite.norm_fusion`): where the second
-phase runs through ``route_merge`` (``two_phase.FUSED_MERGE``), the branch's RMSNorm that
-alone reads a merge's result is fused into it, which then never writes the result itself;
-every other key is an Inductor config patch applied to this compilation only
-(``config_patches``, never a global assignment).
+Options (``torch.compile(..., options={...})``), each measured on one H200 at 350M where a
+figure is given (docs/benchmarks.md has the runs):
+
+- ``inner``: the compiler behind the backend, ``"inductor"`` (default) or ``"aot_eager"``
+  (AOTAutograd with no code generation: the same graphs, no C++/Triton build; the CPU tests
+  use it to stay fast).
+- ``max_sum_terms`` (default 4; None turns it off): how many terms of a long gradient sum
+  Inductor may fuse into one kernel (:mod:`depthrewrite.sum_fences`). Without it, the sum
+  of the gradients a source gets from every later routing call is one kernel at the end of
+  the backward, which holds every term in memory until then.
+- ``accumulate_grads`` (default True; :mod:`depthrewrite.grad_accumulation`): each
+  ``route_backward`` adds its source gradients into running sums instead of leaving a term
+  to sum. DAR block and WAV steps 14 % shorter than with the fences alone, full AttnRes
+  3 %, each with less memory.
+- ``accumulate_max_heads`` (default None: no limit): only calls with at most that many
+  heads get running sums (an A/B knob; 16-head MHAR is faster with them).
+- ``accumulate_in_place`` (default True): each call writes its new running sums into the
+  old ones (``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`)
+  where no later reader can see the overwrite, so that old and new do not exist side by
+  side while it runs. Peak 1.185x -> 1.158x the plain model's for WAV, 1.259x -> 1.189x
+  for full MHAR, step time level (session 14); ``False`` keeps new tensors.
+- ``recompute_partial_sums`` (default True; :mod:`depthrewrite.recompute`): the partial
+  sums that WAV and DAR make at every site are recomputed in the backward from the branch
+  outputs instead of saved for it. Peak 1.27x -> 1.19x for WAV, 1.29x -> 1.24x for DAR
+  block, step time level to 2 % longer (session 13).
+- ``recompute_branch_outputs`` (default False; needs ``recompute_partial_sums``): the
+  branch outputs those sums are rebuilt from are not saved either; their linear layers'
+  matmuls run again in the backward (one activation a site less for one matmul a site
+  more). Peak 1.158x -> 1.091x for WAV, 1.175x -> 1.107x for DAR block, each step about
+  3 % longer (sessions 14-15).
+- ``fuse_output_norms`` (default True; :mod:`depthrewrite.norm_fusion`): where the second
+  phase runs through ``route_merge`` (``two_phase.FUSED_MERGE``), the branch's RMSNorm that
+  alone reads a merge's result is fused into it, which then never writes the result.
+- Every other key is an Inductor config patch, applied to this compilation only
+  (``config_patches``, never a global assignment).
+
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
 (:mod:`depthrewrite.kernels.pointer_tables`), which removes the host's per-call time.

@@ -315,7 +315,7 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                    # CUDA graphs allocate from their own pool when recorded, not while replayed:
                    # max_memory_allocated misses them, the memory the allocator holds does not
                    reserved_gib=torch.cuda.max_memory_reserved() / 2**30, compile_and_warmup_s=warm_s,
-                   loss=float(loss), lowering=_lowering(name),
+                   loss=float(loss.detach()), lowering=_lowering(name),
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
         row["host_ms"] = host_issue_ms(step, steps)
         row["host_op_us"] = host_op_us()

@@ -46,6 +46,13 @@ class AttnResOptions(SchemeOptions):
     # recomputing them: each group costs its sites' phase-1 outputs (sites x tokens x d) of
     # peak memory and saves one route_many forward a step (two_phase.TwoPhasePlan)
     keep_groups: int = 0
+    # two-phase or grouped routing: each site merges its new entry into its phase-1 result
+    # through route_merge (one op, fused CUDA kernels; the branch norm fused in by the
+    # backend) instead of torch ops that Inductor compiles. Same function, less memory
+    # (DAR block at 350M: 1.129x the plain model's peak against 1.175x; 1.062x with the
+    # backend's recompute_branch_outputs), step time within 3 % either way (docs/benchmarks.md
+    # sessions 21 and 26). None: two_phase.FUSED_MERGE, off by default
+    fused_merge: bool | None = None
 
 
 class DepthQuery(nn.Module):
@@ -60,6 +67,7 @@ class DepthQuery(nn.Module):
         self.query = scheme.param(scheme.d, fill=0.0)
         self.key_norm_weight = scheme.param(scheme.d, fill=1.0)
         self.eps = scheme.options.eps
+        self.fused_merge = scheme.options.fused_merge
 
     def route(self, sources) -> torch.Tensor:
         return route(sources, query=self.query, key_norm_weight=self.key_norm_weight, eps=self.eps)
@@ -112,7 +120,7 @@ def add_group_entries(router: DepthQuery, result: tuple, entries: tuple) -> torc
     if not entries:
         return out
     if len(entries) == 1:
-        if two_phase.FUSED_MERGE:
+        if two_phase.merges_fused(router.fused_merge):
             with recomputable():  # the branch's RMSNorm backward needs the result: made again, not saved
                 return route_merge([out], [lse], [entries[0]], queries=router.query[None],
                                    key_norm_weights=router.key_norm_weight[None], mix=router.query.new_ones(1),
@@ -140,13 +148,14 @@ class FullAttnResOptions(AttnResOptions):
     recompute: bool = False
 
 
-def full_routing_plan(scheme: str, group_size: object, recompute: object, keep_groups: object) -> TwoPhasePlan | None:
+def full_routing_plan(scheme: str, group_size: object, recompute: object, keep_groups: object,
+                      fused_merge: object = None) -> TwoPhasePlan | None:
     """The plan of a full scheme's ``group_size``, ``recompute`` and ``keep_groups`` options
     (checked)."""
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"{scheme}: group_size must be None (one route per site) or a positive int, "
                          f"found {group_size!r}")
-    return two_phase_plan(scheme, group_size is not None, recompute, keep_groups)
+    return two_phase_plan(scheme, group_size is not None, recompute, keep_groups, fused_merge)
 
 
 def full_router(scheme: Scheme, index: int, cls: type = FullRouter) -> nn.Module:
@@ -171,14 +180,16 @@ class AttnResScheme(Scheme):
     over groups of 4 consecutive sites, see :class:`FullAttnResOptions`; None: one route per
     site), ``recompute`` (False; True: phase 1 recomputed in the backward, less memory),
     ``keep_groups`` (0; with ``recompute``, this many more groups keep phase 1: see
-    :class:`AttnResOptions`). New parameters: ``2 d (L + 1)``."""
+    :class:`AttnResOptions`), ``fused_merge`` (None; grouped: see :class:`AttnResOptions`).
+    New parameters: ``2 d (L + 1)``."""
 
     name = "attnres"
     Options = FullAttnResOptions
 
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints)
-        self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups)
+        self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups,
+                                      options.fused_merge)
 
     def init_state(self, e):
         return full_initial_state(e, self.plan)
@@ -264,7 +275,8 @@ class BlockAttnResScheme(Scheme):
     """``block_attnres``: sites grouped in blocks of ``block_size`` consecutive sites; a site
     reads the completed block summaries plus the partial sum of its own block. The final
     readout reads all summaries plus an unfinished last block. ``block_size=1`` is full
-    AttnRes. New parameters: ``2 d (L + 1)``."""
+    AttnRes. Options: :class:`BlockAttnResOptions` (``keep_groups`` and ``fused_merge``:
+    :class:`AttnResOptions`). New parameters: ``2 d (L + 1)``."""
 
     name = "block_attnres"
     Options = BlockAttnResOptions
@@ -275,7 +287,8 @@ class BlockAttnResScheme(Scheme):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")
         self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
+                                   options.fused_merge)
 
     def init_state(self, e):
         return initial_block_state(e, self.plan)

@@ -67,6 +67,7 @@ class DualRoute(nn.Module):
         self.key_norm_weight = scheme.param(2, scheme.d, fill=1.0)
         self.mix = scheme.param(1, fill=0.0)
         self.eps = scheme.options.eps
+        self.fused_merge = scheme.options.fused_merge
         self.variant = scheme.options.variant
         join_plan(self, scheme.plan, group)  # in the order the rewriter makes the routers
 
@@ -76,7 +77,7 @@ class DualRoute(nn.Module):
         if first is None:
             streams = [history[j] + (() if partial is None else (partial[j],)) for j in (0, 1)]
             r0, r1 = (self._route(streams, j) for j in (0, 1))
-        elif partial is not None and two_phase.FUSED_MERGE:
+        elif partial is not None and two_phase.merges_fused(self.fused_merge):
             return self._fused_merge(first, partial)
         else:
             r0, r1 = (self._merge(first[j], partial, j) for j in (0, 1))
@@ -101,7 +102,7 @@ class DualRoute(nn.Module):
                              key_norm_weight=self.key_norm_weight[j], eps=self.eps)
 
     def _fused_merge(self, first: tuple, partial: tuple) -> torch.Tensor:
-        """Two-phase, both streams merged and mixed in one ``route_merge`` (``two_phase.FUSED_MERGE``)."""
+        """Two-phase, both streams merged and mixed in one ``route_merge`` (``fused_merge``)."""
         streams = [VARIANTS[self.variant](j) for j in (0, 1)]  # (value stream, key stream) per target
         values = [partial[value] for value, _ in streams]
         keys = None if streams[0][0] == streams[0][1] else [partial[key] for _, key in streams]
@@ -181,7 +182,7 @@ class DarScheme(Scheme):
     Options: ``variant`` ('dar'), ``layers_per_block`` K (1: full DAR, one entry per
     layer), ``beta_init`` ((1.0, 0.5): the value where site index + j is even / odd),
     ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6), ``two_phase`` (True),
-    ``recompute`` (True) and ``keep_groups`` (0) as for block_attnres. Init: queries 0,
+    ``recompute`` (True), ``keep_groups`` (0) and ``fused_merge`` (None) as for block_attnres. Init: queries 0,
     key norm weights 1, mixing gate a = 0. New parameters: ``(4 d + 4) L + 4 d + 1``.
     """
 
@@ -203,7 +204,8 @@ class DarScheme(Scheme):
             raise ValueError(f"dar: transport_init must be a number, found {options.transport_init!r}")
         self.layers_per_block = k
         self._sites_per_layer = stream.sites_per_block()
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
+                                   options.fused_merge)
 
     def init_state(self, e):
         history = ((e,), (e,))

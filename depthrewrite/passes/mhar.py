@@ -78,7 +78,7 @@ class MharScheme(Scheme):
     memory, 2 % slower at 350M with 16 heads), ``group_size`` (full form: None, or the
     two-phase computation over groups of that many sites, as ``attnres``), ``recompute``
     (two-phase or grouped: recompute phase 1 in the backward instead of keeping its
-    outputs, True), ``keep_groups`` (0, as for block_attnres), ``eps`` (key RMSNorm, 1e-6).
+    outputs, True), ``keep_groups`` (0) and ``fused_merge`` (None) as for block_attnres, ``eps`` (key RMSNorm, 1e-6).
     ``heads=1`` is exactly AttnRes / Block AttnRes with the same parameters. New
     parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
@@ -94,12 +94,14 @@ class MharScheme(Scheme):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
         self.block_size = size
         if size is None:
-            self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups)
+            self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups,
+                                          options.fused_merge)
         elif options.group_size is not None:
             raise ValueError(f"mhar: group_size groups the sites of the full form; with block_size={size} "
                              f"use two_phase=True instead, found group_size={options.group_size!r}")
         else:
-            self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
+            self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
+                                       options.fused_merge)
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:

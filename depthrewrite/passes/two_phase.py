@@ -36,8 +36,16 @@ KEEP_LAST_PHASE_ONE = True
 #: Off: timed on the H200 in session 21 (``e2e_throughput.py``'s ``*_fm`` configurations,
 #: device phase ``fusedmerge``) it made Block AttnRes slower (0.851x of the baseline against
 #: 0.878x) and DAR block no faster (0.680x against 0.675x); docs/design.md "The second phase
-#: in one op" says why
+#: in one op" says why. A scheme's ``fused_merge`` option overrides it per model
+#: (:func:`merges_fused`)
 FUSED_MERGE = False
+
+
+def merges_fused(choice: bool | None) -> bool:
+    """Whether a router's phase 2 goes through ``route_merge``: its scheme's ``fused_merge``
+    option, or :data:`FUSED_MERGE` (read when the forward runs or is traced) where that is
+    None."""
+    return FUSED_MERGE if choice is None else choice
 
 
 class TwoPhasePlan:
@@ -160,9 +168,16 @@ def join_plan(router: nn.Module, plan: TwoPhasePlan | None, group: int, position
         plan.add(router, group, position)
 
 
-def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_groups: object) -> TwoPhasePlan | None:
-    """The plan of a block scheme's ``two_phase``, ``recompute`` and ``keep_groups`` options
-    (checked), None when two-phase is off."""
+def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_groups: object,
+                   fused_merge: object = None) -> TwoPhasePlan | None:
+    """The plan of a block scheme's ``two_phase``, ``recompute``, ``keep_groups`` and
+    ``fused_merge`` options (checked), None when two-phase is off."""
+    if fused_merge is not None and not isinstance(fused_merge, bool):
+        raise ValueError(f"{scheme}: fused_merge must be True, False or None (two_phase.FUSED_MERGE), "
+                         f"found {fused_merge!r}")
+    if fused_merge and not two_phase:
+        raise ValueError(f"{scheme}: fused_merge=True applies only to two-phase or grouped routing (the second "
+                         f"phase's merges through route_merge); found no two-phase or grouped routing")
     for name, value in (("two_phase", two_phase), ("recompute", recompute)):
         if not isinstance(value, bool):
             raise ValueError(f"{scheme}: {name} must be True or False, found {value!r}")

@@ -217,8 +217,9 @@ class WavScheme(Scheme):
     the detached RMS-matching factor, 2.0), ``detail_bias_init`` (-2.0), ``details``
     (False: exactly block_attnres), ``eps`` (key RMSNorm and matching, 1e-6),
     ``two_phase`` (False: measured slower for WAV, see the module docstring),
-    ``recompute`` (True) and ``keep_groups`` (0) as for block_attnres. New
-    parameters: ``2 d (L + 1) + 2 L`` (``2 d (L + 1)`` with ``details=False``).
+    ``recompute`` (True), ``keep_groups`` (0) and ``fused_merge`` (None; the readout's
+    merge only) as for block_attnres. New parameters: ``2 d (L + 1) + 2 L``
+    (``2 d (L + 1)`` with ``details=False``).
     """
 
     name = "wav"
@@ -237,7 +238,8 @@ class WavScheme(Scheme):
         if not isinstance(options.details, bool):
             raise ValueError(f"wav: details must be True or False, found {options.details!r}")
         self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups)
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
+                                   options.fused_merge)
 
     def init_state(self, e):
         if not self.options.details:

@@ -529,3 +529,36 @@ def test_fused_merge_is_the_same_function(scheme, options, monkeypatch):
     assert calls
     for a, b in zip(fused, truth):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme,options", [FUSED_MERGE_CASES[0], FUSED_MERGE_CASES[1], FUSED_MERGE_CASES[3]])
+def test_fused_merge_option_overrides_the_module_default(scheme, options, monkeypatch):
+    """The scheme option ``fused_merge`` chooses per model what ``two_phase.FUSED_MERGE``
+    chooses for every model: True runs ``route_merge`` with the flag off and computes what
+    the flag computes, bit for bit; False keeps the torch ops with the flag on."""
+    from depthrewrite.passes import attnres, dar, two_phase
+
+    calls = []
+    for module in (attnres, dar):
+        real = module.route_merge
+        monkeypatch.setattr(module, "route_merge", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    by_option, _ = _logits_and_grads(scheme, dict(options, fused_merge=True), torch.float64, two_phase=True)
+    option_calls = len(calls)
+    assert option_calls > 0
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    by_flag, _ = _logits_and_grads(scheme, options, torch.float64, two_phase=True)
+    assert len(calls) == 2 * option_calls
+    for a, b in zip(by_option, by_flag):
+        assert torch.equal(a, b)
+    _logits_and_grads(scheme, dict(options, fused_merge=False), torch.float64, two_phase=True)
+    assert len(calls) == 2 * option_calls
+
+
+@pytest.mark.parametrize("scheme,options", [("block_attnres", {}), ("dar", {}), ("mhar", {"block_size": 2}),
+                                            ("attnres", {"group_size": 2})])
+def test_fused_merge_option_is_checked(scheme, options):
+    with pytest.raises(ValueError, match=rf"^{scheme}: fused_merge must be True, False or None .*found 'yes'"):
+        rewrite(tiny(), scheme, fused_merge="yes", **options)
+    off = {"group_size": None} if scheme == "attnres" else {"two_phase": False}
+    with pytest.raises(ValueError, match=rf"^{scheme}: fused_merge=True applies only to two-phase or grouped routing"):
+        rewrite(tiny(), scheme, fused_merge=True, **dict(options, **off))

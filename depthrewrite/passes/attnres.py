@@ -150,8 +150,8 @@ class FullAttnResOptions(AttnResOptions):
 
 def full_routing_plan(scheme: str, group_size: object, recompute: object, keep_groups: object,
                       fused_merge: object = None) -> TwoPhasePlan | None:
-    """The plan of a full scheme's ``group_size``, ``recompute`` and ``keep_groups`` options
-    (checked)."""
+    """The plan of a full scheme's ``group_size``, ``recompute``, ``keep_groups`` and
+    ``fused_merge`` options (checked)."""
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"{scheme}: group_size must be None (one route per site) or a positive int, "
                          f"found {group_size!r}")

@@ -182,8 +182,9 @@ class DarScheme(Scheme):
     Options: ``variant`` ('dar'), ``layers_per_block`` K (1: full DAR, one entry per
     layer), ``beta_init`` ((1.0, 0.5): the value where site index + j is even / odd),
     ``transport_init`` (c, 2.0), ``eps`` (key RMSNorm, 1e-6), ``two_phase`` (True),
-    ``recompute`` (True), ``keep_groups`` (0) and ``fused_merge`` (None) as for block_attnres. Init: queries 0,
-    key norm weights 1, mixing gate a = 0. New parameters: ``(4 d + 4) L + 4 d + 1``.
+    ``recompute`` (True), ``keep_groups`` (0) and ``fused_merge`` (None) as for
+    block_attnres. Init: queries 0, key norm weights 1, mixing gate a = 0. New parameters:
+    ``(4 d + 4) L + 4 d + 1``.
     """
 
     name = "dar"

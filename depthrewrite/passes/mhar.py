@@ -78,9 +78,9 @@ class MharScheme(Scheme):
     memory, 2 % slower at 350M with 16 heads), ``group_size`` (full form: None, or the
     two-phase computation over groups of that many sites, as ``attnres``), ``recompute``
     (two-phase or grouped: recompute phase 1 in the backward instead of keeping its
-    outputs, True), ``keep_groups`` (0) and ``fused_merge`` (None) as for block_attnres, ``eps`` (key RMSNorm, 1e-6).
-    ``heads=1`` is exactly AttnRes / Block AttnRes with the same parameters. New
-    parameters: ``2 d (L + 1)`` (none beyond AttnRes).
+    outputs, True), ``keep_groups`` (0) and ``fused_merge`` (None) as for block_attnres,
+    ``eps`` (key RMSNorm, 1e-6). ``heads=1`` is exactly AttnRes / Block AttnRes with the
+    same parameters. New parameters: ``2 d (L + 1)`` (none beyond AttnRes).
     """
 
     name = "mhar"

@@ -205,7 +205,7 @@ memory)
   # the backend's memory options, peak memory and step time side by side (the models compile
   # in two waves, then are timed one at a time): DAR block and WAV with their defaults and
   # with recompute_branch_outputs (session 15), and DAR block with the fused merge alone and
-  # with both (session 26: the latter predicted at 1.03-1.08x the baseline's peak, not measured).
+  # with both (session 26's run 2: 1.129x and 1.062x the baseline's peak).
   # Earlier A/Bs: session 13 --schemes baseline wav wav_keepsums dar_block
   # dar_block_keepsums; session 14 baseline wav wav_newsums mhar mhar_newsums
   export PYTHONPATH=$PWD

@@ -15,7 +15,8 @@ Two kinds of file, told apart by their shape:
 
 For both, how much the rule can still see: the share of gradients on which an error of 0.1,
 and of 1.0 (a gradient zeroed), would be over its allowance (the check's references; for
-the first kind ``inductor`` and ``reference``). The precision is read from the file name
+the first kind ``inductor`` and ``reference``), and the kinds with gradients on which a
+zeroed one would pass. The precision is read from the file name
 (``bf16`` in it, else fp32) for the first kind, from the row for the second.
 """
 
@@ -49,9 +50,14 @@ def farthest(runs: dict, references: tuple[str, ...]) -> dict:
 
 
 def detection(ref_errors: dict, precision: str) -> str:
+    """The share of gradients on which each of PROBES would fail the check; then the kinds
+    on which a zeroed gradient would pass it somewhere (how many of the kind's gradients)."""
     allowed = check.allowances(ref_errors, precision)
-    return ", ".join(f"an error of {probe:g} caught on {100 * sum(probe > a for a in allowed.values()) / len(allowed):.0f} %"
-                     for probe in PROBES)
+    shares = ", ".join(f"an error of {probe:g} caught on "
+                       f"{100 * sum(probe > a for a in allowed.values()) / len(allowed):.0f} %" for probe in PROBES)
+    unseen = [f"{kind} {sum(a >= PROBES[-1] for a in values)} of {len(values)}"
+              for kind, values in sorted(check.group_by_kind(allowed).items()) if max(values) >= PROBES[-1]]
+    return shares + (f"; a zeroed gradient unseen on {', '.join(unseen)}" if unseen else "")
 
 
 def report_runs(name: str, runs: dict, precision: str) -> None:

@@ -27,7 +27,14 @@ def test_detection_counts_the_gradients_on_which_an_error_would_fail():
     # allowances 1.2 (4 x 0.3), 0.8 (4 x 0.2) and 0.6 (2 x 0.3, the kind's largest): 0.1
     # passes everywhere, 1.0 fails on two of the three
     assert rule.detection({"a.mix": 0.3, "b.mix": 0.2, "c.mix": 0.05}, "bf16") == \
-        "an error of 0.1 caught on 0 %, an error of 1 caught on 67 %"
+        "an error of 0.1 caught on 0 %, an error of 1 caught on 67 %; a zeroed gradient unseen on mix 1 of 3"
+
+
+def test_detection_names_no_kind_where_every_gradient_is_seen():
+    rule = load_benchmark("scheme_check_rule")
+    # allowances 0.2 (4 x 0.05) and 0.4 (4 x 0.1; 2 x 0.1 on its kind): 1.0 fails on both
+    assert rule.detection({"a.mix": 0.05, "b.beta": 0.1}, "bf16") == \
+        "an error of 0.1 caught on 0 %, an error of 1 caught on 100 %"
 
 
 def test_both_kinds_of_file_are_reported(tmp_path, capsys, monkeypatch):

@@ -35,6 +35,7 @@
 #   OUT=... bash benchmarks/device_session.sh opwide     # the op table's d = 4096 rows beside FLA (carry .whl; session 22)
 #   OUT=... bash benchmarks/device_session.sh hostab     # the kernels' registration A/B on the host-bound models (session 21)
 #   OUT=... bash benchmarks/device_session.sh graphtiming  # the routing calls' GPU time alone (CUDA-graph replays) against events per call (session 21)
+#   OUT=... bash benchmarks/device_session.sh regcap   # route_many's kernels under register caps, DAR's lowest-memory form checked (session 27)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -291,6 +292,21 @@ paramstages)
   grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_many_triton.py > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
+  ;;
+regcap)
+  # session 27: route_many's GPU tests with register caps, DAR block's lowest-memory form
+  # checked on the Triton kernels, then the block phase's kernels under register caps
+  # against the defaults (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+      -k "maxnreg or bad_parameter" > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
+  timeout 150 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes dar_fm_branch --json "$OUT/check.json" \
+      > "$OUT/check.txt" 2>&1
+  tail -5 "$OUT/check.txt"
+  timeout 380 python3 benchmarks/gpu_suite.py --block-phase-only --variants "^_pertoken$|^_tiled$|_cap" \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt"
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to

@@ -139,15 +139,17 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "wav_newsums": ("wav", {}), "mhar_newsums": ("mhar", {}),
            # the backend's recompute_branch_outputs (the branch matmuls run again in the backward)
            "wav_branch": ("wav", {"block_size": 4}), "dar_branch": ("dar", {}),
-           # the second phase through depthrewrite::route_merge (two_phase.FUSED_MERGE)
-           "block_attnres_fm": ("block_attnres", {}), "mhar_block_fm": ("mhar", {"block_size": 2}),
-           "dar_fm": ("dar", {}),
+           # the second phase through depthrewrite::route_merge (the scheme option fused_merge;
+           # until session 27 set for these as the module flag two_phase.FUSED_MERGE: the same path)
+           "block_attnres_fm": ("block_attnres", {"fused_merge": True}),
+           "mhar_block_fm": ("mhar", {"block_size": 2, "fused_merge": True}),
+           "dar_fm": ("dar", {"fused_merge": True}),
            # both: DAR block's lowest-memory form (session 26)
-           "dar_fm_branch": ("dar", {})}
+           "dar_fm_branch": ("dar", {"fused_merge": True})}
 #: the schemes that route (the others add no routing op to the graph)
 ROUTING_SCHEMES = ("attnres", "block_attnres", "dar", "mhar", "wav")
-#: configurations checked with two_phase.FUSED_MERGE on: their route_merge calls must be lowered
-FUSED_MERGE_CONFIGS = ("block_attnres_fm", "mhar_block_fm", "dar_fm", "dar_fm_branch")
+#: configurations with the fused merge: their route_merge calls must be lowered
+FUSED_MERGE_CONFIGS = tuple(name for name, (_, options) in CONFIGS.items() if options.get("fused_merge"))
 #: backend options per configuration, besides ``inner`` (default: none)
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
                    "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False},
@@ -339,17 +341,6 @@ def lowered_to_kernels(config: str, device: str, ops: dict[str, int]) -> bool:
 
 
 def check_scheme(scheme: str, precision: str, device: str, setup: Setup = Setup()) -> dict:
-    from depthrewrite.passes import two_phase
-
-    previous = two_phase.FUSED_MERGE
-    two_phase.FUSED_MERGE = scheme in FUSED_MERGE_CONFIGS
-    try:
-        return _check_scheme(scheme, precision, device, setup)
-    finally:
-        two_phase.FUSED_MERGE = previous
-
-
-def _check_scheme(scheme: str, precision: str, device: str, setup: Setup) -> dict:
     model = _model(scheme, device, setup)
     idx = torch.randint(0, model.config.vocab_size, setup.batch, generator=torch.Generator().manual_seed(1)).to(device)
     previous = set_fused_enabled(False)

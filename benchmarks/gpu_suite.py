@@ -406,7 +406,10 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             # the sources copied into shared memory stages - 1 ahead by Triton's
                             # software pipeline (session 17)
                             **{f"_s{k}": {"stages": k} for k in (2, 3, 4, 6)},
-                            "_s3_w2": {"stages": 3, "num_warps": 2}, "_s3_r8": {"stages": 3, "tokens_per_program": 8}}
+                            "_s3_w2": {"stages": 3, "num_warps": 2}, "_s3_r8": {"stages": 3, "tokens_per_program": 8},
+                            # a register cap (session 27): more programs resident per SM, at the
+                            # price of spills (the forward held 242 registers at N = 4, session 18)
+                            **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168)}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before
@@ -432,7 +435,16 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                                                        "param_stages": 3},
                             # sum_j a_j <v_j, g> formed from the sources (read twice) instead of
                             # <out, g> from the saved output (session 24)
-                            "_exact": {"exact_softmax_grad": True}}
+                            "_exact": {"exact_softmax_grad": True},
+                            # register caps (session 27): every backward kernel was latency-bound at
+                            # 255 registers, 8 warps per SM (session 18's Nsight Compute run); the
+                            # per-token grid is persistent, so its programs per SM rise with the cap
+                            "_pertoken_cap128_pp4": {"backward": "per_token", "maxnreg": 128, "per_sm": 4},
+                            "_pertoken_cap168_pp3": {"backward": "per_token", "maxnreg": 168, "per_sm": 3},
+                            "_pertoken_w8_cap128": {"backward": "per_token", "num_warps": 8, "maxnreg": 128},
+                            "_pertoken_table_cap128_pp4": {"backward": "per_token", "param": "table", "maxnreg": 128,
+                                                           "per_sm": 4},
+                            **{f"_tiled_cap{k}": {"backward": "tiled", "maxnreg": k} for k in (96, 128, 168)}}
 
 
 def block_phase_timing(pattern: str | None = None, timer=bench) -> list[dict]:

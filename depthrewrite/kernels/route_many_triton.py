@@ -87,7 +87,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _product_as, _row_blocks, _src_ptr, check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _product_as, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
 )
 from .pointer_tables import pointer_tables
 
@@ -676,8 +676,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
     ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: consecutive tokens per
-    program, ``stages``: the sources' software pipeline, 0 for the register prefetch; unset:
-    the measured choices, ONE_HEAD_FORWARD_TOKENS' comment).
+    program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
+    ``maxnreg``: a register cap; unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' comment).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
@@ -711,7 +711,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
             STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
-            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row))
+            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row), **_register_cap(cfg, "route_many"))
     return out, lse
 
 
@@ -770,7 +770,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
     unused; unset: ``_backward_stages``), the parameter reduction's (tiled backward, or
     ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM),
-    and ``exact_softmax_grad`` (False by default: the module docstring)."""
+    ``maxnreg`` (a register cap for the backward kernel; unset: none) and
+    ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
     cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
@@ -860,6 +861,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
         ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
         EXACT=cfg["exact_softmax_grad"],
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
+        **_register_cap(cfg, "route_many"),
     )
     # the logits' normalized rows are the keys': the parameter reduction reads them
     r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_k or flat_v), cfg)
@@ -934,7 +936,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
-            num_warps=warps,
+            num_warps=warps, **_register_cap(cfg, "route_many"),
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,

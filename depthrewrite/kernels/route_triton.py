@@ -717,15 +717,15 @@ def _check_prefetch(prefetch, op: str, allowed: tuple = PREFETCH_DEPTHS, kernel:
 MAXNREG_RANGE = (16, 255)
 
 
-def _register_cap(cfg: dict) -> dict:
+def _register_cap(cfg: dict, op: str = "route") -> dict:
     """Launch options for ``cfg["maxnreg"]`` (checked; unset or None: no cap, the compiler's
-    choice)."""
+    choice). ``op`` names the op in the error."""
     cap = cfg.get("maxnreg")
     if cap is None:
         return {}
     lo, hi = MAXNREG_RANGE
     if not isinstance(cap, int) or isinstance(cap, bool) or not lo <= cap <= hi:
-        raise ValueError(f"route (Triton): config maxnreg must be an int from {lo} to {hi} or None; found {cap!r}")
+        raise ValueError(f"{op} (Triton): config maxnreg must be an int from {lo} to {hi} or None; found {cap!r}")
     return {"maxnreg": cap}
 
 

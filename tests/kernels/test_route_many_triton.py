@@ -236,6 +236,9 @@ VARIANTS = [
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
     # the parameter reduction's tiles through Triton's software pipeline, one program per SM
     {"backward": "tiled", "param_stages": 3, "param_per_sm": 1},
+    # register caps (forward and backward kernels), more per-token programs per SM
+    {"backward": "per_token", "maxnreg": 64, "per_sm": 4},
+    {"backward": "tiled", "maxnreg": 96},
 ]
 
 
@@ -431,6 +434,7 @@ def test_parameter_reduction_matches_float64_and_its_pipeline_changes_no_bit(hea
     ("param_stages", True, "config param_stages must be an int >= 0; found True"),
     ("param_per_sm", 0, "config param_per_sm must be a positive int; found 0"),
     ("param_per_sm", 2.5, "config param_per_sm must be a positive int; found 2.5"),
+    ("maxnreg", 8, "config maxnreg must be an int from 16 to 255 or None; found 8"),
 ])
 def test_bad_parameter_reduction_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)

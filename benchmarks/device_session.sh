@@ -36,6 +36,7 @@
 #   OUT=... bash benchmarks/device_session.sh hostab     # the kernels' registration A/B on the host-bound models (session 21)
 #   OUT=... bash benchmarks/device_session.sh graphtiming  # the routing calls' GPU time alone (CUDA-graph replays) against events per call (session 21)
 #   OUT=... bash benchmarks/device_session.sh regcap   # route_many's kernels under register caps, DAR's lowest-memory form checked (session 27)
+#   OUT=... bash benchmarks/device_session.sh mergelaunch  # route_merge's launch variants and backward pipeline, GPU tests (session 27)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -307,6 +308,16 @@ regcap)
   timeout 380 python3 benchmarks/gpu_suite.py --block-phase-only --variants "^_pertoken$|^_tiled$|_cap" \
       --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
   grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt"
+  ;;
+mergelaunch)
+  # session 27: route_merge's GPU tests, then its launch variants (programs per SM, warps,
+  # tokens, the backward's software pipeline) as CUDA-graph replays, every launch checked
+  # against the reference (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
+  timeout 400 python3 benchmarks/route_merge_speed.py --graph > "$OUT/merge_speed.txt" 2>&1
+  grep "^|" "$OUT/merge_speed.txt"
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to

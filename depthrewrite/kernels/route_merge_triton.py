@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .pointer_tables import pointer_tables
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_supported, _contiguous, _positive_int, _product_as,
+    _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous, _positive_int, _product_as,
     _row_blocks, _src_ptr, _tokens_per_program,
 )
 
@@ -41,6 +41,8 @@ from .route_triton import (
 MAX_RESULTS = 2
 #: backward programs per SM of the persistent grid
 PER_SM = 4
+#: the backward's software-pipeline stages over its token blocks (0: none)
+BACKWARD_STAGES = 0
 
 
 @triton.jit
@@ -126,40 +128,34 @@ def _route_merge_fwd_kernel(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, nw_ptr,
 def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr, m_ptr, nw_ptr,
                             part_r_ptr, part_m_ptr, part_n_ptr, T, D, C, H, eps, norm_eps, num_blocks,
                             J: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+                            BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr,
+                            STAGES: tl.constexpr = 0):
     """A persistent grid over blocks of tokens: every gradient row written once; per program
     the sums over its tokens of ``dz_j * khat_j`` (the parameter gradients before the
     parameter products) and of ``<g, r_j>`` (the mix weights'), one row / entry per result;
     with HAS_NORM (``g_ptr`` is the gradient of the normed output) first the norm's backward,
-    ``x`` made again from the same rows, and the sum of ``g * xhat`` (the norm weight's)."""
+    ``x`` made again from the same rows, and the sum of ``g * xhat`` (the norm weight's).
+    STAGES >= 2: the token blocks through Triton's software pipeline (the next blocks' rows
+    copied into shared memory while this one's are used)."""
     pid = tl.program_id(0)
-    act = g_ptr.dtype.element_ty
-    ptr_ty = tl.pointer_type(act)
-    f32_ty = tl.pointer_type(tl.float32)
     r0 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     r1 = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     n_acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     m0 = tl.zeros((BLOCK_H,), tl.float32)
     m1 = tl.zeros((BLOCK_H,), tl.float32)
     col, cmask = _row_tiles(H, C, BLOCK_H, BLOCK_C)
-    for blk in range(pid, num_blocks, tl.num_programs(0)):
-        _, _, _, mask, hmask, offs, hoffs = _tiles(blk, T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            x = _merged(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps,
-                        ptr_ty, J, HAS_KEYS, BLOCK_T, BLOCK_H, BLOCK_C, ALIGNED)
-            xhat, rstd = _out_norm_stats(x, mask, D, norm_eps)
-            n_acc += tl.sum(tl.where(mask, g * xhat, 0.0), 0)
-            # RMSNorm backward: the statistic couples all channels of a row
-            g_xhat = g * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-            mt = tl.sum(tl.sum(g_xhat * xhat, 2), 1) / D
-            g = tl.where(mask, rstd[:, None, None] * (g_xhat - xhat * mt[:, None, None]), 0.0)
-        r0, m0 = _merge_grads(0, g, r0, m0, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
-                              m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS, ALIGNED)
-        if J == 2:
-            r1, m1 = _merge_grads(1, g, r1, m1, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
-                                  m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS,
-                                  ALIGNED)
+    if STAGES >= 2:
+        for blk in tl.range(pid, num_blocks, tl.num_programs(0), num_stages=STAGES):
+            r0, m0, r1, m1, n_acc = _merge_block_grads(
+                blk, r0, m0, r1, m1, n_acc, g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
+                m_ptr, nw_ptr, col, cmask, T, D, C, H, eps, norm_eps, J, HAS_KEYS, HAS_NORM, BLOCK_T, BLOCK_H,
+                BLOCK_C, ALIGNED)
+    else:
+        for blk in range(pid, num_blocks, tl.num_programs(0)):
+            r0, m0, r1, m1, n_acc = _merge_block_grads(
+                blk, r0, m0, r1, m1, n_acc, g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
+                m_ptr, nw_ptr, col, cmask, T, D, C, H, eps, norm_eps, J, HAS_KEYS, HAS_NORM, BLOCK_T, BLOCK_H,
+                BLOCK_C, ALIGNED)
     row = pid.to(tl.int64) * J
     tl.store(part_r_ptr + row * D + col, r0, mask=cmask)
     tl.store(part_m_ptr + row, tl.sum(m0, 0))
@@ -168,6 +164,35 @@ def _route_merge_bwd_kernel(g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, 
         tl.store(part_m_ptr + row + 1, tl.sum(m1, 0))
     if HAS_NORM:
         tl.store(part_n_ptr + pid.to(tl.int64) * D + col, n_acc, mask=cmask)
+
+
+@triton.jit
+def _merge_block_grads(blk, r0, m0, r1, m1, n_acc, g_ptr, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr,
+                       w_ptr, m_ptr, nw_ptr, col, cmask, T, D, C, H, eps, norm_eps, J: tl.constexpr,
+                       HAS_KEYS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr):
+    """Token block ``blk`` of the backward: its gradient rows written, its terms added to the
+    program's partial sums (returned)."""
+    act = g_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
+    f32_ty = tl.pointer_type(tl.float32)
+    _, _, _, mask, hmask, offs, hoffs = _tiles(blk, T, H, C, BLOCK_T, BLOCK_H, BLOCK_C)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        x = _merged(otab, ltab, vtab, ktab, q_ptr, w_ptr, m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps,
+                    ptr_ty, J, HAS_KEYS, BLOCK_T, BLOCK_H, BLOCK_C, ALIGNED)
+        xhat, rstd = _out_norm_stats(x, mask, D, norm_eps)
+        n_acc += tl.sum(tl.where(mask, g * xhat, 0.0), 0)
+        # RMSNorm backward: the statistic couples all channels of a row
+        g_xhat = g * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
+        mt = tl.sum(tl.sum(g_xhat * xhat, 2), 1) / D
+        g = tl.where(mask, rstd[:, None, None] * (g_xhat - xhat * mt[:, None, None]), 0.0)
+    r0, m0 = _merge_grads(0, g, r0, m0, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
+                          m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS, ALIGNED)
+    if J == 2:
+        r1, m1 = _merge_grads(1, g, r1, m1, otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab, q_ptr, w_ptr,
+                              m_ptr, offs, mask, hoffs, hmask, col, cmask, D, eps, ptr_ty, f32_ty, HAS_KEYS, ALIGNED)
+    return r0, m0, r1, m1, n_acc
 
 
 @triton.jit
@@ -215,13 +240,16 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
 
 
 def _launch(config: dict | None, row: int) -> dict:
-    """Launch choices: ``config``'s entries (``block_t``, ``num_warps``, ``per_sm``: tuning
-    runs, ``benchmarks/route_merge_speed.py``), checked, over the defaults."""
-    cfg = {"block_t": _tokens_per_program(row), "num_warps": _warps(row), "per_sm": PER_SM, **(config or {})}
-    unknown = set(cfg) - {"block_t", "num_warps", "per_sm"}
+    """Launch choices: ``config``'s entries (``block_t``, ``num_warps``, ``per_sm``, ``stages``:
+    the backward's software pipeline; tuning runs, ``benchmarks/route_merge_speed.py``),
+    checked, over the defaults."""
+    cfg = {"block_t": _tokens_per_program(row), "num_warps": _warps(row), "per_sm": PER_SM,
+           "stages": BACKWARD_STAGES, **(config or {})}
+    unknown = set(cfg) - {"block_t", "num_warps", "per_sm", "stages"}
     if unknown:
         raise ValueError(f"route_merge (Triton): unknown config entries {sorted(unknown)}; "
-                         f"expected block_t, num_warps, per_sm")
+                         f"expected block_t, num_warps, per_sm, stages")
+    cfg["stages"] = _check_stages(cfg["stages"], BACKWARD_STAGES, "route_merge")
     _check_block_t(cfg["block_t"], "route_merge")
     _positive_int("route_merge", "per_sm", cfg["per_sm"])
     warps = _positive_int("route_merge", "num_warps", cfg["num_warps"])
@@ -299,7 +327,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
             part_r, part_m, part_n, tokens, d, d // heads, heads, float(eps), float(out_norm_eps), num_blocks,
             J=j, HAS_KEYS=bool(flat_k), HAS_NORM=has_norm, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_o, flat_v, flat_k, grad_outs, grad_values, grad_keys, [g]),
-            num_warps=launch["num_warps"],
+            STAGES=launch["stages"], num_warps=launch["num_warps"],
         )
     # second pass of the deterministic reductions: fixed-order sums over the programs
     r = part_r.sum(0)  # (J, d)

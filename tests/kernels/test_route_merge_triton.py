@@ -233,8 +233,9 @@ def test_kernel_refuses_more_results_than_it_takes():
                                                inp["key_norm_weights"], inp["mix"], 1, 1e-6)
 
 
-@pytest.mark.parametrize("config", [{"block_t": 1, "num_warps": 1}, {"block_t": 4, "num_warps": 2, "per_sm": 1}],
-                         ids=["one-token", "four-tokens"])
+@pytest.mark.parametrize("config", [{"block_t": 1, "num_warps": 1}, {"block_t": 4, "num_warps": 2, "per_sm": 1},
+                                    {"block_t": 1, "per_sm": 1, "stages": 3}],
+                         ids=["one-token", "four-tokens", "pipelined"])
 def test_launch_choices_give_the_same_function(config):
     """A tuning run's launch choices (``config``) change how the tokens are split among
     programs, not the result: output and every gradient against float64 as by default."""
@@ -252,7 +253,8 @@ def test_launch_choices_give_the_same_function(config):
     ({"block_t": 3}, "config block_t must be a power of two"),
     ({"num_warps": 3}, "config num_warps must be a power of two"),
     ({"per_sm": 0}, "config per_sm must be a positive int"),
-    ({"stages": 2}, "unknown config entries \\['stages'\\]"),
+    ({"stages": -1}, "config stages must be an int >= 0; found -1"),
+    ({"unroll": 2}, "unknown config entries \\['unroll'\\]"),
 ])
 def test_bad_launch_choices_are_named(config, message):
     inp = _on_device(_make(1, (4,), 32, 1, False, torch.float32, seed=1))

@@ -37,6 +37,7 @@
 #   OUT=... bash benchmarks/device_session.sh graphtiming  # the routing calls' GPU time alone (CUDA-graph replays) against events per call (session 21)
 #   OUT=... bash benchmarks/device_session.sh regcap   # route_many's kernels under register caps, DAR's lowest-memory form checked (session 27)
 #   OUT=... bash benchmarks/device_session.sh mergelaunch  # route_merge's launch variants and backward pipeline, GPU tests (session 27)
+#   OUT=... bash benchmarks/device_session.sh fme2e    # the fused merge end to end with route_merge's session-27 launches (session 27)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -318,6 +319,14 @@ mergelaunch)
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   timeout 400 python3 benchmarks/route_merge_speed.py --graph > "$OUT/merge_speed.txt" 2>&1
   grep "^|" "$OUT/merge_speed.txt"
+  ;;
+fme2e)
+  # session 27: Block AttnRes and DAR block with the fused merge (route_merge's 2-warp
+  # launches since session 27) beside their defaults, side by side (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
+      --schemes baseline block_attnres block_attnres_fm dar_block dar_block_fm > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .pointer_tables import pointer_tables
 from .route_triton import (
-    _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous, _positive_int, _product_as,
+    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous, _positive_int, _product_as,
     _row_blocks, _src_ptr, _tokens_per_program,
 )
 
@@ -239,11 +239,11 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
                          f"sources); found {[t.dtype for t in lses]}")
 
 
-def _launch(config: dict | None, row: int) -> dict:
+def _launch(config: dict | None, row: int, heads: int, results: int, normed: bool) -> dict:
     """Launch choices: ``config``'s entries (``block_t``, ``num_warps``, ``per_sm``, ``stages``:
     the backward's software pipeline; tuning runs, ``benchmarks/route_merge_speed.py``),
     checked, over the defaults."""
-    cfg = {"block_t": _tokens_per_program(row), "num_warps": _warps(row), "per_sm": PER_SM,
+    cfg = {"block_t": _tokens_per_program(row), "num_warps": _warps(row, heads, results, normed), "per_sm": PER_SM,
            "stages": BACKWARD_STAGES, **(config or {})}
     unknown = set(cfg) - {"block_t", "num_warps", "per_sm", "stages"}
     if unknown:
@@ -272,7 +272,7 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     if tokens == 0:
         return x
     block_h, block_c = _row_blocks(d, heads, "route_merge")
-    launch = _launch(config, block_h * block_c)
+    launch = _launch(config, block_h * block_c, heads, len(outs), out_norm_weight is not None)
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
     otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
@@ -303,7 +303,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     grad_lses = [torch.empty(t.shape, dtype=torch.float32, device=device) for t in lses]
     tokens = math.prod(shape[:-1])
     block_h, block_c = _row_blocks(d, heads, "route_merge")
-    launch = _launch(config, block_h * block_c)
+    launch = _launch(config, block_h * block_c, heads, len(outs), out_norm_weight is not None)
     block_t = launch["block_t"]
     num_blocks = triton.cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, launch["per_sm"])
@@ -338,6 +338,15 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     return grad_outs, grad_lses, grad_values, grad_keys, grad_queries, grad_weights, grad_mix, grad_norm_weight
 
 
-def _warps(row: int) -> int:
-    # one warp per 256 padded elements of a row, 1 to 8 (not tuned on the GPU yet)
-    return max(1, min(8, row // 256))
+def _warps(row: int, heads: int, results: int, normed: bool) -> int:
+    """One warp per 256 padded elements of a row, 1 to 8; half that for one-head rows of
+    NARROW_ROW padded elements in two of the four cases: Block AttnRes's merge with the
+    branch norm (one result) and DAR's without (two). Measured on H200 at d = 1024, 16384 tokens,
+    CUDA-graph replays (docs/benchmarks.md, sessions 22 and 27): backward 0.111 ms against
+    0.150 (2 warps against 4; both runs), DAR's 0.151 against 0.203 (session 27), the
+    forwards level; DAR's merge with the norm was 3 % slower with 2 warps, one head without
+    a norm level, 16 heads level (within 8 %)."""
+    warps = max(1, min(8, row // 256))
+    if heads == 1 and row == NARROW_ROW and (results, normed) in ((1, True), (2, False)):
+        return warps // 2
+    return warps

@@ -38,6 +38,7 @@
 #   OUT=... bash benchmarks/device_session.sh regcap   # route_many's kernels under register caps, DAR's lowest-memory form checked (session 27)
 #   OUT=... bash benchmarks/device_session.sh mergelaunch  # route_merge's launch variants and backward pipeline, GPU tests (session 27)
 #   OUT=... bash benchmarks/device_session.sh fme2e    # the fused merge end to end with route_merge's session-27 launches (session 27)
+#   OUT=... bash benchmarks/device_session.sh fmcheck  # route_merge's GPU tests and the fused-merge scheme checks (session 27)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -327,6 +328,16 @@ fme2e)
   timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 \
       --schemes baseline block_attnres block_attnres_fm dar_block dar_block_fm > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+fmcheck)
+  # session 27: route_merge's GPU tests with its 2-warp launches, then every fused-merge
+  # configuration of the scheme check (the fused_merge option) on the Triton kernels (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_merge_triton.py > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
+  timeout 300 python3 benchmarks/gpu_scheme_check.py --device cuda \
+      --schemes block_attnres_fm mhar_block_fm dar_fm dar_fm_branch --json "$OUT/check.json" > "$OUT/check.txt" 2>&1
+  grep "scheme-check" "$OUT/check.txt"
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to

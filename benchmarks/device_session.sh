@@ -39,6 +39,7 @@
 #   OUT=... bash benchmarks/device_session.sh mergelaunch  # route_merge's launch variants and backward pipeline, GPU tests (session 27)
 #   OUT=... bash benchmarks/device_session.sh fme2e    # the fused merge end to end with route_merge's session-27 launches (session 27)
 #   OUT=... bash benchmarks/device_session.sh fmcheck  # route_merge's GPU tests and the fused-merge scheme checks (session 27)
+#   OUT=... bash benchmarks/device_session.sh fwdcap   # route_many's forward under register caps again (session 27)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -338,6 +339,16 @@ fmcheck)
   timeout 300 python3 benchmarks/gpu_scheme_check.py --device cuda \
       --schemes block_attnres_fm mhar_block_fm dar_fm dar_fm_branch --json "$OUT/check.json" > "$OUT/check.txt" 2>&1
   grep "scheme-check" "$OUT/check.txt"
+  ;;
+fwdcap)
+  # session 27: route_many's forward under register caps of 168-232 against the default,
+  # twice in one run (the regcap phase's first row looked slow for the default) (~3 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  for pass in 1 2; do
+    timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --variants "^_cap(168|200|232)$" \
+        --out "$OUT/bp$pass" > "$OUT/bp$pass.txt" 2>&1
+    grep -o "tokens=.*many_fwd_cap232=[^ ]*" "$OUT/bp$pass.txt"
+  done
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to

@@ -409,7 +409,7 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warp
                             "_s3_w2": {"stages": 3, "num_warps": 2}, "_s3_r8": {"stages": 3, "tokens_per_program": 8},
                             # a register cap (session 27): more programs resident per SM, at the
                             # price of spills (the forward held 242 registers at N = 4, session 18)
-                            **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168)}}
+                            **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168, 200, 232)}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before

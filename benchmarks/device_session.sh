@@ -40,6 +40,7 @@
 #   OUT=... bash benchmarks/device_session.sh fme2e    # the fused merge end to end with route_merge's session-27 launches (session 27)
 #   OUT=... bash benchmarks/device_session.sh fmcheck  # route_merge's GPU tests and the fused-merge scheme checks (session 27)
 #   OUT=... bash benchmarks/device_session.sh fwdcap   # route_many's forward under register caps again (session 27)
+#   OUT=... bash benchmarks/device_session.sh capab    # DAR block with the keyed forward's register cap against without (session 27)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -349,6 +350,16 @@ fwdcap)
         --out "$OUT/bp$pass" > "$OUT/bp$pass.txt" 2>&1
     grep -o "tokens=.*many_fwd_cap232=[^ ]*" "$OUT/bp$pass.txt"
   done
+  ;;
+capab)
+  # session 27: DAR block with route_many's keyed forward capped at 168 registers (the
+  # default since) against without, side by side, then route_many's GPU tests (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 \
+      --schemes baseline dar_block dar_block_fwdcap0 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -5
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_many_triton.py -x > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   ;;
 paramab)
   # session 18's backward defaults (the parameter reduction pipelined; one-head rows up to

@@ -176,6 +176,9 @@ LAUNCH_VARIANTS = {
     # the same with the branch norms left to Inductor (backend option fuse_output_norms off,
     # set below: each merge writes x, and the backward makes it again; session 20)
     "fmnf": _FUSED_MERGE_VARIANT,
+    # route_many's keyed forward without its register cap (before session 27; since, 168
+    # registers at d = 1024: 8-9 % faster kernels)
+    "fwdcap0": (("dar_block",), {"route_many_triton.KEYED_FORWARD_MAXNREG": None}),
     # the backward kernels forming sum_j a_j <v_j, g> from the sources, read twice (session
     # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
     "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),

@@ -138,6 +138,13 @@ FORWARD_ORDER = "token_major"
 #: 1.222; run 5: 0.707 / 1.188 against the tiled 0.734 / 1.295: not switched untimed).
 ONE_HEAD_FORWARD_TOKENS = 8
 ONE_HEAD_FORWARD_STAGES = 3
+#: a register cap for the forward's one-head calls with separate keys (DAR's) on rows of
+#: NARROW_ROW padded elements (None: the compiler's choice). Session 27 (H200, bf16, 16384
+#: tokens, S = 6, d = 1024, three runs, docs/benchmarks.md): 0.205 / 0.345 ms against 0.225
+#: / 0.379 at N = 4 / 8; 200 and 232 level with none; without keys, with 16 heads and at
+#: d = 2048 a cap of 168 was level or slower (d = 2048: 0.497 against 0.432), 64-128 2-8x
+#: slower everywhere (spills)
+KEYED_FORWARD_MAXNREG = 168
 WIDE_PER_TOKEN_STAGES = 3
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
@@ -677,7 +684,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
     ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: consecutive tokens per
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
-    ``maxnreg``: a register cap; unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' comment).
+    ``maxnreg``: a register cap, None for none; unset: the measured choices,
+    ONE_HEAD_FORWARD_TOKENS' and KEYED_FORWARD_MAXNREG's comments).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
@@ -711,7 +719,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
             STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
-            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row), **_register_cap(cfg, "route_many"))
+            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
+            **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
     return out, lse
 
 
@@ -747,6 +756,12 @@ def _many_forward_tokens(heads: int) -> int:
 def _many_forward_stages(heads: int) -> int:
     """The forward's pipeline stages (measured, ONE_HEAD_FORWARD_TOKENS' comment)."""
     return ONE_HEAD_FORWARD_STAGES if heads == 1 else 0
+
+
+def _many_forward_cap(heads: int, row: int, has_keys: bool) -> int | None:
+    """The forward's register cap (measured, KEYED_FORWARD_MAXNREG's comment): one head with
+    separate keys on rows of NARROW_ROW, else none."""
+    return KEYED_FORWARD_MAXNREG if heads == 1 and has_keys and row == NARROW_ROW else None
 
 
 def _many_forward_warps(heads: int, row: int) -> int:

@@ -134,8 +134,17 @@ CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffix
 for suffix in ("cg", "cdt"):
     CONFIGS[f"baseline_{suffix}"] = (None, {}, None)
     BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
-#: the second phase through route_merge (two_phase.FUSED_MERGE): the "fm" and "fmnf" variants
-_FUSED_MERGE_VARIANT = (("block_attnres", "mhar_block", "dar_block", "attnres"), {"two_phase.FUSED_MERGE": True})
+#: the second phase through depthrewrite::route_merge's fused kernels (the scheme option
+#: fused_merge; session 19; off by default, slower end to end in session 21: merge_partial's
+#: torch ops, compiled by Inductor), the branch norm fused into it by the backend
+#: (fuse_output_norms, on by default; session 20): "_fm"; the same with the branch norms
+#: left to Inductor (each merge writes x, and the backward makes it again): "_fmnf". Until
+#: session 27 these set the module flag two_phase.FUSED_MERGE, the same code path
+FUSED_MERGE_BASES = ("block_attnres", "mhar_block", "dar_block", "attnres")
+for _base in FUSED_MERGE_BASES:
+    for _suffix in ("fm", "fmnf"):
+        CONFIGS[f"{_base}_{_suffix}"] = (CONFIGS[_base][0], {**CONFIGS[_base][1], "fused_merge": True}, None)
+    BACKEND_OPTIONS[f"{_base}_fmnf"] = {"fuse_output_norms": False}
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
 #: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``, ``kernels``), an A/B of a
@@ -169,23 +178,16 @@ LAUNCH_VARIANTS = {
     # route's kernels with the register prefetch only (before session 18; since, the one-head
     # forward at d = 1024 and the one-head backward with running sums through the pipeline)
     "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),
-    # the second phase through depthrewrite::route_merge's fused kernels (session 19; off by
-    # default, slower end to end in session 21: merge_partial's torch ops, compiled by Inductor), the branch
-    # norm fused into it by the backend (fuse_output_norms, on by default; session 20)
-    "fm": _FUSED_MERGE_VARIANT,
-    # the same with the branch norms left to Inductor (backend option fuse_output_norms off,
-    # set below: each merge writes x, and the backward makes it again; session 20)
-    "fmnf": _FUSED_MERGE_VARIANT,
-    # route_many's keyed forward without its register cap (before session 27; since, 168
-    # registers at d = 1024: 8-9 % faster kernels)
-    "fwdcap0": (("dar_block",), {"route_many_triton.KEYED_FORWARD_MAXNREG": None}),
+    # route_many's keyed forward capped at 168 registers at d = 1024 (8-9 % faster kernels;
+    # end to end not confirmed in session 27, where it was the default as dar_block against
+    # this variant's predecessor fwdcap0; off by default since)
+    "fwdcap168": (("dar_block",), {"route_many_triton.KEYED_FORWARD_MAXNREG": 168}),
     # the backward kernels forming sum_j a_j <v_j, g> from the sources, read twice (session
     # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
     "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),
               {"kernels.EXACT_SOFTMAX_GRAD": True}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
-BACKEND_OPTIONS.update({f"{base}_fmnf": {"fuse_output_norms": False} for base in LAUNCH_VARIANTS["fmnf"][0]})
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
 #: the kernels registered with the dispatcher directly (depthrewrite.kernels' "dispatcher"
 #: registration, set in the configuration's process before it imports depthrewrite), each
@@ -200,8 +202,7 @@ for _name in RAW_REGISTRATION:
 #: DAR block's lowest-memory form: the second phase through route_merge with the branch
 #: outputs recomputed too (the CPU saved set predicted 1.03-1.08x the baseline's peak at
 #: 350M; session 26's run 2 measured 1.062x, steps 2.6 % longer than dar_block's)
-CONFIGS["dar_block_fm_branch"] = CONFIGS["dar_block"][:2] + (None,)
-LAUNCH_PATCHES["dar_block_fm_branch"] = LAUNCH_PATCHES["dar_block_fm"]
+CONFIGS["dar_block_fm_branch"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import re
@@ -33,13 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import depthrewrite  # noqa: E402
 from depthrewrite.models.gpt import GPT, GPTConfig  # noqa: E402
 from depthrewrite.norm_fusion import fuse_output_norms  # noqa: E402
-from depthrewrite.passes import two_phase  # noqa: E402
 from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
 #: name -> (scheme or None for the baseline, options[, True: the backend's
 #: recompute_partial_sums, the tagged partial sums marked for recomputation; "branch": that
 #: and recompute_branch_outputs[, True: the second phase through route_merge,
-#: two_phase.FUSED_MERGE, the branch norms fused into it as the backend's
+#: the scheme option fused_merge, the branch norms fused into it as the backend's
 #: fuse_output_norms does]]): the e2e benchmark's block forms
 CONFIGS = {
     "baseline": (None, {}),
@@ -113,15 +111,6 @@ def backward_peak(graph, producers: dict) -> tuple[int, list[dict]]:
     return peak, rows
 
 
-@contextlib.contextmanager
-def _fused_merge(on: bool):
-    previous, two_phase.FUSED_MERGE = two_phase.FUSED_MERGE, on
-    try:
-        yield
-    finally:
-        two_phase.FUSED_MERGE = previous
-
-
 def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: int,
                   liveness: bool = False) -> list[dict] | tuple[list[dict], int, list[dict]]:
     """The saved tensors of one compiled training step: size and producing source line
@@ -146,14 +135,13 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
     model = GPT(GPTConfig(d_model=d, n_layer=layers, n_head=heads, max_seq_len=seq))
     scheme, options, recompute, fused_merge = (*cfg, False, False)[:4]
     if scheme is not None:
-        model = depthrewrite.rewrite(model, scheme, **options)
+        model = depthrewrite.rewrite(model, scheme, **options, **({"fused_merge": True} if fused_merge else {}))
     model = model.to(torch.bfloat16).train()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(0, 256, (batch, seq))
     # no cache: a cache hit would skip the partition this reads
-    # FUSED_MERGE is read when the forward is traced
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
-            enable_autograd_cache=False), _fused_merge(fused_merge):
+            enable_autograd_cache=False):
         _, loss = compiled(ids, ids)
         loss.backward()
     producers = {n.name: n for n in graphs["forward"].graph.nodes}

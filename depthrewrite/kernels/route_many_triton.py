@@ -139,12 +139,14 @@ FORWARD_ORDER = "token_major"
 ONE_HEAD_FORWARD_TOKENS = 8
 ONE_HEAD_FORWARD_STAGES = 3
 #: a register cap for the forward's one-head calls with separate keys (DAR's) on rows of
-#: NARROW_ROW padded elements (None: the compiler's choice). Session 27 (H200, bf16, 16384
-#: tokens, S = 6, d = 1024, three runs, docs/benchmarks.md): 0.205 / 0.345 ms against 0.225
-#: / 0.379 at N = 4 / 8; 200 and 232 level with none; without keys, with 16 heads and at
-#: d = 2048 a cap of 168 was level or slower (d = 2048: 0.497 against 0.432), 64-128 2-8x
-#: slower everywhere (spills)
-KEYED_FORWARD_MAXNREG = 168
+#: NARROW_ROW padded elements (None: the compiler's choice, the default). Session 27 (H200,
+#: bf16, 16384 tokens, S = 6, d = 1024, docs/benchmarks.md): with 168 the kernel took 0.205
+#: / 0.345 ms against 0.225 / 0.379 at N = 4 / 8, the same in three runs; 200 and 232 level
+#: with none; without keys, with 16 heads and at d = 2048 168 was level or slower (d = 2048:
+#: 0.497 against 0.432), 64-128 2-8x slower everywhere (spills). End to end (DAR block, one
+#: run) not confirmed: 121.8 ms a step against 117.8 without, its trials spread over 117.5-
+#: 126.7 ms against 117.8-117.9; left off until a run shows the gain (e2e variant ``fwdcap168``)
+KEYED_FORWARD_MAXNREG = None
 WIDE_PER_TOKEN_STAGES = 3
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
@@ -759,8 +761,8 @@ def _many_forward_stages(heads: int) -> int:
 
 
 def _many_forward_cap(heads: int, row: int, has_keys: bool) -> int | None:
-    """The forward's register cap (measured, KEYED_FORWARD_MAXNREG's comment): one head with
-    separate keys on rows of NARROW_ROW, else none."""
+    """The forward's register cap (KEYED_FORWARD_MAXNREG's comment): KEYED_FORWARD_MAXNREG
+    for one head with separate keys on rows of NARROW_ROW, else none."""
     return KEYED_FORWARD_MAXNREG if heads == 1 and has_keys and row == NARROW_ROW else None
 
 

@@ -143,10 +143,10 @@ ONE_HEAD_FORWARD_STAGES = 3
 #: bf16, 16384 tokens, S = 6, d = 1024, docs/benchmarks.md): with 168 the kernel took 0.205
 #: / 0.345 ms against 0.225 / 0.379 at N = 4 / 8, the same in three runs; 200 and 232 level
 #: with none; without keys and with 16 heads 168 was level (within 2 %), at d = 2048 slower
-#: (0.497 against 0.432); 64-128 2.3-9.7x slower with one head at d = 1024 and 4096
-#: (spills). End to end (DAR block, one
-#: run) not confirmed: 121.8 ms a step against 117.8 without, its trials spread over 117.5-
-#: 126.7 ms against 117.8-117.9; left off until a run shows the gain (e2e variant ``fwdcap168``)
+#: (0.497 against 0.432); 64-128 were 2.3-9.7x slower with one head at d = 1024 and 4096
+#: (spills). End to end not confirmed (DAR block, one run: 121.8 ms a step against 117.8
+#: without, its trials spread over 117.5-126.7 ms against 117.8-117.9): left off until a run
+#: shows the gain (e2e variant ``dar_block_fwdcap168``)
 KEYED_FORWARD_MAXNREG = None
 WIDE_PER_TOKEN_STAGES = 3
 FORWARD_ORDERS = ("token_major", "chunk_major")

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from .pointer_tables import pointer_tables
 from .route_triton import (
-    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous, _positive_int, _product_as,
-    _row_blocks, _src_ptr, _tokens_per_program,
+    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
+    _positive_int, _product_as, _row_blocks, _src_ptr, _tokens_per_program,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -340,12 +340,13 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
 
 def _warps(row: int, heads: int, results: int, normed: bool) -> int:
     """One warp per 256 padded elements of a row, 1 to 8; half that for one-head rows of
-    NARROW_ROW padded elements in two of the four cases: Block AttnRes's merge with the
-    branch norm (one result) and DAR's without (two). Measured on H200 at d = 1024, 16384 tokens,
-    CUDA-graph replays (docs/benchmarks.md, sessions 22 and 27): backward 0.111 ms against
-    0.150 (2 warps against 4; both runs), DAR's 0.151 against 0.203 (session 27), the
-    forwards level; DAR's merge with the norm was 3 % slower with 2 warps, one head without
-    a norm level, 16 heads level (within 8 %)."""
+    NARROW_ROW padded elements in two of the four one-head cases: Block AttnRes's merge with
+    the branch norm (one result) and DAR's without (two). Measured on H200 at d = 1024, 16384
+    tokens, CUDA-graph replays (docs/benchmarks.md, sessions 22 and 27): the first's backward
+    0.111 ms against 0.150 (2 warps against 4; both sessions), DAR's 0.151 against 0.203
+    (session 27), their forwards level. With 2 warps DAR's merge with the norm was 3 % slower
+    and Block AttnRes's without it 4 % slower; 16 heads (block MHAR, without the norm, the one
+    multi-head case timed) 7 % faster, not taken untimed with the norm."""
     warps = max(1, min(8, row // 256))
     if heads == 1 and row == NARROW_ROW and (results, normed) in ((1, True), (2, False)):
         return warps // 2

@@ -36,9 +36,9 @@ from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
 #: name -> (scheme or None for the baseline, options[, True: the backend's
 #: recompute_partial_sums, the tagged partial sums marked for recomputation; "branch": that
-#: and recompute_branch_outputs[, True: the second phase through route_merge,
-#: the scheme option fused_merge, the branch norms fused into it as the backend's
-#: fuse_output_norms does]]): the e2e benchmark's block forms
+#: and recompute_branch_outputs]): the e2e benchmark's block forms. With the scheme option
+#: fused_merge the second phase goes through route_merge, the branch norms fused into it as
+#: the backend's fuse_output_norms does
 CONFIGS = {
     "baseline": (None, {}),
     "block_attnres": ("block_attnres", {}),
@@ -53,10 +53,10 @@ CONFIGS = {
     "dar_block_branch": ("dar", {"layers_per_block": 3}, "branch"),
     "block_attnres_recompute": ("block_attnres", {}, True),
     "mhar_block_recompute": ("mhar", {"block_size": 6}, True),
-    "block_attnres_recompute_fm": ("block_attnres", {}, True, True),
-    "mhar_block_recompute_fm": ("mhar", {"block_size": 6}, True, True),
-    "dar_block_recompute_fm": ("dar", {"layers_per_block": 3}, True, True),
-    "dar_block_branch_fm": ("dar", {"layers_per_block": 3}, "branch", True),
+    "block_attnres_recompute_fm": ("block_attnres", {"fused_merge": True}, True),
+    "mhar_block_recompute_fm": ("mhar", {"block_size": 6, "fused_merge": True}, True),
+    "dar_block_recompute_fm": ("dar", {"layers_per_block": 3, "fused_merge": True}, True),
+    "dar_block_branch_fm": ("dar", {"layers_per_block": 3, "fused_merge": True}, "branch"),
 }
 
 
@@ -133,9 +133,10 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = GPT(GPTConfig(d_model=d, n_layer=layers, n_head=heads, max_seq_len=seq))
-    scheme, options, recompute, fused_merge = (*cfg, False, False)[:4]
+    scheme, options, recompute = (*cfg, False)[:3]
+    fused_merge = options.get("fused_merge", False)
     if scheme is not None:
-        model = depthrewrite.rewrite(model, scheme, **options, **({"fused_merge": True} if fused_merge else {}))
+        model = depthrewrite.rewrite(model, scheme, **options)
     model = model.to(torch.bfloat16).train()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(0, 256, (batch, seq))

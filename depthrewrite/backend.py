@@ -40,8 +40,9 @@ figure is given (docs/benchmarks.md has the runs):
   more). Peak 1.158x -> 1.091x for WAV, 1.175x -> 1.107x for DAR block, each step about
   3 % longer (sessions 14-15).
 - ``fuse_output_norms`` (default True; :mod:`depthrewrite.norm_fusion`): where the second
-  phase runs through ``route_merge`` (``two_phase.FUSED_MERGE``), the branch's RMSNorm that
-  alone reads a merge's result is fused into it, which then never writes the result.
+  phase runs through ``route_merge`` (the scheme option ``fused_merge=True``, or
+  ``two_phase.FUSED_MERGE``), the branch's RMSNorm that alone reads a merge's result is
+  fused into it, which then never writes the result.
 - Every other key is an Inductor config patch, applied to this compilation only
   (``config_patches``, never a global assignment).
 

@@ -41,6 +41,7 @@
 #   OUT=... bash benchmarks/device_session.sh fmcheck  # route_merge's GPU tests and the fused-merge scheme checks (session 27)
 #   OUT=... bash benchmarks/device_session.sh fwdcap   # route_many's forward under register caps again (session 27)
 #   OUT=... bash benchmarks/device_session.sh capab    # DAR block with the keyed forward's register cap against without (session 27)
+#   OUT=... bash benchmarks/device_session.sh inductorab  # DAR block under Inductor settings for its reductions, and the keyed forward's cap (session 28)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -531,6 +532,17 @@ graphtiming)
       > "$OUT/bp_graph.txt" 2>&1
   timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^$' --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
   grep "^|" "$OUT/merge_graph.txt"; grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp_graph.txt" "$OUT/bp.txt"
+  ;;
+inductorab)
+  # session 28: DAR block under Inductor settings aimed at its slow reductions (session 22
+  # run 5), and with the keyed forward capped at 168 registers, beside the defaults in one
+  # wave with a kernel profile (~7 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  python3 -c "import torch._inductor.config as c; print('mix_order_reduction' in dir(c.triton), 'cooperative_reductions' in dir(c.triton))" | tee -a "$LOG"
+  timeout "${E2E_SECONDS:-520}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 6 --profile 12 \
+      --schemes baseline dar_block ${AB_VARIANTS:-dar_block_fwdcap168 dar_block_coop dar_block_mfs16 dar_block_mix0} \
+      > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -24
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -115,10 +115,20 @@ BACKEND_VARIANTS = {
     # Inductor tunes every generated kernel's launch by coordinate descent (slower compiles);
     # compared with "baseline_cdt", the plain model compiled the same way
     "cdt": {"coordinate_descent_tuning": True},
+    # session 28, Inductor's settings for DAR block's slow reductions (session 22 run 5: the
+    # transport chain's and the gates' reductions at 1.4-2.0 TB/s): reductions to a few
+    # values in one cooperative launch instead of a split reduction's two
+    "coop": {"triton.cooperative_reductions": True},
+    # fewer nodes a fused kernel (default 64): the 35-40-input chain reductions split up
+    "mfs16": {"max_fusion_size": 16},
+    # reductions of different orders (per token, per channel) not fused into one kernel
+    "mix0": {"triton.mix_order_reduction": False},
+    # each reduction compiled persistent and looped, the faster picked at its first run
+    "mk": {"triton.multi_kernel": 1},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
-    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt"),
+    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mix0", "mk"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
     "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums"),

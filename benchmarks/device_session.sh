@@ -42,6 +42,7 @@
 #   OUT=... bash benchmarks/device_session.sh fwdcap   # route_many's forward under register caps again (session 27)
 #   OUT=... bash benchmarks/device_session.sh capab    # DAR block with the keyed forward's register cap against without (session 27)
 #   OUT=... bash benchmarks/device_session.sh inductorab  # DAR block under Inductor settings for its reductions, and the keyed forward's cap (session 28)
+#   OUT=... bash benchmarks/device_session.sh fusionab  # Inductor's max_fusion_size on DAR block and WAV, route_many's GPU tests (session 28)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -354,11 +355,12 @@ fwdcap)
   ;;
 capab)
   # session 27: DAR block with route_many's keyed forward capped at 168 registers against
-  # without (the default), side by side, then route_many's GPU tests (~6 minutes). Session
-  # 27 ran it with the cap as the default (dar_block) against the variant fwdcap0 (without)
+  # without, side by side, then route_many's GPU tests (~6 minutes). Session 27 ran it with
+  # the cap as the default (dar_block) against the variant fwdcap0 (without), then with the
+  # cap off against fwdcap168; the cap is the default again since session 28
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 \
-      --schemes baseline dar_block dar_block_fwdcap168 > "$OUT/e2e.txt" 2>&1
+      --schemes baseline dar_block dar_block_fwdcap0 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -5
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_route_many_triton.py -x > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
@@ -536,12 +538,26 @@ graphtiming)
 inductorab)
   # session 28: DAR block under Inductor settings aimed at its slow reductions (session 22
   # run 5), and with the keyed forward capped at 168 registers, beside the defaults in one
-  # wave with a kernel profile (~7 minutes)
+  # wave with a kernel profile (~6 minutes; session 28's run 1, with the cap off by default
+  # then, ran the variant fwdcap168: it is fwdcap0 now, the cap on by default)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   python3 -c "import torch._inductor.config as c; print('mix_order_reduction' in dir(c.triton), 'cooperative_reductions' in dir(c.triton))" | tee -a "$LOG"
   timeout "${E2E_SECONDS:-520}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 6 --profile 12 \
-      --schemes baseline dar_block ${AB_VARIANTS:-dar_block_fwdcap168 dar_block_coop dar_block_mfs16 dar_block_mix0} \
+      --schemes baseline dar_block ${AB_VARIANTS:-dar_block_fwdcap0 dar_block_coop dar_block_mfs16 dar_block_mix0} \
       > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -24
+  ;;
+fusionab)
+  # session 28: Inductor's max_fusion_size (default 64) at 16 and 32 on DAR block, at 16 on
+  # WAV, beside the defaults in one wave with a kernel profile, then route_many's GPU tests
+  # (the keyed forward's cap on by default; ~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "${E2E_SECONDS:-400}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 6 --profile 12 \
+      --schemes baseline dar_block ${AB_VARIANTS:-dar_block_mfs16 dar_block_mfs32 wav wav_mfs16} \
+      > "$OUT/e2e.txt" 2>&1
+  timeout "${TEST_SECONDS:-150}" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+      > "$OUT/pytest.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   grep "^|" "$OUT/e2e.txt" | tail -24
   ;;
 fsdp2)

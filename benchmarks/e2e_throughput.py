@@ -121,6 +121,7 @@ BACKEND_VARIANTS = {
     "coop": {"triton.cooperative_reductions": True},
     # fewer nodes a fused kernel (default 64): the 35-40-input chain reductions split up
     "mfs16": {"max_fusion_size": 16},
+    "mfs32": {"max_fusion_size": 32},
     # reductions of different orders (per token, per channel) not fused into one kernel
     "mix0": {"triton.mix_order_reduction": False},
     # each reduction compiled persistent and looped, the faster picked at its first run
@@ -128,11 +129,12 @@ BACKEND_VARIANTS = {
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
-    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mix0", "mk"),
+    "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mfs32", "mix0",
+                  "mk"),
     "attnres": ("unfenced", "sum8", "noacc", "cg"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums"),
-    "block_attnres": ("unfenced", "cg", "cdt"),
+    "block_attnres": ("unfenced", "cg", "cdt", "mfs16"),
     "mhar_block": ("unfenced", "cg"),
 }
 #: backend options per configuration (default: none)
@@ -188,10 +190,10 @@ LAUNCH_VARIANTS = {
     # route's kernels with the register prefetch only (before session 18; since, the one-head
     # forward at d = 1024 and the one-head backward with running sums through the pipeline)
     "rs0": (("wav", "attnres", "mhar"), {"ROUTE_FORWARD_STAGES": 0, "ROUTE_BACKWARD_STAGES": 0}),
-    # route_many's keyed forward capped at 168 registers at d = 1024 (8-9 % faster kernels;
-    # end to end not confirmed in session 27, where it was the default as dar_block against
-    # this variant's predecessor fwdcap0; off by default since)
-    "fwdcap168": (("dar_block",), {"route_many_triton.KEYED_FORWARD_MAXNREG": 168}),
+    # route_many's keyed forward without the register cap of 168 at d = 1024 (the default
+    # since session 28: 7 % faster kernels inside the step, the step level; session 27 ran it
+    # as fwdcap0 too, then fwdcap168 while the cap was off)
+    "fwdcap0": (("dar_block",), {"route_many_triton.KEYED_FORWARD_MAXNREG": None}),
     # the backward kernels forming sum_j a_j <v_j, g> from the sources, read twice (session
     # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
     "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),

@@ -139,15 +139,17 @@ FORWARD_ORDER = "token_major"
 ONE_HEAD_FORWARD_TOKENS = 8
 ONE_HEAD_FORWARD_STAGES = 3
 #: a register cap for the forward's one-head calls with separate keys (DAR's) on rows of
-#: NARROW_ROW padded elements (None: the compiler's choice, the default). Session 27 (H200,
-#: bf16, 16384 tokens, S = 6, d = 1024, docs/benchmarks.md): with 168 the kernel took 0.205
-#: / 0.345 ms against 0.225 / 0.379 at N = 4 / 8, the same in three runs; 200 and 232 level
-#: with none; without keys and with 16 heads 168 was level (within 2 %), at d = 2048 slower
-#: (0.497 against 0.432); 64-128 were 2.3-9.7x slower with one head at d = 1024 and 4096
-#: (spills). End to end not confirmed (DAR block, one run: 121.8 ms a step against 117.8
-#: without, its trials spread over 117.5-126.7 ms against 117.8-117.9): left off until a run
-#: shows the gain (e2e variant ``dar_block_fwdcap168``)
-KEYED_FORWARD_MAXNREG = None
+#: NARROW_ROW padded elements (None: the compiler's choice). Session 27 (H200, bf16, 16384
+#: tokens, S = 6, d = 1024, docs/benchmarks.md): with 168 the kernel took 0.205 / 0.345 ms
+#: against 0.225 / 0.379 at N = 4 / 8, the same in three runs; 200 and 232 level with none;
+#: without keys and with 16 heads 168 was level (within 2 %), at d = 2048 slower (0.497
+#: against 0.432); 64-128 were 2.3-9.7x slower with one head at d = 1024 and 4096 (spills).
+#: End to end (DAR block, 350M): the step level with the cap and without (session 28: 118.5
+#: against 118.4 ms; session 27's one run, 121.8 against 117.8, had its trials spread over
+#: 117.5-126.7 ms), the kernel 7 % faster inside the step (6.63 against 7.12 ms a step,
+#: session 28's profile); the host sets the step's pace there, so the GPU time saved shows
+#: where it does not. The default since session 28 (e2e variant ``dar_block_fwdcap0``: none)
+KEYED_FORWARD_MAXNREG = 168
 WIDE_PER_TOKEN_STAGES = 3
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension

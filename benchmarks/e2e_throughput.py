@@ -131,11 +131,11 @@ BACKEND_VARIANTS = {
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mfs32", "mix0",
                   "mk"),
-    "attnres": ("unfenced", "sum8", "noacc", "cg"),
+    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16"),
     "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16"),
-    "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums"),
+    "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16"),
     "block_attnres": ("unfenced", "cg", "cdt", "mfs16"),
-    "mhar_block": ("unfenced", "cg"),
+    "mhar_block": ("unfenced", "cg", "mfs16"),
 }
 #: backend options per configuration (default: none)
 BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffixes in VARIANTS_OF.items()

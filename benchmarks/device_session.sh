@@ -43,6 +43,7 @@
 #   OUT=... bash benchmarks/device_session.sh capab    # DAR block with the keyed forward's register cap against without (session 27)
 #   OUT=... bash benchmarks/device_session.sh inductorab  # DAR block under Inductor settings for its reductions, and the keyed forward's cap (session 28)
 #   OUT=... bash benchmarks/device_session.sh fusionab  # Inductor's max_fusion_size on DAR block and WAV, route_many's GPU tests (session 28)
+#   OUT=... bash benchmarks/device_session.sh hintab    # DAR block with the backend's max_fusion_size=16 against 64, checked against Inductor alone (session 28)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -559,6 +560,18 @@ fusionab)
       > "$OUT/pytest.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
   grep "^|" "$OUT/e2e.txt" | tail -24
+  ;;
+hintab)
+  # session 28: DAR's graphs compiled with max_fusion_size=16 by default (graph_hints.py)
+  # against Inductor's 64, and without the keyed forward's register cap, beside the baseline
+  # with a kernel profile; then DAR checked through Inductor against Inductor alone (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "${E2E_SECONDS:-330}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
+      --schemes baseline dar_block dar_block_mfs64 dar_block_fwdcap0 > "$OUT/e2e.txt" 2>&1
+  timeout "${CHECK_SECONDS:-200}" python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor \
+      --schemes dar dar_fm > "$OUT/scheme_check_inductor.txt" 2>&1
+  grep "scheme-check" "$OUT/scheme_check_inductor.txt" | tail -6
+  grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

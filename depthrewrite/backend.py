@@ -45,6 +45,9 @@ figure is given (docs/benchmarks.md has the runs):
   fused into it, which then never writes the result.
 - Every other key is an Inductor config patch, applied to this compilation only
   (``config_patches``, never a global assignment).
+- Where a scheme's graph calls for Inductor settings of its own (:mod:`depthrewrite.graph_hints`:
+  DAR's gets ``max_fusion_size=16``, 1.4-1.9 % shorter steps at 350M), the backend adds
+  them unless the caller set them; ``last_report().config_patches`` shows what applied.
 
 ``mode=`` takes Inductor's modes ("max-autotune", ...); ``mode="reduce-overhead"`` records
 the compiled graphs as CUDA graphs with the fused routing kernels inside
@@ -66,6 +69,7 @@ import torch
 from torch import fx
 
 from .grad_accumulation import MAX_HEADS
+from .graph_hints import inductor_defaults
 from .kernels import implementation_for
 from .inductor_pass import backend_pass, rewrite_gradient_sums
 from .norm_fusion import fuse_output_norms
@@ -362,6 +366,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
         gm.recompile()
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
+    patches.update(inductor_defaults(gm.graph, patches))
     recomputed = mark_recomputable(gm.graph, branch_outputs) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,

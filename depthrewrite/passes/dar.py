@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..analysis import Site
+from ..graph_hints import hinted
 from ..ops import merge_partial, route, route_merge
 from ..recompute import recomputable
 from .attnres import AttnResOptions
@@ -137,8 +138,9 @@ class DarRouter(DualRoute):
 
     def write(self, state: State, u, x, h) -> State:
         history, partial = state[:2]
-        # two new entries per site, recomputable from u in the backward (recompute.py)
-        with recomputable(partial=not self.closes_block):
+        # two new entries per site, recomputable from u in the backward (recompute.py); the
+        # hint gives the graph Inductor settings that suit the transport chain (graph_hints.py)
+        with recomputable(partial=not self.closes_block), hinted("dar_transport"):
             if partial is None:  # a fresh block: nothing to transport yet
                 p0, p1 = self.beta[0] * u, self.beta[1] * u
             else:

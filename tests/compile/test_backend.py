@@ -170,6 +170,25 @@ def test_inductor_matches_eager():
     assert torch._inductor.config.fallback_random == before
 
 
+@pytest.mark.parametrize("scheme, options, expected", [
+    ("dar", {}, {"max_fusion_size": 16}),  # graph_hints.INDUCTOR_DEFAULTS["dar_transport"]
+    ("dar", {"max_fusion_size": 64}, {"max_fusion_size": 64}),  # the caller's setting wins
+    ("block_attnres", {}, {}),  # no hint: Inductor's own defaults
+])
+def test_hinted_graphs_get_their_inductor_defaults(scheme, options, expected):
+    """DAR's transport is traced inside graph_hints.hinted, so its graph compiles with
+    max_fusion_size=16 unless the caller chose a value."""
+    _, reports = _compile_and_compare(scheme, {"inner": "aot_eager", **options}, rtol=1e-6, atol=1e-7)
+    assert reports[-1].config_patches == expected
+
+
+def test_unknown_hint_is_a_value_error():
+    from depthrewrite.graph_hints import hinted
+
+    with pytest.raises(ValueError, match="unknown hint 'dar'; expected one of \\['dar_transport'\\]"):
+        hinted("dar")
+
+
 def test_backend_is_registered_by_entry_point():
     names = {ep.name: ep.value for ep in entry_points(group="torch_dynamo_backends")}
     assert names.get("depthrewrite") == "depthrewrite.backend:depthrewrite_backend"

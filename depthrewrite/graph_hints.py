@@ -9,10 +9,10 @@ unless the caller set that setting (``torch.compile(..., options={...})``).
 - ``"dar_transport"``, DAR's gated write with transport: ``max_fusion_size=16`` (Inductor's
   default is 64). Inductor otherwise fuses the backward of a whole block's transport chain
   into reductions of 35-40 inputs that run at 1.5-1.8 TB/s (session 22). With 16, DAR
-  block at 350M on one H200 ran 1.4-1.9 % shorter steps. Inductor's kernels took 2.8-3.2
-  ms less a step, in two runs (session 28, docs/benchmarks.md). The same setting left
-  Block AttnRes and WAV level and made block MHAR's Inductor kernels 0.7 ms slower, so it
-  is not applied to every graph.
+  block at 350M on one H200 ran 1.4-1.9 % shorter steps, and Inductor's kernels took
+  2.8-3.2 ms less a step, in three runs side by side (session 28, docs/benchmarks.md).
+  The same setting left Block AttnRes and WAV level and made block MHAR's Inductor
+  kernels 0.7 ms slower, so it is not applied to every graph.
 """
 
 from __future__ import annotations

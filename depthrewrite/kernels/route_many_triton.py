@@ -147,8 +147,9 @@ ONE_HEAD_FORWARD_STAGES = 3
 #: End to end (DAR block, 350M): the step level with the cap and without (session 28: 118.5
 #: against 118.4 ms; session 27's one run, 121.8 against 117.8, had its trials spread over
 #: 117.5-126.7 ms), the kernel 7 % faster inside the step (6.63 against 7.12 ms a step,
-#: session 28's profile); the host sets the step's pace there, so the GPU time saved shows
-#: where it does not. The default since session 28 (e2e variant ``dar_block_fwdcap0``: none)
+#: session 28's profile). The host sets that step's pace, so the GPU time saved would show
+#: only in a step where the host does not. The default since session 28 (e2e variant
+#: ``dar_block_fwdcap0``: none)
 KEYED_FORWARD_MAXNREG = 168
 WIDE_PER_TOKEN_STAGES = 3
 FORWARD_ORDERS = ("token_major", "chunk_major")

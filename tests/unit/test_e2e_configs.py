@@ -1,6 +1,7 @@
 """benchmarks/e2e_throughput.py's A/B configurations: each launch constant a configuration
-sets exists in its module, is set, and is put back (a misspelt one would fail only on the
-device, after its models compiled)."""
+sets exists in its module, is set, and is put back, and each backend option it passes is
+the backend's or an Inductor setting (a misspelt one would fail only on the device, after
+its models compiled)."""
 
 import pytest
 
@@ -21,3 +22,24 @@ def test_every_launch_patch_sets_an_existing_constant():
         finally:
             for module, constant, value in reversed(previous):
                 setattr(module, constant, value)
+
+
+def test_every_backend_variant_names_real_settings():
+    """Each A/B configuration's backend options are the backend's own or Inductor settings
+    that exist (what the backend passes on to Inductor), and the plain model's "_cg" and
+    "_cdt" references take Inductor settings only."""
+    import torch
+
+    from depthrewrite import backend
+
+    e2e = load_benchmark("e2e_throughput")
+    inductor_settings = torch._inductor.config.get_config_copy()
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1,))  # AOTAutograd takes tuple outputs
+    for name, options in e2e.BACKEND_OPTIONS.items():
+        backend.clear_reports()
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={**options, "inner": "aot_eager"})
+        passed_on = backend.last_report().config_patches
+        unknown = sorted(set(passed_on) - set(inductor_settings))
+        assert not unknown, f"{name}: {unknown} are neither backend options nor Inductor settings"
+        if name.startswith("baseline_"):  # compiled by Inductor itself: no backend options
+            assert passed_on == options, name

@@ -218,6 +218,10 @@ for _name in RAW_REGISTRATION:
 #: 350M; session 26's run 2 measured 1.062x, steps 2.6 % longer than dar_block's)
 CONFIGS["dar_block_fm_branch"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
+#: DAR block's fused merge at Inductor's own max_fusion_size (its graphs get 16 from the
+#: backend since session 28, measured on dar_block only)
+CONFIGS["dar_block_fm_mfs64"] = CONFIGS["dar_block_fm"]
+BACKEND_OPTIONS["dar_block_fm_mfs64"] = BACKEND_VARIANTS["mfs64"]
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048

@@ -63,6 +63,7 @@ import collections
 import dataclasses
 import logging
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -218,27 +219,29 @@ def _node_implementation(node: fx.Node) -> str:
 
 def count_routing_ops(graph: fx.Graph) -> tuple[dict[str, int], dict[str, str]]:
     """Routing op name -> count and -> implementation, for one graph, counting the calls
-    inside the subgraphs it calls (the bodies of higher-order ops such as activation
-    checkpointing) once per call."""
+    inside the subgraphs it calls (:func:`_graph_nodes`) once per call."""
     counts: dict[str, int] = collections.Counter()
     impls: dict[str, set[str]] = collections.defaultdict(set)
-    _count_into(graph, counts, impls)
-    return dict(counts), {k: "+".join(sorted(v, reverse=True)) for k, v in impls.items()}
-
-
-def _count_into(graph: fx.Graph, counts, impls) -> None:
-    owner = graph.owning_module
-    for node in graph.nodes:
+    for node in _graph_nodes(graph):
         name = _routing_op_name(node)
         if name is not None:
             counts[name] += 1
             impls[name].add(_node_implementation(node))
-        elif node.op == "call_function" and owner is not None:
+    return dict(counts), {k: "+".join(sorted(v, reverse=True)) for k, v in impls.items()}
+
+
+def _graph_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
+    """The graph's nodes, each followed by the nodes of the subgraphs it calls (the bodies
+    of higher-order ops such as activation checkpointing), once per call."""
+    owner = graph.owning_module
+    for node in graph.nodes:
+        yield node
+        if node.op == "call_function" and owner is not None:
             for arg in node.args:
                 if isinstance(arg, fx.Node) and arg.op == "get_attr":
                     body = operator.attrgetter(arg.target)(owner)
                     if isinstance(body, fx.GraphModule):
-                        _count_into(body.graph, counts, impls)
+                        yield from _graph_nodes(body.graph)
 
 
 def saved_for_backward(graph: fx.Graph) -> dict[str, int]:
@@ -366,7 +369,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
         gm.recompile()
     ops, impls = count_routing_ops(gm.graph)
     patches = _config_patches(mode, options)
-    patches.update(inductor_defaults(gm.graph, patches))
+    patches.update(inductor_defaults(_graph_nodes(gm.graph), patches))
     recomputed = mark_recomputable(gm.graph, branch_outputs) if recompute else None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,27 +48,15 @@ def hinted(hint: str):
     return annotate({HINT_KEY: hint})
 
 
-def _nodes(graph: fx.Graph) -> Iterator[fx.Node]:
-    """The graph's nodes and those of the subgraphs it calls (higher-order ops' bodies,
-    such as activation checkpointing's)."""
-    owner = graph.owning_module
-    for node in graph.nodes:
-        yield node
-        if node.op == "get_attr" and owner is not None:
-            body = operator.attrgetter(node.target)(owner)
-            if isinstance(body, fx.GraphModule):
-                yield from _nodes(body.graph)
+def graph_hints(nodes: Iterable[fx.Node]) -> set[str]:
+    """The hints the nodes carry."""
+    return {hint for node in nodes if (hint := (node.meta.get("custom") or {}).get(HINT_KEY))}
 
 
-def graph_hints(graph: fx.Graph) -> set[str]:
-    """The hints the graph's nodes carry."""
-    return {hint for node in _nodes(graph) if (hint := (node.meta.get("custom") or {}).get(HINT_KEY))}
-
-
-def inductor_defaults(graph: fx.Graph, chosen: dict[str, Any]) -> dict[str, Any]:
-    """The Inductor settings the graph's hints call for that ``chosen`` (the caller's
-    settings) does not set."""
-    hints = sorted(graph_hints(graph))
+def inductor_defaults(nodes: Iterable[fx.Node], chosen: dict[str, Any]) -> dict[str, Any]:
+    """The Inductor settings that a graph's hints (those its ``nodes`` carry, the backend
+    walking its subgraphs too) call for and ``chosen`` (the caller's settings) does not set."""
+    hints = sorted(graph_hints(nodes))
     defaults = {key: value for hint in hints for key, value in INDUCTOR_DEFAULTS[hint].items() if key not in chosen}
     if defaults:
         log.info("depthrewrite backend: Inductor settings %s for this graph's hints %s", defaults, hints)

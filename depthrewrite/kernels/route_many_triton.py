@@ -87,9 +87,11 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _product_as, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _product_as, _query_base, _register_cap, _row_blocks, _src_ptr, _table_ptrs,
+    check_exact_softmax_grad,
 )
 from .pointer_tables import pointer_tables
+from .route_many_split_triton import split_backward, split_supported
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
 
@@ -168,7 +170,11 @@ MULTI_HEAD_BACKWARD_WARPS = 8
 #: entries, and the reduction reads every source again): one-head calls without keys stay
 #: per-token
 BACKWARD = None
-BACKWARD_CHOICES = ("tiled", "per_token")
+BACKWARD_CHOICES = ("tiled", "per_token", "split")
+#: whether calls the split backward takes (one head, few sources and queries:
+#: route_many_split_triton) run it when neither BACKWARD nor the call's config names a
+#: kernel (session 29: built, timed on the GPU before it becomes a default)
+SPLIT_BACKWARD = False
 #: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
 #: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,
 #: query, token and head stored, then the tiled backward's parameter reduction, which reads
@@ -207,19 +213,6 @@ PARAM_PER_SM = 4
 #: 8, 0.594 / 1.032 against 0.677 / 1.191 with 16 heads (2 stages 5 % slower, 4 stages 2 %;
 #: 3 or 8 programs per SM as fast as 4, 2 slower)
 PARAM_STAGES = 3
-
-
-@triton.jit
-def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
-    """Entries ``q`` (a vector of query indices) of a pointer table as typed pointers.
-    ALIGNED (the launcher checked every tensor behind the table for 16-byte alignment)
-    tells the compiler so: without the hint the rows behind them were read and written
-    with one 2-byte instruction per element (sm_90 PTX: the forward's output stores,
-    ``st.global.b16``), with it 16 bytes at a time (``st.global.v4.b32``)."""
-    p = tl.load(tab + q, mask=qmask, other=0).to(ptr_ty)
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)
-    return p
 
 
 @triton.jit
@@ -496,13 +489,6 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     else:
         _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
     return r_acc
-
-
-@triton.jit
-def _query_base(i, s, S, T, H):
-    """Start of the ``(T, H)`` slab of source ``i`` and query ``s`` in an ``(N, S, T, H)``
-    buffer, in int64 (the buffer can pass 2**31 elements)."""
-    return ((tl.full((), 0, tl.int64) + i) * S + s) * T * H
 
 
 @triton.jit
@@ -785,7 +771,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
-    ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
+    ("tiled", "per_token" or "split": :mod:`route_many_split_triton`, with its ``split_t`` and
+    ``split_per_sm``), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
@@ -806,7 +793,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
-    kernel = _backward_kernel(heads, cfg, bool(flat_k))
+    kernel = _backward_kernel(heads, cfg, bool(flat_k), len(values), s)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
@@ -816,22 +803,33 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
-    backward = _per_token_backward if kernel == "per_token" else _tiled_backward
-    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
+    if kernel == "split":
+        grad_v, grad_k, r = split_backward(g, gl, ls, flat_v, flat_k, _per_query_rows(queries, key_norm_weights),
+                                           eps, cfg)
+    else:
+        backward = _per_token_backward if kernel == "per_token" else _tiled_backward
+        grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
     grad_weights = _product_as(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
 
-def _backward_kernel(heads: int, cfg: dict, has_keys: bool) -> str:
-    """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice
-    (BACKWARD's comment): per-token for one head without separate keys, tiled otherwise
-    (with 16 heads the per-token kernel's per-head statistics make it 2x slower; with keys
-    12-16 % slower than the tiled kernel with its pipelined parameter reduction)."""
+def _backward_kernel(heads: int, cfg: dict, has_keys: bool, sources: int, queries: int) -> str:
+    """The backward kernel of a call: ``cfg["backward"]`` (checked; "split" only for a call
+    it takes), else the split kernel where SPLIT_BACKWARD and it takes the call, else the
+    measured choice (BACKWARD's comment): per-token for one head without separate keys,
+    tiled otherwise (with 16 heads the per-token kernel's per-head statistics make it 2x
+    slower; with keys 12-16 % slower than the tiled kernel with its pipelined parameter
+    reduction)."""
     choice = cfg["backward"]
+    why_not = split_supported(heads, sources, queries)
     if choice is None:
+        if SPLIT_BACKWARD and why_not is None:
+            return "split"
         return "per_token" if heads == 1 and not has_keys else "tiled"
-    return _checked_choice("backward", choice, BACKWARD_CHOICES)
+    if _checked_choice("backward", choice, BACKWARD_CHOICES) == "split" and why_not is not None:
+        raise ValueError(f"route_many (Triton): config backward='split' does not take this call: {why_not}")
+    return choice
 
 
 def _backward_prefetch(kernel: str, row: int) -> int:

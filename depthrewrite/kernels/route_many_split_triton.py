@@ -62,6 +62,14 @@ STATS_TILE_ELEMS = 4096
 GRADS_TOKENS = 8
 GRADS_TILE_ELEMS = 4096
 GRADS_PER_SM = 4
+#: the gradient kernel: "sum" (three-dimensional tiles, sums over the queries) or "dot"
+#: (two-dimensional tiles, the key and parameter terms through tl.dot: DOT_TOKENS tokens by
+#: DOT_COLUMNS columns, fp32 products as three tf32 ones)
+GRADS_KERNEL = "sum"
+GRADS_KERNELS = ("sum", "dot")
+DOT_TOKENS = 16
+DOT_COLUMNS = 64
+DOT_PRECISION = "tf32x3"
 #: warps of both kernels
 SPLIT_WARPS = 4
 
@@ -192,6 +200,55 @@ def _split_source_grads(r, g, qw, i, tok, tmask, st, offs, mask, ss, ktab, gvtab
     return r + coef[:, :, None] * k[None, :, :]
 
 
+@triton.jit
+def _split_grads_dot_kernel(
+    like_ptr, gtab, ktab, gvtab, gktab, qw_ptr, a_ptr, coef_ptr, kterm_ptr, part_ptr, T, N, S, D,
+    tokens_per_program,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_KEYS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``_split_grads_kernel`` in two-dimensional tiles: the key gradient's ``sum_s (dz_s
+    rstd) w_s q_s`` and the parameter terms as ``tl.dot`` over the queries and over the
+    tokens (tensor cores, PRECISION: fp32 through three tf32 products), the value gradient
+    one query at a time (each output-gradient tile from cache after the first source)."""
+    act = like_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
+    cc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cc < D
+    split = tl.program_id(1)
+    t_start = split.to(tl.int64) * tokens_per_program
+    t_end = tl.minimum(t_start + tokens_per_program, T)
+    ss = tl.arange(0, BLOCK_S)
+    smask = ss < S
+    qw = tl.load(qw_ptr + ss[:, None] * D + cc[None, :], mask=smask[:, None] & cmask[None, :], other=0.0)
+    r = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
+    for t0 in range(t_start, t_end, BLOCK_T):
+        tok = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        tmask = tok < t_end
+        offs = tok[:, None] * D + cc[None, :]
+        mask = tmask[:, None] & cmask[None, :]
+        for i in range(N):
+            i64 = tl.full((), 0, tl.int64) + i
+            k = tl.load(_src_ptr(ktab, i, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            coef = tl.load(coef_ptr + (i64 * S + ss[None, :]) * T + tok[:, None], mask=tmask[:, None] & smask[None, :],
+                           other=0.0)  # (tokens, queries)
+            kterm = tl.load(kterm_ptr + i64 * T + tok, mask=tmask, other=0.0)
+            d_key = tl.dot(coef, qw, input_precision=PRECISION) - k * kterm[:, None]
+            r += tl.dot(tl.trans(coef), k, input_precision=PRECISION)
+            d_value = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+            for s in range(S):
+                g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + (i64 * S + s) * T + tok, mask=tmask, other=0.0)
+                d_value += a[:, None] * g
+            if HAS_KEYS:
+                tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, d_value.to(act), mask=mask)
+                tl.store(_src_ptr(gktab, i, ptr_ty, ALIGNED) + offs, d_key.to(act), mask=mask)
+            else:
+                tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, (d_value + d_key).to(act), mask=mask)
+    out = part_ptr + split.to(tl.int64) * S * D
+    tl.store(out + ss[:, None] * D + cc[None, :], r, mask=smask[:, None] & cmask[None, :])
+
+
 # ------------------------------------------------------------------------ launcher
 
 
@@ -224,19 +281,29 @@ def split_backward(g: Sequence[Tensor], gl: Sequence[Tensor], ls: Sequence[Tenso
         BLOCK_T=stats_t, BLOCK_S=block_s, BLOCK_N=block_n,
         BLOCK_C=_columns(d, STATS_TILE_ELEMS // (block_s * stats_t)), ALIGNED=aligned, HAS_KEYS=bool(flat_k),
         ONE_SOURCE=n == 1, num_warps=warps)
-    block_c = _columns(d, GRADS_TILE_ELEMS // (block_s * GRADS_TOKENS))
+    grads = cfg.get("split_grads") or GRADS_KERNEL
+    if grads not in GRADS_KERNELS:
+        raise ValueError(f"route_many (Triton): config split_grads must be one of {GRADS_KERNELS}; found {grads!r}")
+    dot = grads == "dot"
+    block_t = DOT_TOKENS if dot else GRADS_TOKENS
+    block_c = _columns(d, DOT_COLUMNS if dot else GRADS_TILE_ELEMS // (block_s * block_t))
     col_blocks = triton.cdiv(d, block_c)
     per_sm = cfg.get("split_per_sm")
     per_sm = GRADS_PER_SM if per_sm is None else _positive_int("route_many", "split_per_sm", per_sm)
-    tiles = triton.cdiv(tokens, GRADS_TOKENS)
+    tiles = triton.cdiv(tokens, block_t)
     splits = max(1, _backward_programs(device, tiles * col_blocks, per_sm) // col_blocks)
-    per_program = triton.cdiv(triton.cdiv(tokens, splits), GRADS_TOKENS) * GRADS_TOKENS
+    per_program = triton.cdiv(triton.cdiv(tokens, splits), block_t) * block_t
     splits = triton.cdiv(tokens, per_program)
     part = torch.empty((splits, s, d), dtype=torch.float32, device=device)
-    _split_grads_kernel[(col_blocks, splits)](
-        flat_v[0], gtab, ktab, gvtab, gktab, qw, a, coef, kterm, part, tokens, n, s, d, per_program,
-        BLOCK_T=GRADS_TOKENS, BLOCK_S=block_s, BLOCK_C=block_c, ALIGNED=aligned, HAS_KEYS=bool(flat_k),
-        STAGES=cfg.get("stages") or 0, num_warps=warps)
+    args = (flat_v[0], gtab, ktab, gvtab, gktab, qw, a, coef, kterm, part, tokens, n, s, d, per_program)
+    if dot:  # tl.dot takes at least 16 rows a side
+        _split_grads_dot_kernel[(col_blocks, splits)](
+            *args, BLOCK_T=block_t, BLOCK_S=max(16, block_s), BLOCK_C=block_c, ALIGNED=aligned,
+            HAS_KEYS=bool(flat_k), PRECISION=DOT_PRECISION, num_warps=warps)
+    else:
+        _split_grads_kernel[(col_blocks, splits)](
+            *args, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_C=block_c, ALIGNED=aligned, HAS_KEYS=bool(flat_k),
+            STAGES=cfg.get("stages") or 0, num_warps=warps)
     return grad_v, grad_k, part.sum(0)  # fixed order: deterministic
 
 

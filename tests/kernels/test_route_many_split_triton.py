@@ -8,6 +8,7 @@ in every dtype. Without a GPU the kernels run in Triton's interpreter."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -60,6 +61,8 @@ VARIANTS = [
     {"split_t": 4, "num_warps": 2},
     {"stages": 3},  # the gradient kernel's sources through Triton's software pipeline
     {"split_per_sm": 1},  # few gradient programs: each sums many tiles of tokens
+    {"split_grads": "dot"},  # the gradient kernel's key and parameter terms through tl.dot
+    {"split_grads": "dot", "split_per_sm": 1},
 ]
 
 
@@ -108,10 +111,11 @@ def test_split_refuses_calls_it_does_not_take(n, s, heads, message):
     ("split_t", 3, "config split_t must be a power of two; found 3"),
     ("split_t", True, "config split_t must be a power of two; found True"),
     ("split_per_sm", 0, "config split_per_sm must be a positive int; found 0"),
+    ("split_grads", "mma", "config split_grads must be one of ('sum', 'dot'); found 'mma'"),
 ])
 def test_bad_split_launch_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
-    with pytest.raises(ValueError, match=r"route_many \(Triton\): " + message):
+    with pytest.raises(ValueError, match=r"route_many \(Triton\): " + re.escape(message)):
         _run(inp, torch.float32, 1, config={**SPLIT, entry: value}, fwd_config={})
 
 

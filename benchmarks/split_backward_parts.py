@@ -30,6 +30,16 @@ CONFIGS = {
     "split_dot_w8": {"backward": "split", "split_grads": "dot", "num_warps": 8},
     "split_t32": {"backward": "split", "split_t": 32},
     "split_t4": {"backward": "split", "split_t": 4},
+    # one source at a time in the stats kernel, with the dot gradient kernel
+    **{f"ps_t{t}": {"backward": "split", "split_stats": "per_source", "split_t": t, "split_grads": "dot"}
+       for t in (1, 2, 4, 8)},
+    "ps_t2_w2": {"backward": "split", "split_stats": "per_source", "split_t": 2, "split_grads": "dot", "num_warps": 2},
+    # the dot gradient kernel's tiles and pipeline
+    "dot_t32": {"backward": "split", "split_grads": "dot", "split_grads_t": 32},
+    "dot_c128": {"backward": "split", "split_grads": "dot", "split_grads_c": 128},
+    "dot_c32": {"backward": "split", "split_grads": "dot", "split_grads_c": 32},
+    "dot_ns1": {"backward": "split", "split_grads": "dot", "split_grads_stages": 1},
+    "dot_ns2": {"backward": "split", "split_grads": "dot", "split_grads_stages": 2},
 }
 
 

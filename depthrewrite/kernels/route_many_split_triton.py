@@ -62,6 +62,10 @@ STATS_TILE_ELEMS = 4096
 GRADS_TOKENS = 8
 GRADS_TILE_ELEMS = 4096
 GRADS_PER_SM = 4
+#: the stats kernel: "select" (the sums of every source at once, a select into its slot
+#: per chunk) or "per_source" (one source at a time, the sums reduced once per source)
+STATS_KERNEL = "select"
+STATS_KERNELS = ("select", "per_source")
 #: the gradient kernel: "sum" (three-dimensional tiles, sums over the queries) or "dot"
 #: (two-dimensional tiles, the key and parameter terms through tl.dot: DOT_TOKENS tokens by
 #: DOT_COLUMNS columns, fp32 products as three tf32 ones)
@@ -136,6 +140,77 @@ def _split_stats_kernel(
     tl.store(a_ptr + rows, a, mask=live)
     tl.store(coef_ptr + rows, dz * rstd[:, None, :], mask=live)
     tl.store(kterm_ptr + nn[:, None].to(tl.int64) * T + tok[None, :], kterm, mask=(nn < N)[:, None] & tmask[None, :])
+
+
+@triton.jit
+def _split_stats_per_source_kernel(
+    like_ptr, gtab, ltab, gltab, vtab, ktab, qw_ptr, a_ptr, coef_ptr, kterm_ptr, T, N, S, D, eps,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, ONE_SOURCE: tl.constexpr,
+):
+    """``_split_stats_kernel`` one source at a time: per source the chunks' products are
+    summed elementwise and reduced across the row once, into this program's slots of the
+    output tables (used as scratch: ``a`` takes ``<g_s, v_n>``, ``coef`` ``<w_s q_s, k_n>``,
+    ``kterm`` ``sum k_n^2``), read back after the last source. The output-gradient tiles
+    come from cache after the first source (BLOCK_T tokens of S rows: a few tens of KiB)."""
+    act = like_ptr.dtype.element_ty
+    ptr_ty = tl.pointer_type(act)
+    f32_ty = tl.pointer_type(tl.float32)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    tmask = tok < T
+    ss = tl.arange(0, BLOCK_S)
+    smask = ss < S
+    nn = tl.arange(0, BLOCK_N)
+    st = smask[:, None] & tmask[None, :]
+    g_ptrs = _table_ptrs(gtab, ss, smask, ptr_ty, ALIGNED)
+    for i in range(N):
+        dots = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), tl.float32)
+        keyq = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), tl.float32)
+        squares = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+        for c0 in range(0, D, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            cmask = cc < D
+            offs = tok[:, None] * D + cc[None, :]
+            mask = tmask[:, None] & cmask[None, :]
+            g = tl.load(g_ptrs[:, None, None] + offs[None, :, :], mask=smask[:, None, None] & mask[None, :, :],
+                        other=0.0).to(tl.float32)
+            qw = tl.load(qw_ptr + ss[:, None] * D + cc[None, :], mask=smask[:, None] & cmask[None, :], other=0.0)
+            v_raw, k_raw = _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
+            v = v_raw.to(tl.float32)
+            k = v
+            if HAS_KEYS:
+                k = k_raw.to(tl.float32)
+            dots += g * v[None, :, :]
+            keyq += qw[:, None, :] * k[None, :, :]
+            squares += k * k
+        rows = ((tl.full((), 0, tl.int64) + i) * S + ss[:, None]) * T + tok[None, :]
+        tl.store(a_ptr + rows, tl.sum(dots, 2), mask=st)
+        tl.store(coef_ptr + rows, tl.sum(keyq, 2), mask=st)
+        tl.store(kterm_ptr + (tl.full((), 0, tl.int64) + i) * T + tok, tl.sum(squares, 1), mask=tmask)
+    tl.debug_barrier()  # other threads of the program read these sums back
+
+    live = (nn < N)[:, None, None] & st[None, :, :]
+    rows = (nn[:, None, None].to(tl.int64) * S + ss[None, :, None]) * T + tok[None, None, :]
+    dots = tl.load(a_ptr + rows, mask=live, other=0.0)
+    keyq = tl.load(coef_ptr + rows, mask=live, other=0.0)
+    kmask = (nn < N)[:, None] & tmask[None, :]
+    squares = tl.load(kterm_ptr + nn[:, None].to(tl.int64) * T + tok[None, :], mask=kmask, other=0.0)
+    tl.debug_barrier()  # every thread has read its sums before any slot is overwritten
+    rstd = tl.rsqrt(squares / D + eps)
+    z = keyq * rstd[:, None, :]
+    g_lse = tl.load(_table_ptrs(gltab, ss, smask, f32_ty)[:, None] + tok[None, :], mask=st, other=0.0)
+    if ONE_SOURCE:
+        a = tl.where(live, 1.0, 0.0)
+        dz = tl.where(live, g_lse[None, :, :], 0.0)
+    else:
+        lse = tl.load(_table_ptrs(ltab, ss, smask, f32_ty)[:, None] + tok[None, :], mask=st, other=0.0)
+        a = tl.where(live, tl.exp(z - lse[None, :, :]), 0.0)
+        s_ada = _normalized_sum(tl.sum(a * dots, 0), tl.sum(a, 0), st) - g_lse
+        dz = a * (dots - s_ada[None, :, :])
+    tl.store(a_ptr + rows, a, mask=live)
+    tl.store(coef_ptr + rows, dz * rstd[:, None, :], mask=live)
+    tl.store(kterm_ptr + nn[:, None].to(tl.int64) * T + tok[None, :], rstd * rstd * tl.sum(dz * z, 1) / D,
+             mask=kmask)
 
 
 @triton.jit
@@ -276,17 +351,17 @@ def split_backward(g: Sequence[Tensor], gl: Sequence[Tensor], ls: Sequence[Tenso
         ktab, gktab = vtab, gvtab
     aligned = _aligned(flat_v, grad_v, flat_k, grad_k, g)
     warps = cfg.get("num_warps") or SPLIT_WARPS
-    _split_stats_kernel[(triton.cdiv(tokens, stats_t),)](
+    stats = _checked(cfg, "split_stats", STATS_KERNEL, STATS_KERNELS)
+    stats_kernel = _split_stats_kernel if stats == "select" else _split_stats_per_source_kernel
+    stats_kernel[(triton.cdiv(tokens, stats_t),)](
         flat_v[0], gtab, ltab, gltab, vtab, ktab, qw, a, coef, kterm, tokens, n, s, d, float(eps),
         BLOCK_T=stats_t, BLOCK_S=block_s, BLOCK_N=block_n,
         BLOCK_C=_columns(d, STATS_TILE_ELEMS // (block_s * stats_t)), ALIGNED=aligned, HAS_KEYS=bool(flat_k),
         ONE_SOURCE=n == 1, num_warps=warps)
-    grads = cfg.get("split_grads") or GRADS_KERNEL
-    if grads not in GRADS_KERNELS:
-        raise ValueError(f"route_many (Triton): config split_grads must be one of {GRADS_KERNELS}; found {grads!r}")
-    dot = grads == "dot"
-    block_t = DOT_TOKENS if dot else GRADS_TOKENS
-    block_c = _columns(d, DOT_COLUMNS if dot else GRADS_TILE_ELEMS // (block_s * block_t))
+    dot = _checked(cfg, "split_grads", GRADS_KERNEL, GRADS_KERNELS) == "dot"
+    block_t = (cfg.get("split_grads_t") or DOT_TOKENS) if dot else GRADS_TOKENS
+    block_c = _columns(d, (cfg.get("split_grads_c") or DOT_COLUMNS) if dot else
+                       GRADS_TILE_ELEMS // (block_s * block_t))
     col_blocks = triton.cdiv(d, block_c)
     per_sm = cfg.get("split_per_sm")
     per_sm = GRADS_PER_SM if per_sm is None else _positive_int("route_many", "split_per_sm", per_sm)
@@ -299,12 +374,21 @@ def split_backward(g: Sequence[Tensor], gl: Sequence[Tensor], ls: Sequence[Tenso
     if dot:  # tl.dot takes at least 16 rows a side
         _split_grads_dot_kernel[(col_blocks, splits)](
             *args, BLOCK_T=block_t, BLOCK_S=max(16, block_s), BLOCK_C=block_c, ALIGNED=aligned,
-            HAS_KEYS=bool(flat_k), PRECISION=DOT_PRECISION, num_warps=warps)
+            HAS_KEYS=bool(flat_k), PRECISION=DOT_PRECISION, num_warps=warps,
+            **({"num_stages": cfg["split_grads_stages"]} if cfg.get("split_grads_stages") else {}))
     else:
         _split_grads_kernel[(col_blocks, splits)](
             *args, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_C=block_c, ALIGNED=aligned, HAS_KEYS=bool(flat_k),
             STAGES=cfg.get("stages") or 0, num_warps=warps)
     return grad_v, grad_k, part.sum(0)  # fixed order: deterministic
+
+
+def _checked(cfg: dict, name: str, default: str, choices: tuple) -> str:
+    """The launch config's entry ``name`` (unset: ``default``), if it is one of ``choices``."""
+    choice = cfg.get(name) or default
+    if choice not in choices:
+        raise ValueError(f"route_many (Triton): config {name} must be one of {choices}; found {choice!r}")
+    return choice
 
 
 def _stats_tokens(block_n: int, block_s: int, requested) -> int:

@@ -63,6 +63,8 @@ VARIANTS = [
     {"split_per_sm": 1},  # few gradient programs: each sums many tiles of tokens
     {"split_grads": "dot"},  # the gradient kernel's key and parameter terms through tl.dot
     {"split_grads": "dot", "split_per_sm": 1},
+    {"split_stats": "per_source", "split_t": 2},  # the stats kernel one source at a time
+    {"split_stats": "per_source", "split_t": 8, "split_grads": "dot", "split_grads_t": 32, "split_grads_c": 32},
 ]
 
 
@@ -112,6 +114,7 @@ def test_split_refuses_calls_it_does_not_take(n, s, heads, message):
     ("split_t", True, "config split_t must be a power of two; found True"),
     ("split_per_sm", 0, "config split_per_sm must be a positive int; found 0"),
     ("split_grads", "mma", "config split_grads must be one of ('sum', 'dot'); found 'mma'"),
+    ("split_stats", "all", "config split_stats must be one of ('select', 'per_source'); found 'all'"),
 ])
 def test_bad_split_launch_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)

@@ -46,6 +46,7 @@
 #   OUT=... bash benchmarks/device_session.sh hintab    # DAR block with the backend's max_fusion_size=16 against 64, checked against Inductor alone (session 28)
 #   OUT=... bash benchmarks/device_session.sh splitops  # route_many's split backward: GPU tests, block-phase timings (session 29)
 #   OUT=... bash benchmarks/device_session.sh splitparts  # its kernels one by one (session 29)
+#   OUT=... bash benchmarks/device_session.sh mkab      # Inductor's multi_kernel on the block schemes (session 29)
 #   OUT=... bash benchmarks/device_session.sh splitab   # the split backward end to end against the defaults (session 29)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
@@ -599,6 +600,16 @@ splitparts)
       > "$OUT/parts.txt" 2>&1
   grep "^|" "$OUT/parts.txt"
   tail -3 "$OUT/parts.txt" | grep -i error
+  ;;
+mkab)
+  # session 29: Inductor's multi_kernel (each reduction compiled persistent and looped, the
+  # faster picked at its first run) on the block schemes, beside the defaults in one wave
+  # with a kernel profile (~7 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
+      --schemes baseline ${AB_VARIANTS:-block_attnres block_attnres_mk mhar_block mhar_block_mk dar_block dar_block_mk} \
+      > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -14
   ;;
 splitab)
   # session 29: the models whose one-head route_many backwards the split kernels take, with

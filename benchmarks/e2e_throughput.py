@@ -136,8 +136,8 @@ VARIANTS_OF = {
     "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16"),
     "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16"),
-    "block_attnres": ("unfenced", "cg", "cdt", "mfs16"),
-    "mhar_block": ("unfenced", "cg", "mfs16"),
+    "block_attnres": ("unfenced", "cg", "cdt", "mfs16", "mk"),
+    "mhar_block": ("unfenced", "cg", "mfs16", "mk"),
 }
 #: backend options per configuration (default: none)
 BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffixes in VARIANTS_OF.items()

@@ -44,10 +44,7 @@
 #   OUT=... bash benchmarks/device_session.sh inductorab  # DAR block under Inductor settings for its reductions, and the keyed forward's cap (session 28)
 #   OUT=... bash benchmarks/device_session.sh fusionab  # Inductor's max_fusion_size on DAR block and WAV, route_many's GPU tests (session 28)
 #   OUT=... bash benchmarks/device_session.sh hintab    # DAR block with the backend's max_fusion_size=16 against 64, checked against Inductor alone (session 28)
-#   OUT=... bash benchmarks/device_session.sh splitops  # route_many's split backward: GPU tests, block-phase timings (session 29)
-#   OUT=... bash benchmarks/device_session.sh splitparts  # its kernels one by one (session 29)
 #   OUT=... bash benchmarks/device_session.sh mkab      # Inductor's multi_kernel on the block schemes (session 29)
-#   OUT=... bash benchmarks/device_session.sh splitab   # the split backward end to end against the defaults (session 29)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -577,30 +574,6 @@ hintab)
   grep "scheme-check" "$OUT/scheme_check_inductor.txt" | tail -6
   grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
-splitops)
-  # session 29: route_many's split backward (route_many_split_triton): its GPU tests, then
-  # the block phase's backward through it and its launch variants beside the one-pass
-  # kernels (~5 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout "${TEST_SECONDS:-150}" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_split_triton.py \
-      > "$OUT/pytest.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
-  timeout "${PHASE_SECONDS:-360}" python3 benchmarks/gpu_suite.py --block-phase-only \
-      --variants "${BP_VARIANTS:-^_pertoken\$|^_tiled\$|_split}" --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
-  grep -o "tokens=.*best_bwd=[^ ]*" "$OUT/bp.txt" | sed 's/ many_fwd[^ ]*//g'
-  ;;
-splitparts)
-  # session 29: the split backward's kernels one by one (benchmarks/split_backward_parts.py),
-  # after its GPU tests (~4 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout "${TEST_SECONDS:-150}" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_split_triton.py \
-      > "$OUT/pytest.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | head -20
-  timeout "${PHASE_SECONDS:-300}" python3 benchmarks/split_backward_parts.py --json "$OUT/parts.json" ${PARTS_ARGS:-} \
-      > "$OUT/parts.txt" 2>&1
-  grep "^|" "$OUT/parts.txt"
-  tail -3 "$OUT/parts.txt" | grep -i error
-  ;;
 mkab)
   # session 29: Inductor's multi_kernel (each reduction compiled persistent and looped, the
   # faster picked at its first run) on the block schemes, beside the defaults in one wave
@@ -610,15 +583,6 @@ mkab)
       --schemes baseline ${AB_VARIANTS:-block_attnres block_attnres_mk mhar_block mhar_block_mk dar_block dar_block_mk} \
       > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -14
-  ;;
-splitab)
-  # session 29: the models whose one-head route_many backwards the split kernels take, with
-  # them and without, in one wave with a kernel profile (~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout "${E2E_SECONDS:-520}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
-      --schemes baseline ${AB_VARIANTS:-block_attnres block_attnres_split dar_block dar_block_split} \
-      > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

@@ -196,9 +196,6 @@ LAUNCH_VARIANTS = {
     # since session 28: 7 % faster kernels inside the step, the step level; session 27 ran it
     # as fwdcap0 too, then fwdcap168 while the cap was off)
     "fwdcap0": (("dar_block",), {"route_many_triton.KEYED_FORWARD_MAXNREG": None}),
-    # route_many's one-head backwards through the split kernels (session 29:
-    # route_many_split_triton; the row reductions apart from the gradient rows)
-    "split": (("block_attnres", "dar_block", "attnres"), {"route_many_triton.SPLIT_BACKWARD": True}),
     # the backward kernels forming sum_j a_j <v_j, g> from the sources, read twice (session
     # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
     "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),

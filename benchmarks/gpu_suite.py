@@ -421,15 +421,6 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             "_pertoken_table": {"backward": "per_token", "param": "table"},
                             "_pertoken_pf2": {"backward": "per_token", "prefetch": 2},
                             "_pertoken_pf2_table": {"backward": "per_token", "prefetch": 2, "param": "table"},
-                            # the split backward (session 29: route_many_split_triton, one head):
-                            # the row reductions in one kernel, the gradient rows in another
-                            "_split": {"backward": "split"}, "_split_s3": {"backward": "split", "stages": 3},
-                            "_split_t4": {"backward": "split", "split_t": 4},
-                            "_split_t32": {"backward": "split", "split_t": 32},
-                            "_split_w8": {"backward": "split", "num_warps": 8},
-                            "_split_w2": {"backward": "split", "num_warps": 2},
-                            "_split_pp2": {"backward": "split", "split_per_sm": 2},
-                            "_split_pp8": {"backward": "split", "split_per_sm": 8},
                             "_tiled_t2w4": {"backward": "tiled", "block_t": 2, "num_warps": 4},
                             "_tiled_t1w2": {"backward": "tiled", "num_warps": 2},
                             # the per-token backward's sources through Triton's software pipeline (session 17)
@@ -499,8 +490,6 @@ def block_phase_timing(pattern: str | None = None, timer=bench) -> list[dict]:
             for part, fn, variants in (("fwd", many_fwd, _matching(BLOCK_PHASE_FWD_VARIANTS, pattern)),
                                        ("bwd", many_bwd, _matching(BLOCK_PHASE_BWD_VARIANTS, pattern))):
                 for name, cfg in variants.items():
-                    if heads > 1 and (cfg or {}).get("backward") == "split":
-                        continue  # it takes one head
                     try:
                         row[f"many_{part}{name}"] = timer(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:

@@ -71,7 +71,13 @@ padded to 16, split fp32 factors); it is in the history (commit 9091829), not he
 is a split forward (commit 5112666: the logits and log-sum-exps of all queries in one
 pass over the keys, then the outputs in a streaming pass over the values, no reduction
 across threads): slower at every block-phase shape (0.41 against 0.38 ms at N = 4, 0.71
-against 0.36 at N = 8, 7-8x with 16 heads; docs/benchmarks.md session 14).
+against 0.36 at N = 8, 7-8x with 16 heads; docs/benchmarks.md session 14). So is a split
+backward for one head (commit 76396d7, ``backward="split"``: every row reduction of a tile
+of tokens in one kernel, into small ``(N, S, T)`` tables, then the gradient rows in a second
+kernel without reductions, the parameter terms through ``tl.dot``): at d = 1024, S = 6,
+its best forms took 0.375 + 0.367 ms at N = 4 and 0.724 + 0.719 at N = 8 against the
+per-token kernel's 0.579 and 1.035 (at N = 4 the two kernels 5.4x and 3.7x their own
+floors: as latency-bound as the one-pass kernels; docs/benchmarks.md session 29).
 """
 
 from __future__ import annotations
@@ -87,11 +93,9 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _product_as, _query_base, _register_cap, _row_blocks, _src_ptr, _table_ptrs,
-    check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _product_as, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
 )
 from .pointer_tables import pointer_tables
-from .route_many_split_triton import split_backward, split_supported
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
 
@@ -170,11 +174,7 @@ MULTI_HEAD_BACKWARD_WARPS = 8
 #: entries, and the reduction reads every source again): one-head calls without keys stay
 #: per-token
 BACKWARD = None
-BACKWARD_CHOICES = ("tiled", "per_token", "split")
-#: whether calls the split backward takes (one head, few sources and queries:
-#: route_many_split_triton) run it when neither BACKWARD nor the call's config names a
-#: kernel (session 29: built, timed on the GPU before it becomes a default)
-SPLIT_BACKWARD = False
+BACKWARD_CHOICES = ("tiled", "per_token")
 #: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
 #: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,
 #: query, token and head stored, then the tiled backward's parameter reduction, which reads
@@ -213,6 +213,19 @@ PARAM_PER_SM = 4
 #: 8, 0.594 / 1.032 against 0.677 / 1.191 with 16 heads (2 stages 5 % slower, 4 stages 2 %;
 #: 3 or 8 programs per SM as fast as 4, 2 slower)
 PARAM_STAGES = 3
+
+
+@triton.jit
+def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
+    """Entries ``q`` (a vector of query indices) of a pointer table as typed pointers.
+    ALIGNED (the launcher checked every tensor behind the table for 16-byte alignment)
+    tells the compiler so: without the hint the rows behind them were read and written
+    with one 2-byte instruction per element (sm_90 PTX: the forward's output stores,
+    ``st.global.b16``), with it 16 bytes at a time (``st.global.v4.b32``)."""
+    p = tl.load(tab + q, mask=qmask, other=0).to(ptr_ty)
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
@@ -489,6 +502,13 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     else:
         _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
     return r_acc
+
+
+@triton.jit
+def _query_base(i, s, S, T, H):
+    """Start of the ``(T, H)`` slab of source ``i`` and query ``s`` in an ``(N, S, T, H)``
+    buffer, in int64 (the buffer can pass 2**31 elements)."""
+    return ((tl.full((), 0, tl.int64) + i) * S + s) * T * H
 
 
 @triton.jit
@@ -771,8 +791,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
     reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
-    ("tiled", "per_token" or "split": :mod:`route_many_split_triton`, with its ``split_t`` and
-    ``split_per_sm``), ``param`` (the per-token backward's: "registers" or "table"),
+    ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
@@ -793,7 +812,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
-    kernel = _backward_kernel(heads, cfg, bool(flat_k), len(values), s)
+    kernel = _backward_kernel(heads, cfg, bool(flat_k))
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
@@ -803,33 +822,22 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
-    if kernel == "split":
-        grad_v, grad_k, r = split_backward(g, gl, ls, flat_v, flat_k, _per_query_rows(queries, key_norm_weights),
-                                           eps, cfg)
-    else:
-        backward = _per_token_backward if kernel == "per_token" else _tiled_backward
-        grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
+    backward = _per_token_backward if kernel == "per_token" else _tiled_backward
+    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
     grad_queries = _product_as(r, key_norm_weights, queries)
     grad_weights = _product_as(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
 
-def _backward_kernel(heads: int, cfg: dict, has_keys: bool, sources: int, queries: int) -> str:
-    """The backward kernel of a call: ``cfg["backward"]`` (checked; "split" only for a call
-    it takes), else the split kernel where SPLIT_BACKWARD and it takes the call, else the
-    measured choice (BACKWARD's comment): per-token for one head without separate keys,
-    tiled otherwise (with 16 heads the per-token kernel's per-head statistics make it 2x
-    slower; with keys 12-16 % slower than the tiled kernel with its pipelined parameter
-    reduction)."""
+def _backward_kernel(heads: int, cfg: dict, has_keys: bool) -> str:
+    """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice
+    (BACKWARD's comment): per-token for one head without separate keys, tiled otherwise
+    (with 16 heads the per-token kernel's per-head statistics make it 2x slower; with keys
+    12-16 % slower than the tiled kernel with its pipelined parameter reduction)."""
     choice = cfg["backward"]
-    why_not = split_supported(heads, sources, queries)
     if choice is None:
-        if SPLIT_BACKWARD and why_not is None:
-            return "split"
         return "per_token" if heads == 1 and not has_keys else "tiled"
-    if _checked_choice("backward", choice, BACKWARD_CHOICES) == "split" and why_not is not None:
-        raise ValueError(f"route_many (Triton): config backward='split' does not take this call: {why_not}")
-    return choice
+    return _checked_choice("backward", choice, BACKWARD_CHOICES)
 
 
 def _backward_prefetch(kernel: str, row: int) -> int:

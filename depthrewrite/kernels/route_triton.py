@@ -119,26 +119,6 @@ def _src_ptr(tab, i, ptr_ty, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
-    """Entries ``q`` (a vector of query indices) of a pointer table as typed pointers.
-    ALIGNED (the launcher checked every tensor behind the table for 16-byte alignment)
-    tells the compiler so: without the hint the rows behind them were read and written
-    with one 2-byte instruction per element (sm_90 PTX: the forward's output stores,
-    ``st.global.b16``), with it 16 bytes at a time (``st.global.v4.b32``)."""
-    p = tl.load(tab + q, mask=qmask, other=0).to(ptr_ty)
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)
-    return p
-
-
-@triton.jit
-def _query_base(i, s, S, T, H):
-    """Start of the ``(T, H)`` slab of source ``i`` and query ``s`` in an ``(N, S, T, H)``
-    buffer, in int64 (the buffer can pass 2**31 elements)."""
-    return ((tl.full((), 0, tl.int64) + i) * S + s) * T * H
-
-
-@triton.jit
 def _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr):
     """The rows of source ``i`` and of its key as stored (the key is the source itself
     unless keys are separate)."""

@@ -44,6 +44,7 @@
 #   OUT=... bash benchmarks/device_session.sh inductorab  # DAR block under Inductor settings for its reductions, and the keyed forward's cap (session 28)
 #   OUT=... bash benchmarks/device_session.sh fusionab  # Inductor's max_fusion_size on DAR block and WAV, route_many's GPU tests (session 28)
 #   OUT=... bash benchmarks/device_session.sh hintab    # DAR block with the backend's max_fusion_size=16 against 64, checked against Inductor alone (session 28)
+#   AB_VARIANTS="..." OUT=... bash benchmarks/device_session.sh ab  # those configurations beside the baseline (session 29)
 #   OUT=... bash benchmarks/device_session.sh mkab      # Inductor's multi_kernel on the block schemes (session 29)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
@@ -573,6 +574,15 @@ hintab)
       --schemes dar dar_fm > "$OUT/scheme_check_inductor.txt" 2>&1
   grep "scheme-check" "$OUT/scheme_check_inductor.txt" | tail -6
   grep "^|" "$OUT/e2e.txt" | tail -12
+  ;;
+ab)
+  # any configurations of e2e_throughput.py beside the baseline, in one wave with a kernel
+  # profile: AB_VARIANTS="..." (session 29: block MHAR's fused merge)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  : "${AB_VARIANTS:?AB_VARIANTS must name the configurations}"
+  timeout "${E2E_SECONDS:-520}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
+      --schemes baseline $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -14
   ;;
 mkab)
   # session 29: Inductor's multi_kernel (each reduction compiled persistent and looped, the

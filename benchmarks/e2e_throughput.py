@@ -159,6 +159,9 @@ for _base in FUSED_MERGE_BASES:
     for _suffix in ("fm", "fmnf"):
         CONFIGS[f"{_base}_{_suffix}"] = (CONFIGS[_base][0], {**CONFIGS[_base][1], "fused_merge": True}, None)
     BACKEND_OPTIONS[f"{_base}_fmnf"] = {"fuse_output_norms": False}
+    # the fused merge recorded as CUDA graphs: its steps wait for the host (session 29)
+    CONFIGS[f"{_base}_fm_cg"] = CONFIGS[f"{_base}_fm"]
+    BACKEND_OPTIONS[f"{_base}_fm_cg"] = BACKEND_VARIANTS["cg"]
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
 #: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``, ``kernels``), an A/B of a

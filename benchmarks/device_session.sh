@@ -575,23 +575,18 @@ hintab)
   grep "scheme-check" "$OUT/scheme_check_inductor.txt" | tail -6
   grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
-ab)
-  # any configurations of e2e_throughput.py beside the baseline, in one wave with a kernel
-  # profile: AB_VARIANTS="..." (session 29: block MHAR's fused merge)
+ab|mkab)
+  # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:
+  # block MHAR's fused merge); mkab, unless AB_VARIANTS says otherwise: Inductor's
+  # multi_kernel (each reduction compiled persistent and looped, the faster picked at its
+  # first run) on the block schemes beside their defaults (session 29, ~7 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  if [ "$1" = mkab ]; then
+    AB_VARIANTS=${AB_VARIANTS:-block_attnres block_attnres_mk mhar_block mhar_block_mk dar_block dar_block_mk}
+  fi
   : "${AB_VARIANTS:?AB_VARIANTS must name the configurations}"
-  timeout "${E2E_SECONDS:-520}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
-      --schemes baseline $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -14
-  ;;
-mkab)
-  # session 29: Inductor's multi_kernel (each reduction compiled persistent and looped, the
-  # faster picked at its first run) on the block schemes, beside the defaults in one wave
-  # with a kernel profile (~7 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
-      --schemes baseline ${AB_VARIANTS:-block_attnres block_attnres_mk mhar_block mhar_block_mk dar_block dar_block_mk} \
-      > "$OUT/e2e.txt" 2>&1
+      --schemes baseline $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -14
   ;;
 fsdp2)

@@ -46,6 +46,7 @@
 #   OUT=... bash benchmarks/device_session.sh hintab    # DAR block with the backend's max_fusion_size=16 against 64, checked against Inductor alone (session 28)
 #   AB_VARIANTS="..." OUT=... bash benchmarks/device_session.sh ab  # those configurations beside the baseline (session 29)
 #   OUT=... bash benchmarks/device_session.sh mkab      # Inductor's multi_kernel on the block schemes (session 29)
+#   OUT=... bash benchmarks/device_session.sh finab     # the parameter sums' finishing kernel: GPU tests, host per call, e2e against the torch ops (session 30)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -574,6 +575,21 @@ hintab)
       --schemes dar dar_fm > "$OUT/scheme_check_inductor.txt" 2>&1
   grep "scheme-check" "$OUT/scheme_check_inductor.txt" | tail -6
   grep "^|" "$OUT/e2e.txt" | tail -12
+  ;;
+finab)
+  # session 30: the parameter sums' last step in one kernel (param_grads.finish): the kernel
+  # tests, the host's time per call with it and with the torch ops it replaced, then end to
+  # end against those torch ops (_tfin), recorded as CUDA graphs: the GPU's time alone
+  # (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  tail -2 "$OUT/kernel_tests.txt"
+  timeout 60 python3 benchmarks/host_overhead.py --profile-top 0 > "$OUT/host.txt" 2>&1
+  tail -22 "$OUT/host.txt"
+  AB_VARIANTS=${AB_VARIANTS:-mhar_block_fm_cg mhar_block_fm_cg_tfin wav_cg wav_cg_tfin dar_block_fm_cg dar_block_fm_cg_tfin}
+  timeout "${E2E_SECONDS:-380}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
+      --schemes baseline_cg $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -16
   ;;
 ab|mkab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

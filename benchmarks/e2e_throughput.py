@@ -164,8 +164,8 @@ for _base in FUSED_MERGE_BASES:
     BACKEND_OPTIONS[f"{_base}_fm_cg"] = BACKEND_VARIANTS["cg"]
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
-#: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``, ``kernels``), an A/B of a
-#: module default in one run
+#: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``, ``kernels``,
+#: ``param_grads``), an A/B of a module default in one run
 LAUNCH_VARIANTS = {
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
@@ -203,9 +203,18 @@ LAUNCH_VARIANTS = {
     # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
     "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),
               {"kernels.EXACT_SOFTMAX_GRAD": True}),
+    # the backward kernels' parameter sums finished by torch ops (before session 30: the
+    # sums over the programs, the products and the casts, 3-7 launches a call; since, one:
+    # param_grads.finish), on the models with a backward call per site, recorded as CUDA
+    # graphs too (the GPU's time alone)
+    "tfin": (("mhar_block_fm", "mhar_block_fm_cg", "dar_block_fm", "dar_block_fm_cg", "block_attnres_fm",
+              "block_attnres_fm_cg", "wav", "wav_cg", "mhar", "mhar_cg", "attnres", "attnres_cg"),
+             {"param_grads.FUSED": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
+for _name in LAUNCH_PATCHES:  # a variant of a configuration with backend options keeps them
+    BACKEND_OPTIONS.setdefault(_name, BACKEND_OPTIONS.get(_name.rsplit("_", 1)[0], {}))
 #: the kernels registered with the dispatcher directly (depthrewrite.kernels' "dispatcher"
 #: registration, set in the configuration's process before it imports depthrewrite), each
 #: beside its base configuration: the host time of a call, on the host-bound models (session 21)
@@ -248,11 +257,11 @@ def apply_launch_patches(name: str) -> list[tuple]:
     """Set configuration ``name``'s launch constants (:data:`LAUNCH_PATCHES`); returns
     ``(module, constant, previous value)`` for each, to put back."""
     import depthrewrite.kernels as kernels
-    from depthrewrite.kernels import route_many_triton, route_triton
+    from depthrewrite.kernels import param_grads, route_many_triton, route_triton
     from depthrewrite.passes import two_phase
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
-               "kernels": kernels}
+               "kernels": kernels, "param_grads": param_grads}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

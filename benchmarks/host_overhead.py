@@ -11,7 +11,9 @@ few microseconds, so the host sets the pace), synchronises, and reports the medi
 
 - ``op``: ``torch.ops.depthrewrite.<op>.default`` with autograd off, as Inductor's wrapper
   calls it (dispatcher, the custom op's layers, our CUDA kernel function);
-- ``launcher``: :func:`route_forward` / :func:`route_backward` called directly;
+- ``launcher``: :func:`route_forward` / :func:`route_backward` called directly; ``, torch
+  finish``: the backward's parameter sums finished by torch ops (``param_grads.FUSED`` off:
+  the sums, products and casts as 3-7 launches, as before session 30) instead of one kernel;
 - ``pointer tables``: the tables alone, found in the cache or uploaded;
 - ``torch.add``: one eager ATen op, for scale.
 
@@ -20,8 +22,8 @@ fused merge's profile showed the host issuing Block AttnRes's step in 88.8 ms ag
 without it): ``route_many`` for Block AttnRes's phase 1 (6 completed blocks, 8 sites) and
 ``route_merge`` with the branch norm fused, one result (Block AttnRes) and two keyed ones
 (DAR), each as the op, as our registered CUDA kernel function (``depthrewrite.kernels``'s:
-the op's time beyond it is the dispatcher's and the custom op's wrapper's) and as its
-launcher; with ``--profile-top`` > 0, each op's calls under ``cProfile`` first, the
+the op's time beyond it is the dispatcher's and the custom op's wrapper's), as its
+launcher and as its launcher with the torch finish; with ``--profile-top`` > 0, each op's calls under ``cProfile`` first, the
 functions with the most own time.
 
 Needs CUDA; prints the tables last.
@@ -83,6 +85,8 @@ def rows_for(n: int, tokens: int, d: int, calls: int, repeats: int) -> list[tupl
                                None, None, 1e-6, acc, None)),
             ("route_backward launcher",
              lambda: route_backward(grad, out, lse, values, None, query, weight, None, None, 1, 1e-6)),
+            ("route_backward launcher, torch finish",
+             torch_finish(lambda: route_backward(grad, out, lse, values, None, query, weight, None, None, 1, 1e-6))),
             ("pointer tables (fwd), cached", lambda: pointer_tables(values[0].device, values, [])),
             ("pointer tables (fwd), uploaded", lambda: (clear_cache(), pointer_tables(values[0].device, values, []))),
             ("fence_ op", lambda: fence(grad)),
@@ -91,9 +95,24 @@ def rows_for(n: int, tokens: int, d: int, calls: int, repeats: int) -> list[tupl
         return [(name, per_call_us(fn, calls, repeats)) for name, fn in layers]
 
 
+def torch_finish(fn):
+    """``fn`` with the parameter sums finished by torch ops (``param_grads.FUSED`` off, as
+    before session 30)."""
+    from depthrewrite.kernels import param_grads
+
+    def call():
+        param_grads.FUSED = False
+        try:
+            return fn()
+        finally:
+            param_grads.FUSED = True
+    return call
+
+
 def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
     """name -> (the op as a compiled graph calls it, our registered CUDA kernel function
-    called directly, its Triton launcher called directly)."""
+    called directly, its Triton launcher called directly, the launcher with the parameter
+    sums finished by torch ops)."""
     import torch
 
     import depthrewrite.kernels  # registers the CUDA kernels
@@ -131,13 +150,15 @@ def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
 
 
 def two_phase_rows(tokens: int, d: int, calls: int, repeats: int, profile_top: int) -> dict[str, list[float]]:
-    """name -> host us per call: the op, our kernel function, the Triton launcher. Prints
+    """name -> host us per call: the op, our kernel function, the Triton launcher, the
+    launcher with the parameter sums finished by torch ops. Prints
     each op's profile first (``profile_top`` > 0)."""
     cases = two_phase_cases(tokens, d)
     for name, (op, _, _) in cases.items() if profile_top > 0 else ():
         print(f"== {name}: the op's calls under cProfile ({calls} calls)")
         print(profile(op, calls, profile_top), flush=True)
-    return {name: [per_call_us(fn, calls, repeats) for fn in fns] for name, fns in cases.items()}
+    return {name: [per_call_us(fn, calls, repeats) for fn in (*fns, torch_finish(fns[-1]))]
+            for name, fns in cases.items()}
 
 
 def profile(fn, calls: int, top: int) -> str:
@@ -177,8 +198,8 @@ def main() -> int:
     print("| --- |" + " ---: |" * len(args.sources))
     for i, name in enumerate(names):
         print(f"| {name} | " + " | ".join(f"{results[n][i][1]:.1f}" for n in args.sources) + " |")
-    print("| two-phase op (the end-to-end model's sites) | op | kernel function | launcher |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| two-phase op (the end-to-end model's sites) | op | kernel function | launcher | launcher, torch finish |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, times in two_phase.items():
         print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
     return 0

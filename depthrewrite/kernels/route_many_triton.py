@@ -93,8 +93,9 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _product_as, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
 )
+from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
@@ -824,8 +825,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
                          "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
-    grad_queries = _product_as(r, key_norm_weights, queries)
-    grad_weights = _product_as(r, queries, key_norm_weights)
+    grad_queries, grad_weights = finish(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
 
@@ -862,17 +862,17 @@ def _param_gradients(cfg: dict) -> str:
 
 
 def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,
-                    cfg) -> tuple[list[Tensor], list[Tensor], Tensor]:
+                    cfg) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
-    then ``r`` (the gradient of ``w_s * q_s``, fp32 (S, d)) from ``_route_many_param_kernel``."""
+    then the partial sums of ``r`` (the gradient of ``w_s * q_s``, (S, d)) from
+    ``_route_many_param_kernel``."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
     if tokens == 0:
-        return ([torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k],
-                torch.zeros((s, d), dtype=torch.float32, device=device))
+        return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], _no_sums(s, d, device)
     n = len(flat_v)
     block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS, "route_many")
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
@@ -895,9 +895,9 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     return grad_v, grad_k, r
 
 
-def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> Tensor:
-    """``r`` (fp32 (S, d)) from the ``dz * rstd`` table ``coef`` and the sources: partial sums
-    over ranges of tokens by ``_route_many_param_kernel``, then added in a fixed order.
+def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> PartialSums:
+    """``r``'s partial sums (fp32, (splits, S, d)) from the ``dz * rstd`` table ``coef`` and the
+    sources, over ranges of tokens by ``_route_many_param_kernel``, to be added in a fixed order.
     ``cfg``: the backward's launch config (``param_stages``, ``param_per_sm``, checked)."""
     c = d // heads
     block_q = min(_next_pow2(s), PARAM_QUERIES)
@@ -920,11 +920,11 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
         STAGES=_check_stages(cfg.get("param_stages"), PARAM_STAGES, "route_many", "param_stages"),
         num_warps=NUM_WARPS,
     )
-    return part.sum(0)  # fixed order: deterministic
+    return PartialSums.of(part)
 
 
 def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,
-                        cfg) -> tuple[list[Tensor], list[Tensor], Tensor]:
+                        cfg) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads, "route_many")
@@ -937,8 +937,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
     if tokens == 0:
-        return ([torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k],
-                torch.zeros((s, d), dtype=torch.float32, device=device))
+        return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], _no_sums(s, d, device)
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     param_table = cfg["param"] == "table"
     n = len(flat_v)
@@ -968,8 +967,15 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,
                                                 _aligned(flat_k or flat_v), cfg)
-    # second pass of the deterministic reduction: a fixed-order sum over the programs
-    return grad_v, grad_k, param.sum(1).reshape(-1, d)[:s]
+    # the second pass of the deterministic reduction sums over the programs, in order
+    if len(chunks) == 1:  # the first s of each program's block_q rows
+        return grad_v, grad_k, PartialSums(param[0], programs, block_q * d, s * d)
+    return grad_v, grad_k, PartialSums.of(param.sum(1).reshape(1, -1)[:, : s * d])
+
+
+def _no_sums(s: int, d: int, device) -> PartialSums:
+    """``r``'s partial sums with no tokens: one row of zeros."""
+    return PartialSums.of(torch.zeros((1, s * d), dtype=torch.float32, device=device))
 
 
 def _tokens(sources: Sequence[Tensor]) -> int:

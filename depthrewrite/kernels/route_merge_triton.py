@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
-    _positive_int, _product_as, _row_blocks, _src_ptr, _tokens_per_program,
+    _positive_int, _row_blocks, _src_ptr, _tokens_per_program,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -330,11 +331,10 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
             STAGES=launch["stages"], num_warps=launch["num_warps"],
         )
     # second pass of the deterministic reductions: fixed-order sums over the programs
-    r = part_r.sum(0)  # (J, d)
-    grad_queries = _product_as(r, key_norm_weights, queries)
-    grad_weights = _product_as(r, queries, key_norm_weights)
-    grad_mix = part_m.sum(0).to(mix.dtype)
-    grad_norm_weight = part_n.sum(0).to(out_norm_weight.dtype) if has_norm else queries.new_empty((0,))
+    extra = [(PartialSums.of(part_m), mix)] + ([(PartialSums.of(part_n), out_norm_weight)] if has_norm else [])
+    grad_queries, grad_weights, grad_mix, *grad_norm = finish(PartialSums.of(part_r), queries, key_norm_weights,
+                                                              *extra)
+    grad_norm_weight = grad_norm[0] if has_norm else queries.new_empty((0,))
     return grad_outs, grad_lses, grad_values, grad_keys, grad_queries, grad_weights, grad_mix, grad_norm_weight
 
 

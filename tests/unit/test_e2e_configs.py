@@ -13,6 +13,9 @@ pytest.importorskip("triton")
 def test_every_launch_patch_sets_an_existing_constant():
     e2e = load_benchmark("e2e_throughput")
     assert "dar_block_exact" in e2e.CONFIGS and "block_attnres_exact" in e2e.CONFIGS
+    # a launch variant of a configuration with backend options (CUDA graphs) keeps them
+    assert e2e.BACKEND_OPTIONS["mhar_block_fm_cg_tfin"] == e2e.BACKEND_OPTIONS["mhar_block_fm_cg"] != {}
+    assert e2e.CONFIGS["mhar_block_fm_cg_tfin"][:2] == e2e.CONFIGS["mhar_block_fm_cg"][:2]
     for name, patch in e2e.LAUNCH_PATCHES.items():
         previous = e2e.apply_launch_patches(name)
         try:

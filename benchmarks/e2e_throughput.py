@@ -203,13 +203,13 @@ LAUNCH_VARIANTS = {
     # 24; off by default: <out, g> from the saved output, the flash-attention shortcut)
     "exact": (("block_attnres", "dar_block", "mhar_block", "wav", "attnres", "mhar"),
               {"kernels.EXACT_SOFTMAX_GRAD": True}),
-    # the backward kernels' parameter sums finished by torch ops (before session 30: the
-    # sums over the programs, the products and the casts, 3-7 launches a call; since, one:
-    # param_grads.finish), on the models with a backward call per site, recorded as CUDA
-    # graphs too (the GPU's time alone)
+    # route_many's and route_merge's backward parameter sums finished by torch ops (before
+    # session 30: the sums over the programs, the products and the casts, 3-7 launches a
+    # call; since, one: param_grads.finish), on the models with a backward call per site,
+    # recorded as CUDA graphs too (the GPU's time alone). Session 30 ran wav_cg_tfin too,
+    # while route's backward took the kernel as well: no gain, so route keeps the torch ops
     "tfin": (("mhar_block_fm", "mhar_block_fm_cg", "dar_block_fm", "dar_block_fm_cg", "block_attnres_fm",
-              "block_attnres_fm_cg", "wav", "wav_cg", "mhar", "mhar_cg", "attnres", "attnres_cg"),
-             {"param_grads.FUSED": False}),
+              "block_attnres_fm_cg", "block_attnres", "attnres", "attnres_cg"), {"param_grads.FUSED": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

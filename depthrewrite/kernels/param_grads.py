@@ -1,14 +1,17 @@
 """The last step of the backward kernels' deterministic parameter reductions, in one launch.
 
-The backward kernels of ``route``, ``route_many`` and ``route_merge`` add each parameter
-gradient's terms into float32 partial sums, one row per program (or per range of tokens),
-so that no two programs add into one address (no atomics, a fixed order). What is left is
-a sum over those rows, and for the query and the key-norm weight a product: their gradients
-are ``r * key_norm_weight`` and ``r * query`` for ``r = sum dz * khat``. As torch ops that
-step was three to seven small launches a call (the sums, the products, the casts), about
-35 us of GPU time and as much host time again per ``route_merge`` backward (docs/benchmarks.md,
-session 30); :func:`finish` does it in one: each program sums a block of columns over the
-rows, in order, and writes the results in their own dtypes.
+The backward kernels of ``route_many`` and ``route_merge`` (and ``route``) add each
+parameter gradient's terms into float32 partial sums, one row per program (or per range of
+tokens), so that no two programs add into one address (no atomics, a fixed order). What is
+left is a sum over those rows, and for the query and the key-norm weight a product: their
+gradients are ``r * key_norm_weight`` and ``r * query`` for ``r = sum dz * khat``. As torch
+ops that step was three to seven small launches a call (the sums, the products, the
+casts); :func:`finish` does it in one: each program sums a block of columns over the rows,
+in order, and writes the results in their own dtypes. Session 30 measured (H200,
+docs/benchmarks.md): ``route_merge``'s backward 47-49 us less host time a call, and 1.5-1.6
+ms less GPU time a step in block MHAR's and DAR block's fused merge (40 calls). ``route``'s
+backward, with three launches to replace, showed no gain and keeps the torch ops
+(``route_triton._parameter_grads``).
 
 ``FUSED = False`` takes the torch ops instead (read at each call: the A/B of
 ``benchmarks/e2e_throughput.py``'s ``_tfin`` configurations).

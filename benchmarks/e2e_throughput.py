@@ -553,10 +553,11 @@ def host_table(rows: list[dict]) -> str:
 def baseline_of(name: str) -> str:
     """The configuration a row is compared with: the CUDA-graph and coordinate-descent
     variants with the baseline compiled the same way, the others with the plain Inductor
-    baseline."""
-    for suffix in ("_cg", "_cdt"):
-        if name.endswith(suffix):
-            return "baseline" + suffix
+    baseline. A launch variant of a CUDA-graph configuration (``mhar_block_fm_cg_tfin``)
+    is recorded as CUDA graphs too."""
+    for part in ("cg", "cdt"):
+        if part in name.split("_"):
+            return f"baseline_{part}"
     return "baseline"
 
 

@@ -4,8 +4,9 @@ math and the HBM floor, at the end-to-end model's shape, with launch variants si
     python3 benchmarks/route_merge_speed.py [--tokens 16384] [--width 1024] [--reps 100]
 
 Cases: Block AttnRes's merge (one result, no keys), block MHAR's (16 heads), DAR's (two
-results, each stream's partial entry the other's key), and Block AttnRes's and DAR's with
-the branch's RMSNorm fused (``out_norm_weight``: the normed row written instead of ``x``;
+results, each stream's partial entry the other's key), and Block AttnRes's, block MHAR's
+(session 30: the fused merge's form, its fastest end to end) and DAR's with the branch's
+RMSNorm fused (``out_norm_weight``: the normed row written instead of ``x``;
 Inductor compiles the merge and the norm together). For each: the forward and the
 backward of our kernels (``route_merge_forward`` / ``route_merge_backward``, called
 directly: no dispatcher) at the default launch and each variant of :data:`VARIANTS`, and
@@ -63,8 +64,8 @@ VARIANTS = {
 }
 #: name -> (results J, heads, keyed by the other stream's entry, the branch norm fused)
 CASES = {"block_attnres": (1, 1, False, False), "block_attnres_normed": (1, 1, False, True),
-         "mhar_block": (1, 16, False, False), "dar_block": (2, 1, True, False),
-         "dar_block_normed": (2, 1, True, True)}
+         "mhar_block": (1, 16, False, False), "mhar_block_normed": (1, 16, False, True),
+         "dar_block": (2, 1, True, False), "dar_block_normed": (2, 1, True, True)}
 
 
 def make(j: int, tokens: int, d: int, heads: int, shared_keys: bool, norm: bool, device: str, seed: int) -> dict:

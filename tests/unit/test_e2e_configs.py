@@ -46,3 +46,16 @@ def test_every_backend_variant_names_real_settings():
         assert not unknown, f"{name}: {unknown} are neither backend options nor Inductor settings"
         if name.startswith("baseline_"):  # compiled by Inductor itself: no backend options
             assert passed_on == options, name
+
+
+def test_each_configuration_is_compared_with_the_baseline_compiled_the_same_way():
+    """A CUDA-graph configuration's row (a launch variant of one too) against the baseline
+    recorded as CUDA graphs: its plain peak misses the graphs' pool (session 30's table
+    had compared ``mhar_block_fm_cg_tfin`` with the plain baseline: 0.107x peak)."""
+    e2e = load_benchmark("e2e_throughput")
+    assert e2e.baseline_of("mhar_block_fm_cg_tfin") == "baseline_cg"
+    assert e2e.baseline_of("mhar_block_cg") == "baseline_cg"
+    assert e2e.baseline_of("block_attnres_cdt") == "baseline_cdt"
+    assert e2e.baseline_of("mhar_block_fm_tfin") == e2e.baseline_of("dar_block") == "baseline"
+    for name in e2e.CONFIGS:  # every baseline a row can name is a configuration
+        assert e2e.baseline_of(name) in e2e.CONFIGS, name

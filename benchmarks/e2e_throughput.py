@@ -164,8 +164,8 @@ for _base in FUSED_MERGE_BASES:
     BACKEND_OPTIONS[f"{_base}_fm_cg"] = BACKEND_VARIANTS["cg"]
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
-#: module's as ``module.CONSTANT``: ``route_many_triton``, ``two_phase``, ``kernels``,
-#: ``param_grads``), an A/B of a module default in one run
+#: module's as ``module.CONSTANT``: ``route_many_triton``, ``route_merge_triton``,
+#: ``two_phase``, ``kernels``, ``param_grads``), an A/B of a module default in one run
 LAUNCH_VARIANTS = {
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
@@ -210,6 +210,9 @@ LAUNCH_VARIANTS = {
     # while route's backward took the kernel as well: no gain, so route keeps the torch ops
     "tfin": (("mhar_block_fm", "mhar_block_fm_cg", "dar_block_fm", "dar_block_fm_cg", "block_attnres_fm",
               "block_attnres_fm_cg", "block_attnres", "attnres", "attnres_cg"), {"param_grads.FUSED": False}),
+    # route_merge's multi-head backward without the software pipeline (before session 30;
+    # since, 3 stages: 12 % faster kernels in CUDA-graph replays, not yet timed end to end)
+    "mergepipe0": (("mhar_block_fm", "mhar_block_fm_cg"), {"route_merge_triton.MULTI_HEAD_BACKWARD_STAGES": 0}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
@@ -257,11 +260,11 @@ def apply_launch_patches(name: str) -> list[tuple]:
     """Set configuration ``name``'s launch constants (:data:`LAUNCH_PATCHES`); returns
     ``(module, constant, previous value)`` for each, to put back."""
     import depthrewrite.kernels as kernels
-    from depthrewrite.kernels import param_grads, route_many_triton, route_triton
+    from depthrewrite.kernels import param_grads, route_many_triton, route_merge_triton, route_triton
     from depthrewrite.passes import two_phase
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
-               "kernels": kernels, "param_grads": param_grads}
+               "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

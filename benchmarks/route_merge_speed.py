@@ -61,6 +61,8 @@ VARIANTS = {
     "w2_s3": {"num_warps": 2, "stages": 3},
     "w2_sm8_s3": {"num_warps": 2, "per_sm": 8, "stages": 3},
     "w2_t1_sm16_s3": {"num_warps": 2, "block_t": 1, "per_sm": 16, "stages": 3},
+    # session 30: the multi-head backward's default is 3 stages; this is its launch before
+    "s0": {"stages": 0},
 }
 #: name -> (results J, heads, keyed by the other stream's entry, the branch norm fused)
 CASES = {"block_attnres": (1, 1, False, False), "block_attnres_normed": (1, 1, False, True),

@@ -42,8 +42,14 @@ from .route_triton import (
 MAX_RESULTS = 2
 #: backward programs per SM of the persistent grid
 PER_SM = 4
-#: the backward's software-pipeline stages over its token blocks (0: none)
+#: the backward's software-pipeline stages over its token blocks (0: none), for one-head
+#: rows; multi-head rows (block MHAR) take MULTI_HEAD_BACKWARD_STAGES: 3 stages made their
+#: backward 12 % faster at d = 1024 with 16 heads, 16384 tokens, CUDA-graph replays on H200
+#: (docs/benchmarks.md: 0.091 against 0.104 ms in session 27, 0.081 against 0.093 and with
+#: the branch norm fused, the fused merge's form, 0.098 against 0.111 in session 30), where
+#: the one-head cases were slower with them in the normed forms the fused merge takes
 BACKWARD_STAGES = 0
+MULTI_HEAD_BACKWARD_STAGES = 3
 
 
 @triton.jit
@@ -244,13 +250,14 @@ def _launch(config: dict | None, row: int, heads: int, results: int, normed: boo
     """Launch choices: ``config``'s entries (``block_t``, ``num_warps``, ``per_sm``, ``stages``:
     the backward's software pipeline; tuning runs, ``benchmarks/route_merge_speed.py``),
     checked, over the defaults."""
+    stages = BACKWARD_STAGES if heads == 1 else MULTI_HEAD_BACKWARD_STAGES
     cfg = {"block_t": _tokens_per_program(row), "num_warps": _warps(row, heads, results, normed), "per_sm": PER_SM,
-           "stages": BACKWARD_STAGES, **(config or {})}
+           "stages": stages, **(config or {})}
     unknown = set(cfg) - {"block_t", "num_warps", "per_sm", "stages"}
     if unknown:
         raise ValueError(f"route_merge (Triton): unknown config entries {sorted(unknown)}; "
                          f"expected block_t, num_warps, per_sm, stages")
-    cfg["stages"] = _check_stages(cfg["stages"], BACKWARD_STAGES, "route_merge")
+    cfg["stages"] = _check_stages(cfg["stages"], stages, "route_merge")
     _check_block_t(cfg["block_t"], "route_merge")
     _positive_int("route_merge", "per_sm", cfg["per_sm"])
     warps = _positive_int("route_merge", "num_warps", cfg["num_warps"])

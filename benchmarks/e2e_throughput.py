@@ -222,7 +222,7 @@ for _name in LAUNCH_PATCHES:  # a variant of a configuration with backend option
 #: registration, set in the configuration's process before it imports depthrewrite), each
 #: beside its base configuration: the host time of a call, on the host-bound models (session 21)
 RAW_REGISTRATION = tuple(f"{base}_raw" for base in ("wav", "dar_block", "block_attnres", "dar_block_fm",
-                                                    "block_attnres_fm"))
+                                                    "block_attnres_fm", "mhar_block_fm"))
 for _name in RAW_REGISTRATION:
     _base = _name.rsplit("_", 1)[0]
     CONFIGS[_name] = CONFIGS[_base][:2] + (None,)

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .route_triton import cdiv
+
 __all__ = ["PartialSums", "finish", "FUSED"]
 
 #: one launch for the sums and products (False: torch ops, for A/B timing)
@@ -121,7 +123,7 @@ def finish(r: PartialSums, query: Tensor, key_norm_weight: Tensor,
         for out, (sums, _) in zip(outs, extra):
             out.view(-1).copy_(sums.total())
         return (grad_query, grad_weight, *outs)
-    blocks = [triton.cdiv(s.width, BLOCK_W) for s in (r, *(sums for sums, _ in extra))]
+    blocks = [cdiv(s.width, BLOCK_W) for s in (r, *(sums for sums, _ in extra))]
     pad = [(r.part, 0, 0, 0, grad_query)] * (2 - len(extra))  # unread arguments of absent sums
     (s1, rows1, stride1, width1, o1), (s2, rows2, stride2, width2, o2) = (
         [(s.part, s.rows, s.stride, s.width, o) for (s, _), o in zip(extra, outs)] + pad)

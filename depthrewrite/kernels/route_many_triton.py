@@ -93,7 +93,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, cdiv, check_exact_softmax_grad,
 )
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
@@ -720,11 +720,11 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
         row = block_h * block_c
         block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
         order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
-        chunks = triton.cdiv(s, block_q)
+        chunks = cdiv(s, block_q)
         per_program = cfg.get("tokens_per_program")
         per_program = _positive_int("route_many", "tokens_per_program",
                                     _many_forward_tokens(heads) if per_program is None else per_program)
-        runs = triton.cdiv(tokens, per_program)
+        runs = cdiv(tokens, per_program)
         _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
                                   f"of {block_q} queries")
         _route_many_fwd_kernel[(runs * chunks,)](
@@ -882,7 +882,7 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
                                                                        grad_k)
     if not flat_k:  # the keys are the values (empty tables are never read)
         ktab, gktab = vtab, gvtab
-    _route_many_bwd_tiled_kernel[(triton.cdiv(tokens, block_t),)](
+    _route_many_bwd_tiled_kernel[(cdiv(tokens, block_t),)](
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
         heads, float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
         ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
@@ -903,16 +903,16 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
     block_q = min(_next_pow2(s), PARAM_QUERIES)
     block_cc = min(_next_pow2(c), PARAM_COLUMNS)
     block_tt = max(1, PARAM_ELEMS // (block_q * block_cc))
-    query_chunks = triton.cdiv(s, block_q)
-    column_blocks = triton.cdiv(c, block_cc)
+    query_chunks = cdiv(s, block_q)
+    column_blocks = cdiv(c, block_cc)
     others = heads * query_chunks * column_blocks
     # token ranges: enough programs in all to fill the GPU, each range a whole number of tiles
     per_sm = cfg.get("param_per_sm")
     per_sm = PARAM_PER_SM if per_sm is None else _positive_int("route_many", "param_per_sm", per_sm)
-    tiles = triton.cdiv(tokens, block_tt)
+    tiles = cdiv(tokens, block_tt)
     splits = max(1, _backward_programs(like.device, tiles * others, per_sm) // others)
-    per_program = triton.cdiv(triton.cdiv(tokens, splits), block_tt) * block_tt
-    splits = triton.cdiv(tokens, per_program)
+    per_program = cdiv(cdiv(tokens, splits), block_tt) * block_tt
+    splits = cdiv(tokens, per_program)
     part = torch.empty((splits, s, d), dtype=torch.float32, device=like.device)
     _route_many_param_kernel[(heads * query_chunks, column_blocks, splits)](
         like, vtab, coef, part, tokens, n, s, d, c, heads, per_program, query_chunks,

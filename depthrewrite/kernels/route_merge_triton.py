@@ -35,7 +35,7 @@ from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
-    _positive_int, _row_blocks, _src_ptr, _tokens_per_program,
+    _positive_int, _row_blocks, _src_ptr, _tokens_per_program, cdiv,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -284,7 +284,7 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
     otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
-    _route_merge_fwd_kernel[(triton.cdiv(tokens, launch["block_t"]),)](
+    _route_merge_fwd_kernel[(cdiv(tokens, launch["block_t"]),)](
         otab, ltab, vtab, ktab if flat_k else vtab, queries.contiguous(), key_norm_weights.contiguous(),
         mix.contiguous(), queries if out_norm_weight is None else out_norm_weight.contiguous(), x, tokens, d,
         d // heads, heads, float(eps), float(out_norm_eps),
@@ -313,7 +313,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     block_h, block_c = _row_blocks(d, heads, "route_merge")
     launch = _launch(config, block_h * block_c, heads, len(outs), out_norm_weight is not None)
     block_t = launch["block_t"]
-    num_blocks = triton.cdiv(tokens, block_t)
+    num_blocks = cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, launch["per_sm"])
     # every entry written by its program (no tokens: no launch, the sums stay zero)
     new = torch.zeros if tokens == 0 else torch.empty

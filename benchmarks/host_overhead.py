@@ -11,9 +11,7 @@ few microseconds, so the host sets the pace), synchronises, and reports the medi
 
 - ``op``: ``torch.ops.depthrewrite.<op>.default`` with autograd off, as Inductor's wrapper
   calls it (dispatcher, the custom op's layers, our CUDA kernel function);
-- ``launcher``: :func:`route_forward` / :func:`route_backward` called directly; ``, torch
-  finish``: the backward's parameter sums finished by torch ops (``param_grads.FUSED`` off:
-  the sums, products and casts as 3-7 launches, as before session 30) instead of one kernel;
+- ``launcher``: :func:`route_forward` / :func:`route_backward` called directly;
 - ``pointer tables``: the tables alone, found in the cache or uploaded;
 - ``torch.add``: one eager ATen op, for scale.
 
@@ -23,8 +21,8 @@ without it): ``route_many`` for Block AttnRes's phase 1 (6 completed blocks, 8 s
 ``route_merge`` with the branch norm fused, one result (Block AttnRes) and two keyed ones
 (DAR), each as the op, as our registered CUDA kernel function (``depthrewrite.kernels``'s:
 the op's time beyond it is the dispatcher's and the custom op's wrapper's), as its
-launcher and as its launcher with the torch finish; with ``--profile-top`` > 0, each op's calls under ``cProfile`` first, the
-functions with the most own time.
+launcher and as its launcher with the torch finish; with ``--profile-top`` > 0, each op's
+calls under ``cProfile`` first, the functions with the most own time.
 
 Needs CUDA; prints the tables last.
 """
@@ -85,8 +83,6 @@ def rows_for(n: int, tokens: int, d: int, calls: int, repeats: int) -> list[tupl
                                None, None, 1e-6, acc, None)),
             ("route_backward launcher",
              lambda: route_backward(grad, out, lse, values, None, query, weight, None, None, 1, 1e-6)),
-            ("route_backward launcher, torch finish",
-             torch_finish(lambda: route_backward(grad, out, lse, values, None, query, weight, None, None, 1, 1e-6))),
             ("pointer tables (fwd), cached", lambda: pointer_tables(values[0].device, values, [])),
             ("pointer tables (fwd), uploaded", lambda: (clear_cache(), pointer_tables(values[0].device, values, []))),
             ("fence_ op", lambda: fence(grad)),
@@ -111,8 +107,10 @@ def torch_finish(fn):
 
 def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
     """name -> (the op as a compiled graph calls it, our registered CUDA kernel function
-    called directly, its Triton launcher called directly, the launcher with the parameter
-    sums finished by torch ops)."""
+    called directly, its Triton launcher called directly). :func:`two_phase_rows` times the
+    launcher once more with the parameter sums finished by torch ops (``param_grads.FUSED``
+    off: the sums, products and casts as 3-7 launches, as before session 30; the forwards
+    have none, so their two launcher columns show the spread of these timings)."""
     import torch
 
     import depthrewrite.kernels  # registers the CUDA kernels

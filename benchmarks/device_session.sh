@@ -47,7 +47,7 @@
 #   AB_VARIANTS="..." OUT=... bash benchmarks/device_session.sh ab  # those configurations beside the baseline (session 29)
 #   OUT=... bash benchmarks/device_session.sh mkab      # Inductor's multi_kernel on the block schemes (session 29)
 #   OUT=... bash benchmarks/device_session.sh finab     # the parameter sums' finishing kernel: GPU tests, host per call, e2e against the torch ops (session 30)
-#   OUT=... bash benchmarks/device_session.sh fmab      # block MHAR's fused merge: its defaults, the 3-stage backward's A/B, the direct registration (for session 31)
+#   OUT=... bash benchmarks/device_session.sh fmab      # GPU kernel tests; block MHAR's fused merge: its defaults, the 3-stage backward's A/B, the direct registration (for session 31)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -596,8 +596,11 @@ fmab)
   # for session 31: block MHAR's fused merge (its fastest form where the host keeps up,
   # session 30) against its defaults, with route_merge's multi-head backward before session
   # 30's 3 stages (mergepipe0), and with the kernels registered with the dispatcher directly
-  # (raw: less host time a call, for the machines whose host sets the pace), ~5 minutes
+  # (raw: less host time a call, for the machines whose host sets the pace), after the
+  # kernel tests (the 3-stage default's first run of the whole GPU suite), ~7 minutes
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  tail -2 "$OUT/kernel_tests.txt"
   AB_VARIANTS=${AB_VARIANTS:-mhar_block mhar_block_fm mhar_block_fm_mergepipe0 mhar_block_fm_raw baseline_cg mhar_block_fm_cg}
   timeout "${E2E_SECONDS:-420}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
       --schemes baseline $AB_VARIANTS > "$OUT/e2e.txt" 2>&1

@@ -592,33 +592,33 @@ finab)
       --schemes baseline_cg $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -16
   ;;
-fmab)
-  # for session 31: block MHAR's fused merge (its fastest form where the host keeps up,
-  # session 30) against its defaults, with route_merge's multi-head backward before session
-  # 30's 3 stages (mergepipe0), and with the kernels registered with the dispatcher directly
-  # (raw: less host time a call, for the machines whose host sets the pace), after the
-  # kernel tests (the 3-stage default's first run of the whole GPU suite), ~7 minutes
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
-  tail -2 "$OUT/kernel_tests.txt"
-  AB_VARIANTS=${AB_VARIANTS:-mhar_block mhar_block_fm mhar_block_fm_mergepipe0 mhar_block_fm_raw baseline_cg mhar_block_fm_cg}
-  timeout "${E2E_SECONDS:-420}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
-      --schemes baseline $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -16
-  ;;
-ab|mkab)
+ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:
   # block MHAR's fused merge); mkab, unless AB_VARIANTS says otherwise: Inductor's
   # multi_kernel (each reduction compiled persistent and looped, the faster picked at its
-  # first run) on the block schemes beside their defaults (session 29, ~7 minutes)
+  # first run) on the block schemes beside their defaults (session 29, ~7 minutes); fmab,
+  # for session 31: the kernel tests first (the whole GPU suite's first run with route_merge's
+  # 3-stage multi-head backward as the default), then block MHAR's fused merge (its fastest
+  # form where the host keeps up, session 30) against its defaults, with that backward before
+  # session 30 (mergepipe0), with the kernels registered with the dispatcher directly (raw:
+  # less host time a call, for the machines whose host sets the pace) and recorded as CUDA
+  # graphs (~7 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  if [ "$1" = mkab ]; then
+  case "$1" in
+  mkab)
     AB_VARIANTS=${AB_VARIANTS:-block_attnres block_attnres_mk mhar_block mhar_block_mk dar_block dar_block_mk}
-  fi
+    ;;
+  fmab)
+    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+    tail -2 "$OUT/kernel_tests.txt"
+    AB_VARIANTS=${AB_VARIANTS:-mhar_block mhar_block_fm mhar_block_fm_mergepipe0 mhar_block_fm_raw baseline_cg mhar_block_fm_cg}
+    E2E_SECONDS=${E2E_SECONDS:-420}  # the tests took up to 150 s of the call's 600
+    ;;
+  esac
   : "${AB_VARIANTS:?AB_VARIANTS must name the configurations}"
   timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
       --schemes baseline $AB_VARIANTS > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -14
+  grep "^|" "$OUT/e2e.txt" | tail -16
   ;;
 fsdp2)
   for s in "block_attnres" "dar --option layers_per_block=2"; do

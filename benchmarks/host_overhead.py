@@ -97,11 +97,11 @@ def torch_finish(fn):
     from depthrewrite.kernels import param_grads
 
     def call():
-        param_grads.FUSED = False
+        previous, param_grads.FUSED = param_grads.FUSED, False
         try:
             return fn()
         finally:
-            param_grads.FUSED = True
+            param_grads.FUSED = previous
     return call
 
 

@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .route_triton import cdiv
+from .grid import cdiv
 
-__all__ = ["PartialSums", "finish", "FUSED"]
+__all__ = ["PartialSums", "finish", "query_and_weight_grads", "FUSED"]
 
 #: one launch for the sums and products (False: torch ops, for A/B timing)
 FUSED = True
@@ -117,9 +117,7 @@ def finish(r: PartialSums, query: Tensor, key_norm_weight: Tensor,
     grad_weight = torch.empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=query.device)
     outs = [torch.empty(like.shape, dtype=like.dtype, device=query.device) for _, like in extra]
     if not FUSED:
-        total = r.total()
-        torch.mul(total, key_norm_weight.reshape(-1), out=grad_query.view(-1))
-        torch.mul(total, query.reshape(-1), out=grad_weight.view(-1))
+        _products(r.total(), query, key_norm_weight, grad_query, grad_weight)
         for out, (sums, _) in zip(outs, extra):
             out.view(-1).copy_(sums.total())
         return (grad_query, grad_weight, *outs)
@@ -134,3 +132,23 @@ def finish(r: PartialSums, query: Tensor, key_norm_weight: Tensor,
         EXTRA=len(extra), BLOCK_P=BLOCK_P, BLOCK_W=BLOCK_W, num_warps=NUM_WARPS,
     )
     return (grad_query, grad_weight, *outs)
+
+
+def query_and_weight_grads(r: PartialSums, query: Tensor, key_norm_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``finish``'s first two results as torch ops (a sum and two products, no extra sums):
+    what ``route``'s backward takes, where the kernel measured no gain (module docstring)."""
+    if r.width != query.numel():
+        raise ValueError(f"param_grads.query_and_weight_grads: partial sums of width {r.width} for a gradient of "
+                         f"{query.numel()} entries")
+    grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    grad_weight = torch.empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=query.device)
+    _products(r.total(), query, key_norm_weight, grad_query, grad_weight)
+    return grad_query, grad_weight
+
+
+def _products(total: Tensor, query: Tensor, key_norm_weight: Tensor, grad_query: Tensor, grad_weight: Tensor) -> None:
+    """``total * key_norm_weight`` into ``grad_query`` and ``total * query`` into
+    ``grad_weight``: float32 products (``total`` is float32), each rounded once to its
+    output's dtype, one launch each."""
+    torch.mul(total, key_norm_weight.reshape(-1), out=grad_query.view(-1))
+    torch.mul(total, query.reshape(-1), out=grad_weight.view(-1))

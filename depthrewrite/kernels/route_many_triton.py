@@ -93,8 +93,9 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, cdiv, check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
 )
+from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 

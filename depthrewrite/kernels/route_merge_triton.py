@@ -31,11 +31,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
-    _positive_int, _row_blocks, _src_ptr, _tokens_per_program, cdiv,
+    _positive_int, _row_blocks, _src_ptr, _tokens_per_program,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference

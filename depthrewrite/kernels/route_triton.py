@@ -92,6 +92,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..ops.route import _check_acc
+from .grid import cdiv
+from .param_grads import PartialSums, query_and_weight_grads
 from .pointer_tables import pointer_tables
 
 __all__ = ["route_forward", "route_backward", "MAX_ROW", "SUPPORTED_DTYPES"]
@@ -499,13 +501,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for the launchers' grids. Not ``triton.cdiv``: in Triton 3.9 (this
-    project's CPU VM) that is a ``constexpr_function``, whose wrapper took the host 2.8 us a
-    call against 0.1 for this, and a launcher calls it up to six times."""
-    return -(-a // b)
-
-
 def _row_blocks(d: int, heads: int, op: str = "route") -> tuple[int, int]:
     block_h, block_c = _next_pow2(heads), _next_pow2(d // heads)
     if block_h * block_c > MAX_ROW:
@@ -734,13 +729,6 @@ def _register_cap(cfg: dict, op: str = "route") -> dict:
     if not isinstance(cap, int) or isinstance(cap, bool) or not lo <= cap <= hi:
         raise ValueError(f"{op} (Triton): config maxnreg must be an int from {lo} to {hi} or None; found {cap!r}")
     return {"maxnreg": cap}
-
-
-def _product_as(r: Tensor, weight: Tensor, like: Tensor) -> Tensor:
-    """``r * weight`` in float32 (``r`` is float32), rounded once to ``like``'s dtype: one
-    kernel, where ``(r * weight.float()).to(dtype)`` launched three (host time: the schemes
-    with a routing call per site wait for the host)."""
-    return torch.mul(r, weight, out=torch.empty_like(like, memory_format=torch.contiguous_format))
 
 
 def _aligned(*groups) -> bool:
@@ -1016,9 +1004,7 @@ def _parameter_grads(part_r, part_b, part_n, query, key_norm_weight, logit_bias,
     step with the kernel against 112.7 without (its GPU time 0.2 ms less), and the host's
     time per call 336-391 us with it against 296-346 without, within the spread of those
     host timings."""
-    r = part_r.sum(0)
-    grad_query = _product_as(r, key_norm_weight, query)
-    grad_weight = _product_as(r, query, key_norm_weight)
+    grad_query, grad_weight = query_and_weight_grads(PartialSums.of(part_r), query, key_norm_weight)
     if logit_bias is None:
         grad_bias = query.new_empty((0,))
     else:

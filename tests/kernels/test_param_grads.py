@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from depthrewrite.kernels import param_grads  # noqa: E402
-from depthrewrite.kernels.param_grads import PartialSums, finish  # noqa: E402
+from depthrewrite.kernels.param_grads import PartialSums, finish, query_and_weight_grads  # noqa: E402
 from tests.kernels.test_route_triton import DEVICE  # noqa: E402
 
 
@@ -94,3 +94,21 @@ def test_mismatched_width_is_refused():
     with pytest.raises(ValueError, match="at most 2 extra sums"):
         extra = (sums, torch.zeros(10, device=DEVICE))
         finish(sums, torch.zeros(10, device=DEVICE), torch.zeros(10, device=DEVICE), extra, extra, extra)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_ops_form_matches_float64(dtype):
+    """``route``'s backward finishes with torch ops (``query_and_weight_grads``): the same two
+    products, from strided rows, in the parameters' dtypes and shapes."""
+    part, sums = _rows(37, 2 * 50, seed=9, stride=128)
+    gen = torch.Generator().manual_seed(10)
+    query = torch.randn(2, 50, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.rand(2, 50, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    grad_query, grad_weight = query_and_weight_grads(sums, query, weight)
+    exp_q, exp_w = _expected(part.cpu(), 100, weight, query)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 4e-3}[dtype]
+    for out, exp, like in ((grad_query, exp_q, query), (grad_weight, exp_w, weight)):
+        assert out.dtype == like.dtype and out.shape == like.shape
+        assert torch.allclose(out.double().cpu().reshape(-1), exp, rtol=tol, atol=tol * exp.abs().max().item())
+    with pytest.raises(ValueError, match="width 100 for a gradient of 12 entries"):
+        query_and_weight_grads(sums, torch.zeros(12, device=DEVICE), torch.zeros(12, device=DEVICE))

@@ -217,7 +217,9 @@ def _register() -> None:
     check). On the H200 it cut the profiled host time of a call by 1.7-2.9x, but the two
     models timed with it were GPU-bound and ran no faster (DAR block 0.676x of the baseline
     against 0.675x; docs/benchmarks.md, session 21, run 4), and on the host-bound ones (WAV,
-    the fused merge; session 22, run 2) within the trials' own spread. So the default keeps
+    the fused merge; session 22, run 2) within the trials' own spread; in session 31 block
+    MHAR's fused merge 1 % faster in one run and level in the next, Block AttnRes, DAR block
+    and WAV level (docs/benchmarks.md, session 31, runs 1-2). So the default keeps
     the wrapper and its check; the environment variable is the A/B's switch
     (``e2e_throughput.py``'s ``_raw`` configurations)."""
     global _dispatcher_library

@@ -47,8 +47,10 @@ PER_SM = 4
 #: rows; multi-head rows (block MHAR) take MULTI_HEAD_BACKWARD_STAGES: 3 stages made their
 #: backward 12 % faster at d = 1024 with 16 heads, 16384 tokens, CUDA-graph replays on H200
 #: (docs/benchmarks.md: 0.091 against 0.104 ms in session 27, 0.081 against 0.093 and with
-#: the branch norm fused, the fused merge's form, 0.098 against 0.111 in session 30), where
-#: the one-head cases were slower with them in the normed forms the fused merge takes
+#: the branch norm fused, the fused merge's form, 0.098 against 0.111 in session 30; end to
+#: end 3.18 against 4.17 ms a step, block MHAR's fused merge 0.848x against 0.844x the
+#: baseline, session 31), where the one-head cases were slower with them in the normed forms
+#: the fused merge takes
 BACKWARD_STAGES = 0
 MULTI_HEAD_BACKWARD_STAGES = 3
 

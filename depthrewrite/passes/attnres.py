@@ -140,7 +140,8 @@ class FullAttnResOptions(AttnResOptions):
     # The same function, fewer bytes moved. None: one route per site over every entry.
     # Default 4, phase 1 kept: the fastest measured (H200, 350M GPT, bf16, side by side:
     # 0.689x the baseline's throughput against 0.618 site by site, G = 6 / 8 / 12: 0.666 /
-    # 0.675 / 0.625; docs/benchmarks.md session 9).
+    # 0.675 / 0.625; docs/benchmarks.md session 9; again in session 31, with the kernels
+    # of then: 0.696 against G = 6 / 8: 0.660 / 0.672).
     group_size: int | None = 4
     # grouped: the backward recomputes phase 1 (TwoPhasePlan) instead of keeping its
     # outputs. Off by default: recomputing gave back the speed (G = 6: 0.621x, as site by

@@ -211,8 +211,11 @@ LAUNCH_VARIANTS = {
     "tfin": (("mhar_block_fm", "mhar_block_fm_cg", "dar_block_fm", "dar_block_fm_cg", "block_attnres_fm",
               "block_attnres_fm_cg", "block_attnres", "attnres", "attnres_cg"), {"param_grads.FUSED": False}),
     # route_merge's multi-head backward without the software pipeline (before session 30;
-    # since, 3 stages: 12 % faster kernels in CUDA-graph replays, not yet timed end to end)
+    # since, 3 stages: 12 % faster kernels in CUDA-graph replays; end to end 0.6 % faster, session 31)
     "mergepipe0": (("mhar_block_fm", "mhar_block_fm_cg"), {"route_merge_triton.MULTI_HEAD_BACKWARD_STAGES": 0}),
+    # route_many's per-token backward with 3 or 4 persistent programs per SM, not 2 (chosen
+    # at the block phase's 6 queries; full AttnRes's groups take 4: session 31)
+    **{f"pp{k}": (("attnres",), {"route_many_triton.BACKWARD_PER_SM": k}) for k in (3, 4)},
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -3,6 +3,7 @@
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
                                     [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
                                     [--no-block-phase] [--design-launch-only] [--launch-ab [ROUNDS]]
+                                    [--phase-shapes {block,full_attnres}]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
@@ -383,6 +384,13 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
                       (16384, 1024, 8, 6, 16, False), (16384, 2048, 4, 6, 1, False), (16384, 1024, 4, 6, 1, True),
                       (16384, 1024, 8, 6, 1, True),
                       (16384, 4096, 4, 6, 1, False)]  # a 7B-wide model's blocks (not timed before)
+#: full AttnRes's route_many calls at 350M (groups of 4 sites, 24 layers; session 31's profile:
+#: its backward kernel 22.9 ms of the step's 30.3 ms of routing): a group's queries over every
+#: entry made before the group (N = 1 + 4g; the last group 5 queries with the readout), and one
+#: query over the 2-4 entries its own group has made (``attnres.add_group_entries``)
+FULL_ATTNRES_PHASE_SHAPES = [(16384, 1024, 13, 4, 1, False), (16384, 1024, 29, 4, 1, False),
+                             (16384, 1024, 45, 5, 1, False), (16384, 1024, 3, 1, 1, False)]
+PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_SHAPES}
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
@@ -444,21 +452,28 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             "_pertoken_w8_cap128": {"backward": "per_token", "num_warps": 8, "maxnreg": 128},
                             "_pertoken_table_cap128_pp4": {"backward": "per_token", "param": "table", "maxnreg": 128,
                                                            "per_sm": 4},
-                            **{f"_tiled_cap{k}": {"backward": "tiled", "maxnreg": k} for k in (96, 128, 168)}}
+                            **{f"_tiled_cap{k}": {"backward": "tiled", "maxnreg": k} for k in (96, 128, 168)},
+                            # more persistent programs per SM where fewer query rows are held
+                            # (full AttnRes: 4 queries; session 31), and 8 warps a program
+                            **{f"_pertoken_pp{k}": {"backward": "per_token", "per_sm": k} for k in (3, 4, 6)},
+                            "_pertoken_w8": {"backward": "per_token", "num_warps": 8},
+                            "_pertoken_w8_pp3": {"backward": "per_token", "num_warps": 8, "per_sm": 3},
+                            "_pertoken_table_pp4": {"backward": "per_token", "param": "table", "per_sm": 4}}
 
 
-def block_phase_timing(pattern: str | None = None, timer=bench) -> list[dict]:
+def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES) -> list[dict]:
     """Phase 1 of two-phase Block AttnRes: ``route_many`` (S queries, each source read once)
     against S separate routes over the same N sources (what site-by-site routing costs for
     the completed blocks), both as kernels called directly, forward + backward, bf16. The
     floor of route_many: forward N + S rows, backward N + 2S read and N written (each N
     twice with keys: values and keys read, both gradients written). ``pattern``: time only
     the variants whose names it matches (a regular expression), and the defaults. ``timer``:
-    :func:`bench` (events around each call) or :func:`bench_graph` (CUDA-graph replays)."""
+    :func:`bench` (events around each call) or :func:`bench_graph` (CUDA-graph replays).
+    ``shapes``: a list like :data:`BLOCK_PHASE_SHAPES` (:data:`PHASE_SHAPES` names them)."""
     from depthrewrite.kernels import route_many_triton
 
     rows = []
-    for tokens, d, n, s, heads, with_keys in BLOCK_PHASE_SHAPES:
+    for tokens, d, n, s, heads, with_keys in shapes:
         gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + s)
         vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
         keys = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] \
@@ -766,6 +781,9 @@ def main() -> int:
     ap.add_argument("--variants", default=None, metavar="REGEX",
                     help="--block-phase-only: only route_many's launch variants whose names match (and the "
                          "defaults), no site-route timings")
+    ap.add_argument("--phase-shapes", choices=sorted(PHASE_SHAPES), default="block",
+                    help="--block-phase-only: route_many's shapes, the block schemes' phase 1 (default) or "
+                         "full AttnRes's calls")
     ap.add_argument("--site-route-only", action="store_true",
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
     ap.add_argument("--route-variants", default=None, metavar="REGEX",
@@ -799,7 +817,8 @@ def main() -> int:
             fh.write("\n".join(LOG) + "\n\n" + summary + "\n")
 
     if args.block_phase_only:
-        results["block_phase"] = phase_rows = block_phase_timing(args.variants, phase_timer)
+        results["block_phase"] = phase_rows = block_phase_timing(args.variants, phase_timer,
+                                                                 PHASE_SHAPES[args.phase_shapes])
         dump()
         results["site_route"] = site_rows = [] if args.variants else site_route_timing()
         summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))

@@ -165,6 +165,12 @@ FORWARD_ORDERS = ("token_major", "chunk_major")
 MAX_PROGRAMS = 2**31 - 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
+#: the per-token backward's persistent programs per SM (its config's ``per_sm``). Chosen at
+#: the block phase's shapes (S = 6 queries padded to 8 rows: 255 registers at 4 warps, two
+#: programs fill an SM's registers); full AttnRes's groups take 4 queries (5 in the last)
+#: over up to 45 sources, where the kernel holds fewer rows (e2e variants ``attnres_pp3``,
+#: ``attnres_pp4``; gpu_suite.py --phase-shapes full_attnres)
+BACKWARD_PER_SM = 2
 MULTI_HEAD_BACKWARD_WARPS = 8
 #: which backward runs: "tiled" (BLOCK_T tokens per program, the queries one at a time,
 #: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles);
@@ -803,7 +809,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
-    cfg = {"prefetch": None, "per_sm": 2, "backward": BACKWARD, **(config or {})}
+    cfg = {"prefetch": None, "per_sm": BACKWARD_PER_SM, "backward": BACKWARD, **(config or {})}
+    _positive_int("route_many", "per_sm", cfg["per_sm"])
     cfg["param"] = _param_gradients(cfg)
     cfg["exact_softmax_grad"] = check_exact_softmax_grad(cfg.get("exact_softmax_grad", False), "route_many")
     s = queries.shape[0]

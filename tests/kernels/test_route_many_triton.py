@@ -435,6 +435,8 @@ def test_parameter_reduction_matches_float64_and_its_pipeline_changes_no_bit(hea
     ("param_per_sm", 0, "config param_per_sm must be a positive int; found 0"),
     ("param_per_sm", 2.5, "config param_per_sm must be a positive int; found 2.5"),
     ("maxnreg", 8, "config maxnreg must be an int from 16 to 255 or None; found 8"),
+    ("per_sm", 0, "config per_sm must be a positive int; found 0"),
+    ("per_sm", "2", "config per_sm must be a positive int; found '2'"),
 ])
 def test_bad_backward_launch_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)

@@ -213,9 +213,11 @@ LAUNCH_VARIANTS = {
     # route_merge's multi-head backward without the software pipeline (before session 30;
     # since, 3 stages: 12 % faster kernels in CUDA-graph replays; end to end 0.6 % faster, session 31)
     "mergepipe0": (("mhar_block_fm", "mhar_block_fm_cg"), {"route_merge_triton.MULTI_HEAD_BACKWARD_STAGES": 0}),
-    # route_many's per-token backward with 3 or 4 persistent programs per SM, not 2 (chosen
-    # at the block phase's 6 queries; full AttnRes's groups take 4: session 31)
-    **{f"pp{k}": (("attnres",), {"route_many_triton.BACKWARD_PER_SM": k}) for k in (3, 4)},
+    # route_many's per-token backward with 3 persistent programs per SM, not 2 (chosen at the
+    # block phase's 6 queries; full AttnRes's groups take 4, session 31): under a register cap
+    # of 168, or with the parameter gradients through the table (168 registers uncapped)
+    "pp3cap168": (("attnres",), {"route_many_triton.PER_TOKEN_PER_SM": 3, "route_many_triton.PER_TOKEN_MAXNREG": 168}),
+    "tablepp3": (("attnres",), {"route_many_triton.PER_TOKEN_PER_SM": 3, "route_many_triton.PER_TOKEN_PARAM": "table"}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -2,6 +2,7 @@
 machine without a GPU.
 
     python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH] [--forward-caps 0 64]
+        [--many-queries 6 4 5]
 
 Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_bwd_kernel``
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
@@ -10,7 +11,7 @@ at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--fo
 also under those register caps, 0 for none), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
 several heads) and the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s
-(6 queries; also in its ``param="table"`` form), each without and with separate keys, and
+(6 queries, or ``--many-queries``; also in its ``param="table"`` form), each without and with separate keys, and
 ``route_merge``'s forward and backward (J = 1 and 2, with and without the fused output norm)
 at their launchers' choices; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
 on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
@@ -181,9 +182,11 @@ def compile_merge(d: int, heads: int, results: int, has_keys: bool, has_norm: bo
     from depthrewrite.kernels.route_triton import _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
-    launch = merge._launch(None, block_h * block_c)
+    launch = merge._launch(None, block_h * block_c, heads, results, has_norm)
     constexprs = dict(J=results, HAS_KEYS=has_keys, HAS_NORM=has_norm, BLOCK_T=launch["block_t"], BLOCK_H=block_h,
                       BLOCK_C=block_c, ALIGNED=True)
+    if backward:  # the software pipeline's stages (a launch choice since session 27)
+        constexprs["STAGES"] = launch["stages"]
     kernel = merge._route_merge_bwd_kernel if backward else merge._route_merge_fwd_kernel
     return _compile(kernel, MERGE_TYPES, constexprs, launch["num_warps"]), launch
 
@@ -198,6 +201,9 @@ def main() -> int:
     ap.add_argument("--ptxas", default=str(default_ptxas), help="a ptxas that reads the PTX version Triton emits")
     ap.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=None,
                     help="route_many's per-token backward's prefetch depth (default: its default)")
+    ap.add_argument("--many-queries", type=int, nargs="+", default=[6],
+                    help="route_many's per-token backward compiled for these query counts (6: the block "
+                         "phase's sites; 4 and 5: full AttnRes's groups)")
     ap.add_argument("--forward-caps", type=int, nargs="*", default=[],
                     help="route's forward also compiled with these register caps (0: uncapped)")
     args = ap.parse_args()
@@ -218,11 +224,14 @@ def main() -> int:
                 print(f"route forward heads={heads:3d} bias={bias:d} scale={scale:d} norm={norm:d} warps={warps} "
                       f"cap={'launch default' if cap is None else cap or 'none'}: {regs} registers, {spills} spill bytes, "
                       f"{65536 // (regs * warps * 32)} programs per SM by registers")
-    per_token_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch)
-    table_backward = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, param_table=True)
-    for name, compile_fn in (("forward", compile_many_forward),
-                             ("per-token backward", per_token_backward),
-                             ("per-token backward, param table", table_backward)):
+    kinds = [("forward", compile_many_forward)]
+    for queries in args.many_queries:
+        kinds += [(f"per-token backward S={queries}",
+                   functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries)),
+                  (f"per-token backward S={queries}, param table",
+                   functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries,
+                                     param_table=True))]
+    for name, compile_fn in kinds:
         for heads in args.heads:
             for has_keys in (False, True):
                 ptx, warps = compile_fn(args.width, heads, has_keys)

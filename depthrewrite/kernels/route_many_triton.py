@@ -165,12 +165,16 @@ FORWARD_ORDERS = ("token_major", "chunk_major")
 MAX_PROGRAMS = 2**31 - 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
-#: the per-token backward's persistent programs per SM (its config's ``per_sm``). Chosen at
-#: the block phase's shapes (S = 6 queries padded to 8 rows: 255 registers at 4 warps, two
-#: programs fill an SM's registers); full AttnRes's groups take 4 queries (5 in the last)
-#: over up to 45 sources, where the kernel holds fewer rows (e2e variants ``attnres_pp3``,
-#: ``attnres_pp4``; gpu_suite.py --phase-shapes full_attnres)
-BACKWARD_PER_SM = 2
+#: the per-token backward's persistent programs per SM (its config's ``per_sm``) and register
+#: cap (``maxnreg``; None: the compiler's choice). Chosen at the block phase's shapes: S = 6
+#: queries pad to 8 rows, 255 registers at 4 warps, so two programs fill an SM's registers.
+#: Full AttnRes's groups take 4 queries (5 in the last) over up to 45 sources: 217 registers
+#: (still two programs), 168 with ``param="table"`` (three; sm_90 PTX from this VM's Triton
+#: 3.9, ``benchmarks/kernel_registers.py --many-queries 4``, session 31). Timed at those
+#: shapes by ``gpu_suite.py --phase-shapes full_attnres``, end to end by the e2e variants
+#: ``attnres_pp3cap168`` and ``attnres_tablepp3``
+PER_TOKEN_PER_SM = 2
+PER_TOKEN_MAXNREG = None
 MULTI_HEAD_BACKWARD_WARPS = 8
 #: which backward runs: "tiled" (BLOCK_T tokens per program, the queries one at a time,
 #: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles);
@@ -809,7 +813,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
-    cfg = {"prefetch": None, "per_sm": BACKWARD_PER_SM, "backward": BACKWARD, **(config or {})}
+    cfg = {"prefetch": None, "per_sm": PER_TOKEN_PER_SM, "backward": BACKWARD, **(config or {})}
     _positive_int("route_many", "per_sm", cfg["per_sm"])
     cfg["param"] = _param_gradients(cfg)
     cfg["exact_softmax_grad"] = check_exact_softmax_grad(cfg.get("exact_softmax_grad", False), "route_many")
@@ -822,6 +826,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
+    if kernel == "per_token":
+        cfg.setdefault("maxnreg", PER_TOKEN_MAXNREG)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)

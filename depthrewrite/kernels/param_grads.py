@@ -110,17 +110,14 @@ def finish(r: PartialSums, query: Tensor, key_norm_weight: Tensor,
     if len(extra) > 2:
         raise ValueError(f"param_grads.finish: at most 2 extra sums; found {len(extra)}")
     for sums, like in ((r, query), *extra):
-        if sums.width != like.numel():
-            raise ValueError(f"param_grads.finish: partial sums of width {sums.width} for a gradient of "
-                             f"{like.numel()} entries")
-    grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    grad_weight = torch.empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=query.device)
-    outs = [torch.empty(like.shape, dtype=like.dtype, device=query.device) for _, like in extra]
+        _check_width("finish", sums, like)
     if not FUSED:
-        _products(r.total(), query, key_norm_weight, grad_query, grad_weight)
+        outs = [_empty(like, query.device) for _, like in extra]
         for out, (sums, _) in zip(outs, extra):
             out.view(-1).copy_(sums.total())
-        return (grad_query, grad_weight, *outs)
+        return (*_torch_products(r, query, key_norm_weight), *outs)
+    grad_query, grad_weight = _empty(query), _empty(key_norm_weight, query.device)
+    outs = [_empty(like, query.device) for _, like in extra]
     blocks = [cdiv(s.width, BLOCK_W) for s in (r, *(sums for sums, _ in extra))]
     pad = [(r.part, 0, 0, 0, grad_query)] * (2 - len(extra))  # unread arguments of absent sums
     (s1, rows1, stride1, width1, o1), (s2, rows2, stride2, width2, o2) = (
@@ -137,18 +134,26 @@ def finish(r: PartialSums, query: Tensor, key_norm_weight: Tensor,
 def query_and_weight_grads(r: PartialSums, query: Tensor, key_norm_weight: Tensor) -> tuple[Tensor, Tensor]:
     """``finish``'s first two results as torch ops (a sum and two products, no extra sums):
     what ``route``'s backward takes, where the kernel measured no gain (module docstring)."""
-    if r.width != query.numel():
-        raise ValueError(f"param_grads.query_and_weight_grads: partial sums of width {r.width} for a gradient of "
-                         f"{query.numel()} entries")
-    grad_query = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    grad_weight = torch.empty(key_norm_weight.shape, dtype=key_norm_weight.dtype, device=query.device)
-    _products(r.total(), query, key_norm_weight, grad_query, grad_weight)
-    return grad_query, grad_weight
+    _check_width("query_and_weight_grads", r, query)
+    return _torch_products(r, query, key_norm_weight)
 
 
-def _products(total: Tensor, query: Tensor, key_norm_weight: Tensor, grad_query: Tensor, grad_weight: Tensor) -> None:
-    """``total * key_norm_weight`` into ``grad_query`` and ``total * query`` into
-    ``grad_weight``: float32 products (``total`` is float32), each rounded once to its
-    output's dtype, one launch each."""
+def _check_width(where: str, sums: PartialSums, like: Tensor) -> None:
+    if sums.width != like.numel():
+        raise ValueError(f"param_grads.{where}: partial sums of width {sums.width} for a gradient of "
+                         f"{like.numel()} entries")
+
+
+def _empty(like: Tensor, device: torch.device | None = None) -> Tensor:
+    """A new contiguous tensor of ``like``'s shape and dtype (on ``device``, else ``like``'s)."""
+    return torch.empty(like.shape, dtype=like.dtype, device=device or like.device)
+
+
+def _torch_products(r: PartialSums, query: Tensor, key_norm_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``r``'s sum times ``key_norm_weight`` in ``query``'s dtype and shape, and times ``query``
+    in ``key_norm_weight``'s: float32 products, each rounded once, one launch each."""
+    total = r.total()
+    grad_query, grad_weight = _empty(query), _empty(key_norm_weight, query.device)
     torch.mul(total, key_norm_weight.reshape(-1), out=grad_query.view(-1))
     torch.mul(total, query.reshape(-1), out=grad_weight.view(-1))
+    return grad_query, grad_weight

@@ -35,9 +35,12 @@ def _expected(part, width, *factors):
     return [total * f.double().reshape(-1).cpu() for f in factors] if factors else [total]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch_ops"])
 @pytest.mark.parametrize("rows,width,stride", [(1, 7, None), (65, 130, None), (200, 1000, 1024), (3, 64, 70)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_products_and_sums_match_float64(rows, width, stride, dtype):
+def test_products_and_sums_match_float64(rows, width, stride, dtype, fused, monkeypatch):
+    """The kernel, and the torch ops that ``FUSED = False`` takes (the e2e ``_tfin`` A/B)."""
+    monkeypatch.setattr(param_grads, "FUSED", fused)
     part, sums = _rows(rows, width, seed=rows + width, stride=stride)
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(width, generator=gen).to(dtype).to(DEVICE)

@@ -48,7 +48,7 @@
 #   OUT=... bash benchmarks/device_session.sh mkab      # Inductor's multi_kernel on the block schemes (session 29)
 #   OUT=... bash benchmarks/device_session.sh finab     # the parameter sums' finishing kernel: GPU tests, host per call, e2e against the torch ops (session 30)
 #   OUT=... bash benchmarks/device_session.sh fmab      # GPU kernel tests; block MHAR's fused merge: its defaults, the 3-stage backward's A/B, the direct registration (for session 31)
-#   OUT=... bash benchmarks/device_session.sh fullab   # full AttnRes: route_many's per-token backward at its call shapes (programs per SM, warps, table), then end to end with 3 programs per SM (for session 32)
+#   OUT=... bash benchmarks/device_session.sh fullab   # full AttnRes: route_many's per-token backward at its call shapes (programs per SM, register caps, registers), then end to end by PER_TOKEN_LAUNCH tables (session 32)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -594,18 +594,20 @@ finab)
   grep "^|" "$OUT/e2e.txt" | tail -16
   ;;
 fullab)
-  # full AttnRes's routing is mostly route_many's per-token backward (22.9 of 30.3 ms a step,
-  # session 31), launched with the block phase's 2 programs per SM, chosen for 6 queries; its
-  # groups take 4 or 5. Its call shapes with the per-token and tiled variants, then the
-  # model with 3 programs per SM (a register cap of 168, or the parameter table) beside the
-  # default (~6 minutes)
+  # full AttnRes's routing is mostly route_many's per-token backward. Session 31 prepared this
+  # and session 32 ran it (3 programs per SM under a cap of 168: 0.726x against 0.700x); since
+  # session 32 the launch follows the queries a program holds (PER_TOKEN_LAUNCH): its call
+  # shapes with the per-token variants and each one's registers as this device compiles
+  # them, then the model with the new table beside session 31's launch and two other tables
+  # (~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 220 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres \
-      --variants '^_pertoken(_pp[0-9]|_w8|_table|_table_pp3|_table_cap128_pp4|_s3|_cap168_pp3|_cap128_pp4)?$|^_tiled$' \
+  timeout 220 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
+      --variants '^_pertoken(_s31|_pp[3468]|_cap168_pp3|_cap128_pp4)?$|^_tiled$' \
       --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
-  tail -8 "$OUT/bp.txt"
+  grep -v "Warning\|__new__" "$OUT/bp.txt" | grep "block-phase" | tail -8
+  tail -10 "$OUT/bp.txt"
   timeout 320 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
-      --schemes baseline attnres attnres_pp3cap168 attnres_tablepp3 > "$OUT/e2e.txt" 2>&1
+      --schemes attnres attnres_pt31 attnres_pt1x4 attnres_pt3 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -10
   ;;
 ab|mkab|fmab)

@@ -213,11 +213,16 @@ LAUNCH_VARIANTS = {
     # route_merge's multi-head backward without the software pipeline (before session 30;
     # since, 3 stages: 12 % faster kernels in CUDA-graph replays; end to end 0.6 % faster, session 31)
     "mergepipe0": (("mhar_block_fm", "mhar_block_fm_cg"), {"route_merge_triton.MULTI_HEAD_BACKWARD_STAGES": 0}),
-    # route_many's per-token backward with 3 persistent programs per SM, not 2 (chosen at the
-    # block phase's 6 queries; full AttnRes's groups take 4, session 31): under a register cap
-    # of 168, or with the parameter gradients through the table (168 registers uncapped)
-    "pp3cap168": (("attnres",), {"route_many_triton.PER_TOKEN_PER_SM": 3, "route_many_triton.PER_TOKEN_MAXNREG": 168}),
-    "tablepp3": (("attnres",), {"route_many_triton.PER_TOKEN_PER_SM": 3, "route_many_triton.PER_TOKEN_PARAM": "table"}),
+    # route_many's one-head per-token backward launched as in session 31 at every query count
+    # (2 programs per SM, the compiler's registers; since session 32 by the queries a program
+    # holds, route_many_triton.PER_TOKEN_LAUNCH; session 31 ran 3 programs at a cap of 168 for
+    # every count as attnres_pp3cap168: 0.726x against 0.700x); then two other tables: one
+    # query at 4 programs capped at 128 (the block phase's fastest at N = 3, session 32), and
+    # 3 programs capped at 168 up to 4 queries
+    "pt31": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (2, None)}}),
+    "pt1x4": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (4, 128), 2: (4, None), 4: (3, 168),
+                                                                  8: (2, None)}}),
+    "pt3": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (3, 168), 8: (2, None)}}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

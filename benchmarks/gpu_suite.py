@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
                                     [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
                                     [--no-block-phase] [--design-launch-only] [--launch-ab [ROUNDS]]
-                                    [--phase-shapes {block,full_attnres}]
+                                    [--phase-shapes {block,full_attnres}] [--phase-registers]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
@@ -389,7 +389,9 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
 #: entry made before the group (N = 1 + 4g; the last group 5 queries with the readout), and one
 #: query over the 2-4 entries its own group has made (``attnres.add_group_entries``)
 FULL_ATTNRES_PHASE_SHAPES = [(16384, 1024, 13, 4, 1, False), (16384, 1024, 29, 4, 1, False),
-                             (16384, 1024, 45, 5, 1, False), (16384, 1024, 3, 1, 1, False)]
+                             (16384, 1024, 45, 5, 1, False), (16384, 1024, 2, 1, 1, False),
+                             (16384, 1024, 3, 1, 1, False), (16384, 1024, 4, 1, 1, False),
+                             (16384, 1024, 13, 2, 1, False)]  # 2 queries: PER_TOKEN_LAUNCH's entry
 PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_SHAPES}
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
@@ -456,12 +458,19 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             # more persistent programs per SM where fewer query rows are held
                             # (full AttnRes: 4 queries, 217 registers; 168 with the table; session
                             # 31's kernel_registers.py), and 8 warps a program
-                            **{f"_pertoken_pp{k}": {"backward": "per_token", "per_sm": k} for k in (3, 4)},
-                            "_pertoken_w8": {"backward": "per_token", "num_warps": 8},
-                            "_pertoken_table_pp3": {"backward": "per_token", "param": "table", "per_sm": 3}}
+                            **{f"_pertoken_pp{k}": {"backward": "per_token", "per_sm": k, "maxnreg": None}
+                               for k in (3, 4, 6, 8)},
+                            "_pertoken_w8": {"backward": "per_token", "num_warps": 8, "maxnreg": None},
+                            "_pertoken_table_pp3": {"backward": "per_token", "param": "table", "per_sm": 3,
+                                                    "maxnreg": None},
+                            # the per-token launch of session 31 at every query count: 2 programs
+                            # per SM, the compiler's registers (since session 32: by the queries a
+                            # program holds, route_many_triton.PER_TOKEN_LAUNCH)
+                            "_pertoken_s31": {"backward": "per_token", "per_sm": 2, "maxnreg": None}}
 
 
-def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES) -> list[dict]:
+def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES,
+                       registers: bool = False) -> list[dict]:
     """Phase 1 of two-phase Block AttnRes: ``route_many`` (S queries, each source read once)
     against S separate routes over the same N sources (what site-by-site routing costs for
     the completed blocks), both as kernels called directly, forward + backward, bf16. The
@@ -469,7 +478,8 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
     twice with keys: values and keys read, both gradients written). ``pattern``: time only
     the variants whose names it matches (a regular expression), and the defaults. ``timer``:
     :func:`bench` (events around each call) or :func:`bench_graph` (CUDA-graph replays).
-    ``shapes``: a list like :data:`BLOCK_PHASE_SHAPES` (:data:`PHASE_SHAPES` names them)."""
+    ``shapes``: a list like :data:`BLOCK_PHASE_SHAPES` (:data:`PHASE_SHAPES` names them).
+    ``registers``: also record each backward variant's registers (:func:`compiled_registers`)."""
     from depthrewrite.kernels import route_many_triton
 
     rows = []
@@ -506,6 +516,8 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
                                        ("bwd", many_bwd, _matching(BLOCK_PHASE_BWD_VARIANTS, pattern))):
                 for name, cfg in variants.items():
                     try:
+                        if registers and part == "bwd":
+                            row[f"regs_{part}{name}"] = compiled_registers(lambda cfg=cfg, fn=fn: fn(cfg))
                         row[f"many_{part}{name}"] = timer(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:
                         say(f"block-phase {part}{name}: ERROR {exc!r}")
@@ -519,6 +531,25 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
         del vals, keys, g, gl, saved
         torch.cuda.empty_cache()
     return rows
+
+
+def compiled_registers(call) -> str:
+    """``"registers/spill bytes"`` of the per-token ``_route_many_bwd_kernel`` binaries that
+    ``call()`` launches, as this device's Triton compiled them (its cache cleared first, so
+    the binaries are this call's; Triton's disk cache makes the recompile cheap); "-" when
+    the call launches none (the tiled backward) or this Triton keeps its binaries elsewhere."""
+    from depthrewrite.kernels import route_many_triton
+
+    fn = route_many_triton._route_many_bwd_kernel
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:
+        return "-"
+    caches.clear()
+    call()
+    torch.cuda.synchronize()
+    found = sorted({(k.n_regs, k.n_spills) for entry in caches.values() for k in entry[0].values()
+                    if getattr(k, "n_regs", None) is not None})
+    return " ".join(f"{r}/{sp}" for r, sp in found) or "-"
 
 
 #: per-site ``route`` launch variants (tokens, d, N sources, heads): the shapes of MHAR
@@ -784,6 +815,9 @@ def main() -> int:
     ap.add_argument("--phase-shapes", choices=sorted(PHASE_SHAPES), default="block",
                     help="--block-phase-only: route_many's shapes, the block schemes' phase 1 (default) or "
                          "full AttnRes's calls")
+    ap.add_argument("--phase-registers", action="store_true",
+                    help="--block-phase-only: also record the registers and spills of each per-token "
+                         "backward variant as this device compiles it")
     ap.add_argument("--site-route-only", action="store_true",
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
     ap.add_argument("--route-variants", default=None, metavar="REGEX",
@@ -818,7 +852,8 @@ def main() -> int:
 
     if args.block_phase_only:
         results["block_phase"] = phase_rows = block_phase_timing(args.variants, phase_timer,
-                                                                 PHASE_SHAPES[args.phase_shapes])
+                                                                 PHASE_SHAPES[args.phase_shapes],
+                                                                 registers=args.phase_registers)
         dump()
         results["site_route"] = site_rows = [] if args.variants else site_route_timing()
         summary = "\n".join(block_phase_table(phase_rows) + site_route_table(site_rows))

@@ -165,16 +165,19 @@ FORWARD_ORDERS = ("token_major", "chunk_major")
 MAX_PROGRAMS = 2**31 - 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
-#: the per-token backward's persistent programs per SM (its config's ``per_sm``) and register
-#: cap (``maxnreg``; None: the compiler's choice). Chosen at the block phase's shapes: S = 6
-#: queries pad to 8 rows, 255 registers at 4 warps, so two programs fill an SM's registers.
-#: Full AttnRes's groups take 4 queries (5 in the last) over up to 45 sources: 217 registers
-#: (still two programs), 168 with ``param="table"`` (three; sm_90 PTX from this VM's Triton
-#: 3.9, ``benchmarks/kernel_registers.py --many-queries 4``, session 31). Timed at those
-#: shapes by ``gpu_suite.py --phase-shapes full_attnres``, end to end by the e2e variants
-#: ``attnres_pp3cap168`` and ``attnres_tablepp3``
-PER_TOKEN_PER_SM = 2
-PER_TOKEN_MAXNREG = None
+#: the one-head per-token backward's launch by its padded queries a program (BLOCK_Q):
+#: (persistent programs per SM: its config's ``per_sm``; register cap: ``maxnreg``, None for
+#: the compiler's choice). The registers grow with the queries (sm_90a PTX from this VM's
+#: Triton 3.9, ``benchmarks/kernel_registers.py --many-queries 1 2 4``: 64, 127, 217 and
+#: 255 for 1, 2, 4 and 8), and the kernel waits on memory, so it takes as many programs as
+#: the SM's 65,536 registers hold. At 4 queries a cap of 168 fits 3 programs without a spill
+#: (session 32: full AttnRes's group calls, 0.676 / 1.386 ms against 0.835 / 1.713 at N =
+#: 13 / 29, docs/benchmarks.md); at 8 the block phase's 6 queries chose 2 uncapped (a cap
+#: of 168 spilled: 8.46 against 5.23 ms at N = 45). A block size not listed takes the entry
+#: of the largest listed one below it. Rows wider than NARROW_ROW (more registers a query)
+#: and several heads were not timed with more programs: they keep OTHER_PER_TOKEN_LAUNCH
+PER_TOKEN_LAUNCH = {1: (8, None), 2: (4, None), 4: (3, 168), 8: (2, None)}
+OTHER_PER_TOKEN_LAUNCH = (2, None)
 MULTI_HEAD_BACKWARD_WARPS = 8
 #: which backward runs: "tiled" (BLOCK_T tokens per program, the queries one at a time,
 #: parameter gradients by a separate reduction) or "per_token" (one pass, (Q, H, C) tiles);
@@ -809,12 +812,14 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
     unused; unset: ``_backward_stages``), the parameter reduction's (tiled backward, or
     ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM),
-    ``maxnreg`` (a register cap for the backward kernel; unset: none) and
+    ``maxnreg`` (a register cap for the backward kernel; unset: the per-token backward's
+    PER_TOKEN_LAUNCH, none for the tiled one) and
     ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
-    cfg = {"prefetch": None, "per_sm": PER_TOKEN_PER_SM, "backward": BACKWARD, **(config or {})}
-    _positive_int("route_many", "per_sm", cfg["per_sm"])
+    cfg = {"prefetch": None, "backward": BACKWARD, **(config or {})}
+    if "per_sm" in cfg:
+        _positive_int("route_many", "per_sm", cfg["per_sm"])
     cfg["param"] = _param_gradients(cfg)
     cfg["exact_softmax_grad"] = check_exact_softmax_grad(cfg.get("exact_softmax_grad", False), "route_many")
     s = queries.shape[0]
@@ -826,8 +831,6 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k))
-    if kernel == "per_token":
-        cfg.setdefault("maxnreg", PER_TOKEN_MAXNREG)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
@@ -952,6 +955,8 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     chunks = list(range(0, s, block_q))
     if tokens == 0:
         return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], _no_sums(s, d, device)
+    per_sm, cap = _per_token_launch(block_q, heads, block_h * block_c)
+    cfg = {"per_sm": per_sm, "maxnreg": cap, **cfg}
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     param_table = cfg["param"] == "table"
     n = len(flat_v)
@@ -985,6 +990,17 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     if len(chunks) == 1:  # the first s of each program's block_q rows
         return grad_v, grad_k, PartialSums(param[0], programs, block_q * d, s * d)
     return grad_v, grad_k, PartialSums.of(param.sum(1).reshape(1, -1)[:, : s * d])
+
+
+def _per_token_launch(block_q: int, heads: int, row: int) -> tuple[int, int | None]:
+    """(programs per SM, register cap) of the per-token backward with ``block_q`` queries a
+    program and padded rows of ``row`` elements unless a config sets them: PER_TOKEN_LAUNCH's
+    entry (that of the largest listed block size up to ``block_q``) for one head and rows of
+    at most NARROW_ROW, else OTHER_PER_TOKEN_LAUNCH."""
+    if heads > 1 or row > NARROW_ROW:
+        return OTHER_PER_TOKEN_LAUNCH
+    listed = [q for q in PER_TOKEN_LAUNCH if q <= block_q] or [min(PER_TOKEN_LAUNCH)]
+    return PER_TOKEN_LAUNCH[max(listed)]
 
 
 def _no_sums(s: int, d: int, device) -> PartialSums:

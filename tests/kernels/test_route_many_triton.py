@@ -105,6 +105,10 @@ CASES = [
     (65, 5, (2,), 16, 2),
     (3, 8, (7,), 1000, 1),  # width not a power of two
     (2, 3, (1,), 7186, 1),  # several chunks of queries (a padded row of 8192)
+    # one head, 2 and 4 queries: the per-token backward's PER_TOKEN_LAUNCH entries other than
+    # 1 and 8 (4 queries: full AttnRes's group calls, under a register cap on the GPU)
+    (4, 2, (5,), 56, 1),
+    (13, 4, (3,), 72, 1),
 ]
 
 
@@ -442,6 +446,16 @@ def test_bad_backward_launch_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
     with pytest.raises(ValueError, match=r"route_many \(Triton\): " + re.escape(message)):
         _run(inp, torch.float32, 1, config={"backward": "tiled", entry: value}, fwd_config={})
+
+
+def test_per_token_launch_follows_the_queries_a_program_holds(monkeypatch):
+    table = {1: (8, None), 4: (3, 168), 8: (2, None)}
+    monkeypatch.setattr(route_many_triton, "PER_TOKEN_LAUNCH", table)
+    monkeypatch.setattr(route_many_triton, "OTHER_PER_TOKEN_LAUNCH", (5, 96))
+    launch = route_many_triton._per_token_launch
+    assert [launch(q, 1, 1024) for q in (1, 2, 4, 8, 16)] == [(8, None), (8, None), (3, 168), (2, None), (2, None)]
+    # several heads and rows wider than NARROW_ROW were not timed with the table
+    assert launch(4, 16, 1024) == launch(4, 1, 2048) == (5, 96)
 
 
 def test_too_wide_a_row_is_refused():

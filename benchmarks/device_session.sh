@@ -49,6 +49,7 @@
 #   OUT=... bash benchmarks/device_session.sh finab     # the parameter sums' finishing kernel: GPU tests, host per call, e2e against the torch ops (session 30)
 #   OUT=... bash benchmarks/device_session.sh fmab      # GPU kernel tests; block MHAR's fused merge: its defaults, the 3-stage backward's A/B, the direct registration (for session 31)
 #   OUT=... bash benchmarks/device_session.sh fullab   # full AttnRes: route_many's per-token backward at its call shapes (programs per SM, register caps, registers), then end to end by PER_TOKEN_LAUNCH tables (session 32)
+#   OUT=... bash benchmarks/device_session.sh fullconfirm   # the kernel tests, then full AttnRes with PER_TOKEN_LAUNCH beside session 31's launch and the baseline (session 32)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -609,6 +610,17 @@ fullab)
   timeout 320 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
       --schemes attnres attnres_pt31 attnres_pt1x4 attnres_pt3 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -10
+  ;;
+fullconfirm)
+  # session 32: the GPU kernel tests with PER_TOKEN_LAUNCH as the default (4 queries under a
+  # register cap of 168), then full AttnRes with it beside session 31's launch and the
+  # Inductor baseline, in one wave (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline attnres attnres_pt31 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

@@ -50,6 +50,7 @@
 #   OUT=... bash benchmarks/device_session.sh fmab      # GPU kernel tests; block MHAR's fused merge: its defaults, the 3-stage backward's A/B, the direct registration (for session 31)
 #   OUT=... bash benchmarks/device_session.sh fullab   # full AttnRes: route_many's per-token backward at its call shapes (programs per SM, register caps, registers), then end to end by PER_TOKEN_LAUNCH tables (session 32)
 #   OUT=... bash benchmarks/device_session.sh fullconfirm   # the kernel tests, then full AttnRes with PER_TOKEN_LAUNCH beside session 31's launch and the baseline (session 32)
+#   OUT=... bash benchmarks/device_session.sh tiled5   # one-head route_many calls of more than 4 queries through the tiled backward, full and Block AttnRes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -621,6 +622,15 @@ fullconfirm)
   timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
       --schemes baseline attnres attnres_pt31 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+tiled5)
+  # session 32: one-head route_many calls of more than 4 queries through the tiled backward
+  # (PER_TOKEN_MAX_QUERIES=4), full AttnRes and Block AttnRes beside their defaults and the
+  # baseline, in one wave (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
+      --schemes baseline attnres attnres_tiled5 block_attnres block_attnres_tiled5 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

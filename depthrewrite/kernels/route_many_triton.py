@@ -190,6 +190,11 @@ MULTI_HEAD_BACKWARD_WARPS = 8
 #: per-token
 BACKWARD = None
 BACKWARD_CHOICES = ("tiled", "per_token")
+#: one-head calls with more queries than this take the tiled backward (None: no limit). From
+#: 5 queries the per-token kernel holds 8 padded rows and spills (255 registers at d =
+#: 1024); the tiled kernel holds one query at a time (session 32: 4.39 against 5.24 ms at
+#: full AttnRes's last group, 5 queries over 45 sources, docs/benchmarks.md)
+PER_TOKEN_MAX_QUERIES = None
 #: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
 #: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,
 #: query, token and head stored, then the tiled backward's parameter reduction, which reads
@@ -830,7 +835,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
-    kernel = _backward_kernel(heads, cfg, bool(flat_k))
+    kernel = _backward_kernel(heads, cfg, bool(flat_k), s)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
@@ -846,14 +851,16 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     return grad_v, grad_k, grad_queries, grad_weights
 
 
-def _backward_kernel(heads: int, cfg: dict, has_keys: bool) -> str:
+def _backward_kernel(heads: int, cfg: dict, has_keys: bool, queries: int) -> str:
     """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice
-    (BACKWARD's comment): per-token for one head without separate keys, tiled otherwise
-    (with 16 heads the per-token kernel's per-head statistics make it 2x slower; with keys
-    12-16 % slower than the tiled kernel with its pipelined parameter reduction)."""
+    (BACKWARD's comment): per-token for one head without separate keys and at most
+    PER_TOKEN_MAX_QUERIES queries (None: any number), tiled otherwise (with 16 heads the
+    per-token kernel's per-head statistics make it 2x slower; with keys 12-16 % slower than
+    the tiled kernel with its pipelined parameter reduction)."""
     choice = cfg["backward"]
     if choice is None:
-        return "per_token" if heads == 1 and not has_keys else "tiled"
+        few = PER_TOKEN_MAX_QUERIES is None or queries <= PER_TOKEN_MAX_QUERIES
+        return "per_token" if heads == 1 and not has_keys and few else "tiled"
     return _checked_choice("backward", choice, BACKWARD_CHOICES)
 
 

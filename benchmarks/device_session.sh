@@ -51,6 +51,7 @@
 #   OUT=... bash benchmarks/device_session.sh fullab   # full AttnRes: route_many's per-token backward at its call shapes (programs per SM, register caps, registers), then end to end by PER_TOKEN_LAUNCH tables (session 32)
 #   OUT=... bash benchmarks/device_session.sh fullconfirm   # the kernel tests, then full AttnRes with PER_TOKEN_LAUNCH beside session 31's launch and the baseline (session 32)
 #   OUT=... bash benchmarks/device_session.sh tiled5   # one-head route_many calls of more than 4 queries through the tiled backward, full and Block AttnRes (session 32)
+#   OUT=... bash benchmarks/device_session.sh fullfwd   # route_many's forward launch variants at full AttnRes's call shapes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -631,6 +632,16 @@ tiled5)
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
       --schemes baseline attnres attnres_tiled5 block_attnres block_attnres_tiled5 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -12
+  ;;
+fullfwd)
+  # session 32: route_many's forward launch variants (queries a program, warps, tokens a
+  # program, pipeline stages, register caps) at full AttnRes's call shapes, each one's
+  # registers as this device compiles it (~3 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 300 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
+      --variants '^_(w[124]|q1w[12]|q4|q4w8|r(2|4|16|32)|r8_w2|s[2346]|s3_w2|cap(168|200|232))$' \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  tail -10 "$OUT/bp.txt"
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

@@ -479,7 +479,7 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
     the variants whose names it matches (a regular expression), and the defaults. ``timer``:
     :func:`bench` (events around each call) or :func:`bench_graph` (CUDA-graph replays).
     ``shapes``: a list like :data:`BLOCK_PHASE_SHAPES` (:data:`PHASE_SHAPES` names them).
-    ``registers``: also record each backward variant's registers (:func:`compiled_registers`)."""
+    ``registers``: also record each variant's registers (:func:`compiled_registers`)."""
     from depthrewrite.kernels import route_many_triton
 
     rows = []
@@ -516,8 +516,8 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
                                        ("bwd", many_bwd, _matching(BLOCK_PHASE_BWD_VARIANTS, pattern))):
                 for name, cfg in variants.items():
                     try:
-                        if registers and part == "bwd":
-                            row[f"regs_{part}{name}"] = compiled_registers(lambda cfg=cfg, fn=fn: fn(cfg))
+                        if registers:
+                            row[f"regs_{part}{name}"] = compiled_registers(lambda cfg=cfg, fn=fn: fn(cfg), part)
                         row[f"many_{part}{name}"] = timer(lambda cfg=cfg, fn=fn: fn(cfg))
                     except Exception as exc:
                         say(f"block-phase {part}{name}: ERROR {exc!r}")
@@ -533,14 +533,15 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
     return rows
 
 
-def compiled_registers(call) -> str:
-    """``"registers/spill bytes"`` of the per-token ``_route_many_bwd_kernel`` binaries that
-    ``call()`` launches, as this device's Triton compiled them (its cache cleared first, so
-    the binaries are this call's; Triton's disk cache makes the recompile cheap); "-" when
-    the call launches none (the tiled backward) or this Triton keeps its binaries elsewhere."""
+def compiled_registers(call, part: str) -> str:
+    """``"registers/spill bytes"`` of the ``_route_many_fwd_kernel`` (``part="fwd"``) or
+    per-token ``_route_many_bwd_kernel`` (``"bwd"``) binaries that ``call()`` launches, as
+    this device's Triton compiled them (its cache cleared first, so the binaries are this
+    call's; Triton's disk cache makes the recompile cheap); "-" when the call launches none
+    (the tiled backward) or this Triton keeps its binaries elsewhere."""
     from depthrewrite.kernels import route_many_triton
 
-    fn = route_many_triton._route_many_bwd_kernel
+    fn = route_many_triton._route_many_fwd_kernel if part == "fwd" else route_many_triton._route_many_bwd_kernel
     caches = getattr(fn, "device_caches", None)
     if caches is None:
         return "-"
@@ -816,8 +817,8 @@ def main() -> int:
                     help="--block-phase-only: route_many's shapes, the block schemes' phase 1 (default) or "
                          "full AttnRes's calls")
     ap.add_argument("--phase-registers", action="store_true",
-                    help="--block-phase-only: also record the registers and spills of each per-token "
-                         "backward variant as this device compiles it")
+                    help="--block-phase-only: also record the registers and spills of each forward and "
+                         "per-token backward variant as this device compiles it")
     ap.add_argument("--site-route-only", action="store_true",
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
     ap.add_argument("--route-variants", default=None, metavar="REGEX",

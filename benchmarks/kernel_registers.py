@@ -140,10 +140,11 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
                                     queries: int = 6, param_table: bool = False, stages: int = 0):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
     launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
-    None: the default depth); with ``param_table``, its ``param="table"`` form."""
+    None: the default depth; the register cap of PER_TOKEN_LAUNCH); with ``param_table``, its
+    ``param="table"`` form."""
     from depthrewrite.kernels.route_many_triton import (
-        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _backward_prefetch, _query_block,
-        _route_many_bwd_kernel,
+        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _backward_prefetch, _per_token_launch,
+        _query_block, _route_many_bwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
 
@@ -156,7 +157,8 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
                       STAGES=stages)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
-    return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps), warps
+    _, cap = _per_token_launch(block_q, heads, block_h * block_c)
+    return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps, cap), warps
 
 
 def memory_instructions(ptx: str) -> dict[str, int]:

@@ -167,15 +167,18 @@ MULTI_HEAD_BACKWARD_QUERIES = 2
 NUM_WARPS = 4
 #: the one-head per-token backward's launch by its padded queries a program (BLOCK_Q):
 #: (persistent programs per SM: its config's ``per_sm``; register cap: ``maxnreg``, None for
-#: the compiler's choice). The registers grow with the queries (sm_90a PTX from this VM's
-#: Triton 3.9, ``benchmarks/kernel_registers.py --many-queries 1 2 4``: 64, 127, 217 and
-#: 255 for 1, 2, 4 and 8), and the kernel waits on memory, so it takes as many programs as
-#: the SM's 65,536 registers hold. At 4 queries a cap of 168 fits 3 programs without a spill
-#: (session 32: full AttnRes's group calls, 0.676 / 1.386 ms against 0.835 / 1.713 at N =
-#: 13 / 29, docs/benchmarks.md); at 8 the block phase's 6 queries chose 2 uncapped (a cap
-#: of 168 spilled: 8.46 against 5.23 ms at N = 45). A block size not listed takes the entry
-#: of the largest listed one below it. Rows wider than NARROW_ROW (more registers a query)
-#: and several heads were not timed with more programs: they keep OTHER_PER_TOKEN_LAUNCH
+#: the compiler's choice). The registers grow with the queries: 72, 127, 219 and 255 (30
+#: bytes spilled) at 1, 2, 4 and 8 on the H200's Triton 3.6 (``gpu_suite.py
+#: --phase-registers``), and the kernel waits on memory, so it takes as many programs as the
+#: SM's 65,536 registers hold. At 4 queries a cap of 168 fits 3 without a spill; uncapped, a
+#: third program does not fit and runs after the other two (1.08 ms). Session 32 (H200, bf16,
+#: 16384 tokens, d = 1024, docs/benchmarks.md) against 2 programs uncapped for every count:
+#: 4 queries 0.676 / 1.389 ms against 0.835 / 1.712 at N = 13 / 29; 2 queries 0.451 against
+#: 0.700; 1 query 0.148-0.182 against 0.173-0.257 at N = 2-4; full AttnRes's step 0.724x the
+#: baseline against 0.700x. 8 queries keep 2 (capped at 168 they spill: 8.5 against 5.2 ms).
+#: A block size not listed takes the entry of the largest listed one below it. Rows wider
+#: than NARROW_ROW and several heads were not timed with more programs: they keep
+#: OTHER_PER_TOKEN_LAUNCH
 PER_TOKEN_LAUNCH = {1: (8, None), 2: (4, None), 4: (3, 168), 8: (2, None)}
 OTHER_PER_TOKEN_LAUNCH = (2, None)
 MULTI_HEAD_BACKWARD_WARPS = 8
@@ -192,8 +195,9 @@ BACKWARD = None
 BACKWARD_CHOICES = ("tiled", "per_token")
 #: one-head calls with more queries than this take the tiled backward (None: no limit). From
 #: 5 queries the per-token kernel holds 8 padded rows and spills (255 registers at d =
-#: 1024); the tiled kernel holds one query at a time (session 32: 4.39 against 5.24 ms at
-#: full AttnRes's last group, 5 queries over 45 sources, docs/benchmarks.md)
+#: 1024); the tiled kernel holds one query at a time and was faster at full AttnRes's last
+#: group (4.39 against 5.24 ms, 5 queries over 45 sources), but with 4 here full AttnRes and
+#: Block AttnRes were level end to end (session 32, run 4, docs/benchmarks.md)
 PER_TOKEN_MAX_QUERIES = None
 #: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
 #: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,

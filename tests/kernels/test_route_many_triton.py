@@ -458,6 +458,15 @@ def test_per_token_launch_follows_the_queries_a_program_holds(monkeypatch):
     assert launch(4, 16, 1024) == launch(4, 1, 2048) == (5, 96)
 
 
+def test_calls_of_more_queries_than_the_per_token_limit_take_the_tiled_backward(monkeypatch):
+    choose = route_many_triton._backward_kernel
+    assert choose(1, {"backward": None}, False, 8) == "per_token"  # no limit by default
+    monkeypatch.setattr(route_many_triton, "PER_TOKEN_MAX_QUERIES", 4)
+    assert [choose(1, {"backward": None}, False, s) for s in (4, 5)] == ["per_token", "tiled"]
+    assert choose(1, {"backward": "per_token"}, False, 5) == "per_token"  # a config's choice wins
+    assert choose(2, {"backward": None}, False, 1) == choose(1, {"backward": None}, True, 1) == "tiled"
+
+
 def test_too_wide_a_row_is_refused():
     values = [torch.zeros(1, 2 * MAX_ROW, device=DEVICE)]
     with pytest.raises(ValueError, match="pads to a row of"):

@@ -52,6 +52,7 @@
 #   OUT=... bash benchmarks/device_session.sh fullconfirm   # the kernel tests, then full AttnRes with PER_TOKEN_LAUNCH beside session 31's launch and the baseline (session 32)
 #   OUT=... bash benchmarks/device_session.sh tiled5   # one-head route_many calls of more than 4 queries through the tiled backward, full and Block AttnRes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fullfwd   # route_many's forward launch variants at full AttnRes's call shapes (session 32)
+#   OUT=... bash benchmarks/device_session.sh fullphase   # the per-token backward's variants at full AttnRes's corrected call shapes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -626,8 +627,8 @@ fullconfirm)
   ;;
 tiled5)
   # session 32: one-head route_many calls of more than 4 queries through the tiled backward
-  # (PER_TOKEN_MAX_QUERIES=4), full AttnRes and Block AttnRes beside their defaults and the
-  # baseline, in one wave (~4 minutes)
+  # (PER_TOKEN_MAX_QUERIES=4), Block AttnRes and full AttnRes (which makes no such call: its
+  # pair shows the noise) beside their defaults and the baseline, in one wave (~4 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
       --schemes baseline attnres attnres_tiled5 block_attnres block_attnres_tiled5 > "$OUT/e2e.txt" 2>&1
@@ -640,6 +641,16 @@ fullfwd)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 300 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
       --variants '^_(w[124]|q1w[12]|q4|q4w8|r(2|4|16|32)|r8_w2|s[2346]|s3_w2|cap(168|200|232))$' \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  tail -10 "$OUT/bp.txt"
+  ;;
+fullphase)
+  # session 32: the per-token backward's variants at full AttnRes's call shapes as corrected
+  # in session 32 (the readout's one query over 49 entries, the last group's 4 over 45),
+  # with each one's registers (~2 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
+      --variants '^_pertoken(_s31|_pp[3468]|_cap168_pp3|_cap128_pp4)?$|^_tiled$' \
       --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
   tail -10 "$OUT/bp.txt"
   ;;

@@ -223,9 +223,9 @@ LAUNCH_VARIANTS = {
     "pt1x4": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (4, 128), 2: (4, None), 4: (3, 168),
                                                                   8: (2, None)}}),
     "pt3": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (3, 168), 8: (2, None)}}),
-    # one-head route_many calls of more than 4 queries through the tiled backward (full
-    # AttnRes's last group of 5; Block AttnRes's blocks of 6 and 7): the per-token kernel
-    # spills there
+    # one-head route_many calls of more than 4 queries through the tiled backward (Block
+    # AttnRes's blocks of 6 and 7; full AttnRes makes none, so its pair shows the noise):
+    # the per-token kernel spills there
     "tiled5": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_MAX_QUERIES": 4}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}

@@ -385,12 +385,14 @@ BLOCK_PHASE_SHAPES = [(16384, 1024, 4, 6, 1, False), (16384, 1024, 8, 6, 1, Fals
                       (16384, 1024, 8, 6, 1, True),
                       (16384, 4096, 4, 6, 1, False)]  # a 7B-wide model's blocks (not timed before)
 #: full AttnRes's route_many calls at 350M (groups of 4 sites, 24 layers; session 31's profile:
-#: its backward kernel 22.9 ms of the step's 30.3 ms of routing): a group's queries over every
-#: entry made before the group (N = 1 + 4g; the last group 5 queries with the readout), and one
-#: query over the 2-4 entries its own group has made (``attnres.add_group_entries``)
+#: its backward kernel 22.9 ms of the step's 30.3 ms of routing): a group's 4 queries over
+#: every entry made before the group (N = 1 + 4g up to 45), the readout's one query over all
+#: 49 (48 sites make whole groups, so it is a group of its own), and one query over the 2-3
+#: entries its own group has made (``attnres.add_group_entries``); 37 calls a step, counted
+#: in session 32 (session 31's list had a 5-query last group, which the model does not make)
 FULL_ATTNRES_PHASE_SHAPES = [(16384, 1024, 13, 4, 1, False), (16384, 1024, 29, 4, 1, False),
-                             (16384, 1024, 45, 5, 1, False), (16384, 1024, 2, 1, 1, False),
-                             (16384, 1024, 3, 1, 1, False), (16384, 1024, 4, 1, 1, False),
+                             (16384, 1024, 45, 4, 1, False), (16384, 1024, 49, 1, 1, False),
+                             (16384, 1024, 2, 1, 1, False), (16384, 1024, 3, 1, 1, False),
                              (16384, 1024, 13, 2, 1, False)]  # 2 queries: PER_TOKEN_LAUNCH's entry
 PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_SHAPES}
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):

@@ -195,9 +195,9 @@ BACKWARD = None
 BACKWARD_CHOICES = ("tiled", "per_token")
 #: one-head calls with more queries than this take the tiled backward (None: no limit). From
 #: 5 queries the per-token kernel holds 8 padded rows and spills (255 registers at d =
-#: 1024); the tiled kernel holds one query at a time and was faster at full AttnRes's last
-#: group (4.39 against 5.24 ms, 5 queries over 45 sources), but with 4 here full AttnRes and
-#: Block AttnRes were level end to end (session 32, run 4, docs/benchmarks.md)
+#: 1024); the tiled kernel holds one query at a time and was faster at 5 queries over 45
+#: sources (4.39 against 5.24 ms), but with 4 here Block AttnRes (blocks of 6 and 7 sites)
+#: was level end to end (session 32, run 4, docs/benchmarks.md)
 PER_TOKEN_MAX_QUERIES = None
 #: the per-token backward's parameter gradients: "registers" (a (Q, H, C) fp32 sum over
 #: the program's tokens, then over the programs) or "table" (``dz * rstd`` per source,

@@ -75,6 +75,15 @@ forward_launch_ab() {
       > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -18
 }
+# route_many's launch variants matching $1 at full AttnRes's call shapes, each one's registers
+# as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
+full_attnres_phase() {
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "$2" python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
+      --variants "$1" --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  tail -10 "$OUT/bp.txt"
+}
+PER_TOKEN_VARIANTS='^_pertoken(_s31|_pp[3468]|_cap168_pp3|_cap128_pp4)?$|^_tiled$'
 case "$1" in
 study)
   timeout "${STUDY_SECONDS:-480}" python3 benchmarks/validation_study.py --data-dir .devdata --out "$OUT" \
@@ -604,12 +613,7 @@ fullab)
   # shapes with the per-token variants and each one's registers as this device compiles
   # them, then the model with the new table beside session 31's launch and two other tables
   # (~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 220 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
-      --variants '^_pertoken(_s31|_pp[3468]|_cap168_pp3|_cap128_pp4)?$|^_tiled$' \
-      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
-  grep -v "Warning\|__new__" "$OUT/bp.txt" | grep "block-phase" | tail -8
-  tail -10 "$OUT/bp.txt"
+  full_attnres_phase "$PER_TOKEN_VARIANTS" 220
   timeout 320 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
       --schemes attnres attnres_pt31 attnres_pt1x4 attnres_pt3 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -10
@@ -638,21 +642,13 @@ fullfwd)
   # session 32: route_many's forward launch variants (queries a program, warps, tokens a
   # program, pipeline stages, register caps) at full AttnRes's call shapes, each one's
   # registers as this device compiles it (~3 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 300 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
-      --variants '^_(w[124]|q1w[12]|q4|q4w8|r(2|4|16|32)|r8_w2|s[2346]|s3_w2|cap(168|200|232))$' \
-      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
-  tail -10 "$OUT/bp.txt"
+  full_attnres_phase '^_(w[124]|q1w[12]|q4|q4w8|r(2|4|16|32)|r8_w2|s[2346]|s3_w2|cap(168|200|232))$' 300
   ;;
 fullphase)
   # session 32: the per-token backward's variants at full AttnRes's call shapes as corrected
   # in session 32 (the readout's one query over 49 entries, the last group's 4 over 45),
   # with each one's registers (~2 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
-      --variants '^_pertoken(_s31|_pp[3468]|_cap168_pp3|_cap128_pp4)?$|^_tiled$' \
-      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
-  tail -10 "$OUT/bp.txt"
+  full_attnres_phase "$PER_TOKEN_VARIANTS" 200
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

@@ -459,7 +459,8 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             **{f"_tiled_cap{k}": {"backward": "tiled", "maxnreg": k} for k in (96, 128, 168)},
                             # more persistent programs per SM where fewer query rows are held
                             # (full AttnRes: 4 queries, 217 registers; 168 with the table; session
-                            # 31's kernel_registers.py), and 8 warps a program
+                            # 31's kernel_registers.py), and 8 warps a program; uncapped (since
+                            # session 32 the default launch caps 4 queries at 168 registers)
                             **{f"_pertoken_pp{k}": {"backward": "per_token", "per_sm": k, "maxnreg": None}
                                for k in (3, 4, 6, 8)},
                             "_pertoken_w8": {"backward": "per_token", "num_warps": 8, "maxnreg": None},

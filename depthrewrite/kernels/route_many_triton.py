@@ -175,7 +175,8 @@ NUM_WARPS = 4
 #: 16384 tokens, d = 1024, docs/benchmarks.md) against 2 programs uncapped for every count:
 #: 4 queries 0.676 / 1.389 ms against 0.835 / 1.712 at N = 13 / 29; 2 queries 0.451 against
 #: 0.700; 1 query 0.148-0.182 against 0.173-0.257 at N = 2-4; full AttnRes's step 0.724x the
-#: baseline against 0.700x. 8 queries keep 2 (capped at 168 they spill: 8.5 against 5.2 ms).
+#: baseline against 0.700x. 8 keep 2 (5 queries over 45 sources, padded to 8, capped at 168
+#: spill more: 8.5 against 5.2 ms).
 #: A block size not listed takes the entry of the largest listed one below it. Rows wider
 #: than NARROW_ROW and several heads were not timed with more programs: they keep
 #: OTHER_PER_TOKEN_LAUNCH

@@ -53,6 +53,7 @@
 #   OUT=... bash benchmarks/device_session.sh tiled5   # one-head route_many calls of more than 4 queries through the tiled backward, full and Block AttnRes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fullfwd   # route_many's forward launch variants at full AttnRes's call shapes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fullphase   # the per-token backward's variants at full AttnRes's corrected call shapes (session 32)
+#   OUT=... bash benchmarks/device_session.sh blockq   # the block phase's queries in per-token chunks of 4 or 2 (session 32)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -649,6 +650,15 @@ fullphase)
   # in session 32 (the readout's one query over 49 entries, the last group's 4 over 45),
   # with each one's registers (~2 minutes)
   full_attnres_phase "$PER_TOKEN_VARIANTS" 200
+  ;;
+blockq)
+  # session 32: the block phase's one-head 6-7 queries through the per-token backward in
+  # chunks of 4 or 2 queries (PER_TOKEN_LAUNCH's unspilled launches) against one chunk of 8
+  # padded rows (2 programs per SM, spilling), with each one's registers (~2 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --phase-registers \
+      --variants '^_pertoken(_q[24]|_s31)?$|^_tiled$' --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  tail -12 "$OUT/bp.txt"
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

@@ -469,7 +469,11 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             # the per-token launch of session 31 at every query count: 2 programs
                             # per SM, the compiler's registers (since session 32: by the queries a
                             # program holds, route_many_triton.PER_TOKEN_LAUNCH)
-                            "_pertoken_s31": {"backward": "per_token", "per_sm": 2, "maxnreg": None}}
+                            "_pertoken_s31": {"backward": "per_token", "per_sm": 2, "maxnreg": None},
+                            # Block AttnRes's 6-7 queries in chunks of 4 or 2 (PER_TOKEN_LAUNCH's
+                            # 3 or 4 programs per SM, no spill; fp32 partial gradients between
+                            # the chunks) rather than one chunk of 8 padded rows that spills
+                            **{f"_pertoken_q{k}": {"backward": "per_token", "block_q": k} for k in (2, 4)}}
 
 
 def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES,

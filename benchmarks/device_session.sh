@@ -76,6 +76,11 @@ forward_launch_ab() {
       > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -18
 }
+# the GPU kernel tests (at most $1 s), their last two lines printed and logged
+gpu_kernel_tests() {
+  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+}
 # route_many's launch variants matching $1 at full AttnRes's call shapes, each one's registers
 # as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
 full_attnres_phase() {
@@ -97,8 +102,7 @@ kernels)
   # [".whl"]); the table last
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
-  tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+  gpu_kernel_tests 150
   timeout "${SUITE_SECONDS:-330}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 --no-e2e --no-block-phase \
       > "$OUT/suite_log.txt" 2>&1
   tail -13 "$OUT/suite_log.txt"
@@ -598,8 +602,7 @@ finab)
   # end against those torch ops (_tfin), recorded as CUDA graphs: the GPU's time alone
   # (~8 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
-  tail -2 "$OUT/kernel_tests.txt"
+  gpu_kernel_tests 150
   timeout 60 python3 benchmarks/host_overhead.py --profile-top 0 > "$OUT/host.txt" 2>&1
   tail -22 "$OUT/host.txt"
   AB_VARIANTS=${AB_VARIANTS:-mhar_block_fm_cg mhar_block_fm_cg_tfin wav_cg wav_cg_tfin dar_block_fm_cg dar_block_fm_cg_tfin}
@@ -624,8 +627,7 @@ fullconfirm)
   # register cap of 168), then full AttnRes with it beside session 31's launch and the
   # Inductor baseline, in one wave (~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
-  tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+  gpu_kernel_tests 170
   timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
       --schemes baseline attnres attnres_pt31 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
@@ -677,8 +679,7 @@ ab|mkab|fmab)
     AB_VARIANTS=${AB_VARIANTS:-block_attnres block_attnres_mk mhar_block mhar_block_mk dar_block dar_block_mk}
     ;;
   fmab)
-    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
-    tail -2 "$OUT/kernel_tests.txt"
+    gpu_kernel_tests 150
     AB_VARIANTS=${AB_VARIANTS:-mhar_block mhar_block_fm mhar_block_fm_mergepipe0 mhar_block_fm_raw baseline_cg mhar_block_fm_cg}
     E2E_SECONDS=${E2E_SECONDS:-420}  # the tests took up to 150 s of the call's 600
     ;;

@@ -111,13 +111,12 @@ def finish(r: PartialSums, query: Tensor, key_norm_weight: Tensor,
         raise ValueError(f"param_grads.finish: at most 2 extra sums; found {len(extra)}")
     for sums, like in ((r, query), *extra):
         _check_width("finish", sums, like)
+    outs = [_empty(like, query.device) for _, like in extra]
     if not FUSED:
-        outs = [_empty(like, query.device) for _, like in extra]
         for out, (sums, _) in zip(outs, extra):
             out.view(-1).copy_(sums.total())
         return (*_torch_products(r, query, key_norm_weight), *outs)
     grad_query, grad_weight = _empty(query), _empty(key_norm_weight, query.device)
-    outs = [_empty(like, query.device) for _, like in extra]
     blocks = [cdiv(s.width, BLOCK_W) for s in (r, *(sums for sums, _ in extra))]
     pad = [(r.part, 0, 0, 0, grad_query)] * (2 - len(extra))  # unread arguments of absent sums
     (s1, rows1, stride1, width1, o1), (s2, rows2, stride2, width2, o2) = (

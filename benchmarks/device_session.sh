@@ -21,6 +21,8 @@
 #   OUT=... bash benchmarks/device_session.sh fwdruns    # its runs of tokens per program (session 17)
 #   OUT=... bash benchmarks/device_session.sh fwdpipe    # the forward's new launch end to end (session 17)
 #   OUT=... bash benchmarks/device_session.sh keyedbwd   # DAR's keyed backward: per-token against tiled
+#   OUT=... bash benchmarks/device_session.sh sums       # joined row sums: kernel tests, kernel A/B (session 33)
+#   OUT=... bash benchmarks/device_session.sh sumsab     # joined row sums end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -661,6 +663,30 @@ blockq)
   timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --phase-registers \
       --variants '^_pertoken(_q[24]|_s31)?$|^_tiled$' --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
   tail -12 "$OUT/bp.txt"
+  ;;
+sums)
+  # session 33: the backward kernels' three row sums of a source joined in one reduction
+  # (route_many's per-token backward and route's backward: 3 barriers a source instead of 9
+  # in their sm_90 code): the GPU kernel tests with it as the default, then each kernel with
+  # it and without at full AttnRes's call shapes, the block phase's and route's site shapes
+  # (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 170
+  full_attnres_phase '^_pertoken(_sums1)?$' 120
+  timeout 100 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^_pertoken(_sums1)?$' \
+      --out "$OUT/bp_block" > "$OUT/bp_block.txt" 2>&1
+  tail -6 "$OUT/bp_block.txt"
+  timeout 100 python3 benchmarks/gpu_suite.py --site-route-only --route-variants '^(_sums1)?$' \
+      --out "$OUT/site" > "$OUT/site.txt" 2>&1
+  tail -8 "$OUT/site.txt"
+  ;;
+sumsab)
+  # session 33: the models whose backward runs those kernels, with the joined sums (the
+  # default) and with the sums one by one (_sums1), beside the baseline in one wave (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
+      --schemes baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -12
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

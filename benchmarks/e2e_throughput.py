@@ -227,6 +227,10 @@ LAUNCH_VARIANTS = {
     # AttnRes's blocks of 6 and 7; full AttnRes makes none, so its pair shows the noise):
     # the per-token kernel spills there
     "tiled5": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_MAX_QUERIES": 4}),
+    # the backward kernels' three row sums of a source reduced one by one (before session 33;
+    # since, joined in one reduction: route_many's per-token backward and route's backward)
+    "sums1": (("attnres", "block_attnres", "wav", "mhar"),
+              {"route_many_triton.PER_TOKEN_FUSED_SUMS": False, "BACKWARD_FUSED_SUMS": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

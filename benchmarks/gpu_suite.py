@@ -473,7 +473,10 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoke
                             # Block AttnRes's 6-7 queries in chunks of 4 or 2 (PER_TOKEN_LAUNCH's
                             # 3 or 4 programs per SM, no spill; fp32 partial gradients between
                             # the chunks) rather than one chunk of 8 padded rows that spills
-                            **{f"_pertoken_q{k}": {"backward": "per_token", "block_q": k} for k in (2, 4)}}
+                            **{f"_pertoken_q{k}": {"backward": "per_token", "block_q": k} for k in (2, 4)},
+                            # a source's three row sums reduced one by one (before session 33;
+                            # since, joined in one reduction: route_many_triton.PER_TOKEN_FUSED_SUMS)
+                            "_pertoken_sums1": {"backward": "per_token", "fused_sums": False}}
 
 
 def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES,
@@ -586,7 +589,10 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
                            "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4},
                            # sum_j a_j <v_j, g> from the sources, read twice (session 24)
-                           "_exact": {"exact_softmax_grad": True}}
+                           "_exact": {"exact_softmax_grad": True},
+                           # a source's three row sums reduced one by one (before session 33;
+                           # since, joined in one reduction: route_triton.BACKWARD_FUSED_SUMS)
+                           "_sums1": {"fused_sums": False}}
 #: ``--design-launch-only``: tokens per program and warps at the DESIGN.md shapes (one head;
 #: the defaults: one token per program and 4 warps at d = 2048, 2 tokens at d = 4096 with 8
 #: warps forward and 4 backward)

@@ -1,4 +1,4 @@
-"""Registers, spills and global memory instructions of routing kernels for sm_90, on a
+"""Registers, spills, SASS size and barriers, and global memory instructions of routing kernels for sm_90, on a
 machine without a GPU.
 
     python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH] [--forward-caps 0 64]
@@ -6,7 +6,8 @@ machine without a GPU.
 
 Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_bwd_kernel``
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
-without running sums (``HAS_ACC``, the backend's ``accumulate_grads``), ``_route_fwd_kernel``
+without running sums (``HAS_ACC``, the backend's ``accumulate_grads``) and with its row sums
+joined (the default) or one by one, ``_route_fwd_kernel``
 at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--forward-caps``
 also under those register caps, 0 for none), and
 ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
@@ -46,17 +47,41 @@ ARG_TYPES = dict(g_ptr="*bf16", out_ptr="*bf16", lse_ptr="*fp32", vtab="*i64", k
                  num_blocks="i32", out_norm_eps="fp32")
 
 
-def ptxas_report(ptx: str, ptxas: str) -> tuple[int, int]:
-    """(registers per thread, spill bytes stored) that ``ptxas -v`` reports for sm_90a."""
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    out = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True)
-    text = out.stdout + out.stderr
-    regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
-    if out.returncode or not regs:
-        raise RuntimeError(f"{ptxas} failed on the kernel's PTX:\n{text[-800:]}")
-    return int(regs.group(1)), int(spills.group(1)) if spills else 0
+def ptxas_report(ptx: str, ptxas: str) -> tuple[int, int, str]:
+    """(registers per thread, spill bytes stored, a summary of the machine code) that
+    ``ptxas -v`` reports for sm_90a; the summary (SASS instructions and ``BAR.SYNC``
+    barriers, counted in the whole kernel) comes from the ``nvdisasm`` beside ``ptxas``, and
+    is empty without one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = pathlib.Path(tmp) / "k.ptx", pathlib.Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        out = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", str(src), "-o", str(cubin)],
+                             capture_output=True, text=True)
+        text = out.stdout + out.stderr
+        regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+        if out.returncode or not regs:
+            raise RuntimeError(f"{ptxas} failed on the kernel's PTX:\n{text[-800:]}")
+        return int(regs.group(1)), int(spills.group(1)) if spills else 0, sass_summary(cubin, ptxas)
+
+
+def describe(ptx: str, ptxas: str, warps: int, memory: bool = True) -> str:
+    """One kernel's line: registers, spills, programs an SM holds by its registers, the SASS
+    summary and (with ``memory``) the PTX's global memory instructions."""
+    regs, spills, sass = ptxas_report(ptx, ptxas)
+    line = f"{regs} registers, {spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers"
+    line += f"; {sass}" if sass else ""
+    return line + (f"; global memory instructions {memory_instructions(ptx)}" if memory else "")
+
+
+def sass_summary(cubin: pathlib.Path, ptxas: str) -> str:
+    """``"<n> SASS instructions, <b> barriers"`` of a cubin, by the ``nvdisasm`` in ``ptxas``'s
+    folder ("" if there is none)."""
+    nvdisasm = pathlib.Path(ptxas).with_name("nvdisasm")
+    if not nvdisasm.exists():
+        return ""
+    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return f"{len(lines)} SASS instructions, {sum('BAR.SYNC' in line for line in lines)} barriers"
 
 
 def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | None = None) -> str:
@@ -77,11 +102,12 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | N
     return compiled.asm["ptx"]
 
 
-def compile_backward(d: int, heads: int, has_acc: bool):
-    """route's backward as ``route_backward`` launches it (no keys, bias or scale)."""
+def compile_backward(d: int, heads: int, has_acc: bool, fused_sums: bool | None = None):
+    """route's backward as ``route_backward`` launches it (no keys, bias or scale;
+    ``fused_sums`` None: BACKWARD_FUSED_SUMS)."""
     from depthrewrite.kernels.route_triton import (
-        _route_backward_residency, _route_backward_stages, _route_backward_warps, _route_bwd_kernel, _route_tokens,
-        _row_blocks,
+        BACKWARD_FUSED_SUMS, _route_backward_residency, _route_backward_stages, _route_backward_warps,
+        _route_bwd_kernel, _route_tokens, _row_blocks,
     )
 
     block_h, block_c = _row_blocks(d, heads)
@@ -89,7 +115,8 @@ def compile_backward(d: int, heads: int, has_acc: bool):
     block_t = _route_tokens(heads, row)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False,
-                      HAS_ACC=has_acc, STAGES=_route_backward_stages(heads, row, has_acc))
+                      HAS_ACC=has_acc, STAGES=_route_backward_stages(heads, row, has_acc),
+                      FUSED_SUMS=BACKWARD_FUSED_SUMS if fused_sums is None else fused_sums)
     warps = _route_backward_warps(heads, row, block_t)
     cap, _ = _route_backward_residency(heads, row, False, block_t, warps)
     return _compile(_route_bwd_kernel, ARG_TYPES, constexprs, warps, cap), block_t, warps
@@ -137,14 +164,15 @@ def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None 
 
 
 def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch: int | None = None,
-                                    queries: int = 6, param_table: bool = False, stages: int = 0):
+                                    queries: int = 6, param_table: bool = False, stages: int = 0,
+                                    fused_sums: bool | None = None):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
     launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
     None: the default depth; the register cap of PER_TOKEN_LAUNCH); with ``param_table``, its
-    ``param="table"`` form."""
+    ``param="table"`` form; ``fused_sums`` None: PER_TOKEN_FUSED_SUMS."""
     from depthrewrite.kernels.route_many_triton import (
-        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, _backward_prefetch, _per_token_launch,
-        _query_block, _route_many_bwd_kernel,
+        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, PER_TOKEN_FUSED_SUMS, _backward_prefetch,
+        _per_token_launch, _query_block, _route_many_bwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
 
@@ -155,7 +183,7 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
         prefetch = _backward_prefetch("per_token", block_h * block_c)
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
-                      STAGES=stages)
+                      STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     _, cap = _per_token_launch(block_q, heads, block_h * block_c)
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps, cap), warps
@@ -211,46 +239,37 @@ def main() -> int:
     args = ap.parse_args()
     print(f"triton {triton.__version__}, ptxas {args.ptxas}, d={args.width}, bf16, prefetch {args.prefetch}")
     for heads in args.heads:
-        for has_acc in (False, True):
-            ptx, block_t, warps = compile_backward(args.width, heads, has_acc)
-            regs, spills = ptxas_report(ptx, args.ptxas)
-            resident = 65536 // (regs * warps * 32)
-            print(f"route backward heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} warps={warps}: "
-                  f"{regs} registers, {spills} spill bytes, {resident} programs per SM by registers; "
-                  f"global memory instructions {memory_instructions(ptx)}")
+        for has_acc, fused_sums in itertools.product((False, True), (None, False)):
+            ptx, block_t, warps = compile_backward(args.width, heads, has_acc, fused_sums)
+            sums = ", sums one by one" if fused_sums is False else ""
+            print(f"route backward{sums} heads={heads:3d} running sums={str(has_acc):5s} block_t={block_t} "
+                  f"warps={warps}: " + describe(ptx, args.ptxas, warps))
     for heads in args.heads:
         for bias, scale, norm in itertools.product((False, True), repeat=3):
             for cap in (None,) + tuple(args.forward_caps):
                 ptx, warps = compile_forward(args.width, heads, bias, scale, norm, cap)
-                regs, spills = ptxas_report(ptx, args.ptxas)
                 print(f"route forward heads={heads:3d} bias={bias:d} scale={scale:d} norm={norm:d} warps={warps} "
-                      f"cap={'launch default' if cap is None else cap or 'none'}: {regs} registers, {spills} spill bytes, "
-                      f"{65536 // (regs * warps * 32)} programs per SM by registers")
+                      f"cap={'launch default' if cap is None else cap or 'none'}: "
+                      + describe(ptx, args.ptxas, warps, memory=False))
     kinds = [("forward", compile_many_forward)]
     for queries in args.many_queries:
-        kinds += [(f"per-token backward S={queries}",
-                   functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries)),
-                  (f"per-token backward S={queries}, param table",
-                   functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries,
-                                     param_table=True))]
+        per_token = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries)
+        kinds += [(f"per-token backward S={queries}", per_token),
+                  (f"per-token backward S={queries}, sums one by one", functools.partial(per_token, fused_sums=False)),
+                  (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True))]
     for name, compile_fn in kinds:
         for heads in args.heads:
             for has_keys in (False, True):
                 ptx, warps = compile_fn(args.width, heads, has_keys)
-                regs, spills = ptxas_report(ptx, args.ptxas)
-                print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: {regs} registers, "
-                      f"{spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by registers; "
-                      f"global memory instructions {memory_instructions(ptx)}")
+                print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: "
+                      + describe(ptx, args.ptxas, warps))
     for backward in (False, True):
         for heads in args.heads:
             for results, has_keys, has_norm in ((1, False, False), (1, False, True), (2, True, False), (2, True, True)):
                 ptx, launch = compile_merge(args.width, heads, results, has_keys, has_norm, backward)
-                regs, spills = ptxas_report(ptx, args.ptxas)
-                warps = launch["num_warps"]
                 print(f"route_merge {'backward' if backward else 'forward'} heads={heads:3d} J={results} "
-                      f"keys={str(has_keys):5s} norm={has_norm:d} block_t={launch['block_t']} warps={warps}: "
-                      f"{regs} registers, {spills} spill bytes, {65536 // (regs * warps * 32)} programs per SM by "
-                      f"registers; global memory instructions {memory_instructions(ptx)}")
+                      f"keys={str(has_keys):5s} norm={has_norm:d} block_t={launch['block_t']} "
+                      f"warps={launch['num_warps']}: " + describe(ptx, args.ptxas, launch["num_warps"]))
     return 0
 
 

@@ -93,7 +93,8 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad, check_flag,
+    default_fused_sums, three_row_sums,
 )
 from .grid import cdiv
 from .param_grads import PartialSums, finish
@@ -207,6 +208,13 @@ PER_TOKEN_MAX_QUERIES = None
 #: spill, against 255 and 116 bytes of spill: kernel_registers.py). Timed in
 #: docs/benchmarks.md session 11: 10-20 % slower up to d = 2048, 1 % faster at d = 4096.
 PER_TOKEN_PARAM = "registers"
+#: the per-token backward reduces a source's three row sums (the key's squares, ``<k, qw>``
+#: and ``<v, g>`` per query) joined in one ``tl.sum``: the program's warps meet at 3 barriers
+#: a source instead of 9 (sm_90 code of the device's Triton 3.6 at d = 1024, 4 queries, 168
+#: registers either way: 440 instructions a source against 450; ``benchmarks/kernel_registers.py``).
+#: False reduces them one by one (the config's ``fused_sums``); the interpreter's default is
+#: False (route_triton.default_fused_sums)
+PER_TOKEN_FUSED_SUMS = True
 PARAM_CHOICES = ("registers", "table")
 #: the per-token backward requests two sources ahead (``prefetch=2``) for padded rows of at
 #: most this many elements, one ahead for wider rows (H200, bf16, 16384 tokens, S = 6, one
@@ -382,7 +390,7 @@ def _route_many_bwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
-    EXACT: tl.constexpr = False,
+    EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
@@ -439,7 +447,7 @@ def _route_many_bwd_kernel(
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -458,7 +466,7 @@ def _route_many_bwd_kernel(
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
@@ -485,6 +493,18 @@ def _per_token_weight(k, qw, lse, hq, D, eps):
 
 
 @triton.jit
+def _per_token_weight_and_share(v, k, g, qw, lse, hq, D, eps):
+    """:func:`_per_token_weight`'s ``a``, ``zr`` and ``rstd`` and the products ``<v, g>``
+    (per query and head) from one reduction across the row (:func:`three_row_sums`)."""
+    squares, dots, da = three_row_sums(tl.broadcast_to((k * k)[None, :, :], qw.shape), k[None, :, :] * qw,
+                                       v[None, :, :] * g)
+    # every query row holds the same sum of squares: the row's is their largest
+    rstd = tl.rsqrt(tl.max(tl.sum(squares, 1), 0) / D + eps)
+    zr = dots * rstd
+    return tl.where(hq, tl.exp(zr - lse), 0.0), zr, rstd, da
+
+
+@triton.jit
 def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr):
     """A source's weight ``a`` and term ``a <v, g>`` of ``sum_j a_j <v_j, g>`` (per query and
     head), computed as :func:`_per_token_source_grads` computes ``a`` and ``<v, g>``."""
@@ -497,19 +517,22 @@ def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexp
 def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab,
                             acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
                             ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
-                            HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr):
+                            HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr, FUSED_SUMS: tl.constexpr):
     """Source ``i``'s part of the per-token backward for every query of the chunk: its value
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
     PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
-    a, zr, rstd = _per_token_weight(k, qw, lse, hq, D, eps)
+    if FUSED_SUMS:
+        a, zr, rstd, da = _per_token_weight_and_share(v, k, g, qw, lse, hq, D, eps)
+    else:
+        a, zr, rstd = _per_token_weight(k, qw, lse, hq, D, eps)
+        da = tl.sum(v[None, :, :] * g, 2)
     if ONE_SOURCE:
         # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
         # exactly (computed, the two sums would leave rounding noise where 0 is exact)
         a = tl.where(hq, 1.0, 0.0)
         dz = g_lse
     else:
-        da = tl.sum(v[None, :, :] * g, 2)
         dz = a * (da - s_ada)
     mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
     norm = k * rstd
@@ -823,7 +846,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     unused; unset: ``_backward_stages``), the parameter reduction's (tiled backward, or
     ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM),
     ``maxnreg`` (a register cap for the backward kernel; unset: the per-token backward's
-    PER_TOKEN_LAUNCH, none for the tiled one) and
+    PER_TOKEN_LAUNCH, none for the tiled one), ``fused_sums`` (the per-token backward's;
+    unset: PER_TOKEN_FUSED_SUMS) and
     ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
@@ -832,6 +856,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         _positive_int("route_many", "per_sm", cfg["per_sm"])
     cfg["param"] = _param_gradients(cfg)
     cfg["exact_softmax_grad"] = check_exact_softmax_grad(cfg.get("exact_softmax_grad", False), "route_many")
+    cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(PER_TOKEN_FUSED_SUMS)), "fused_sums",
+                                   "route_many")
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     dtype = values[0].dtype
@@ -993,7 +1019,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
-            num_warps=warps, **_register_cap(cfg, "route_many"),
+            FUSED_SUMS=cfg["fused_sums"], num_warps=warps, **_register_cap(cfg, "route_many"),
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,

@@ -278,7 +278,7 @@ def _route_bwd_kernel(
     HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_SOURCE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     ALIGNED: tl.constexpr, PREFETCH: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ACC: tl.constexpr,
-    STAGES: tl.constexpr = 0, EXACT: tl.constexpr = False,
+    STAGES: tl.constexpr = 0, EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False,
 ):
     """A persistent grid over blocks of BLOCK_T tokens: each source (and key) read once, each
     gradient written once. With STAGES >= 2 the source rows come through Triton's software
@@ -329,9 +329,9 @@ def _route_bwd_kernel(
                 weight = tl.zeros_like(s_ada)
                 for j in range(N):
                     v_cur, k_cur = _load_source(vtab, ktab, j, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
-                    v, _, _, _, _, a = _route_source_rows(v_cur, k_cur, j, tok, tmask, T, D, eps, qw, lse, bias_ptr,
-                                                          scale_ptr, HAS_KEYS, HAS_BIAS, HAS_SCALE)
-                    s_ada += a * tl.sum(v * g, 2)
+                    a, da = _route_source_rows(v_cur, k_cur, j, tok, tmask, g, T, D, eps, qw, lse, bias_ptr,
+                                               scale_ptr, HAS_KEYS, HAS_BIAS, HAS_SCALE, FUSED_SUMS)[5:]
+                    s_ada += a * da
                     weight += a
                 s_ada = _normalized_sum(s_ada, weight, hmask)
             else:
@@ -346,7 +346,7 @@ def _route_bwd_kernel(
                 r_acc = _route_bwd_source(
                     v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
                     scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED, HAS_KEYS, HAS_BIAS, HAS_SCALE,
-                    ONE_SOURCE, HAS_ACC)
+                    ONE_SOURCE, HAS_ACC, FUSED_SUMS)
         else:
             if PREFETCH and not ONE_SOURCE:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, mask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -362,7 +362,7 @@ def _route_bwd_kernel(
                 r_acc = _route_bwd_source(
                     v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
                     scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED, HAS_KEYS, HAS_BIAS, HAS_SCALE,
-                    ONE_SOURCE, HAS_ACC)
+                    ONE_SOURCE, HAS_ACC, FUSED_SUMS)
 
     tl.store(part_r_ptr + pid.to(tl.int64) * D + col, r_acc, mask=cmask)
     if HAS_NORM:
@@ -388,11 +388,13 @@ def _source_scale(i, tok, tmask, T, scale_ptr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _route_source_rows(v_cur, k_cur, i, tok, tmask, T, D, eps, qw, lse, bias_ptr, scale_ptr,
-                       HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _route_source_rows(v_cur, k_cur, i, tok, tmask, g, T, D, eps, qw, lse, bias_ptr, scale_ptr,
+                       HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       FUSED_SUMS: tl.constexpr):
     """Source ``i`` in the backward (rows ``v_cur`` / ``k_cur`` as stored): its fp32 value
     and key rows (scaled with HAS_SCALE), the scale ``s``, the key's ``rstd``, the logit
-    ``zr`` before the bias and the weight ``a = exp(z - lse)`` per token and head."""
+    ``zr`` before the bias, the weight ``a = exp(z - lse)`` and ``da = <v, g>`` per token
+    and head; with FUSED_SUMS the three row sums in one reduction (:func:`three_row_sums`)."""
     s = _source_scale(i, tok, tmask, T, scale_ptr, HAS_SCALE)
     v = v_cur.to(tl.float32)
     if HAS_SCALE:
@@ -403,19 +405,33 @@ def _route_source_rows(v_cur, k_cur, i, tok, tmask, T, D, eps, qw, lse, bias_ptr
             k = k * s[:, None, None]
     else:
         k = v
-    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 2), 1) / D + eps)
-    zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+    if FUSED_SUMS:
+        squares, dots, da = three_row_sums(k * k, k * qw[None, :, :], v * g)
+    else:
+        squares, dots, da = tl.sum(k * k, 2), tl.sum(k * qw[None, :, :], 2), tl.sum(v * g, 2)
+    rstd = tl.rsqrt(tl.sum(squares, 1) / D + eps)
+    zr = dots * rstd[:, None]
     z = zr
     if HAS_BIAS:
         z = z + tl.load(bias_ptr + i).to(tl.float32)
-    return v, k, s, rstd, zr, tl.exp(z - lse)
+    return v, k, s, rstd, zr, tl.exp(z - lse), da
+
+
+@triton.jit
+def three_row_sums(squares, dots, products):
+    """``tl.sum(x, 2)`` of three tensors of one shape in one reduction: joined, so that a
+    program's warps meet once for the three rather than once each. ``squares`` is joined
+    twice, to make a pair of pairs; the compiler reduces its copies once."""
+    first, second = tl.split(tl.sum(tl.join(tl.join(squares, dots), tl.join(products, squares)), 2))
+    squares, dots = tl.split(first)
+    return squares, dots, tl.split(second)[0]
 
 
 @triton.jit
 def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, lse, qw, r_acc, T, D, eps, bias_ptr,
                       scale_ptr, part_b_ptr, gvtab, gktab, gvacc, gkacc, ptr_ty, ALIGNED: tl.constexpr,
                       HAS_KEYS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      ONE_SOURCE: tl.constexpr, HAS_ACC: tl.constexpr):
+                      ONE_SOURCE: tl.constexpr, HAS_ACC: tl.constexpr, FUSED_SUMS: tl.constexpr):
     """Source ``i``'s part of the backward (rows ``v_cur`` / ``k_cur`` as stored): its value
     (and key) gradient written, its bias term stored, its ``dz * norm`` added to ``r_acc``
     (returned)."""
@@ -423,9 +439,8 @@ def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, 
         s = _source_scale(i, tok, tmask, T, scale_ptr, HAS_SCALE)
         d_src = g
     else:
-        v, k, s, rstd, zr, a = _route_source_rows(v_cur, k_cur, i, tok, tmask, T, D, eps, qw, lse, bias_ptr,
-                                                  scale_ptr, HAS_KEYS, HAS_BIAS, HAS_SCALE)
-        da = tl.sum(v * g, 2)
+        v, k, s, rstd, zr, a, da = _route_source_rows(v_cur, k_cur, i, tok, tmask, g, T, D, eps, qw, lse, bias_ptr,
+                                                      scale_ptr, HAS_KEYS, HAS_BIAS, HAS_SCALE, FUSED_SUMS)
         dz = a * (da - s_ada)
         # padded tokens/heads may carry NaN (eps = 0 on a zero row): keep them out of the sums
         dz = tl.where(hmask, dz, 0.0)
@@ -686,6 +701,12 @@ PREFETCH_DEPTHS = (False, True)
 #: at d = 1024 and 2048 without running sums)
 ROUTE_FORWARD_STAGES = 3
 ROUTE_BACKWARD_STAGES = 3
+#: the backward joins a source's three row sums (the key's squares, ``<k, qw>``, ``<v, g>``)
+#: in one reduction (:func:`three_row_sums`; the config's ``fused_sums``). Its sm_90 code
+#: (the device's Triton 3.6, d = 1024, one head, ``benchmarks/kernel_registers.py``) has
+#: fewer barriers a source, where the warps of a program wait for each other; off in the
+#: interpreter (:func:`default_fused_sums`)
+BACKWARD_FUSED_SUMS = True
 
 
 def _check_stages(stages, default: int, op: str, name: str = "stages") -> int:
@@ -953,7 +974,8 @@ def route_backward(
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
             ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
             PREFETCH=launch["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc, STAGES=launch["stages"],
-            EXACT=launch["exact_softmax_grad"], num_warps=launch["num_warps"], **_register_cap(launch),
+            EXACT=launch["exact_softmax_grad"], FUSED_SUMS=launch["fused_sums"], num_warps=launch["num_warps"],
+            **_register_cap(launch),
         )
     return (grad_v, grad_k, *_parameter_grads(part_r, part_b, part_n, query, key_norm_weight, logit_bias,
                                               out_norm_weight, has_norm))
@@ -967,6 +989,7 @@ def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, 
     cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
            "exact_softmax_grad": False, **(config or {})}
     check_exact_softmax_grad(cfg["exact_softmax_grad"], "route")
+    cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(BACKWARD_FUSED_SUMS)), "fused_sums", "route")
     block_t = _check_block_t(cfg["block_t"])
     warps = cfg.get("num_warps") or _route_backward_warps(heads, row, block_t)
     cap, per_sm = _route_backward_residency(heads, row, has_keys, block_t, warps)
@@ -974,6 +997,22 @@ def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, 
     prefetch = _check_prefetch(cfg["prefetch"], "route")
     stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc), "route")
     return {**cfg, "block_t": block_t, "num_warps": warps, "prefetch": prefetch, "stages": stages}
+
+
+def check_flag(flag, name: str, op: str) -> bool:
+    """A config's entry ``name`` that is True or False, else a ValueError naming ``op``."""
+    if not isinstance(flag, bool):
+        raise ValueError(f"{op} (Triton): config {name} must be True or False; found {flag!r}")
+    return flag
+
+
+def default_fused_sums(enabled: bool) -> bool:
+    """A backward's default for joining its row sums in one reduction (:func:`three_row_sums`):
+    ``enabled``, but off in Triton's interpreter. There a reduction over an axis that is not
+    the innermost (the joined sums') adds in sequence, which at wide rows is less accurate than
+    the GPU's tree (about 30x the error of the separate sums at 7186 columns); the GPU reduces
+    each joined operand in the same order as alone."""
+    return enabled and not triton.knobs.runtime.interpret
 
 
 def check_exact_softmax_grad(exact, op: str) -> bool:

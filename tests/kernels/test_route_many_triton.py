@@ -234,6 +234,9 @@ VARIANTS = [
     {"backward": "per_token", "prefetch": True, "stages": 0},
     {"backward": "per_token", "prefetch": 2, "stages": 0},
     {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
+    # a source's row sums joined in one reduction (the GPU's default, off in the interpreter)
+    {"backward": "per_token", "fused_sums": True},
+    {"backward": "per_token", "fused_sums": True, "many_elems": 256, "stages": 2},
     {"backward": "per_token", "stages": 3},  # the sources copied ahead by Triton's software pipeline
     {"backward": "per_token", "stages": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
@@ -441,6 +444,7 @@ def test_parameter_reduction_matches_float64_and_its_pipeline_changes_no_bit(hea
     ("maxnreg", 8, "config maxnreg must be an int from 16 to 255 or None; found 8"),
     ("per_sm", 0, "config per_sm must be a positive int; found 0"),
     ("per_sm", "2", "config per_sm must be a positive int; found '2'"),
+    ("fused_sums", 1, "config fused_sums must be True or False; found 1"),
 ])
 def test_bad_backward_launch_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)

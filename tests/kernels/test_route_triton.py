@@ -351,13 +351,14 @@ def test_bad_launch_config_is_a_value_error(key, value, expected):
         route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={key: value})
 
 
+@pytest.mark.parametrize("name", ["exact_softmax_grad", "fused_sums"])
 @pytest.mark.parametrize("value", [1, None, "yes"])
-def test_bad_exact_softmax_grad_is_a_value_error(value):
+def test_bad_backward_flag_is_a_value_error(name, value):
     inp = _on(_make(2, (3,), 8, 1, False, False, False, torch.float32, seed=1), DEVICE)
     out, lse, _ = route_triton.route_forward(*_args(inp), None, 1e-6)
-    message = rf"route \(Triton\): config exact_softmax_grad must be True or False; found {re.escape(repr(value))}"
+    message = rf"route \(Triton\): config {name} must be True or False; found {re.escape(repr(value))}"
     with pytest.raises(ValueError, match=message):
-        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={"exact_softmax_grad": value})
+        route_triton.route_backward(torch.ones_like(out), out, lse, *_args(inp), config={name: value})
 
 
 def test_bad_pair_reduce_is_a_value_error():
@@ -385,6 +386,10 @@ def test_width_limit_is_a_value_error():
     (dict(block_t=2, pair_reduce=True), dict(block_t=2)),
     # the sources through Triton's software pipeline
     (dict(block_t=2, stages=3), dict(block_t=2, per_sm=2, stages=2)),
+    # the backward's three row sums of a source in one reduction (the GPU's default, off in
+    # the interpreter), with the exact softmax gradient's first walk too
+    (dict(block_t=2), dict(block_t=2, fused_sums=True)),
+    (dict(block_t=1), dict(block_t=1, fused_sums=True, exact_softmax_grad=True, stages=2)),
 ])
 @pytest.mark.parametrize("keys", [False, True], ids=["values_as_keys", "keys"])
 def test_launch_variants_match_reference(fwd_cfg, bwd_cfg, keys):

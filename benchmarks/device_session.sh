@@ -682,11 +682,14 @@ sums)
   ;;
 sumsab)
   # session 33: the models whose backward runs those kernels, with the joined sums (the
-  # default) and with the sums one by one (_sums1), beside the baseline in one wave (~6 minutes)
+  # default) and with the sums one by one (_sums1), beside the baseline; DAR block with its
+  # keyed calls through the per-token backward (run 1 of sums: with the joined sums faster
+  # than the tiled default at the block phase's keyed shapes), in two waves (~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 7 --profile 12 \
-      --schemes baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -12
+  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
+      --schemes baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 dar_block \
+      dar_block_pertoken > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -14
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

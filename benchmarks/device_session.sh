@@ -23,6 +23,7 @@
 #   OUT=... bash benchmarks/device_session.sh keyedbwd   # DAR's keyed backward: per-token against tiled
 #   OUT=... bash benchmarks/device_session.sh sums       # joined row sums: kernel tests, kernel A/B (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumsab     # joined row sums end to end (session 33)
+#   OUT=... bash benchmarks/device_session.sh sumsconfirm  # the same again for full AttnRes and WAV (session 33)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -690,6 +691,15 @@ sumsab)
       --schemes baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 dar_block \
       dar_block_pertoken > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -14
+  ;;
+sumsconfirm)
+  # session 33: full AttnRes and WAV with the joined sums and without again, beside the
+  # baseline (run 2 of the session: WAV host-bound, its step 7 % longer with the joined sums
+  # while its kernels took 1 ms less; ~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
+      --schemes baseline wav_sums1 wav attnres_sums1 attnres > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -10
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

@@ -24,6 +24,7 @@
 #   OUT=... bash benchmarks/device_session.sh sums       # joined row sums: kernel tests, kernel A/B (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumsab     # joined row sums end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumsconfirm  # the same again for full AttnRes and WAV (session 33)
+#   OUT=... bash benchmarks/device_session.sh sumslaunch   # the per-token backward's launches with them (session 33)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -691,6 +692,14 @@ sumsab)
       --schemes baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 dar_block \
       dar_block_pertoken > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -14
+  ;;
+sumslaunch)
+  # session 33: with the joined sums (fewer barriers a source), the per-token backward's
+  # launch variants again at full AttnRes's call shapes and the block phase's (~3 minutes)
+  full_attnres_phase "$PER_TOKEN_VARIANTS|^_pertoken_w8\$" 200
+  timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --phase-registers \
+      --variants '^_pertoken(_pp3|_w8|_cap168_pp3|_q4|_sums1)?$' --out "$OUT/bp_block" > "$OUT/bp_block.txt" 2>&1
+  tail -10 "$OUT/bp_block.txt"
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the

@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh sumsab     # joined row sums end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumsconfirm  # the same again for full AttnRes and WAV (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumslaunch   # the per-token backward's launches with them (session 33)
+#   OUT=... bash benchmarks/device_session.sh readout    # one-query backwards at 6 programs per SM against 8, end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -700,6 +701,14 @@ sumslaunch)
   timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --phase-registers \
       --variants '^_pertoken(_pp3|_w8|_cap168_pp3|_q4|_sums1)?$' --out "$OUT/bp_block" > "$OUT/bp_block.txt" 2>&1
   tail -10 "$OUT/bp_block.txt"
+  ;;
+readout)
+  # session 33: one-query per-token backwards at 6 programs per SM (the new default; 7 fit at
+  # 72 registers) against session 32's 8, full AttnRes beside the baseline (~3 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline attnres_pt1x8 attnres > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the

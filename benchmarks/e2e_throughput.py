@@ -223,6 +223,10 @@ LAUNCH_VARIANTS = {
     "pt1x4": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (4, 128), 2: (4, None), 4: (3, 168),
                                                                   8: (2, None)}}),
     "pt3": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (3, 168), 8: (2, None)}}),
+    # one query at 8 programs per SM (session 32's table; since session 33, 6: at 72
+    # registers 7 fit, and 6 was the fastest at the readout's call)
+    "pt1x8": (("attnres",), {"route_many_triton.PER_TOKEN_LAUNCH": {1: (8, None), 2: (4, None), 4: (3, 168),
+                                                                  8: (2, None)}}),
     # one-head route_many calls of more than 4 queries through the tiled backward (Block
     # AttnRes's blocks of 6 and 7; full AttnRes makes none, so its pair shows the noise):
     # the per-token kernel spills there

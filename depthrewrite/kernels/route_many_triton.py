@@ -178,10 +178,14 @@ NUM_WARPS = 4
 #: 0.700; 1 query 0.148-0.182 against 0.173-0.257 at N = 2-4; full AttnRes's step 0.724x the
 #: baseline against 0.700x. 8 keep 2 (5 queries over 45 sources, padded to 8, capped at 168
 #: spill more: 8.5 against 5.2 ms).
+#: One query: 6 programs since session 33. At 72 registers 7 fit an SM, so session 32's 8
+#: left the persistent grid's eighth program of each SM waiting for a slot: at the readout
+#: (one query over 49 sources) 6 took 1.084 ms against 1.346 with 8, 1.312 with 4 and 1.587
+#: with 3 (session 33's run 4; session 32's run 6: 1.135 against 1.434).
 #: A block size not listed takes the entry of the largest listed one below it. Rows wider
 #: than NARROW_ROW and several heads were not timed with more programs: they keep
 #: OTHER_PER_TOKEN_LAUNCH
-PER_TOKEN_LAUNCH = {1: (8, None), 2: (4, None), 4: (3, 168), 8: (2, None)}
+PER_TOKEN_LAUNCH = {1: (6, None), 2: (4, None), 4: (3, 168), 8: (2, None)}
 OTHER_PER_TOKEN_LAUNCH = (2, None)
 MULTI_HEAD_BACKWARD_WARPS = 8
 #: which backward runs: "tiled" (BLOCK_T tokens per program, the queries one at a time,

@@ -26,6 +26,7 @@
 #   OUT=... bash benchmarks/device_session.sh sumsconfirm  # the same again for full AttnRes and WAV (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumslaunch   # the per-token backward's launches with them (session 33)
 #   OUT=... bash benchmarks/device_session.sh readout    # one-query backwards at 6 programs per SM against 8, end to end (session 33)
+#   OUT=... bash benchmarks/device_session.sh sumsfinal  # GPU kernel tests, full and Block AttnRes end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -708,6 +709,15 @@ readout)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
       --schemes baseline attnres_pt1x8 attnres > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+sumsfinal)
+  # session 33: the GPU kernel tests on the session's final kernels and launches, then full
+  # and Block AttnRes beside the baseline (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 170
+  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline attnres block_attnres > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
 sumsconfirm)

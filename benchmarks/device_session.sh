@@ -27,6 +27,7 @@
 #   OUT=... bash benchmarks/device_session.sh sumslaunch   # the per-token backward's launches with them (session 33)
 #   OUT=... bash benchmarks/device_session.sh readout    # one-query backwards at 6 programs per SM against 8, end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumsfinal  # GPU kernel tests, full and Block AttnRes end to end (session 33)
+#   OUT=... bash benchmarks/device_session.sh table33    # every scheme end to end with the session's defaults (session 33)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -719,6 +720,14 @@ sumsfinal)
   timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
       --schemes baseline attnres block_attnres > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+table33)
+  # session 33: every scheme end to end with the session's defaults, in two waves, each
+  # model's 12 largest kernels (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
+      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -20
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the

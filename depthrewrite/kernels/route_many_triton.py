@@ -216,8 +216,11 @@ PER_TOKEN_PARAM = "registers"
 #: and ``<v, g>`` per query) joined in one ``tl.sum``: the program's warps meet at 3 barriers
 #: a source instead of 9 (sm_90 code of the device's Triton 3.6 at d = 1024, 4 queries, 168
 #: registers either way: 440 instructions a source against 450; ``benchmarks/kernel_registers.py``).
-#: False reduces them one by one (the config's ``fused_sums``); the interpreter's default is
-#: False (route_triton.default_fused_sums)
+#: Session 33 (H200, bf16, 16384 tokens, docs/benchmarks.md): 1.924 against 2.102 ms at 4
+#: queries over 45 sources, 1.342 against 1.411 at one over 49, 0.535 / 0.904 against 0.595 /
+#: 1.046 at 6 queries over 4 / 8; full AttnRes's step 0.731-0.736x the baseline against
+#: 0.727x, Block AttnRes's 0.890x against 0.885x. False reduces them one by one (the
+#: config's ``fused_sums``); the interpreter's default is False (route_triton.default_fused_sums)
 PER_TOKEN_FUSED_SUMS = True
 PARAM_CHOICES = ("registers", "table")
 #: the per-token backward requests two sources ahead (``prefetch=2``) for padded rows of at

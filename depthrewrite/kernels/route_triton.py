@@ -703,9 +703,12 @@ ROUTE_FORWARD_STAGES = 3
 ROUTE_BACKWARD_STAGES = 3
 #: the backward joins a source's three row sums (the key's squares, ``<k, qw>``, ``<v, g>``)
 #: in one reduction (:func:`three_row_sums`; the config's ``fused_sums``). Its sm_90 code
-#: (the device's Triton 3.6, d = 1024, one head, ``benchmarks/kernel_registers.py``) has
-#: fewer barriers a source, where the warps of a program wait for each other; off in the
-#: interpreter (:func:`default_fused_sums`)
+#: (the device's Triton 3.6, d = 1024, one head, ``benchmarks/kernel_registers.py``) has 9
+#: barriers where the warps of a program wait for each other instead of 15 (19 against 25
+#: with running sums). Session 33 (H200, bf16, 16384 tokens, docs/benchmarks.md): 0.353 /
+#: 0.678 ms against 0.359 / 0.691 at N = 16 / 33, a WAV site 0.449 against 0.457, 16 heads
+#: level; WAV's backward kernels 17.5 against 18.1 ms a step. Off in the interpreter
+#: (:func:`default_fused_sums`)
 BACKWARD_FUSED_SUMS = True
 
 

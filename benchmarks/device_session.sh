@@ -88,6 +88,16 @@ gpu_kernel_tests() {
   timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
   tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
 }
+# the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
+# once, at most $1 s; its last $3 table lines printed
+e2e_run() {
+  local seconds=$1 wave=$2 lines=$3
+  shift 3
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "$seconds" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave "$wave" --profile 12 \
+      --schemes "$@" > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -"$lines"
+}
 # route_many's launch variants matching $1 at full AttnRes's call shapes, each one's registers
 # as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
 full_attnres_phase() {
@@ -625,9 +635,7 @@ fullab)
   # them, then the model with the new table beside session 31's launch and two other tables
   # (~6 minutes)
   full_attnres_phase "$PER_TOKEN_VARIANTS" 220
-  timeout 320 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
-      --schemes attnres attnres_pt31 attnres_pt1x4 attnres_pt3 > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -10
+  e2e_run 320 4 10 attnres attnres_pt31 attnres_pt1x4 attnres_pt3
   ;;
 fullconfirm)
   # session 32: the GPU kernel tests with PER_TOKEN_LAUNCH as the default (4 queries under a
@@ -635,18 +643,13 @@ fullconfirm)
   # Inductor baseline, in one wave (~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   gpu_kernel_tests 170
-  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline attnres attnres_pt31 > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -8
+  e2e_run 300 3 8 baseline attnres attnres_pt31
   ;;
 tiled5)
   # session 32: one-head route_many calls of more than 4 queries through the tiled backward
   # (PER_TOKEN_MAX_QUERIES=4), Block AttnRes and full AttnRes (which makes no such call: its
   # pair shows the noise) beside their defaults and the baseline, in one wave (~4 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
-      --schemes baseline attnres attnres_tiled5 block_attnres block_attnres_tiled5 > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -12
+  e2e_run 400 5 12 baseline attnres attnres_tiled5 block_attnres block_attnres_tiled5
   ;;
 fullfwd)
   # session 32: route_many's forward launch variants (queries a program, warps, tokens a
@@ -690,11 +693,8 @@ sumsab)
   # default) and with the sums one by one (_sums1), beside the baseline; DAR block with its
   # keyed calls through the per-token backward (run 1 of sums: with the joined sums faster
   # than the tiled default at the block phase's keyed shapes), in two waves (~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
-      --schemes baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 dar_block \
-      dar_block_pertoken > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -14
+  e2e_run 560 5 14 baseline attnres attnres_sums1 block_attnres block_attnres_sums1 wav wav_sums1 dar_block \
+      dar_block_pertoken
   ;;
 sumslaunch)
   # session 33: with the joined sums (fewer barriers a source), the per-token backward's
@@ -707,36 +707,25 @@ sumslaunch)
 readout)
   # session 33: one-query per-token backwards at 6 programs per SM (the new default; 7 fit at
   # 72 registers) against session 32's 8, full AttnRes beside the baseline (~3 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline attnres_pt1x8 attnres > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -8
+  e2e_run 400 3 8 baseline attnres_pt1x8 attnres
   ;;
 sumsfinal)
   # session 33: the GPU kernel tests on the session's final kernels and launches, then full
   # and Block AttnRes beside the baseline (~5 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   gpu_kernel_tests 170
-  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline attnres block_attnres > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -8
+  e2e_run 300 3 8 baseline attnres block_attnres
   ;;
 table33)
   # session 33: every scheme end to end with the session's defaults, in two waves, each
   # model's 12 largest kernels (~5 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 12 \
-      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -20
+  e2e_run 400 4 20 baseline block_attnres mhar_block wav dar_block attnres mhar
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the
   # baseline (run 2 of the session: WAV host-bound, its step 7 % longer with the joined sums
   # while its kernels took 1 ms less; ~5 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 500 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --profile 12 \
-      --schemes baseline wav_sums1 wav attnres_sums1 attnres > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -10
+  e2e_run 500 5 10 baseline wav_sums1 wav attnres_sums1 attnres
   ;;
 ab|mkab|fmab)
   # AB_VARIANTS="..." beside the baseline, in one wave with a kernel profile (session 29:

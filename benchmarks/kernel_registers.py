@@ -1,5 +1,5 @@
-"""Registers, spills, SASS size and barriers, and global memory instructions of routing kernels for sm_90, on a
-machine without a GPU.
+"""Registers, spills, SASS instructions and barriers, and global memory instructions of
+routing kernels for sm_90, on a machine without a GPU.
 
     python benchmarks/kernel_registers.py [--width 1024] [--heads 1 16] [--ptxas PATH] [--forward-caps 0 64]
         [--many-queries 6 4 5]
@@ -7,19 +7,21 @@ machine without a GPU.
 Compiles with the installed Triton for ``GPUTarget("cuda", 90, 32)``: ``_route_bwd_kernel``
 at the launch choices ``route_backward`` makes (bf16, no keys / bias / scale / norm), with and
 without running sums (``HAS_ACC``, the backend's ``accumulate_grads``) and with its row sums
-joined (the default) or one by one, ``_route_fwd_kernel``
-at ``route_forward``'s (every bias / scale / fused-norm combination; with ``--forward-caps``
-also under those register caps, 0 for none), and
-``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
-several heads) and the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s
-(6 queries, or ``--many-queries``; also in its ``param="table"`` form), each without and with separate keys, and
-``route_merge``'s forward and backward (J = 1 and 2, with and without the fused output norm)
-at their launchers' choices; runs ``ptxas -v`` on the PTX. Registers per thread set how many programs an SM holds (65,536 registers per SM
-on H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as
-Triton specializes them at a launch with aligned tensors and d = 1024, so that the PTX's
-global loads and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes,
-``ld.global.b16`` 2) are the ones the launch compiles. The Triton and ptxas here are this
-machine's, not necessarily the device's: a lead, not a measurement of what the device runs.
+joined (the default) or one by one, ``_route_fwd_kernel`` at ``route_forward``'s (every bias /
+scale / fused-norm combination; with ``--forward-caps`` also under those register caps, 0 for
+none), ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
+several heads), the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6
+queries, or ``--many-queries``; also with its row sums one by one and in its ``param="table"``
+form), each without and with separate keys, and ``route_merge``'s forward and backward (J = 1
+and 2, with and without the fused output norm) at their launchers' choices; runs ``ptxas -v``
+on the PTX, and ``nvdisasm`` (beside that ``ptxas``) on its machine code to count the SASS
+instructions and the ``BAR.SYNC`` barriers, where a program's warps wait for each other.
+Registers per thread set how many programs an SM holds (65,536 registers per SM on
+H100/H200). The pointers and the widths ``D`` and ``C`` are declared 16-divisible, as Triton
+specializes them at a launch with aligned tensors and d = 1024, so that the PTX's global loads
+and stores (counted per instruction: ``ld.global.v4.b32`` moves 16 bytes, ``ld.global.b16``
+2) are the ones the launch compiles. The Triton and ptxas here are this machine's, not
+necessarily the device's: a lead, not a measurement of what the device runs.
 Prints one line per variant.
 """
 

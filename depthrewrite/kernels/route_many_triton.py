@@ -93,7 +93,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_exact_softmax_grad, check_flag,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
     default_fused_sums, three_row_sums,
 )
 from .grid import cdiv
@@ -862,7 +862,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     if "per_sm" in cfg:
         _positive_int("route_many", "per_sm", cfg["per_sm"])
     cfg["param"] = _param_gradients(cfg)
-    cfg["exact_softmax_grad"] = check_exact_softmax_grad(cfg.get("exact_softmax_grad", False), "route_many")
+    cfg["exact_softmax_grad"] = check_flag(cfg.get("exact_softmax_grad", False), "exact_softmax_grad", "route_many")
     cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(PER_TOKEN_FUSED_SUMS)), "fused_sums",
                                    "route_many")
     s = queries.shape[0]

@@ -853,8 +853,7 @@ def _forward_launch(config: dict | None, heads: int, row: int, has_keys: bool, h
     fused_norm = has_norm and cfg["fuse_norm"]
     cfg = {"maxnreg": _route_forward_cap(heads, row, has_keys, fused_norm, block_t, warps), **cfg}
     prefetch = _check_prefetch(cfg["prefetch"], "route")
-    if not isinstance(cfg["pair_reduce"], bool):
-        raise ValueError(f"route (Triton): config pair_reduce must be True or False; found {cfg['pair_reduce']!r}")
+    check_flag(cfg["pair_reduce"], "pair_reduce", "route")
     stages = _check_stages(cfg.get("stages"), _route_forward_stages(heads, row), "route")
     return {**cfg, "block_t": block_t, "num_warps": warps, "prefetch": prefetch, "stages": stages}
 
@@ -991,8 +990,9 @@ def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, 
     # prefetch on by default: 18-25 % faster on H200 (module docstring)
     cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM,
            "exact_softmax_grad": False, **(config or {})}
-    check_exact_softmax_grad(cfg["exact_softmax_grad"], "route")
-    cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(BACKWARD_FUSED_SUMS)), "fused_sums", "route")
+    check_flag(cfg["exact_softmax_grad"], "exact_softmax_grad", "route")
+    cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(BACKWARD_FUSED_SUMS)), "fused_sums",
+                                   "route")
     block_t = _check_block_t(cfg["block_t"])
     warps = cfg.get("num_warps") or _route_backward_warps(heads, row, block_t)
     cap, per_sm = _route_backward_residency(heads, row, has_keys, block_t, warps)
@@ -1016,13 +1016,6 @@ def default_fused_sums(enabled: bool) -> bool:
     the GPU's tree (about 30x the error of the separate sums at 7186 columns); the GPU reduces
     each joined operand in the same order as alone."""
     return enabled and not triton.knobs.runtime.interpret
-
-
-def check_exact_softmax_grad(exact, op: str) -> bool:
-    """A config's ``exact_softmax_grad``: True or False, else a ValueError naming ``op``."""
-    if not isinstance(exact, bool):
-        raise ValueError(f"{op} (Triton): config exact_softmax_grad must be True or False; found {exact!r}")
-    return exact
 
 
 def _one_source_key_grad(grad_k: Tensor, grad_keys_acc, grad_keys_out) -> None:

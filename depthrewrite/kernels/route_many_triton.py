@@ -440,7 +440,7 @@ def _route_many_bwd_kernel(
                 total, weight = tl.zeros_like(g_lse), tl.zeros_like(g_lse)
                 for j in range(N):
                     v_raw, k_raw = _load_source(vtab, ktab, j, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-                    a, share = _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS)
+                    a, share = _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS, FUSED_SUMS)
                     total += share
                     weight += a
                 s_ada = _normalized_sum(total, weight, hq) - g_lse
@@ -491,33 +491,30 @@ def _fp32_rows(v_raw, k_raw, HAS_KEYS: tl.constexpr):
 
 
 @triton.jit
-def _per_token_weight(k, qw, lse, hq, D, eps):
-    """Per query and head of the chunk, a source's weight ``a = exp(z - lse)`` from its key
-    row ``k`` (fp32), and its logit ``zr`` and the key's ``rstd``."""
-    rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
-    zr = tl.sum(k[None, :, :] * qw, 2) * rstd
-    return tl.where(hq, tl.exp(zr - lse), 0.0), zr, rstd
-
-
-@triton.jit
-def _per_token_weight_and_share(v, k, g, qw, lse, hq, D, eps):
-    """:func:`_per_token_weight`'s ``a``, ``zr`` and ``rstd`` and the products ``<v, g>``
-    (per query and head) from one reduction across the row (:func:`three_row_sums`)."""
-    squares, dots, da = three_row_sums(tl.broadcast_to((k * k)[None, :, :], qw.shape), k[None, :, :] * qw,
-                                       v[None, :, :] * g)
-    # every query row holds the same sum of squares: the row's is their largest
-    rstd = tl.rsqrt(tl.max(tl.sum(squares, 1), 0) / D + eps)
+def _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS: tl.constexpr):
+    """Per query and head of the chunk, a source's weight ``a = exp(z - lse)``, logit ``zr``
+    and ``da = <v, g>``, and the key's ``rstd``, from its fp32 value and key rows. The three
+    row sums (the key's squares, ``<k, qw>``, ``<v, g>``) in one reduction with FUSED_SUMS
+    (:func:`three_row_sums`), else one by one."""
+    if FUSED_SUMS:
+        squares, dots, da = three_row_sums(tl.broadcast_to((k * k)[None, :, :], qw.shape), k[None, :, :] * qw,
+                                           v[None, :, :] * g)
+        # every query row holds the same sum of squares: the row's is their largest
+        rstd = tl.rsqrt(tl.max(tl.sum(squares, 1), 0) / D + eps)
+    else:
+        rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
+        dots, da = tl.sum(k[None, :, :] * qw, 2), tl.sum(v[None, :, :] * g, 2)
     zr = dots * rstd
     return tl.where(hq, tl.exp(zr - lse), 0.0), zr, rstd, da
 
 
 @triton.jit
-def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr):
+def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr, FUSED_SUMS: tl.constexpr):
     """A source's weight ``a`` and term ``a <v, g>`` of ``sum_j a_j <v_j, g>`` (per query and
     head), computed as :func:`_per_token_source_grads` computes ``a`` and ``<v, g>``."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
-    a = _per_token_weight(k, qw, lse, hq, D, eps)[0]
-    return a, a * tl.sum(v[None, :, :] * g, 2)
+    a, _, _, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS)
+    return a, a * da
 
 
 @triton.jit
@@ -529,11 +526,7 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
     PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
-    if FUSED_SUMS:
-        a, zr, rstd, da = _per_token_weight_and_share(v, k, g, qw, lse, hq, D, eps)
-    else:
-        a, zr, rstd = _per_token_weight(k, qw, lse, hq, D, eps)
-        da = tl.sum(v[None, :, :] * g, 2)
+    a, zr, rstd, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS)
     if ONE_SOURCE:
         # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
         # exactly (computed, the two sums would leave rounding noise where 0 is exact)

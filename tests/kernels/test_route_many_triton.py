@@ -276,6 +276,8 @@ def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
 EXACT_CONFIGS = [
     {"backward": "per_token"},
     {"backward": "per_token", "many_elems": 256, "stages": 2},  # chunks of queries, each walking the sources first
+    # both walks' row sums joined in one reduction (the GPU's default, off in the interpreter)
+    {"backward": "per_token", "fused_sums": True},
     {"backward": "tiled", "block_t": 2, "num_warps": 2},
 ]
 

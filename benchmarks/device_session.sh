@@ -28,6 +28,7 @@
 #   OUT=... bash benchmarks/device_session.sh readout    # one-query backwards at 6 programs per SM against 8, end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh sumsfinal  # GPU kernel tests, full and Block AttnRes end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh table33    # every scheme end to end with the session's defaults (session 33)
+#   OUT=... bash benchmarks/device_session.sh lazy       # GPU kernel tests; the forwards' lazy rescale against the eager one: kernels, full and Block AttnRes end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -720,6 +721,22 @@ table33)
   # session 33: every scheme end to end with the session's defaults, in two waves, each
   # model's 12 largest kernels (~5 minutes)
   e2e_run 400 4 20 baseline block_attnres mhar_block wav dar_block attnres mhar
+  ;;
+lazy)
+  # session 34: the GPU kernel tests with the forwards' lazy rescale (route_triton.LAZY_RESCALE,
+  # the new default), then route_many's forward with it and without (_eager) at full AttnRes's
+  # and the block phase's call shapes, route's forward at its site shapes, and full and Block
+  # AttnRes end to end with it and without, beside the baseline (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 170
+  full_attnres_phase '^_eager$' 80
+  timeout 80 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^_eager$' --out "$OUT/bp_block" \
+      > "$OUT/bp_block.txt" 2>&1
+  grep -o "tokens=.*many_fwd_eager=[^ ]*" "$OUT/bp_block.txt"
+  timeout 60 python3 benchmarks/gpu_suite.py --site-route-only --route-variants '^_eager$' --out "$OUT/sr" \
+      > "$OUT/sr.txt" 2>&1
+  grep -o "tokens=.*fwd_eager=[^ ]*" "$OUT/sr.txt"
+  e2e_run 190 5 10 baseline attnres attnres_eager block_attnres block_attnres_eager
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the

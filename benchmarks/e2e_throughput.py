@@ -235,6 +235,10 @@ LAUNCH_VARIANTS = {
     # since, joined in one reduction: route_many's per-token backward and route's backward)
     "sums1": (("attnres", "block_attnres", "wav", "mhar"),
               {"route_many_triton.PER_TOKEN_FUSED_SUMS": False, "BACKWARD_FUSED_SUMS": False}),
+    # the forwards' online softmax rescaled at every new maximum (before session 34; since,
+    # only when a logit passes the running shift by route_triton.LAZY_RESCALE_MARGIN)
+    "eager": (("attnres", "block_attnres", "wav", "mhar_block", "dar_block", "mhar"),
+              {"LAZY_RESCALE": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

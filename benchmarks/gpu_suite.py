@@ -398,7 +398,11 @@ PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
-BLOCK_PHASE_FWD_VARIANTS = {"": None, "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
+BLOCK_PHASE_FWD_VARIANTS = {"": None,
+                            # the online softmax rescaled at every new maximum (before session 34;
+                            # since, only past a margin: route_triton.LAZY_RESCALE)
+                            "_eager": {"lazy_rescale": False},
+                            "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
                             "_q8w8": {"block_q": 8, "num_warps": 8},
@@ -577,7 +581,9 @@ SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            # the sources through Triton's software pipeline (session 18), with
                            # the launch's register cap or without
                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
-                           "_s3_uncapped": {"stages": 3, "maxnreg": None}}
+                           "_s3_uncapped": {"stages": 3, "maxnreg": None},
+                           # rescaled at every new maximum (before session 34; route_triton.LAZY_RESCALE)
+                           "_eager": {"lazy_rescale": False}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t4w4": {"block_t": 4, "num_warps": 4},
                            "_ps8": {"per_sm": 8}, "_ps5": {"per_sm": 5}, "_ps3": {"per_sm": 3},

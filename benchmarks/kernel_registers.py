@@ -125,11 +125,12 @@ def compile_backward(d: int, heads: int, has_acc: bool, fused_sums: bool | None 
 
 
 def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool = False, has_norm: bool = False,
-                    maxnreg: int | None = None):
+                    maxnreg: int | None = None, lazy: bool | None = None):
     """route's forward as ``route_forward`` launches it (no keys), with ``maxnreg`` as the
-    register cap (None: the launch's default cap, if any; 0: none, the compiler's choice)."""
+    register cap (None: the launch's default cap, if any; 0: none, the compiler's choice) and
+    ``lazy`` as its rescale (None: LAZY_RESCALE)."""
     from depthrewrite.kernels.route_triton import (
-        _route_forward_cap, _route_forward_stages, _route_forward_warps, _route_fwd_kernel, _route_tokens,
+        LAZY_RESCALE, _route_forward_cap, _route_forward_stages, _route_forward_warps, _route_fwd_kernel, _route_tokens,
         _row_blocks,
     )
 
@@ -139,7 +140,8 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
     warps = _route_forward_warps(heads, row, block_t)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=has_bias, HAS_SCALE=has_scale, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, HAS_NORM=has_norm,
-                      PAIR_REDUCE=False, STAGES=_route_forward_stages(heads, row))
+                      PAIR_REDUCE=False, STAGES=_route_forward_stages(heads, row),
+                      LAZY=LAZY_RESCALE if lazy is None else lazy)
     cap = maxnreg if maxnreg is not None else _route_forward_cap(heads, row, False, has_norm, block_t, warps)
     return _compile(_route_fwd_kernel, ARG_TYPES, constexprs, warps, cap or None), warps
 
@@ -150,17 +152,19 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
                   S_CHUNK="i32", eps="fp32", tokens_per_program="i32")
 
 
-def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None):
+def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None, lazy: bool | None = None):
+    """route_many's forward as its launcher compiles it (``lazy`` None: LAZY_RESCALE)."""
     from depthrewrite.kernels.route_many_triton import (
         _many_forward_queries, _many_forward_stages, _many_forward_warps, _route_many_fwd_kernel,
     )
-    from depthrewrite.kernels.route_triton import _row_blocks
+    from depthrewrite.kernels.route_triton import LAZY_RESCALE, _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
     constexprs = dict(BLOCK_Q=_many_forward_queries(heads, row), BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True,
                       ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True,
-                      STAGES=_many_forward_stages(heads) if stages is None else stages)
+                      STAGES=_many_forward_stages(heads) if stages is None else stages,
+                      LAZY=LAZY_RESCALE if lazy is None else lazy)
     warps = _many_forward_warps(heads, row)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
@@ -253,7 +257,11 @@ def main() -> int:
                 print(f"route forward heads={heads:3d} bias={bias:d} scale={scale:d} norm={norm:d} warps={warps} "
                       f"cap={'launch default' if cap is None else cap or 'none'}: "
                       + describe(ptx, args.ptxas, warps, memory=False))
-    kinds = [("forward", compile_many_forward)]
+        ptx, warps = compile_forward(args.width, heads, lazy=False)
+        print(f"route forward heads={heads:3d}, eager rescale, warps={warps}: "
+              + describe(ptx, args.ptxas, warps, memory=False))
+    kinds = [("forward", compile_many_forward),
+             ("forward, eager rescale", functools.partial(compile_many_forward, lazy=False))]
     for queries in args.many_queries:
         per_token = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries)
         kinds += [(f"per-token backward S={queries}", per_token),

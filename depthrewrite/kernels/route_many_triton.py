@@ -94,8 +94,9 @@ from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
     _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
-    default_fused_sums, three_row_sums,
+    default_fused_sums, online_softmax_update, three_row_sums,
 )
+from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
@@ -297,6 +298,7 @@ def _route_many_fwd_kernel(
     like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps, tokens_per_program,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, TOKEN_MAJOR: tl.constexpr = True, STAGES: tl.constexpr = 0,
+    LAZY: tl.constexpr = False,
 ):
     """A run of ``tokens_per_program`` consecutive tokens and one chunk of BLOCK_Q queries
     per program, every chunk in one launch. TOKEN_MAJOR: the chunks of a run of tokens are
@@ -338,7 +340,7 @@ def _route_many_fwd_kernel(
         if STAGES >= 2:
             for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-                m, l, acc = _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps)
+                m, l, acc = _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps, LAZY)
         else:
             for i in range(N):
                 if not REGISTER_PREFETCH:
@@ -351,7 +353,7 @@ def _route_many_fwd_kernel(
                     v_raw, k_raw = _load_source(vtab, ktab, i + 1 - wrap * N, offs + wrap * D,
                                                 cmask & ((tl.zeros_like(hh) + nxt_tok) < t_end)[:, None], ptr_ty,
                                                 ALIGNED, HAS_KEYS)
-                m, l, acc = _online_softmax_step(v_cur, k_cur, qw, m, l, acc, D, eps)
+                m, l, acc = _online_softmax_step(v_cur, k_cur, qw, m, l, acc, D, eps, LAZY)
         acc = acc / l[:, :, None]
         lse = m + tl.log(l)
         tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
@@ -359,20 +361,15 @@ def _route_many_fwd_kernel(
 
 
 @triton.jit
-def _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps):
+def _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps, LAZY: tl.constexpr = False):
     """One source into the running softmax of every query and head: its logits from the key
-    row (the source's own row without separate keys) RMS-normalized, the running maximum
-    ``m``, sum ``l`` and weighted sum ``acc`` rescaled to the new maximum."""
+    row (the source's own row without separate keys) RMS-normalized, then the running shift
+    ``m``, sum ``l`` and weighted sum ``acc`` (route_triton.online_softmax_update)."""
     v = v_raw.to(tl.float32)
     k = k_raw.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
     z = tl.sum(k[None, :, :] * qw, 2) * rstd
-    m_new = tl.maximum(m, z)
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(z - m_new)
-    l = l * alpha + p
-    acc = acc * alpha[:, :, None] + p[:, :, None] * v[None, :, :]
-    return m_new, l, acc
+    return online_softmax_update(z, v[None, :, :], m, l, acc, LAZY)
 
 
 @triton.jit
@@ -744,8 +741,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
     ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: consecutive tokens per
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
-    ``maxnreg``: a register cap, None for none; unset: the measured choices,
-    ONE_HEAD_FORWARD_TOKENS' and KEYED_FORWARD_MAXNREG's comments).
+    ``maxnreg``: a register cap, None for none; ``lazy_rescale``: route_triton.LAZY_RESCALE's choice;
+    unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' and KEYED_FORWARD_MAXNREG's
+    comments).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
@@ -779,6 +777,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
             STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
+            LAZY=check_flag(cfg.get("lazy_rescale", route_triton.LAZY_RESCALE), "lazy_rescale", "route_many"),
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
             **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
     return out, lse

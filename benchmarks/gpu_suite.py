@@ -405,6 +405,10 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None,
                             "_w1": {"num_warps": 1}, "_w2": {"num_warps": 2}, "_w4": {"num_warps": 4},
                             "_q1w1": {"block_q": 1, "num_warps": 1}, "_q1w2": {"block_q": 1, "num_warps": 2},
                             "_q4": {"block_q": 4}, "_q4w8": {"block_q": 4, "num_warps": 8},
+                            # with the lazy rescale (session 34): 4 queries a program at 127
+                            # registers with 4 warps, 222 with 2 (sm_90, no spill), 8 at 241 with 4
+                            "_q4w2": {"block_q": 4, "num_warps": 2}, "_q4w4": {"block_q": 4, "num_warps": 4},
+                            "_q8w4": {"block_q": 8, "num_warps": 4},
                             "_q8w8": {"block_q": 8, "num_warps": 8},
                             # one chunk's tokens after another (each chunk reads every source
                             # from memory: the order of one launch per chunk, before session 16)

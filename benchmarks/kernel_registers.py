@@ -153,18 +153,18 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
 
 
 def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None, lazy: bool | None = None):
-    """route_many's forward as its launcher compiles it (``lazy`` None: LAZY_RESCALE)."""
+    """route_many's forward as its launcher compiles it (``lazy`` None: its default rescale)."""
     from depthrewrite.kernels.route_many_triton import (
-        _many_forward_queries, _many_forward_stages, _many_forward_warps, _route_many_fwd_kernel,
+        _many_forward_lazy, _many_forward_queries, _many_forward_stages, _many_forward_warps, _route_many_fwd_kernel,
     )
-    from depthrewrite.kernels.route_triton import LAZY_RESCALE, _row_blocks
+    from depthrewrite.kernels.route_triton import _row_blocks
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
     constexprs = dict(BLOCK_Q=_many_forward_queries(heads, row), BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True,
                       ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True,
                       STAGES=_many_forward_stages(heads) if stages is None else stages,
-                      LAZY=LAZY_RESCALE if lazy is None else lazy)
+                      LAZY=_many_forward_lazy(heads) if lazy is None else lazy)
     warps = _many_forward_warps(heads, row)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 

@@ -741,9 +741,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
     ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: consecutive tokens per
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
-    ``maxnreg``: a register cap, None for none; ``lazy_rescale``: route_triton.LAZY_RESCALE's choice;
-    unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' and KEYED_FORWARD_MAXNREG's
-    comments).
+    ``maxnreg``: a register cap, None for none; ``lazy_rescale``: the online softmax's
+    rescale; unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' and
+    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`).
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
@@ -777,7 +777,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
             float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
             STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
-            LAZY=check_flag(cfg.get("lazy_rescale", route_triton.LAZY_RESCALE), "lazy_rescale", "route_many"),
+            LAZY=check_flag(cfg.get("lazy_rescale", _many_forward_lazy(heads)), "lazy_rescale", "route_many"),
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
             **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
     return out, lse
@@ -815,6 +815,15 @@ def _many_forward_tokens(heads: int) -> int:
 def _many_forward_stages(heads: int) -> int:
     """The forward's pipeline stages (measured, ONE_HEAD_FORWARD_TOKENS' comment)."""
     return ONE_HEAD_FORWARD_STAGES if heads == 1 else 0
+
+
+def _many_forward_lazy(heads: int) -> bool:
+    """The forward's rescale (route_triton.LAZY_RESCALE's comment): lazy for one head.
+    Several heads keep the eager rescale: the branch's maximum over the heads crosses the
+    program's warps (a barrier a source), and a head's rescale multiplies only its C
+    columns. Session 34 (H200, bf16, 16384 tokens, d = 1024, S = 6, 16 heads): 0.314 / 0.521
+    ms lazy against 0.300 / 0.501 eager at N = 4 / 8 (docs/benchmarks.md)."""
+    return route_triton.LAZY_RESCALE and heads == 1
 
 
 def _many_forward_cap(heads: int, row: int, has_keys: bool) -> int | None:

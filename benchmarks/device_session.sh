@@ -29,7 +29,7 @@
 #   OUT=... bash benchmarks/device_session.sh sumsfinal  # GPU kernel tests, full and Block AttnRes end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh table33    # every scheme end to end with the session's defaults (session 33)
 #   OUT=... bash benchmarks/device_session.sh lazy       # GPU kernel tests; the forwards' lazy rescale against the eager one: kernels, full and Block AttnRes end to end (session 34)
-#   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes (session 34)
+#   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramab    # its new defaults end to end against the old (session 18)
@@ -742,11 +742,13 @@ lazy)
 fwdq4)
   # session 34: with the lazy rescale, route_many's one-head forward with 4 queries a program
   # at 2 or 4 warps (127 registers at 4 warps) or 8 at 4 warps, against 2 queries at 1 warp,
-  # at full AttnRes's call shapes and the block phase's (~2 minutes)
+  # at full AttnRes's call shapes and the block phase's, then full and Block AttnRes end to
+  # end with 4 queries and 4 warps (_fq4) beside the defaults (~6 minutes)
   full_attnres_phase '^_q4w[24]$|^_q8w4$' 90
   timeout 90 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^_q4w[24]$|^_q8w4$|^_eager$' \
       --out "$OUT/bp_block" > "$OUT/bp_block.txt" 2>&1
   grep -o "tokens=.*many_fwd_q8w4=[^ ]*" "$OUT/bp_block.txt"
+  e2e_run 200 5 10 baseline attnres attnres_fq4 block_attnres block_attnres_fq4
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the

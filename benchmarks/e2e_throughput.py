@@ -239,6 +239,10 @@ LAUNCH_VARIANTS = {
     # only when a logit passes the running shift by route_triton.LAZY_RESCALE_MARGIN)
     "eager": (("attnres", "block_attnres", "wav", "mhar_block", "dar_block", "mhar"),
               {"LAZY_RESCALE": False}),
+    # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
+    # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
+    "fq4": (("attnres", "block_attnres"),
+            {"route_many_triton.FORWARD_QUERIES": 4, "route_many_triton.MANY_NARROW_FORWARD_WARPS": 4}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

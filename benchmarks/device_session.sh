@@ -29,6 +29,7 @@
 #   OUT=... bash benchmarks/device_session.sh sumsfinal  # GPU kernel tests, full and Block AttnRes end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh table33    # every scheme end to end with the session's defaults (session 33)
 #   OUT=... bash benchmarks/device_session.sh lazy       # GPU kernel tests; the forwards' lazy rescale against the eager one: kernels, full and Block AttnRes end to end (session 34)
+#   OUT=... bash benchmarks/device_session.sh table34    # every scheme end to end with the session's defaults (session 34)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -749,6 +750,11 @@ fwdq4)
       --out "$OUT/bp_block" > "$OUT/bp_block.txt" 2>&1
   grep -o "tokens=.*many_fwd_q8w4=[^ ]*" "$OUT/bp_block.txt"
   e2e_run 200 5 10 baseline attnres attnres_fq4 block_attnres block_attnres_fq4
+  ;;
+table34)
+  # session 34: every scheme end to end with the session's defaults (the lazy rescale), in
+  # two waves, each model's 12 largest kernels (~8 minutes)
+  e2e_run 540 4 20 baseline block_attnres mhar_block wav dar_block attnres mhar
   ;;
 sumsconfirm)
   # session 33: full AttnRes and WAV with the joined sums and without again, beside the

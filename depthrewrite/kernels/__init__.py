@@ -28,7 +28,7 @@ import torch
 
 from ..ops.route import _route_backward_op, _route_op
 from ..ops.route_into import _route_backward_into_op, running_sums
-from ..ops.route_many import _route_many_backward_op, _route_many_op
+from ..ops.route_many import _route_many_backward_op, _route_many_op, stats_shape
 from ..ops.route_merge import _route_merge_backward_op, _route_merge_op
 
 __all__ = ["triton_available", "implementation_for", "set_fused_enabled", "set_exact_softmax_grad", "FUSED_DTYPES"]
@@ -144,17 +144,21 @@ def _route_many_cuda(values, queries, key_norm_weights, heads, eps, keys):
         return _route_many_op._init_fn(values, queries, key_norm_weights, heads, eps, keys)
     from .route_many_triton import route_many_forward
 
-    return route_many_forward(values, queries, key_norm_weights, heads, eps, keys=keys)
+    stats = values[0].new_empty(stats_shape(values, queries, heads, keys), dtype=torch.float32)
+    out, lse = route_many_forward(values, queries, key_norm_weights, heads, eps, keys=keys,
+                                  stats=stats if stats.numel() else None)
+    return out, lse, stats
 
 
-def _route_many_backward_cuda(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, keys):
+def _route_many_backward_cuda(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps,
+                              keys):
     if not _use_fused(values, keys, queries, key_norm_weights, None):
-        return _route_many_backward_op._init_fn(grad_out, grad_lse, out, lse, values, queries, key_norm_weights,
-                                                heads, eps, keys)
+        return _route_many_backward_op._init_fn(grad_out, grad_lse, out, lse, stats, values, queries,
+                                                key_norm_weights, heads, eps, keys)
     from .route_many_triton import route_many_backward
 
     return route_many_backward(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps,
-                               config=_backward_config(), keys=keys)
+                               config=_backward_config(), keys=keys, stats=stats if stats.numel() else None)
 
 
 def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight=None,

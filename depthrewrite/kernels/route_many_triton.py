@@ -295,10 +295,10 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
 
 @triton.jit
 def _route_many_fwd_kernel(
-    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps, tokens_per_program,
+    like_ptr, vtab, ktab, otab, ltab, qw_ptr, T, N, S, D, C, H, eps, tokens_per_program, stats_ptr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, HAS_KEYS: tl.constexpr, TOKEN_MAJOR: tl.constexpr = True, STAGES: tl.constexpr = 0,
-    LAZY: tl.constexpr = False,
+    LAZY: tl.constexpr = False, SAVE_STATS: tl.constexpr = False,
 ):
     """A run of ``tokens_per_program`` consecutive tokens and one chunk of BLOCK_Q queries
     per program, every chunk in one launch. TOKEN_MAJOR: the chunks of a run of tokens are
@@ -311,7 +311,8 @@ def _route_many_fwd_kernel(
     source i + 1 into registers while source i is used, and within a run it crosses tokens
     (the next token's first source requested with the current token's last, so that its
     load overlaps that source's sums and the output stores; the query rows are loaded once
-    per run)."""
+    per run). SAVE_STATS: each source's logits and key ``rstd`` are stored to the
+    ``(T, N, S * H + 1)`` table at ``stats_ptr`` for the backward (:func:`_stats_rows`)."""
     chunks = tl.cdiv(S, BLOCK_Q)
     runs = tl.cdiv(T, tokens_per_program)
     pid = tl.program_id(0).to(tl.int64)  # int64: tok * D overflows int32
@@ -340,7 +341,8 @@ def _route_many_fwd_kernel(
         if STAGES >= 2:
             for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-                m, l, acc = _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps, LAZY)
+                m, l, acc = _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps, LAZY, stats_ptr, tok, i, N,
+                                                 S, H, q0, qq, hh, hq, SAVE_STATS)
         else:
             for i in range(N):
                 if not REGISTER_PREFETCH:
@@ -353,7 +355,8 @@ def _route_many_fwd_kernel(
                     v_raw, k_raw = _load_source(vtab, ktab, i + 1 - wrap * N, offs + wrap * D,
                                                 cmask & ((tl.zeros_like(hh) + nxt_tok) < t_end)[:, None], ptr_ty,
                                                 ALIGNED, HAS_KEYS)
-                m, l, acc = _online_softmax_step(v_cur, k_cur, qw, m, l, acc, D, eps, LAZY)
+                m, l, acc = _online_softmax_step(v_cur, k_cur, qw, m, l, acc, D, eps, LAZY, stats_ptr, tok, i, N,
+                                                 S, H, q0, qq, hh, hq, SAVE_STATS)
         acc = acc / l[:, :, None]
         lse = m + tl.log(l)
         tl.store(out_ptrs[:, None, None] + offs[None, :, :], acc.to(act), mask=qmask3)
@@ -361,15 +364,32 @@ def _route_many_fwd_kernel(
 
 
 @triton.jit
-def _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps, LAZY: tl.constexpr = False):
+def _online_softmax_step(v_raw, k_raw, qw, m, l, acc, D, eps, LAZY: tl.constexpr, stats_ptr, tok, i, N, S, H, q0, qq,
+                         hh, hq, SAVE_STATS: tl.constexpr):
     """One source into the running softmax of every query and head: its logits from the key
     row (the source's own row without separate keys) RMS-normalized, then the running shift
-    ``m``, sum ``l`` and weighted sum ``acc`` (route_triton.online_softmax_update)."""
+    ``m``, sum ``l`` and weighted sum ``acc`` (route_triton.online_softmax_update). With
+    SAVE_STATS the logits of this chunk's queries, and the key's ``rstd`` (by the first
+    chunk's program), are stored to the stats table."""
     v = v_raw.to(tl.float32)
     k = k_raw.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(tl.sum(k * k, 1), 0) / D + eps)
     z = tl.sum(k[None, :, :] * qw, 2) * rstd
+    if SAVE_STATS:
+        z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, q0, qq, hh)
+        tl.store(z_rows, z, mask=hq)
+        tl.store(r_row, rstd, mask=q0 == 0)
     return online_softmax_update(z, v[None, :, :], m, l, acc, LAZY)
+
+
+@triton.jit
+def _stats_rows(stats_ptr, tok, i, N, S, H, q0, qq, hh):
+    """Where the forward keeps source ``i``'s statistics of token ``tok`` for the backward:
+    the ``(Q, H)`` logits of queries ``q0 + qq`` and the key's ``rstd``, in the
+    ``(T, N, S * H + 1)`` float32 table (a token's row of each source: S * H logits, then
+    ``rstd``). int64: the table can pass 2**31 elements."""
+    row = stats_ptr + (tok.to(tl.int64) * N + i) * (S * H + 1)
+    return row + ((q0 + qq) * H)[:, None] + hh[None, :], row + S * H
 
 
 @triton.jit
@@ -390,11 +410,11 @@ def _store_source_grad(gtab, acctab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.co
 @triton.jit
 def _route_many_bwd_kernel(
     like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, param_ptr,
-    T, N, S, D, C, H, S_CHUNK, eps,
+    T, N, S, D, C, H, S_CHUNK, eps, stats_ptr, Q0,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
-    EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False,
+    EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False, SAVED_STATS: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
@@ -406,7 +426,9 @@ def _route_many_bwd_kernel(
     while one is used) or 2 (two ahead, the first two requested with the output gradients;
     the default up to PER_TOKEN_PREFETCH2_ROW). EXACT: ``sum_j a_j <v_j, g>`` over
     ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
-    ``exact_softmax_grad``)."""
+    ``exact_softmax_grad``). SAVED_STATS: each source's logits and key ``rstd`` come from the
+    forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
+    row sums (:func:`_per_token_sums`)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -437,7 +459,9 @@ def _route_many_bwd_kernel(
                 total, weight = tl.zeros_like(g_lse), tl.zeros_like(g_lse)
                 for j in range(N):
                     v_raw, k_raw = _load_source(vtab, ktab, j, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-                    a, share = _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS, FUSED_SUMS)
+                    z_rows, r_row = _stats_rows(stats_ptr, tok, j, N, S, H, Q0, qq, hh)
+                    a, share = _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS, FUSED_SUMS, z_rows,
+                                                r_row, SAVED_STATS)
                     total += share
                     weight += a
                 s_ada = _normalized_sum(total, weight, hq) - g_lse
@@ -448,10 +472,11 @@ def _route_many_bwd_kernel(
         if STAGES >= 2:
             for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -467,10 +492,11 @@ def _route_many_bwd_kernel(
                                                   _more_sources(hh, i, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
                 else:
                     v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
@@ -488,11 +514,16 @@ def _fp32_rows(v_raw, k_raw, HAS_KEYS: tl.constexpr):
 
 
 @triton.jit
-def _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS: tl.constexpr):
+def _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS: tl.constexpr, z_rows, r_row, SAVED_STATS: tl.constexpr):
     """Per query and head of the chunk, a source's weight ``a = exp(z - lse)``, logit ``zr``
-    and ``da = <v, g>``, and the key's ``rstd``, from its fp32 value and key rows. The three
-    row sums (the key's squares, ``<k, qw>``, ``<v, g>``) in one reduction with FUSED_SUMS
-    (:func:`three_row_sums`), else one by one."""
+    and ``da = <v, g>``, and the key's ``rstd``, from its fp32 value and key rows. With
+    SAVED_STATS the logits and ``rstd`` are the forward's (at ``z_rows``, ``r_row``) and
+    ``<v, g>`` the one row sum; else the three row sums (the key's squares, ``<k, qw>``,
+    ``<v, g>``) in one reduction with FUSED_SUMS (:func:`three_row_sums`), or one by one."""
+    if SAVED_STATS:
+        zr = tl.load(z_rows, mask=hq, other=0.0)
+        da = tl.sum(v[None, :, :] * g, 2)
+        return tl.where(hq, tl.exp(zr - lse), 0.0), zr, tl.load(r_row), da
     if FUSED_SUMS:
         squares, dots, da = three_row_sums(tl.broadcast_to((k * k)[None, :, :], qw.shape), k[None, :, :] * qw,
                                            v[None, :, :] * g)
@@ -506,11 +537,12 @@ def _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr, FUSED_SUMS: tl.constexpr):
+def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexpr, FUSED_SUMS: tl.constexpr, z_rows,
+                     r_row, SAVED_STATS: tl.constexpr):
     """A source's weight ``a`` and term ``a <v, g>`` of ``sum_j a_j <v_j, g>`` (per query and
     head), computed as :func:`_per_token_source_grads` computes ``a`` and ``<v, g>``."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
-    a, _, _, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS)
+    a, _, _, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
     return a, a * da
 
 
@@ -518,12 +550,13 @@ def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexp
 def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab,
                             acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
                             ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
-                            HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr, FUSED_SUMS: tl.constexpr):
+                            HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr, FUSED_SUMS: tl.constexpr, z_rows,
+                            r_row, SAVED_STATS: tl.constexpr):
     """Source ``i``'s part of the per-token backward for every query of the chunk: its value
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
     PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
-    a, zr, rstd, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS)
+    a, zr, rstd, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
     if ONE_SOURCE:
         # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
         # exactly (computed, the two sums would leave rounding noise where 0 is exact)
@@ -734,7 +767,7 @@ def _per_query_rows(queries: Tensor, key_norm_weights: Tensor) -> Tensor:
 
 
 def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float,
-                       config: dict | None = None, keys: Sequence[Tensor] | None = None
+                       config: dict | None = None, keys: Sequence[Tensor] | None = None, stats: Tensor | None = None
                        ) -> tuple[list[Tensor], list[Tensor]]:
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
     ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
@@ -743,7 +776,9 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
     ``maxnreg``: a register cap, None for none; ``lazy_rescale``: the online softmax's
     rescale; unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' and
-    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`).
+    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`). ``stats``: a float32
+    ``(T, N, S * H + 1)`` tensor the kernel fills with each source's logits and key ``rstd``
+    for :func:`route_many_backward` (``depthrewrite::route_many``'s ``stats``), or None.
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
@@ -759,6 +794,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     tokens = _tokens(flat_v)
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty(shape[:-1] + (heads,), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
+    _check_stats(stats, tokens, len(values), s, heads, flat_v[0].device)
     if tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
@@ -774,13 +810,27 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
                                   f"of {block_q} queries")
         _route_many_fwd_kernel[(runs * chunks,)](
             flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
-            float(eps), per_program, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
+            float(eps), per_program, qw if stats is None else stats, BLOCK_Q=block_q, BLOCK_H=block_h,
+            BLOCK_C=block_c, PREFETCH=prefetch, SAVE_STATS=stats is not None,
             ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
             STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
             LAZY=check_flag(cfg.get("lazy_rescale", _many_forward_lazy(heads)), "lazy_rescale", "route_many"),
             num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
             **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
     return out, lse
+
+
+def _check_stats(stats: Tensor | None, tokens: int, n: int, s: int, heads: int, device) -> None:
+    """``stats`` None, or the float32 ``(T, N, S * H + 1)`` contiguous table of these calls."""
+    if stats is None:
+        return
+    shape = (tokens, n, s * heads + 1)
+    if (not isinstance(stats, Tensor) or tuple(stats.shape) != shape or stats.dtype != torch.float32
+            or not stats.is_contiguous() or stats.device != device):
+        found = (f"{tuple(stats.shape)} {stats.dtype} on {stats.device}, contiguous={stats.is_contiguous()}"
+                 if isinstance(stats, Tensor) else type(stats).__name__)
+        raise ValueError(f"route_many (Triton): `stats` must be a contiguous float32 tensor of shape {shape} "
+                         f"(tokens, sources, queries * heads + 1) on {device}; found {found}")
 
 
 def _checked_choice(name: str, choice: str, choices: tuple) -> str:
@@ -842,10 +892,12 @@ def _many_forward_warps(heads: int, row: int) -> int:
 
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],
                         lse: Sequence[Tensor], values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor,
-                        heads: int, eps: float, config: dict | None = None, keys: Sequence[Tensor] | None = None
-                        ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
-    """Fused backward; ``out`` and ``lse`` are what :func:`route_many_forward` (or the
-    reference op) returned for these inputs. Returns what ``depthrewrite::route_many_backward``
+                        heads: int, eps: float, config: dict | None = None, keys: Sequence[Tensor] | None = None,
+                        stats: Tensor | None = None) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
+    """Fused backward; ``out``, ``lse`` and ``stats`` (None: not kept) are what
+    :func:`route_many_forward` (or the reference op) returned for these inputs; the
+    per-token backward reads the logits and key statistics from ``stats``, the tiled one
+    recomputes them. Returns what ``depthrewrite::route_many_backward``
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
@@ -868,6 +920,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
                                    "route_many")
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
+    _check_stats(stats, _tokens(values), len(values), s, heads, values[0].device)
+    cfg["stats"] = stats
     dtype = values[0].dtype
     flat_v = _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
@@ -990,6 +1044,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
                         cfg) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
     s, d = queries.shape
+    stats = cfg["stats"]
     block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
     dtype = flat_v[0].dtype
@@ -1024,10 +1079,11 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         _route_many_bwd_kernel[(programs,)](
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
-            min(block_q, s - q0), float(eps), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
+            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
-            FUSED_SUMS=cfg["fused_sums"], num_warps=warps, **_register_cap(cfg, "route_many"),
+            FUSED_SUMS=cfg["fused_sums"], SAVED_STATS=stats is not None, num_warps=warps,
+            **_register_cap(cfg, "route_many"),
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,

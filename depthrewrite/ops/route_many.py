@@ -42,10 +42,10 @@ __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"
 
 ROUTE_MANY_SCHEMA = (
     "(Tensor[] values, Tensor queries, Tensor key_norm_weights, int heads, float eps, Tensor[]? keys) "
-    "-> (Tensor[] out, Tensor[] lse)"
+    "-> (Tensor[] out, Tensor[] lse, Tensor stats)"
 )
 ROUTE_MANY_BACKWARD_SCHEMA = (
-    "(Tensor[] grad_out, Tensor[] grad_lse, Tensor[] out, Tensor[] lse, Tensor[] values, Tensor queries, "
+    "(Tensor[] grad_out, Tensor[] grad_lse, Tensor[] out, Tensor[] lse, Tensor stats, Tensor[] values, Tensor queries, "
     "Tensor key_norm_weights, int heads, float eps, Tensor[]? keys) "
     "-> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_queries, Tensor grad_key_norm_weights)"
 )
@@ -75,10 +75,48 @@ def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tens
     in the compute dtype)``, computed in float32 (float64 if any input is)."""
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
     src, _, _, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
+    return _routed(src, logits, heads, values[0].dtype)
+
+
+def _routed(src: Tensor, logits: Tensor, heads: int, act: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(out (S, *batch, d) in ``act``, lse (S, *batch, H))`` from :func:`_forward_parts`'
+    sources and logits."""
     lse = torch.logsumexp(logits, dim=1)
     weights = torch.softmax(logits, dim=1)
     out = (weights.unsqueeze(-1) * src.unflatten(-1, (heads, -1)).unsqueeze(0)).sum(1).flatten(-2)
-    return out.to(values[0].dtype), lse
+    return out.to(act), lse
+
+
+# ------------------------------------------------------------ saved statistics
+
+#: the forward keeps each source's logits and key ``rstd`` for the backward (the op's
+#: ``stats`` output) where the fused backward reads them instead of two of its three row
+#: sums a source: one head without separate keys (the calls of its per-token kernel)
+SAVE_STATS = True
+
+
+def saves_stats(heads: int, keys) -> bool:
+    """Whether ``route_many`` keeps its statistics for these arguments (SAVE_STATS)."""
+    return SAVE_STATS and heads == 1 and keys is None
+
+
+def stats_shape(values: Sequence[Tensor], queries: Tensor, heads: int, keys) -> tuple[int, ...]:
+    """The ``stats`` output's shape: ``(T, N, S * H + 1)`` (a token's row of each source: S * H
+    logits, then the key's ``rstd``), or ``(0,)`` where none are kept (:func:`saves_stats`)."""
+    if not saves_stats(heads, keys):
+        return (0,)
+    tokens = values[0].numel() // values[0].shape[-1]
+    return (tokens, len(values), queries.shape[0] * heads + 1)
+
+
+def _stats(logits: Tensor, rstd: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The ``stats`` table from :func:`_forward_parts`' logits ``(S, N, *batch, H)`` and
+    ``rstd (N, *batch, 1)``; empty unless ``shape`` has rows."""
+    if len(shape) == 1:
+        return logits.new_empty(shape)
+    s, n, h = logits.shape[0], logits.shape[1], logits.shape[-1]
+    per_token = logits.reshape(s, n, -1, h).permute(2, 1, 0, 3).reshape(-1, n, s * h)
+    return torch.cat([per_token, rstd.reshape(n, -1, 1).transpose(0, 1)], -1).contiguous()
 
 
 # ---------------------------------------------------------------------- the ops
@@ -86,10 +124,13 @@ def _reference(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tens
 
 @torch.library.custom_op("depthrewrite::route_many", mutates_args=(), schema=ROUTE_MANY_SCHEMA)
 def _route_many_op(values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
-                   eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor]]:
-    out, lse = _reference(values, queries, key_norm_weights, heads, eps, keys)
+                   eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    dtype = _compute_dtype(values[0], queries, key_norm_weights)
+    src, _, rstd, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
+    out, lse = _routed(src, logits, heads, values[0].dtype)
+    stats = _stats(logits, rstd, stats_shape(values, queries, heads, keys))
     # custom-op outputs may not alias each other: one fresh tensor per query
-    return [o.clone() for o in out.unbind(0)], [t.clone() for t in lse.unbind(0)]
+    return [o.clone() for o in out.unbind(0)], [t.clone() for t in lse.unbind(0)], stats
 
 
 @_route_many_op.register_fake
@@ -99,15 +140,17 @@ def _route_many_fake(values, queries, key_norm_weights, heads, eps, keys):
     s = queries.shape[0]
     # contiguous, as the implementations return them whatever the sources' strides
     return ([values[0].new_empty(values[0].shape) for _ in range(s)],
-            [values[0].new_empty(lse_shape, dtype=dtype) for _ in range(s)])
+            [values[0].new_empty(lse_shape, dtype=dtype) for _ in range(s)],
+            values[0].new_empty(stats_shape(values, queries, heads, keys), dtype=dtype))
 
 
 @torch.library.custom_op("depthrewrite::route_many_backward", mutates_args=(), schema=ROUTE_MANY_BACKWARD_SCHEMA)
 def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out: list[Tensor], lse: list[Tensor],
-                            values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
-                            eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
-    # the reference recomputes the forward and ignores out and lse (the fused kernel's
-    # shortcut), so that it stays an independent check of the kernel
+                            stats: Tensor, values: list[Tensor], queries: Tensor, key_norm_weights: Tensor,
+                            heads: int, eps: float, keys: list[Tensor] | None
+                            ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
+    # the reference recomputes the forward and ignores out, lse and stats (the fused
+    # kernel's shortcuts), so that it stays an independent check of the kernel
     return reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys)
 
 
@@ -149,7 +192,8 @@ def reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, he
 
 
 @_route_many_backward_op.register_fake
-def _route_many_backward_fake(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, keys):
+def _route_many_backward_fake(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps,
+                              keys):
     grad_keys = [] if keys is None else [k.new_empty(k.shape) for k in keys]
     return ([v.new_empty(v.shape) for v in values], grad_keys, torch.empty_like(queries),
             torch.empty_like(key_norm_weights))
@@ -157,23 +201,24 @@ def _route_many_backward_fake(grad_out, grad_lse, out, lse, values, queries, key
 
 def _setup_context(ctx, inputs, output) -> None:
     values, queries, key_norm_weights, heads, eps, keys = inputs
-    out, lse = output
+    out, lse, stats = output
     ctx.num_sources, ctx.num_queries, ctx.has_keys = len(values), len(out), keys is not None
     ctx.heads, ctx.eps = heads, eps
-    ctx.save_for_backward(*out, *lse, *values, *(keys or ()), queries, key_norm_weights)
+    ctx.save_for_backward(*out, *lse, *values, *(keys or ()), queries, key_norm_weights, stats)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_stats):
+    # stats is a saved statistic, not a result: no gradient flows through it
     s, n = ctx.num_queries, ctx.num_sources
     saved = ctx.saved_tensors
     out, lse, values = list(saved[:s]), list(saved[s : 2 * s]), list(saved[2 * s : 2 * s + n])
     keys = list(saved[2 * s + n : 2 * s + 2 * n]) if ctx.has_keys else None
-    queries, key_norm_weights = saved[-2:]
+    queries, key_norm_weights, stats = saved[-3:]
     # an output nobody used arrives as None: its gradient is zero
     grad_out = [g if g is not None else torch.zeros_like(o) for g, o in zip(grad_out, out)]
     grad_lse = [g if g is not None else torch.zeros_like(t) for g, t in zip(grad_lse, lse)]
     grad_values, grad_keys, grad_queries, grad_weights = _route_many_backward_op(
-        grad_out, grad_lse, out, lse, values, queries, key_norm_weights, ctx.heads, ctx.eps, keys)
+        grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, ctx.heads, ctx.eps, keys)
     return grad_values, grad_queries, grad_weights, None, None, grad_keys if ctx.has_keys else None
 
 
@@ -219,8 +264,8 @@ def route_many(values: Sequence[Tensor], keys: Sequence[Tensor] | None = None, *
     differentiable. ``route_many(v, k, queries=q[None], key_norm_weights=g[None])[0][0]``
     is ``route(v, k, query=q, key_norm_weight=g)``."""
     _check_inputs(values, queries, key_norm_weights, heads, eps, keys)
-    out, lse = torch.ops.depthrewrite.route_many(list(values), queries, key_norm_weights, heads, float(eps),
-                                                 None if keys is None else list(keys))
+    out, lse, _ = torch.ops.depthrewrite.route_many(list(values), queries, key_norm_weights, heads, float(eps),
+                                                    None if keys is None else list(keys))
     return list(out), list(lse)
 
 

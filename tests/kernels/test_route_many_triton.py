@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 from depthrewrite.kernels import route_many_triton  # noqa: E402
 from depthrewrite.kernels.pointer_tables import pointer_tables  # noqa: E402
 from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
+from depthrewrite.ops.route_many import stats_shape  # noqa: E402
 # relative L2 error, and the error allowed against float64 by returned dtype: as for route
 from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
 
@@ -77,20 +78,28 @@ def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
     return out.detach(), lse.detach(), list(grads)
 
 
-def _run(inp, dtype, seed, config=None, fwd_config=None):
-    """Forward with ``fwd_config`` (default: ``config``), backward with ``config``."""
+def _stats_for(values, queries, heads, keys):
+    """The stats table the op hands the kernels for these arguments (None where it keeps none)."""
+    shape = stats_shape(values, queries, heads, keys)
+    return torch.empty(shape, dtype=torch.float32, device=DEVICE) if len(shape) > 1 else None
+
+
+def _run(inp, dtype, seed, config=None, fwd_config=None, keep_stats=True):
+    """Forward with ``fwd_config`` (default: ``config``), backward with ``config``; the
+    forward's statistics kept for the backward where the op keeps them (``keep_stats``)."""
     fwd_config = config if fwd_config is None else fwd_config
     gen = torch.Generator().manual_seed(seed + 1)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     values = [dev(v) for v in inp["values"]]
     keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
+    stats = _stats_for(values, inp["queries"], inp["heads"], keys) if keep_stats else None
     out, lse = route_many_triton.route_many_forward(values, dev(inp["queries"]), dev(inp["key_norm_weights"]),
-                                                    inp["heads"], 1e-6, fwd_config, keys=keys)
+                                                    inp["heads"], 1e-6, fwd_config, keys=keys, stats=stats)
     grad_out = [torch.randn(o.shape, generator=gen).to(dtype) for o in out]
     grad_lse = [torch.randn(t.shape, generator=gen) for t in lse]
     grad_v, grad_k, grad_q, grad_w = route_many_triton.route_many_backward(
         [dev(g) for g in grad_out], [dev(g) for g in grad_lse], out, lse, values, dev(inp["queries"]),
-        dev(inp["key_norm_weights"]), inp["heads"], 1e-6, config, keys=keys)
+        dev(inp["key_norm_weights"]), inp["heads"], 1e-6, config, keys=keys, stats=stats)
     assert len(grad_k) == (0 if keys is None else len(keys))
     flat = [*grad_v, grad_q, grad_w, *grad_k]  # the oracle's order
     return [o.cpu() for o in out], [t.cpu() for t in lse], [t.cpu() for t in flat], grad_out, grad_lse
@@ -325,7 +334,8 @@ def test_the_package_switch_reaches_the_registered_backward_kernels(exact):
 
     inp = _make(4, 3, (5,), 32, 1, torch.bfloat16, 2)
     values, q, w = [v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
-    out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6)
+    stats = _stats_for(values, q, 1, None)
+    out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6, stats=stats)
     gen = torch.Generator().manual_seed(3)
     grad_out = [torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE) for o in out]
     grad_lse = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in lse]
@@ -333,19 +343,20 @@ def test_the_package_switch_reaches_the_registered_backward_kernels(exact):
     route_out, route_lse, _ = route_triton.route_forward(*route_args)
     previous = kernels.set_exact_softmax_grad(exact)
     try:
-        registered = kernels._route_many_backward_cuda(grad_out, grad_lse, out, lse, values, q, w, 1, 1e-6, None)
+        registered = kernels._route_many_backward_cuda(grad_out, grad_lse, out, lse, stats, values, q, w, 1, 1e-6,
+                                                       None)
         registered_route = kernels._route_backward_cuda(grad_out[0], route_out, route_lse, *route_args)
     finally:
         assert kernels.set_exact_softmax_grad(previous) is exact
     direct = route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, 1, 1e-6,
-                                                   {"exact_softmax_grad": exact})
+                                                   {"exact_softmax_grad": exact}, stats=stats)
     direct_route = route_triton.route_backward(grad_out[0], route_out, route_lse, *route_args,
                                                config={"exact_softmax_grad": exact})
     flat = lambda grads: [t for g in grads for t in (g if isinstance(g, list) else [g])]  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(flat(registered), flat(direct), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(flat(registered_route), flat(direct_route), strict=True))
     other = route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, 1, 1e-6,
-                                                  {"exact_softmax_grad": not exact})
+                                                  {"exact_softmax_grad": not exact}, stats=stats)
     assert not torch.equal(flat(other)[-2], flat(direct)[-2])  # the query gradients: the switch matters
 
 
@@ -567,3 +578,50 @@ def test_no_tokens_gives_empty_outputs_and_zero_parameter_gradients(backward, ke
         1, 1e-6, {"backward": backward}, keys=key_list)
     assert [t.shape for t in grad_v] == [(0, 16)] * 3 and [t.shape for t in grad_k] == [(0, 16)] * (3 if keys else 0)
     assert not grad_q.any() and not grad_w.any() and grad_q.shape == grad_w.shape == (2, 16)
+
+
+# ------------------------------------------------- the forward's statistics kept for the backward
+
+
+@pytest.mark.parametrize("config", [None, {"many_elems": 64}], ids=["one_chunk", "chunks_of_2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_keeps_the_reference_statistics(dtype, config):
+    """The stats table the forward fills (every chunk of queries its logits, the first chunk
+    the keys' rstd) is the reference op's, at odd token counts and 9 sources."""
+    from depthrewrite.ops.route_many import _route_many_op
+
+    inp = _make(9, 5, (7,), 32, 1, dtype, 11)
+    values = [v.to(DEVICE) for v in inp["values"]]
+    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    stats = _stats_for(values, q, 1, None)
+    route_many_triton.route_many_forward(values, q, w, 1, 1e-6, config, stats=stats)
+    _, _, want = _route_many_op._init_fn(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6, None)
+    assert stats.shape == want.shape == (7, 9, 6)
+    assert _rel(stats[..., :5], want[..., :5]) < 1e-5  # the logits of the 5 queries
+    assert _rel(stats[..., 5], want[..., 5]) < 1e-6  # the keys' rstd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,s,batch,d", [(1, 3, (5,), 24), (9, 6, (5,), 100), (33, 4, (3,), 40)])
+def test_backward_recomputes_what_it_is_not_given(n, s, batch, d, dtype):
+    """Without the stats table the per-token backward forms the logits and rstd from the rows
+    (its path where the op keeps none): against float64 as with it (the main test)."""
+    inp = _make(n, s, batch, d, 1, dtype, n + s)
+    out, _, grads, grad_out, grad_lse = _run(inp, dtype, n + s, keep_stats=False)
+    _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=out)
+    with_stats = _run(inp, dtype, n + s)[2]
+    for k, (got, want, kept) in enumerate(zip(grads, oracle, with_stats)):
+        limit = 1e-5 if k in (n, n + 1) else TOL[dtype]
+        assert _rel(got, want) < limit and _rel(kept, want) < limit, (k, _rel(got, want), _rel(kept, want))
+
+
+def test_bad_stats_table_is_refused():
+    inp = _make(3, 2, (5,), 16, 1, torch.float32, 1)
+    values = [v.to(DEVICE) for v in inp["values"]]
+    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    message = re.escape("`stats` must be a contiguous float32 tensor of shape (5, 3, 3) (tokens, sources, "
+                        "queries * heads + 1)")
+    for bad in (torch.empty(5, 3, 2, device=DEVICE), torch.empty(5, 3, 3, dtype=torch.float64, device=DEVICE),
+                torch.empty(3, 5, 3, device=DEVICE).transpose(0, 1)):
+        with pytest.raises(ValueError, match=r"^route_many \(Triton\): " + message):
+            route_many_triton.route_many_forward(values, q, w, 1, 1e-6, stats=bad)

@@ -101,9 +101,10 @@ def test_opcheck_route_many(case):
 def test_opcheck_route_many_backward(case):
     inp = make_inputs(case, torch.float32)
     fwd = (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6, None)
-    out, lse = torch.ops.depthrewrite.route_many(*fwd)
+    out, lse, stats = torch.ops.depthrewrite.route_many(*fwd)
     grad_out, grad_lse = random_like(out, seed=1), random_like(lse, seed=2)
-    torch.library.opcheck(torch.ops.depthrewrite.route_many_backward.default, (grad_out, grad_lse, out, lse, *fwd))
+    torch.library.opcheck(torch.ops.depthrewrite.route_many_backward.default,
+                          (grad_out, grad_lse, out, lse, stats, *fwd))
 
 
 # ------------------------------------------------------------ separate keys (DAR)
@@ -154,14 +155,14 @@ def test_keys_opcheck_and_gradcheck(case):
     keys = [k.requires_grad_() for k in _keys(case, torch.float64, seed=34)]
     fwd = (inp.values, inp.queries, inp.key_norm_weights, case.heads, 1e-6, keys)
     torch.library.opcheck(torch.ops.depthrewrite.route_many.default, fwd)
-    out, lse = torch.ops.depthrewrite.route_many(*fwd)
+    out, lse, stats = torch.ops.depthrewrite.route_many(*fwd)
     grads = (random_like(out, seed=35), random_like(lse, seed=36))
     plain = (inp.values, inp.queries, inp.key_norm_weights, keys)
     values, queries, weights, plain_keys = ([t.detach() for t in x] if isinstance(x, list) else x.detach()
                                             for x in plain)
     torch.library.opcheck(torch.ops.depthrewrite.route_many_backward.default,
-                          (*grads, [o.detach() for o in out], [t.detach() for t in lse], values, queries, weights,
-                           case.heads, 1e-6, plain_keys))
+                          (*grads, [o.detach() for o in out], [t.detach() for t in lse], stats.detach(), values,
+                           queries, weights, case.heads, 1e-6, plain_keys))
     n = case.n
 
     def f(*flat):
@@ -328,10 +329,10 @@ def test_backward_op_matches_autograd_through_reference_float64(case):
     ref_grads = torch.autograd.grad(ref_out + ref_lse, inp.leaves(), grad_out + grad_lse)
 
     # the backward op called directly
-    out, lse = torch.ops.depthrewrite.route_many(base.values, base.queries, base.key_norm_weights, case.heads, 1e-6,
-                                                 None)
+    out, lse, stats = torch.ops.depthrewrite.route_many(base.values, base.queries, base.key_norm_weights, case.heads,
+                                                        1e-6, None)
     grad_values, grad_keys, grad_queries, grad_weights = torch.ops.depthrewrite.route_many_backward(
-        grad_out, grad_lse, out, lse, base.values, base.queries, base.key_norm_weights, case.heads, 1e-6, None)
+        grad_out, grad_lse, out, lse, stats, base.values, base.queries, base.key_norm_weights, case.heads, 1e-6, None)
     assert grad_keys == []  # no keys: the key gradient is in the values' gradient
     assert_all_rel([*grad_values, grad_queries, grad_weights], list(ref_grads), 1e-12)
 
@@ -342,8 +343,8 @@ def test_backward_op_matches_autograd_through_reference_float64(case):
     assert_all_rel(list(grads), list(ref_grads), 1e-12)
     # lse's gradient takes part: without it the op's gradients differ
     _, _, grad_q_no_lse, _ = torch.ops.depthrewrite.route_many_backward(
-        grad_out, [torch.zeros_like(t) for t in lse], out, lse, base.values, base.queries, base.key_norm_weights,
-        case.heads, 1e-6, None)
+        grad_out, [torch.zeros_like(t) for t in lse], out, lse, stats, base.values, base.queries,
+        base.key_norm_weights, case.heads, 1e-6, None)
     assert (grad_q_no_lse - ref_grads[-2]).abs().max() > 1e-3
 
 

@@ -29,6 +29,7 @@
 #   OUT=... bash benchmarks/device_session.sh sumsfinal  # GPU kernel tests, full and Block AttnRes end to end (session 33)
 #   OUT=... bash benchmarks/device_session.sh table33    # every scheme end to end with the session's defaults (session 33)
 #   OUT=... bash benchmarks/device_session.sh lazy       # GPU kernel tests; the forwards' lazy rescale against the eager one: kernels, full and Block AttnRes end to end (session 34)
+#   OUT=... bash benchmarks/device_session.sh stats      # route_many's GPU tests with the forward's statistics table, its kernels and full AttnRes with it and without (session 34)
 #   OUT=... bash benchmarks/device_session.sh table34    # every scheme end to end with the session's defaults (session 34)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
@@ -750,6 +751,17 @@ fwdq4)
       --out "$OUT/bp_block" > "$OUT/bp_block.txt" 2>&1
   grep -o "tokens=.*many_fwd_q8w4=[^ ]*" "$OUT/bp_block.txt"
   e2e_run 200 5 10 baseline attnres attnres_fq4 block_attnres block_attnres_fq4
+  ;;
+stats)
+  # session 34: route_many's statistics table (the forward's logits and rstd read by the
+  # per-token backward): route_many's GPU kernel tests, its kernels with the table and without
+  # (_nostats) at full AttnRes's call shapes, full AttnRes end to end with it and without (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+      tests/kernels/test_lazy_rescale.py > "$OUT/kernel_tests.txt" 2>&1
+  tail -2 "$OUT/kernel_tests.txt"
+  full_attnres_phase '^_nostats$' 45
+  e2e_run 150 3 8 baseline attnres attnres_nostats
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -241,6 +242,9 @@ LAUNCH_VARIANTS = {
               {"LAZY_RESCALE": False}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
+    # route_many without the forward's statistics table: the backward forms the logits and
+    # rstd from the rows (before session 34)
+    "nostats": (("attnres", "block_attnres"), {"route_many.SAVE_STATS": False}),
     "fq4": (("attnres", "block_attnres"),
             {"route_many_triton.FORWARD_QUERIES": 4, "route_many_triton.MANY_NARROW_FORWARD_WARPS": 4}),
 }
@@ -293,8 +297,12 @@ def apply_launch_patches(name: str) -> list[tuple]:
     from depthrewrite.kernels import param_grads, route_many_triton, route_merge_triton, route_triton
     from depthrewrite.passes import two_phase
 
+    # the module, not the function depthrewrite.ops exports under its name
+    route_many = importlib.import_module("depthrewrite.ops.route_many")
+
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
-               "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton}
+               "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton,
+               "route_many": route_many}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

@@ -56,6 +56,7 @@ from triton.testing import do_bench  # noqa: E402
 import depthrewrite  # noqa: E402,F401
 from depthrewrite.kernels import route_triton  # noqa: E402
 from depthrewrite.ops.route import route_logits_reference, route_reference  # noqa: E402
+from depthrewrite.ops.route_many import stats_shape  # noqa: E402
 
 HBM_BPS = 4.3e12  # measured device-to-device copy rate on this machine kind (KINDS.md)
 DESIGN_SHAPES = [(16384, 2048, 9), (16384, 2048, 33), (16384, 4096, 9), (8192, 4096, 65)]
@@ -398,7 +399,11 @@ PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
-BLOCK_PHASE_FWD_VARIANTS = {"": None,
+#: the launch config of the ``_nostats`` variants: the defaults, without the forward's
+#: statistics table (the forward keeps none, the backward forms the logits from the rows:
+#: before session 34)
+NO_STATS = {}
+BLOCK_PHASE_FWD_VARIANTS = {"": None, "_nostats": NO_STATS,
                             # the online softmax rescaled at every new maximum (before session 34;
                             # since, only past a margin: route_triton.LAZY_RESCALE)
                             "_eager": {"lazy_rescale": False},
@@ -430,7 +435,8 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None,
                             # a register cap (session 27): more programs resident per SM, at the
                             # price of spills (the forward held 242 registers at N = 4, session 18)
                             **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168, 200, 232)}}
-BLOCK_PHASE_BWD_VARIANTS = {"": None, "_tiled": {"backward": "tiled"}, "_pertoken": {"backward": "per_token"},
+BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_tiled": {"backward": "tiled"},
+                            "_pertoken": {"backward": "per_token"},
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before
                             "_pertoken_pf1": {"backward": "per_token", "prefetch": True},
@@ -511,15 +517,21 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
         g = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(s)]
         gl = [torch.randn(tokens, heads, device="cuda", generator=gen) for _ in range(s)]
 
+        # the forward's statistics table where the op keeps one (route_many.saves_stats); the
+        # variants named in NO_STATS_VARIANTS run without it, as before session 34
+        shape = stats_shape(vals, q, heads, keys)
+        stats = torch.empty(shape, device="cuda") if len(shape) > 1 else None
         with torch.no_grad():
-            saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, keys=keys)
+            saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, keys=keys, stats=stats)
 
         def many_fwd(cfg=None):
-            return route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, cfg, keys=keys)
+            kept = None if cfg is NO_STATS else stats
+            return route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, cfg, keys=keys, stats=kept)
 
         def many_bwd(cfg=None):
+            kept = None if cfg is NO_STATS else stats
             return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg,
-                                                         keys=keys)
+                                                         keys=keys, stats=kept)
 
         def per_site():
             for j in range(s):

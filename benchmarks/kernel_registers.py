@@ -149,7 +149,7 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
                   gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
                   param_ptr="*fp32", T="i32", N="i32", S="i32", D="i32", C="i32", H="i32",
-                  S_CHUNK="i32", eps="fp32", tokens_per_program="i32")
+                  S_CHUNK="i32", eps="fp32", tokens_per_program="i32", stats_ptr="*fp32", Q0="i32")
 
 
 def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None, lazy: bool | None = None):
@@ -158,29 +158,33 @@ def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None 
         _many_forward_lazy, _many_forward_queries, _many_forward_stages, _many_forward_warps, _route_many_fwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
+    from depthrewrite.ops.route_many import saves_stats
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
     constexprs = dict(BLOCK_Q=_many_forward_queries(heads, row), BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True,
                       ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True,
                       STAGES=_many_forward_stages(heads) if stages is None else stages,
-                      LAZY=_many_forward_lazy(heads) if lazy is None else lazy)
+                      LAZY=_many_forward_lazy(heads) if lazy is None else lazy,
+                      SAVE_STATS=saves_stats(heads, True if has_keys else None))
     warps = _many_forward_warps(heads, row)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
 
 def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch: int | None = None,
                                     queries: int = 6, param_table: bool = False, stages: int = 0,
-                                    fused_sums: bool | None = None):
+                                    fused_sums: bool | None = None, saved_stats: bool | None = None):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
     launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
     None: the default depth; the register cap of PER_TOKEN_LAUNCH); with ``param_table``, its
-    ``param="table"`` form; ``fused_sums`` None: PER_TOKEN_FUSED_SUMS."""
+    ``param="table"`` form; ``fused_sums`` None: PER_TOKEN_FUSED_SUMS; ``saved_stats`` None:
+    the forward's statistics read where the op keeps them (route_many.saves_stats)."""
     from depthrewrite.kernels.route_many_triton import (
         MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, PER_TOKEN_FUSED_SUMS, _backward_prefetch,
         _per_token_launch, _query_block, _route_many_bwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
+    from depthrewrite.ops.route_many import saves_stats
 
     block_h, block_c = _row_blocks(d, heads)
     multi = heads > 1
@@ -189,7 +193,8 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
         prefetch = _backward_prefetch("per_token", block_h * block_c)
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
-                      STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums)
+                      STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums,
+                      SAVED_STATS=saves_stats(heads, True if has_keys else None) if saved_stats is None else saved_stats)
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     _, cap = _per_token_launch(block_q, heads, block_h * block_c)
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps, cap), warps
@@ -266,6 +271,7 @@ def main() -> int:
         per_token = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries)
         kinds += [(f"per-token backward S={queries}", per_token),
                   (f"per-token backward S={queries}, sums one by one", functools.partial(per_token, fused_sums=False)),
+                  (f"per-token backward S={queries}, no saved stats", functools.partial(per_token, saved_stats=False)),
                   (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True))]
     for name, compile_fn in kinds:
         for heads in args.heads:

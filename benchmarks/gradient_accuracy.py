@@ -75,7 +75,7 @@ def kernels_shortcut():
     module = importlib.import_module("depthrewrite.ops.route_many")  # the module: ops exports a function of its name
     original = module._route_many_backward_op
 
-    def shortcut(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, keys):
+    def shortcut(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps, keys):
         return module.reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys,
                                          shortcut_out=out)
 

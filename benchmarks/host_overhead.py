@@ -121,18 +121,21 @@ def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
     ops, dt, cuda = torch.ops.depthrewrite, torch.bfloat16, depthrewrite.kernels.CUDA_KERNELS
     values = [torch.randn(tokens, d, device=dev, dtype=dt) for _ in range(6)]  # 6 completed blocks
     queries, weights = torch.randn(8, d, device=dev) * 0.1, torch.rand(8, d, device=dev) + 0.5  # 8 sites
-    out, lse = (list(t) for t in ops.route_many.default(values, queries, weights, 1, 1e-6, None))
+    out, lse, stats = ops.route_many.default(values, queries, weights, 1, 1e-6, None)
+    out, lse = list(out), list(lse)
     grad_out, grad_lse = [torch.randn_like(o) for o in out], [torch.randn_like(t) for t in lse]
     found = {
         "route_many fwd (6 blocks, 8 sites)": (
             lambda: ops.route_many.default(values, queries, weights, 1, 1e-6, None),
             lambda: cuda["route_many"](values, queries, weights, 1, 1e-6, None),
-            lambda: many.route_many_forward(values, queries, weights, 1, 1e-6)),
+            lambda: many.route_many_forward(values, queries, weights, 1, 1e-6, stats=stats)),
         "route_many bwd (6 blocks, 8 sites)": (
-            lambda: ops.route_many_backward.default(grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6,
-                                                    None),
-            lambda: cuda["route_many_backward"](grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6, None),
-            lambda: many.route_many_backward(grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6)),
+            lambda: ops.route_many_backward.default(grad_out, grad_lse, out, lse, stats, values, queries, weights, 1,
+                                                    1e-6, None),
+            lambda: cuda["route_many_backward"](grad_out, grad_lse, out, lse, stats, values, queries, weights, 1, 1e-6,
+                                                None),
+            lambda: many.route_many_backward(grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6,
+                                             stats=stats)),
     }
     for name, (j, keyed) in {"route_merge, normed, J=1": (1, False), "route_merge, normed, J=2 keyed": (2, True)}.items():
         inp = make(j, tokens, d, 1, keyed, True, dev, seed=11)

@@ -591,3 +591,32 @@ def test_merge_partial_bad_inputs_name_the_argument(arg, change):
     out, lse, partial = kw.pop("out"), kw.pop("lse"), kw.pop("partial")
     with pytest.raises(ValueError, match=rf"^merge_partial: `{arg}` must be"):
         merge_partial(out, lse, partial, **kw)
+
+
+# ------------------------------------------------------------ the saved statistics
+
+
+@pytest.mark.parametrize("case", [Case(n=5, s=3, batch=(2, 3), d=8), Case(n=1, s=2, batch=(4,), d=6)], ids=repr)
+def test_stats_hold_each_sources_logits_and_rstd_per_token(case):
+    """The op's third output, for the fused backward: per token and source the S logits,
+    then the key's rstd (float64 here, as the op's compute dtype)."""
+    inp = make_inputs(case, seed=3)
+    _, _, stats = torch.ops.depthrewrite.route_many(inp.values, inp.queries, inp.key_norm_weights, 1, 1e-6, None)
+    tokens = inp.values[0].numel() // case.d
+    assert stats.shape == (tokens, case.n, case.s + 1) and stats.dtype == torch.float64
+    for q in range(case.s):
+        z = route_logits_reference(inp.values, query=inp.queries[q], key_norm_weight=inp.key_norm_weights[q])
+        assert torch.allclose(stats[..., q], z.reshape(case.n, tokens).T, rtol=1e-12, atol=1e-12)
+    rstd = torch.stack(inp.values).reshape(case.n, tokens, case.d).square().mean(-1).add(1e-6).rsqrt()
+    assert torch.allclose(stats[..., case.s], rstd.T, rtol=1e-12, atol=0)
+
+
+def test_no_stats_where_the_fused_backward_reads_none():
+    """Several heads or separate keys (the tiled backward's calls): an empty table."""
+    case = Case(n=3, s=2, batch=(4,), d=8, heads=2)
+    inp = make_inputs(case, seed=4)
+    assert torch.ops.depthrewrite.route_many(inp.values, inp.queries, inp.key_norm_weights, 2, 1e-6,
+                                             None)[2].shape == (0,)
+    keys = _keys(Case(n=3, s=2, batch=(4,), d=8), torch.float64, seed=5)
+    assert torch.ops.depthrewrite.route_many(inp.values, inp.queries, inp.key_norm_weights, 1, 1e-6,
+                                             keys)[2].shape == (0,)

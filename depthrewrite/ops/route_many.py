@@ -98,7 +98,7 @@ def _routed(src: Tensor, logits: Tensor, heads: int, act: torch.dtype) -> tuple[
 #: tokens, d = 1024, docs/benchmarks.md): full AttnRes's group calls' backward 0.570 / 1.165
 #: / 1.759 ms against 0.617 / 1.270 / 1.922 at 4 queries over N = 13 / 29 / 45, the readout's
 #: 1.056 against 1.084, the forwards 0-1.5 % slower for the stores; at 350M the table is
-#: about 100 MB a step for full AttnRes and 33 MB for Block AttnRes
+#: about 100 MB a step for full AttnRes and 18 MB for Block AttnRes
 SAVE_STATS = True
 
 

@@ -194,7 +194,8 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
                       STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums,
-                      SAVED_STATS=saves_stats(heads, True if has_keys else None) if saved_stats is None else saved_stats)
+                      SAVED_STATS=(saves_stats(heads, True if has_keys else None) if saved_stats is None
+                                   else saved_stats))
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     _, cap = _per_token_launch(block_q, heads, block_h * block_c)
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps, cap), warps

@@ -921,7 +921,6 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     _check_stats(stats, _tokens(values), len(values), s, heads, values[0].device)
-    cfg["stats"] = stats
     dtype = values[0].dtype
     flat_v = _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
@@ -939,7 +938,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
-    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg)
+    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats)
     grad_queries, grad_weights = finish(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
@@ -978,11 +977,13 @@ def _param_gradients(cfg: dict) -> str:
     return _checked_choice("param", cfg.get("param") or PER_TOKEN_PARAM, PARAM_CHOICES)
 
 
-def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,
-                    cfg) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
+                    stats=None) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
     then the partial sums of ``r`` (the gradient of ``w_s * q_s``, (S, d)) from
-    ``_route_many_param_kernel``."""
+    ``_route_many_param_kernel``. ``stats`` is not read: each tile forms its logits from the
+    key rows it loads anyway (the tiled calls, several heads or separate keys, get none from
+    the op)."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
@@ -1040,11 +1041,11 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
     return PartialSums.of(part)
 
 
-def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps,
-                        cfg) -> tuple[list[Tensor], list[Tensor], PartialSums]:
-    """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program)."""
+def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
+                        stats) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+    """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program),
+    reading the forward's logits and rstd from ``stats`` unless it is None."""
     s, d = queries.shape
-    stats = cfg["stats"]
     block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
     dtype = flat_v[0].dtype
@@ -1079,7 +1080,8 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         _route_many_bwd_kernel[(programs,)](
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
-            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c,
+            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, BLOCK_Q=block_q, BLOCK_H=block_h,
+            BLOCK_C=block_c,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
             FUSED_SUMS=cfg["fused_sums"], SAVED_STATS=stats is not None, num_warps=warps,

@@ -109,8 +109,9 @@ FUSE_NORM = False
 #: only when a logit exceeds the running shift by more than LAZY_RESCALE_MARGIN
 #: (:func:`online_softmax_update`; the launch config's ``lazy_rescale``). Weights stay at most
 #: exp(8) ~ 3e3; most sources skip the rescale's multiply of every accumulated element: the
-#: sm_90 code of route_many's one-head forward (d = 1024, 2 queries a program) takes 323
-#: instructions a source instead of 400, and 226 registers instead of 242
+#: sm_90 code of route_many's one-head forward (d = 1024, 2 queries a program, without the
+#: stats table) takes 323 instructions a source instead of 400, and 226 registers instead of
+#: 242 (docs/benchmarks.md, session 34)
 LAZY_RESCALE = True
 LAZY_RESCALE_MARGIN = tl.constexpr(8.0)
 

@@ -14,18 +14,19 @@ scale::
     out[s]     = sum_i softmax_i(z[s, :, h]) * v_i   (per head h)
 
 Unlike ``route``'s ``lse`` (a saved statistic), this ``lse`` is differentiable: the merge
-uses it. A third output, ``stats``, is a saved statistic for the fused backward: per token
-and source the S * H logits and the key's ``rstd`` (``(T, N, S * H + 1)`` in the compute
-dtype; empty where the fused backward reads none, :func:`saves_stats`). Outputs are lists of S tensors (``out[s]`` shaped like a source, ``lse[s]`` of
+uses it. Outputs are lists of S tensors (``out[s]`` shaped like a source, ``lse[s]`` of
 shape ``(*batch, H)`` in the compute dtype: float32, or float64 when an input is),
 separate allocations, so that each site's gradient arrives as its own tensor (no
-select/scatter of a stacked buffer in the backward).
+select/scatter of a stacked buffer in the backward). A third output, ``stats``, is a saved
+statistic for the fused backward: per token and source the S * H logits and the key's
+``rstd`` (``(T, N, S * H + 1)`` in the compute dtype; empty where the fused backward reads
+none, :func:`saves_stats`).
 
 The pure-PyTorch implementation registered here (CPU, float64, and CUDA when the kernels
 are off) computes what :func:`route_many_reference` computes; its backward recomputes the
-forward statistics and writes the gradients out by hand, ignoring the saved ``out`` and
-``lse`` that the fused backward uses (:mod:`depthrewrite.kernels.route_many_triton`), so it
-stays an independent check of it (tests: float64 gradcheck, and against autograd through
+forward statistics and writes the gradients out by hand, ignoring the saved ``out``,
+``lse`` and ``stats`` that the fused backward uses (:mod:`depthrewrite.kernels.route_many_triton`),
+so it stays an independent check of it (tests: float64 gradcheck, and against autograd through
 the reference).
 """
 

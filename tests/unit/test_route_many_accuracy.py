@@ -14,8 +14,9 @@ def test_query_gradient_formulas_match_the_reference_backward_in_float64():
     values = [v.double() for v in inp["values"]]
     q, w = inp["queries"].double(), inp["weights"].double()
     out, lse = _reference(values, q, w, 1, 1e-6)
+    no_stats = torch.empty(0, dtype=torch.float64)  # the reference backward reads none
     grads = _route_many_backward_op([g.double() for g in inp["grad_out"]], [g.double() for g in inp["grad_lse"]],
-                                    list(out.unbind(0)), list(lse.unbind(0)), values, q, w, 1, 1e-6, None)
+                                    list(out.unbind(0)), list(lse.unbind(0)), no_stats, values, q, w, 1, 1e-6, None)
     for shortcut in (False, True):
         got = accuracy.query_grad(inp, torch.float64, shortcut)
         assert torch.allclose(got, grads[2], rtol=1e-9, atol=1e-12), shortcut

@@ -152,8 +152,10 @@ MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab=
                   S_CHUNK="i32", eps="fp32", tokens_per_program="i32", stats_ptr="*fp32", Q0="i32")
 
 
-def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None, lazy: bool | None = None):
-    """route_many's forward as its launcher compiles it (``lazy`` None: its default rescale)."""
+def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None, lazy: bool | None = None,
+                         queries: int = 4):
+    """route_many's forward as its launcher compiles it for a call of ``queries`` queries
+    (``lazy`` None: its default rescale; the stats table stored where the op keeps one)."""
     from depthrewrite.kernels.route_many_triton import (
         _many_forward_lazy, _many_forward_queries, _many_forward_stages, _many_forward_warps, _route_many_fwd_kernel,
     )
@@ -166,7 +168,7 @@ def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None 
                       ALIGNED=True, HAS_KEYS=has_keys, TOKEN_MAJOR=True,
                       STAGES=_many_forward_stages(heads) if stages is None else stages,
                       LAZY=_many_forward_lazy(heads) if lazy is None else lazy,
-                      SAVE_STATS=saves_stats(heads, True if has_keys else None))
+                      SAVE_STATS=saves_stats(heads, True if has_keys else None, queries))
     warps = _many_forward_warps(heads, row)
     return _compile(_route_many_fwd_kernel, MANY_TYPES, constexprs, warps), warps
 
@@ -194,7 +196,7 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
                       STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums,
-                      SAVED_STATS=(saves_stats(heads, True if has_keys else None) if saved_stats is None
+                      SAVED_STATS=(saves_stats(heads, True if has_keys else None, queries) if saved_stats is None
                                    else saved_stats))
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
     _, cap = _per_token_launch(block_q, heads, block_h * block_c)
@@ -271,7 +273,8 @@ def main() -> int:
     for queries in args.many_queries:
         per_token = functools.partial(compile_many_per_token_backward, prefetch=args.prefetch, queries=queries)
         kinds += [(f"per-token backward S={queries}", per_token),
-                  (f"per-token backward S={queries}, sums one by one", functools.partial(per_token, fused_sums=False)),
+                  (f"per-token backward S={queries}, sums one by one",
+                   functools.partial(per_token, fused_sums=False, saved_stats=False)),
                   (f"per-token backward S={queries}, no saved stats", functools.partial(per_token, saved_stats=False)),
                   (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True))]
     for name, compile_fn in kinds:

@@ -95,23 +95,29 @@ def _routed(src: Tensor, logits: Tensor, heads: int, act: torch.dtype) -> tuple[
 #: the forward keeps each source's logits and key ``rstd`` for the backward (the op's
 #: ``stats`` output: ``(T, N, S * H + 1)`` float32, 4 (S + 1) bytes a token and source) where
 #: the fused backward reads them instead of two of its three row sums a source: one head
-#: without separate keys (the calls of its per-token kernel). Session 34 (H200, bf16, 16384
-#: tokens, d = 1024, docs/benchmarks.md): full AttnRes's group calls' backward 0.570 / 1.165
-#: / 1.759 ms against 0.617 / 1.270 / 1.922 at 4 queries over N = 13 / 29 / 45, the readout's
-#: 1.056 against 1.084, the forwards 0-1.5 % slower for the stores; at 350M the table is
-#: about 100 MB a step for full AttnRes and 18 MB for Block AttnRes
+#: without separate keys (the calls of its per-token kernel), at most STATS_MAX_QUERIES
+#: queries. Session 34 (H200, bf16, 16384 tokens, d = 1024, docs/benchmarks.md): full
+#: AttnRes's group calls' backward 0.570 / 1.165 / 1.759 ms against 0.617 / 1.270 / 1.922 at
+#: 4 queries over N = 13 / 29 / 45, the readout's 1.056 against 1.084, the forwards 0-1.5 %
+#: slower for the stores; at 350M the table is about 100 MB a step for full AttnRes
 SAVE_STATS = True
+#: the most queries a call keeps the table for: the measured calls (1-4 queries). With more
+#: (Block AttnRes's 6-7, padded to 8) the per-token backward already spills, and in the sm_90
+#: code of the device's Triton the table's loads raise its spills (184 bytes against 108 at
+#: 6 queries, kernel_registers.py), unmeasured on the GPU
+STATS_MAX_QUERIES = 4
 
 
-def saves_stats(heads: int, keys) -> bool:
-    """Whether ``route_many`` keeps its statistics for these arguments (SAVE_STATS)."""
-    return SAVE_STATS and heads == 1 and keys is None
+def saves_stats(heads: int, keys, queries: int) -> bool:
+    """Whether ``route_many`` keeps its statistics for these arguments (SAVE_STATS,
+    STATS_MAX_QUERIES)."""
+    return SAVE_STATS and heads == 1 and keys is None and queries <= STATS_MAX_QUERIES
 
 
 def stats_shape(values: Sequence[Tensor], queries: Tensor, heads: int, keys) -> tuple[int, ...]:
     """The ``stats`` output's shape: ``(T, N, S * H + 1)`` (a token's row of each source: S * H
     logits, then the key's ``rstd``), or ``(0,)`` where none are kept (:func:`saves_stats`)."""
-    if not saves_stats(heads, keys):
+    if not saves_stats(heads, keys, queries.shape[0]):
         return (0,)
     tokens = values[0].numel() // values[0].shape[-1]
     return (tokens, len(values), queries.shape[0] * heads + 1)

@@ -612,7 +612,13 @@ def test_stats_hold_each_sources_logits_and_rstd_per_token(case):
 
 
 def test_no_stats_where_the_fused_backward_reads_none():
-    """Several heads or separate keys (the tiled backward's calls): an empty table."""
+    """Several heads or separate keys (the tiled backward's calls), or more queries than
+    STATS_MAX_QUERIES (not measured with the table): an empty table."""
+    from depthrewrite.ops.route_many import STATS_MAX_QUERIES
+
+    many = make_inputs(Case(n=3, s=STATS_MAX_QUERIES + 1, batch=(4,), d=8), seed=6)
+    assert torch.ops.depthrewrite.route_many(many.values, many.queries, many.key_norm_weights, 1, 1e-6,
+                                             None)[2].shape == (0,)
     case = Case(n=3, s=2, batch=(4,), d=8, heads=2)
     inp = make_inputs(case, seed=4)
     assert torch.ops.depthrewrite.route_many(inp.values, inp.queries, inp.key_norm_weights, 2, 1e-6,

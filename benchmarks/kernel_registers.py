@@ -276,6 +276,7 @@ def main() -> int:
                   (f"per-token backward S={queries}, sums one by one",
                    functools.partial(per_token, fused_sums=False, saved_stats=False)),
                   (f"per-token backward S={queries}, no saved stats", functools.partial(per_token, saved_stats=False)),
+                  (f"per-token backward S={queries}, saved stats", functools.partial(per_token, saved_stats=True)),
                   (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True))]
     for name, compile_fn in kinds:
         for heads in args.heads:

@@ -240,11 +240,11 @@ LAUNCH_VARIANTS = {
     # only when a logit passes the running shift by route_triton.LAZY_RESCALE_MARGIN)
     "eager": (("attnres", "block_attnres", "wav", "mhar_block", "dar_block", "mhar"),
               {"LAZY_RESCALE": False}),
+    # route_many without the forward's statistics table: the backward forms the logits and
+    # rstd from the rows (before session 34; Block AttnRes keeps one for its readout only)
+    "nostats": (("attnres", "block_attnres"), {"route_many.SAVE_STATS": False}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
-    # route_many without the forward's statistics table: the backward forms the logits and
-    # rstd from the rows (before session 34)
-    "nostats": (("attnres", "block_attnres"), {"route_many.SAVE_STATS": False}),
     "fq4": (("attnres", "block_attnres"),
             {"route_many_triton.FORWARD_QUERIES": 4, "route_many_triton.MANY_NARROW_FORWARD_WARPS": 4}),
 }

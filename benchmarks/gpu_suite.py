@@ -518,7 +518,7 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
         gl = [torch.randn(tokens, heads, device="cuda", generator=gen) for _ in range(s)]
 
         # the forward's statistics table where the op keeps one (route_many.saves_stats); the
-        # variants named in NO_STATS_VARIANTS run without it, as before session 34
+        # _nostats variants (config NO_STATS) run without it, as before session 34
         shape = stats_shape(vals, q, heads, keys)
         stats = torch.empty(shape, device="cuda") if len(shape) > 1 else None
         with torch.no_grad():

@@ -769,8 +769,9 @@ def _per_query_rows(queries: Tensor, key_norm_weights: Tensor) -> Tensor:
 def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int, eps: float,
                        config: dict | None = None, keys: Sequence[Tensor] | None = None, stats: Tensor | None = None
                        ) -> tuple[list[Tensor], list[Tensor]]:
-    """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns what
-    ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps. ``config``
+    """Fused forward; inputs as checked by ``depthrewrite.ops.route_many``. Returns the first
+    two of what ``depthrewrite::route_many`` returns: S outputs and S float32 log-sum-exps
+    (its third, the statistics table, is filled into ``stats``, below). ``config``
     overrides the launch choices (``block_q``, ``many_elems``, ``num_warps``, ``prefetch``,
     ``order``: FORWARD_ORDER's choices, ``tokens_per_program``: consecutive tokens per
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,

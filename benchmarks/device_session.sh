@@ -31,6 +31,7 @@
 #   OUT=... bash benchmarks/device_session.sh lazy       # GPU kernel tests; the forwards' lazy rescale against the eager one: kernels, full and Block AttnRes end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh stats      # route_many's GPU tests with the forward's statistics table, its kernels and full AttnRes with it and without (session 34)
 #   OUT=... bash benchmarks/device_session.sh table34    # every scheme end to end with the session's defaults (session 34)
+#   OUT=... bash benchmarks/device_session.sh stats35    # GPU kernel tests; full and Block AttnRes with the statistics table and without, end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -762,6 +763,14 @@ stats)
   tail -2 "$OUT/kernel_tests.txt"
   full_attnres_phase '^_nostats$' 40
   e2e_run 130 2 6 attnres attnres_nostats
+  ;;
+stats35)
+  # session 35: the GPU kernel tests at HEAD, then full and Block AttnRes end to end with
+  # route_many's statistics table (the default since session 34) and without, beside the
+  # baseline (session 34's pair was cut by the budget; ~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 170
+  e2e_run 330 5 10 baseline attnres attnres_nostats block_attnres block_attnres_nostats
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

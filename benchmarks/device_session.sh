@@ -765,12 +765,14 @@ stats)
   e2e_run 130 2 6 attnres attnres_nostats
   ;;
 stats35)
-  # session 35: the GPU kernel tests at HEAD, then full and Block AttnRes end to end with
-  # route_many's statistics table (the default since session 34) and without, beside the
-  # baseline (session 34's pair was cut by the budget; ~8 minutes)
+  # session 35: full and Block AttnRes end to end with route_many's statistics table (the
+  # default since session 34) and without, beside the baseline (session 34's pair was cut by
+  # the budget), and full AttnRes with the kernels registered with the dispatcher directly
+  # (_raw: its GPU idled 6.3 ms a step against the baseline's 2.6 in session 34's run 3);
+  # then the GPU kernel tests at HEAD (~9 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  gpu_kernel_tests 170
-  e2e_run 330 5 10 baseline attnres attnres_nostats block_attnres block_attnres_nostats
+  e2e_run 390 3 12 baseline attnres attnres_nostats attnres_raw block_attnres block_attnres_nostats
+  gpu_kernel_tests 150
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

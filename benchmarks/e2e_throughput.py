@@ -254,9 +254,10 @@ for _name in LAUNCH_PATCHES:  # a variant of a configuration with backend option
     BACKEND_OPTIONS.setdefault(_name, BACKEND_OPTIONS.get(_name.rsplit("_", 1)[0], {}))
 #: the kernels registered with the dispatcher directly (depthrewrite.kernels' "dispatcher"
 #: registration, set in the configuration's process before it imports depthrewrite), each
-#: beside its base configuration: the host time of a call, on the host-bound models (session 21)
+#: beside its base configuration: the host time of a call, on the host-bound models (session 21;
+#: full AttnRes since session 35: its GPU idles 6.3 ms a step against the baseline's 2.6)
 RAW_REGISTRATION = tuple(f"{base}_raw" for base in ("wav", "dar_block", "block_attnres", "dar_block_fm",
-                                                    "block_attnres_fm", "mhar_block_fm"))
+                                                    "block_attnres_fm", "mhar_block_fm", "attnres"))
 for _name in RAW_REGISTRATION:
     _base = _name.rsplit("_", 1)[0]
     CONFIGS[_name] = CONFIGS[_base][:2] + (None,)

@@ -230,6 +230,11 @@ PARAM_CHOICES = ("registers", "table")
 #: / 1.287 at d = 1024 with N = 4 / 8 and d = 2048 with N = 4; at d = 4096 slower, 3.440
 #: against 3.186)
 PER_TOKEN_PREFETCH2_ROW = 2048
+#: the per-token backward's deeper prefetch depths (sources requested ahead in registers,
+#: beyond the other kernels' 0 and 1): 2 (the default up to PER_TOKEN_PREFETCH2_ROW), and 3
+#: and 4 for measurements (session 35: the kernel waits on memory with 2 rows of 2 KB in
+#: flight per program at d = 1024)
+PER_TOKEN_PREFETCH_DEPTHS = (2, 3, 4)
 #: the tiled backward's tokens per program and warps, and the padded row one warp reduces
 #: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
 #: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
@@ -424,7 +429,7 @@ def _route_many_bwd_kernel(
     The source rows come through Triton's software pipeline with STAGES >= 2 (copied into
     shared memory STAGES - 1 sources ahead), else PREFETCH: 0, 1 (the next source requested
     while one is used) or 2 (two ahead, the first two requested with the output gradients;
-    the default up to PER_TOKEN_PREFETCH2_ROW). EXACT: ``sum_j a_j <v_j, g>`` over
+    the default up to PER_TOKEN_PREFETCH2_ROW), 3 or 4 (that many ahead). EXACT: ``sum_j a_j <v_j, g>`` over
     ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
     ``exact_softmax_grad``). SAVED_STATS: each source's logits and key ``rstd`` come from the
     forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
@@ -447,10 +452,16 @@ def _route_many_bwd_kernel(
         hoffs = (tok * H + hh)[None, :]
         g = tl.load(g_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
         g_lse = tl.load(gl_ptrs[:, None] + hoffs, mask=hq, other=0.0)
-        if REGISTER_PREFETCH >= 2:  # the first two sources requested with the gradients, before the sums below
+        if REGISTER_PREFETCH >= 2:  # the first sources requested with the gradients, before the sums below
             v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
             v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(1, N - 1), offs, _more_sources(hh, 0, N, cmask),
                                         ptr_ty, ALIGNED, HAS_KEYS)
+            if REGISTER_PREFETCH >= 3:
+                v_nx3, k_nx3 = _load_source(vtab, ktab, tl.minimum(2, N - 1), offs, _more_sources(hh, 1, N, cmask),
+                                            ptr_ty, ALIGNED, HAS_KEYS)
+            if REGISTER_PREFETCH >= 4:
+                v_nx4, k_nx4 = _load_source(vtab, ktab, tl.minimum(3, N - 1), offs, _more_sources(hh, 2, N, cmask),
+                                            ptr_ty, ALIGNED, HAS_KEYS)
         lse = g_lse  # only read with several sources
         s_ada = g_lse
         if not ONE_SOURCE:
@@ -483,7 +494,18 @@ def _route_many_bwd_kernel(
             for i in range(N):
                 if REGISTER_PREFETCH:
                     v_raw, k_raw = v_nx, k_nx
-                    if REGISTER_PREFETCH >= 2:  # two sources ahead
+                    if REGISTER_PREFETCH >= 4:  # four sources ahead
+                        v_nx, k_nx = v_nx2, k_nx2
+                        v_nx2, k_nx2 = v_nx3, k_nx3
+                        v_nx3, k_nx3 = v_nx4, k_nx4
+                        v_nx4, k_nx4 = _load_source(vtab, ktab, tl.minimum(i + 4, N - 1), offs,
+                                                    _more_sources(hh, i + 3, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                    elif REGISTER_PREFETCH == 3:
+                        v_nx, k_nx = v_nx2, k_nx2
+                        v_nx2, k_nx2 = v_nx3, k_nx3
+                        v_nx3, k_nx3 = _load_source(vtab, ktab, tl.minimum(i + 3, N - 1), offs,
+                                                    _more_sources(hh, i + 2, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                    elif REGISTER_PREFETCH == 2:  # two sources ahead
                         v_nx, k_nx = v_nx2, k_nx2
                         v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
                                                     _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
@@ -902,7 +924,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     returns (the key gradients empty without keys). ``config`` overrides ``backward``
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
-    True, or 2: two sources ahead, per-token backward only; unset: ``_backward_prefetch``),
+    True, or 2-4: that many sources ahead, per-token backward only; unset: ``_backward_prefetch``),
     ``stages`` (per-token backward only: 2 or more pipelines the source loads, PREFETCH then
     unused; unset: ``_backward_stages``), the parameter reduction's (tiled backward, or
     ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM),
@@ -932,7 +954,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row)
-    allowed = PREFETCH_DEPTHS + (2,) if kernel == "per_token" else PREFETCH_DEPTHS
+    allowed = PREFETCH_DEPTHS + PER_TOKEN_PREFETCH_DEPTHS if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k)), "route_many")
     if kernel == "tiled" and cfg["stages"] >= 2:

@@ -243,6 +243,8 @@ VARIANTS = [
     {"backward": "per_token", "prefetch": True, "stages": 0},
     {"backward": "per_token", "prefetch": 2, "stages": 0},
     {"backward": "per_token", "prefetch": 2, "param": "table", "many_elems": 256},
+    {"backward": "per_token", "prefetch": 3, "stages": 0},  # three and four ahead (session 35)
+    {"backward": "per_token", "prefetch": 4, "stages": 0, "many_elems": 256},
     # a source's row sums joined in one reduction (the GPU's default, off in the interpreter)
     {"backward": "per_token", "fused_sums": True},
     {"backward": "per_token", "fused_sums": True, "many_elems": 256, "stages": 2},
@@ -270,8 +272,8 @@ def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
     float64 oracle that uses the saved output."""
     dtype = torch.bfloat16
     inp = _make(n, s, batch, d, heads, dtype, 7, keys)
-    # the forward takes one source ahead at most: the backward's prefetch 2 stays with it
-    fwd_config = {k: v for k, v in config.items() if not (k == "prefetch" and v == 2)}
+    # the forward takes one source ahead at most: the backward's prefetch 2-4 stays with it
+    fwd_config = {k: v for k, v in config.items() if not (k == "prefetch" and v in (2, 3, 4))}
     out, lse, grads, grad_out, grad_lse = _run(inp, dtype, 7, config=config, fwd_config=fwd_config)
     exact_out, exact_lse, _ = _oracle_f64(inp, grad_out, grad_lse)
     assert all(_rel(o, e) < TOL[dtype] for o, e in zip(out, exact_out.unbind(0)))
@@ -398,8 +400,8 @@ def test_unknown_backward_is_refused():
     with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True\) for the tiled backward; "
                                          r"found 2"):
         _run(inp, torch.float32, 1, config={"backward": "tiled", "prefetch": 2}, fwd_config={})
-    with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2\) for the per_token"):
-        _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 3}, fwd_config={})
+    with pytest.raises(ValueError, match=r"config prefetch must be one of \(False, True, 2, 3, 4\) for the per_token"):
+        _run(inp, torch.float32, 1, config={"backward": "per_token", "prefetch": 5}, fwd_config={})
     with pytest.raises(ValueError, match=r"config exact_softmax_grad must be True or False; found 1"):
         _run(inp, torch.float32, 1, config={"exact_softmax_grad": 1}, fwd_config={})
     with pytest.raises(ValueError, match=r"config stages=2 pipelines the per_token backward only; the tiled backward "
@@ -417,12 +419,13 @@ def test_backward_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
 
 
-@pytest.mark.parametrize("n", [2, 9])
+@pytest.mark.parametrize("n", [2, 3, 9])
 def test_per_token_prefetch_depth_changes_no_bit(n):
-    """The per-token backward's prefetch depths 0, 1 and 2 and its 3-stage pipeline move
-    loads, not arithmetic: the same bits (n = 2: the second source ahead is past the last)."""
+    """The per-token backward's prefetch depths 0 to 4 and its 3-stage pipeline move loads,
+    not arithmetic: the same bits (n = 2, 3: the sources ahead run past the last)."""
     inp = _make(n, 6, (6,), 64, 1, torch.bfloat16, 3)
-    loads = [{"prefetch": False}, {"prefetch": True}, {"prefetch": 2}, {"stages": 3}]
+    loads = [{"prefetch": False}, {"prefetch": True}, {"prefetch": 2}, {"prefetch": 3}, {"prefetch": 4},
+             {"stages": 3}]
     runs = [_run(inp, torch.bfloat16, 3, config={"backward": "per_token", **load}, fwd_config={}) for load in loads]
     for other in runs[1:]:
         assert len(other[2]) == len(runs[0][2]) == n + 2

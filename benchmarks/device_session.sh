@@ -32,6 +32,7 @@
 #   OUT=... bash benchmarks/device_session.sh stats      # route_many's GPU tests with the forward's statistics table, its kernels and full AttnRes with it and without (session 34)
 #   OUT=... bash benchmarks/device_session.sh table34    # every scheme end to end with the session's defaults (session 34)
 #   OUT=... bash benchmarks/device_session.sh stats35    # GPU kernel tests; full and Block AttnRes with the statistics table and without, end to end (session 35)
+#   OUT=... bash benchmarks/device_session.sh prefetch35  # the per-token backward 3 or 4 sources ahead: kernels and full AttnRes end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -773,6 +774,16 @@ stats35)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   e2e_run 390 3 12 baseline attnres attnres_nostats attnres_raw block_attnres block_attnres_nostats
   gpu_kernel_tests 150
+  ;;
+prefetch35)
+  # session 35: route_many's per-token backward with 3 or 4 sources requested ahead (_pf3,
+  # _pf4) and through Triton's pipeline (_pertoken_s3, _s4) at full AttnRes's call shapes
+  # and the block phase's, with registers; full AttnRes end to end with 3 and 4 (~7 minutes)
+  full_attnres_phase '^_pf[34]$|^_pertoken_s[34]$' 110
+  timeout 70 python3 benchmarks/gpu_suite.py --block-phase-only --variants '^_pf[34]$' --out "$OUT/bp_block" \
+      > "$OUT/bp_block.txt" 2>&1
+  grep -o "tokens=.*many_bwd_pf4=[^ ]*" "$OUT/bp_block.txt"
+  e2e_run 300 4 10 baseline attnres attnres_pf3 attnres_pf4
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

@@ -440,6 +440,9 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_tiled": {"backward
                             # the per-token default requests two sources ahead up to d = 2048
                             # (session 11); one ahead, as before
                             "_pertoken_pf1": {"backward": "per_token", "prefetch": True},
+                            # three and four sources ahead (session 35: 2 KB rows, 2 in flight
+                            # per program at d = 1024; 168 registers at 4 queries either way)
+                            "_pf3": {"prefetch": 3}, "_pf4": {"prefetch": 4},
                             # the per-token kernel spills at one head with S = 6 (8 padded query rows,
                             # 4 warps: 255 registers; kernel_registers.py); 8 warps and 4 queries per
                             # chunk were slower (session 10): the parameter gradients through a table

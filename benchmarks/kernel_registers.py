@@ -243,7 +243,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--heads", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--ptxas", default=str(default_ptxas), help="a ptxas that reads the PTX version Triton emits")
-    ap.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=None,
+    ap.add_argument("--prefetch", type=int, choices=(0, 1, 2, 3, 4), default=None,
                     help="route_many's per-token backward's prefetch depth (default: its default)")
     ap.add_argument("--many-queries", type=int, nargs="+", default=[6],
                     help="route_many's per-token backward compiled for these query counts (6: the block "

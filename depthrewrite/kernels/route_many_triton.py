@@ -231,10 +231,12 @@ PARAM_CHOICES = ("registers", "table")
 #: against 3.186)
 PER_TOKEN_PREFETCH2_ROW = 2048
 #: the per-token backward's deeper prefetch depths (sources requested ahead in registers,
-#: beyond the other kernels' 0 and 1): 2 (the default up to PER_TOKEN_PREFETCH2_ROW), and 3
-#: and 4 for measurements (session 35: the kernel waits on memory with 2 rows of 2 KB in
-#: flight per program at d = 1024)
+#: beyond the other kernels' 0 and 1), and its depth up to PER_TOKEN_PREFETCH2_ROW. Session
+#: 35 added 3 and 4: the kernel waits on memory with 2 rows of 2 KB in flight per program at
+#: d = 1024 (sm_90 code of the device's Triton: 168 registers at 4 queries with each, no
+#: spill; kernel_registers.py)
 PER_TOKEN_PREFETCH_DEPTHS = (2, 3, 4)
+PER_TOKEN_PREFETCH = 2
 #: the tiled backward's tokens per program and warps, and the padded row one warp reduces
 #: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
 #: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
@@ -981,9 +983,9 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool, queries: int) -> str
 
 def _backward_prefetch(kernel: str, row: int) -> int:
     """The prefetch depth a backward kernel takes for rows of ``row`` padded elements unless
-    a config sets it (measured): two sources ahead in the per-token backward up to
-    PER_TOKEN_PREFETCH2_ROW, else one."""
-    return 2 if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
+    a config sets it (measured): PER_TOKEN_PREFETCH sources ahead in the per-token backward
+    up to PER_TOKEN_PREFETCH2_ROW, else one."""
+    return PER_TOKEN_PREFETCH if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
 
 
 def _backward_stages(kernel: str, row: int, has_keys: bool) -> int:

@@ -17,7 +17,8 @@ few microseconds, so the host sets the pace), synchronises, and reports the medi
 
 Then the two-phase ops at the end-to-end model's sites (second table; session 21, when the
 fused merge's profile showed the host issuing Block AttnRes's step in 88.8 ms against 45.6
-without it): ``route_many`` for Block AttnRes's phase 1 (6 completed blocks, 8 sites) and
+without it): ``route_many`` for Block AttnRes's phase 1 (6 completed blocks, 8 sites) and for
+full AttnRes's calls (45 sources and 4 sites, 2 sources and 1 site; session 35) and
 ``route_merge`` with the branch norm fused, one result (Block AttnRes) and two keyed ones
 (DAR), each as the op, as our registered CUDA kernel function (``depthrewrite.kernels``'s:
 the op's time beyond it is the dispatcher's and the custom op's wrapper's), as its
@@ -119,24 +120,25 @@ def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
     from route_merge_speed import make
 
     ops, dt, cuda = torch.ops.depthrewrite, torch.bfloat16, depthrewrite.kernels.CUDA_KERNELS
-    values = [torch.randn(tokens, d, device=dev, dtype=dt) for _ in range(6)]  # 6 completed blocks
-    queries, weights = torch.randn(8, d, device=dev) * 0.1, torch.rand(8, d, device=dev) + 0.5  # 8 sites
-    out, lse, stats = ops.route_many.default(values, queries, weights, 1, 1e-6, None)
-    out, lse = list(out), list(lse)
-    grad_out, grad_lse = [torch.randn_like(o) for o in out], [torch.randn_like(t) for t in lse]
-    found = {
-        "route_many fwd (6 blocks, 8 sites)": (
-            lambda: ops.route_many.default(values, queries, weights, 1, 1e-6, None),
-            lambda: cuda["route_many"](values, queries, weights, 1, 1e-6, None),
-            lambda: many.route_many_forward(values, queries, weights, 1, 1e-6, stats=stats)),
-        "route_many bwd (6 blocks, 8 sites)": (
-            lambda: ops.route_many_backward.default(grad_out, grad_lse, out, lse, stats, values, queries, weights, 1,
-                                                    1e-6, None),
-            lambda: cuda["route_many_backward"](grad_out, grad_lse, out, lse, stats, values, queries, weights, 1, 1e-6,
-                                                None),
-            lambda: many.route_many_backward(grad_out, grad_lse, out, lse, values, queries, weights, 1, 1e-6,
-                                             stats=stats)),
-    }
+    found = {}
+    # Block AttnRes's phase 1 (6 completed blocks, 8 sites); full AttnRes's last group call
+    # (45 sources, 4 sites: it keeps the statistics table) and an in-group call (2 sources, 1 site)
+    for n, s, what in ((6, 8, "6 blocks, 8 sites"), (45, 4, "45 sources, 4 sites"), (2, 1, "2 sources, 1 site")):
+        values = [torch.randn(tokens, d, device=dev, dtype=dt) for _ in range(n)]
+        queries, weights = torch.randn(s, d, device=dev) * 0.1, torch.rand(s, d, device=dev) + 0.5
+        out, lse, stats = ops.route_many.default(values, queries, weights, 1, 1e-6, None)
+        out, lse = list(out), list(lse)
+        grad_out, grad_lse = [torch.randn_like(o) for o in out], [torch.randn_like(t) for t in lse]
+        kept = stats if stats.numel() else None
+        a = (values, queries, weights)
+        b = (grad_out, grad_lse, out, lse, stats, values, queries, weights)
+        found[f"route_many fwd ({what})"] = (
+            lambda a=a: ops.route_many.default(*a, 1, 1e-6, None), lambda a=a: cuda["route_many"](*a, 1, 1e-6, None),
+            lambda a=a, kept=kept: many.route_many_forward(*a, 1, 1e-6, stats=kept))
+        found[f"route_many bwd ({what})"] = (
+            lambda b=b: ops.route_many_backward.default(*b, 1, 1e-6, None),
+            lambda b=b: cuda["route_many_backward"](*b, 1, 1e-6, None),
+            lambda b=b, kept=kept: many.route_many_backward(*b[:4], *b[5:], 1, 1e-6, stats=kept))
     for name, (j, keyed) in {"route_merge, normed, J=1": (1, False), "route_merge, normed, J=2 keyed": (2, True)}.items():
         inp = make(j, tokens, d, 1, keyed, True, dev, seed=11)
         args = (inp["outs"], inp["lses"], inp["values"], inp["keys"], inp["queries"], inp["key_norm_weights"],

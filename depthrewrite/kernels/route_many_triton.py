@@ -1088,16 +1088,22 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     param_table = cfg["param"] == "table"
     n = len(flat_v)
     # the parameter gradients' (N, S, T, H) dz * rstd table, or per chunk of queries the
-    # per-program partial sums (zeroed: the padded query rows of a short last chunk stay unwritten)
+    # per-program partial sums. With several chunks they are zeroed: the padded query rows of
+    # a short last chunk stay unwritten (and are summed, then cut off). One chunk's are not:
+    # its padded rows are never read (PartialSums below reads the first s rows of each program)
+    sums = torch.zeros if len(chunks) > 1 else torch.empty
     param = (torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device) if param_table else
-             torch.zeros((len(chunks), programs, block_q, d), dtype=torch.float32, device=device))
+             sums((len(chunks), programs, block_q, d), dtype=torch.float32, device=device))
     qw = _per_query_rows(queries, key_norm_weights)
-    # fp32 partial gradients between chunks of queries (the gradients themselves if fp32)
+    # fp32 partial gradients between chunks of queries (the gradients themselves if fp32:
+    # then the gradients' tables are theirs, not uploaded twice)
     one_pass = dtype == torch.float32 or len(chunks) == 1
-    partial_v = grad_v if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
-    partial_k = grad_k if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_k]
+    partial_v = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
+    partial_k = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_k]
     gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab = pointer_tables(
         device, g, o, ls, gl, flat_v, grad_v, partial_v, flat_k, grad_k, partial_k)
+    if one_pass:
+        acctab, kacctab = gvtab, gktab
     if not flat_k:  # no separate keys (empty tables are never read)
         ktab, gktab, kacctab = vtab, gvtab, acctab
     aligned = _aligned(flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, g, o)

@@ -33,7 +33,7 @@
 #   OUT=... bash benchmarks/device_session.sh table34    # every scheme end to end with the session's defaults (session 34)
 #   OUT=... bash benchmarks/device_session.sh stats35    # GPU kernel tests; full and Block AttnRes with the statistics table and without, end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh prefetch35  # the per-token backward 3 or 4 sources ahead: kernels and full AttnRes end to end (session 35)
-#   OUT=... bash benchmarks/device_session.sh final35    # host time per call before and after the session's trims, route_many's GPU tests, every scheme end to end (session 35)
+#   OUT=... bash benchmarks/device_session.sh final35    # host time per call before and after the session's trims, route_many's GPU tests, full and Block AttnRes end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -789,17 +789,20 @@ prefetch35)
 final35)
   # session 35: host time per routing call before this session's launcher trims (the tree of
   # 9dc59b5, extracted into .old35 for this call: git archive 9dc59b5 depthrewrite benchmarks)
-  # and after, route_many's GPU tests, then every scheme end to end (~9 minutes)
+  # and after, route_many's GPU tests, then full and Block AttnRes end to end (the models this
+  # session's changes touch), Block AttnRes with the per-token backward 4 sources ahead (run 2:
+  # its block-phase calls 5-10 % faster), full AttnRes and the baseline recorded as CUDA
+  # graphs (the host's share of full AttnRes's step; ~9 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  (cd .old35 && timeout 70 python3 benchmarks/host_overhead.py --sources 3 --calls 100 --repeats 5 --profile-top 0 \
+  (cd .old35 && timeout 60 python3 benchmarks/host_overhead.py --sources 3 --calls 100 --repeats 5 --profile-top 0 \
       > "$OUT/host_old.txt" 2>&1)
-  timeout 80 python3 benchmarks/host_overhead.py --sources 3 --calls 100 --repeats 5 --profile-top 12 \
+  timeout 70 python3 benchmarks/host_overhead.py --sources 3 --calls 100 --repeats 5 --profile-top 12 \
       > "$OUT/host_new.txt" 2>&1
   grep "route_many" "$OUT/host_old.txt" "$OUT/host_new.txt" | grep "|"
-  timeout 75 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+  timeout 70 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
       tests/kernels/test_lazy_rescale.py > "$OUT/kernel_tests.txt" 2>&1
   tail -1 "$OUT/kernel_tests.txt"
-  e2e_run 370 4 20 baseline block_attnres mhar_block wav dar_block attnres mhar
+  e2e_run 330 3 16 baseline attnres block_attnres block_attnres_pf4 baseline_cg attnres_cg
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

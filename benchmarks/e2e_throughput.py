@@ -243,9 +243,10 @@ LAUNCH_VARIANTS = {
     # route_many without the forward's statistics table: the backward forms the logits and
     # rstd from the rows (before session 34; Block AttnRes keeps one for its readout only)
     "nostats": (("attnres", "block_attnres"), {"route_many.SAVE_STATS": False}),
-    # route_many's per-token backward requesting 3 or 4 sources ahead instead of 2 (session 35)
-    "pf3": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_PREFETCH": 3}),
-    "pf4": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_PREFETCH": 4}),
+    # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
+    # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
+    # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count
+    **{f"pf{k}": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_PREFETCH": {1: k}}) for k in (2, 3, 4)},
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

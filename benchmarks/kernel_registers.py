@@ -182,17 +182,17 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     ``param="table"`` form; ``fused_sums`` None: PER_TOKEN_FUSED_SUMS; ``saved_stats`` None:
     the forward's statistics read where the op keeps them (route_many.saves_stats)."""
     from depthrewrite.kernels.route_many_triton import (
-        MULTI_HEAD_BACKWARD_QUERIES, MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, PER_TOKEN_FUSED_SUMS, _backward_prefetch,
-        _per_token_launch, _query_block, _route_many_bwd_kernel,
+        MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, PER_TOKEN_FUSED_SUMS, _backward_prefetch, _per_token_block_q,
+        _per_token_launch, _route_many_bwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
     from depthrewrite.ops.route_many import saves_stats
 
     block_h, block_c = _row_blocks(d, heads)
     multi = heads > 1
-    block_q = _query_block(queries, block_h * block_c, {}, MULTI_HEAD_BACKWARD_QUERIES if multi else None)
+    block_q = _per_token_block_q(queries, heads, block_h * block_c, {})
     if prefetch is None:
-        prefetch = _backward_prefetch("per_token", block_h * block_c)
+        prefetch = _backward_prefetch("per_token", block_h * block_c, block_q)
     constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
                       STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums,

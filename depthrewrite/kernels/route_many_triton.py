@@ -224,19 +224,24 @@ PER_TOKEN_PARAM = "registers"
 #: config's ``fused_sums``); the interpreter's default is False (route_triton.default_fused_sums)
 PER_TOKEN_FUSED_SUMS = True
 PARAM_CHOICES = ("registers", "table")
-#: the per-token backward requests two sources ahead (``prefetch=2``) for padded rows of at
-#: most this many elements, one ahead for wider rows (H200, bf16, 16384 tokens, S = 6, one
+#: the per-token backward requests two or more sources ahead (PER_TOKEN_PREFETCH) for padded
+#: rows of at most this many elements, one ahead for wider rows (H200, bf16, 16384 tokens, S = 6, one
 #: head, docs/benchmarks.md session 11 run 1: 0.606 / 1.058 / 1.249 ms against 0.640 / 1.095
 #: / 1.287 at d = 1024 with N = 4 / 8 and d = 2048 with N = 4; at d = 4096 slower, 3.440
 #: against 3.186)
 PER_TOKEN_PREFETCH2_ROW = 2048
 #: the per-token backward's deeper prefetch depths (sources requested ahead in registers,
-#: beyond the other kernels' 0 and 1), and its depth up to PER_TOKEN_PREFETCH2_ROW. Session
-#: 35 added 3 and 4: the kernel waits on memory with 2 rows of 2 KB in flight per program at
-#: d = 1024 (sm_90 code of the device's Triton: 168 registers at 4 queries with each, no
-#: spill; kernel_registers.py)
+#: beyond the other kernels' 0 and 1; 3 and 4 since session 35)
 PER_TOKEN_PREFETCH_DEPTHS = (2, 3, 4)
-PER_TOKEN_PREFETCH = 2
+#: its depth up to PER_TOKEN_PREFETCH2_ROW by the padded queries a program holds (BLOCK_Q; a
+#: block size not listed takes the entry of the largest listed one below it). Session 35
+#: (H200, bf16, 16384 tokens, d = 1024, one head, docs/benchmarks.md): at 8 (Block AttnRes's
+#: block phase, 6-7 queries) 4 ahead took 0.483 / 0.858 ms against 0.535 / 0.904 at N = 4 /
+#: 8, and Block AttnRes's step 90.2 against 90.5 ms (its routing kernels 7.3 against 7.7); at
+#: 4 (full AttnRes's groups) 3 or 4 ahead were level or slower (1.769 / 1.807 against 1.761
+#: ms at N = 45, 168 registers each way), and at 1 level (1.050 against 1.055 at N = 49).
+#: At 8 the kernel spills either way (sm_90, 255 registers: 124 bytes with 4 ahead, 108 with 2)
+PER_TOKEN_PREFETCH = {1: 2, 8: 4}
 #: the tiled backward's tokens per program and warps, and the padded row one warp reduces
 #: (measured: 1 token and 1 warp, so that the row reductions stay in a warp, up to d = 1024;
 #: one more warp per 1024 elements). It runs the calls with several heads or separate keys;
@@ -955,7 +960,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     kernel = _backward_kernel(heads, cfg, bool(flat_k), s)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
-        cfg["prefetch"] = _backward_prefetch(kernel, row)
+        cfg["prefetch"] = _backward_prefetch(kernel, row, _per_token_block_q(s, heads, row, cfg))
     allowed = PREFETCH_DEPTHS + PER_TOKEN_PREFETCH_DEPTHS if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k)), "route_many")
@@ -981,11 +986,20 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool, queries: int) -> str
     return _checked_choice("backward", choice, BACKWARD_CHOICES)
 
 
-def _backward_prefetch(kernel: str, row: int) -> int:
-    """The prefetch depth a backward kernel takes for rows of ``row`` padded elements unless
-    a config sets it (measured): PER_TOKEN_PREFETCH sources ahead in the per-token backward
-    up to PER_TOKEN_PREFETCH2_ROW, else one."""
-    return PER_TOKEN_PREFETCH if kernel == "per_token" and row <= PER_TOKEN_PREFETCH2_ROW else 1
+def _backward_prefetch(kernel: str, row: int, block_q: int) -> int:
+    """The prefetch depth a backward kernel takes for rows of ``row`` padded elements and
+    ``block_q`` padded queries a program unless a config sets it (measured): in the
+    per-token backward up to PER_TOKEN_PREFETCH2_ROW, PER_TOKEN_PREFETCH's entry (that of the
+    largest listed block size up to ``block_q``), else one."""
+    if kernel != "per_token" or row > PER_TOKEN_PREFETCH2_ROW:
+        return 1
+    listed = [q for q in PER_TOKEN_PREFETCH if q <= block_q] or [min(PER_TOKEN_PREFETCH)]
+    return PER_TOKEN_PREFETCH[max(listed)]
+
+
+def _per_token_block_q(s: int, heads: int, row: int, cfg: dict) -> int:
+    """The padded queries a per-token backward program holds (the call's ``s`` in chunks)."""
+    return _query_block(s, row, cfg, MULTI_HEAD_BACKWARD_QUERIES if heads > 1 else None)
 
 
 def _backward_stages(kernel: str, row: int, has_keys: bool) -> int:
@@ -1077,7 +1091,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
     multi_head = heads > 1
-    block_q = _query_block(s, block_h * block_c, cfg, MULTI_HEAD_BACKWARD_QUERIES if multi_head else None)
+    block_q = _per_token_block_q(s, heads, block_h * block_c, cfg)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
     if tokens == 0:

@@ -478,6 +478,18 @@ def test_per_token_launch_follows_the_queries_a_program_holds(monkeypatch):
     assert launch(4, 16, 1024) == launch(4, 1, 2048) == (5, 96)
 
 
+def test_per_token_prefetch_follows_the_queries_a_program_holds(monkeypatch):
+    monkeypatch.setattr(route_many_triton, "PER_TOKEN_PREFETCH", {2: 3, 8: 4})
+    depth = route_many_triton._backward_prefetch
+    # a block size under the smallest listed takes the smallest entry
+    assert [depth("per_token", 1024, q) for q in (1, 2, 4, 8, 16)] == [3, 3, 3, 4, 4]
+    # rows wider than PER_TOKEN_PREFETCH2_ROW, and the tiled backward, take one ahead
+    assert depth("per_token", 4096, 8) == depth("tiled", 1024, 8) == 1
+    # a call's padded queries: 6 queries in one chunk of 8; 16 heads in chunks of 2
+    assert route_many_triton._per_token_block_q(6, 1, 1024, {}) == 8
+    assert route_many_triton._per_token_block_q(6, 16, 1024, {}) == route_many_triton.MULTI_HEAD_BACKWARD_QUERIES
+
+
 def test_calls_of_more_queries_than_the_per_token_limit_take_the_tiled_backward(monkeypatch):
     choose = route_many_triton._backward_kernel
     assert choose(1, {"backward": None}, False, 8) == "per_token"  # no limit by default

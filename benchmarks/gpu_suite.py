@@ -437,11 +437,12 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_nostats": NO_STATS,
                             **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168, 200, 232)}}
 BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_tiled": {"backward": "tiled"},
                             "_pertoken": {"backward": "per_token"},
-                            # the per-token default requests two sources ahead up to d = 2048
-                            # (session 11); one ahead, as before
+                            # the per-token default requests 2-4 sources ahead up to d = 2048
+                            # (session 11; route_many_triton.PER_TOKEN_PREFETCH); one ahead, as before
                             "_pertoken_pf1": {"backward": "per_token", "prefetch": True},
-                            # three and four sources ahead (session 35: 2 KB rows, 2 in flight
-                            # per program at d = 1024; 168 registers at 4 queries either way)
+                            # three and four sources ahead at every query count (session 35: 2 KB
+                            # rows, 2 in flight per program at d = 1024; 168 registers at 4 queries
+                            # either way; since, 8 queries take 4 by default)
                             "_pf3": {"prefetch": 3}, "_pf4": {"prefetch": 4},
                             # the per-token kernel spills at one head with S = 6 (8 padded query rows,
                             # 4 warps: 255 registers; kernel_registers.py); 8 warps and 4 queries per

@@ -435,9 +435,9 @@ def _route_many_bwd_kernel(
     for ``_route_many_param_kernel``: no ``(Q, H, C)`` accumulator held across tokens.
     The source rows come through Triton's software pipeline with STAGES >= 2 (copied into
     shared memory STAGES - 1 sources ahead), else PREFETCH: 0, 1 (the next source requested
-    while one is used) or 2 (two ahead, the first two requested with the output gradients;
-    the default up to PER_TOKEN_PREFETCH2_ROW), 3 or 4 (that many ahead). EXACT: ``sum_j a_j <v_j, g>`` over
-    ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
+    while one is used) or 2 to 4 (that many ahead, the first ones requested with the output
+    gradients; PER_TOKEN_PREFETCH's depths up to PER_TOKEN_PREFETCH2_ROW). EXACT: ``sum_j a_j
+    <v_j, g>`` over ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
     ``exact_softmax_grad``). SAVED_STATS: each source's logits and key ``rstd`` come from the
     forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
     row sums (:func:`_per_token_sums`)."""

@@ -34,6 +34,7 @@
 #   OUT=... bash benchmarks/device_session.sh stats35    # GPU kernel tests; full and Block AttnRes with the statistics table and without, end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh prefetch35  # the per-token backward 3 or 4 sources ahead: kernels and full AttnRes end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh final35    # host time per call before and after the session's trims, route_many's GPU tests, full and Block AttnRes end to end (session 35)
+#   OUT=... bash benchmarks/device_session.sh direct36   # full AttnRes with its groups' entries merged by Inductor's ops, and as CUDA graphs (prepared in session 35)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -803,6 +804,13 @@ final35)
       tests/kernels/test_lazy_rescale.py > "$OUT/kernel_tests.txt" 2>&1
   tail -1 "$OUT/kernel_tests.txt"
   e2e_run 330 3 16 baseline attnres block_attnres block_attnres_pf4 baseline_cg attnres_cg
+  ;;
+direct36)
+  # prepared in session 35: full AttnRes with its groups' 2-3 entries merged by Inductor's ops
+  # (two_phase.DIRECT_MERGE_ENTRIES = 3: 24 route_many calls a step fewer, forward and
+  # backward) beside the default and the baseline, and both recorded as CUDA graphs (the
+  # GPU's time alone: the host's share of the difference; ~8 minutes)
+  e2e_run 500 4 14 baseline attnres attnres_direct3 baseline_cg attnres_cg attnres_cg_direct3
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

@@ -247,6 +247,10 @@ LAUNCH_VARIANTS = {
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count
     **{f"pf{k}": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_PREFETCH": {1: k}}) for k in (2, 3, 4)},
+    # full AttnRes's group entries (2-3 a site) merged by Inductor's ops, not one-query
+    # route_many calls: 24 custom-op calls a step fewer (two_phase.DIRECT_MERGE_ENTRIES;
+    # prepared in session 35, not yet timed)
+    "direct3": (("attnres", "attnres_cg"), {"two_phase.DIRECT_MERGE_ENTRIES": 3}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

@@ -113,7 +113,9 @@ def add_group_entries(router: DepthQuery, result: tuple, entries: tuple) -> torc
     WAV's readout: the partial block sum; grouped full routing: the group's own entries so
     far). None: the phase-1 output itself; one: by online softmax (``merge_partial``); more:
     routed together (``route_many``, one query) and the two results merged by their
-    log-sum-exps (``merge_routes``). The same function as one route over all the entries."""
+    log-sum-exps (``merge_routes``), or, up to ``two_phase.DIRECT_MERGE_ENTRIES`` of them,
+    merged as ``merge_routes``' own sources (no routing-op call). The same function as one
+    route over all the entries."""
     outs, lses = result
     out, lse = outs[router.position], lses[router.position]
     params = dict(key_norm_weight=router.key_norm_weight, heads=router.heads, eps=router.eps)
@@ -126,6 +128,8 @@ def add_group_entries(router: DepthQuery, result: tuple, entries: tuple) -> torc
                                    key_norm_weights=router.key_norm_weight[None], mix=router.query.new_ones(1),
                                    heads=router.heads, eps=router.eps)
         return merge_partial(out, lse, entries[0], query=router.query, **params)
+    if len(entries) <= two_phase.DIRECT_MERGE_ENTRIES:
+        return merge_routes([(out, lse, None)], [(e, None, None) for e in entries], query=router.query, **params)
     (fresh,), (fresh_lse,) = route_many(entries, queries=router.query[None],
                                         key_norm_weights=router.key_norm_weight[None], heads=router.heads,
                                         eps=router.eps)

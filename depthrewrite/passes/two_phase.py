@@ -40,6 +40,16 @@ KEEP_LAST_PHASE_ONE = True
 #: (:func:`merges_fused`)
 FUSED_MERGE = False
 
+#: phase 2 of grouped full routing (``group_size``): a site whose group has made 2 to this
+#: many entries since phase 1 adds them by ``merge_routes``' plain torch ops (each entry's
+#: logit and the softmax merge, which Inductor compiles and fuses), not by a one-query
+#: ``route_many`` call and ``merge_routes``. Same function. Full AttnRes makes 24 such calls a
+#: step at 350M (groups of 4: sites 3 and 4 of each group), each costing the host 0.2-0.8 ms a
+#: direction, and its host is within 10 % of setting the step's pace (docs/design.md "The
+#: host's share of full AttnRes's step", session 35). 1 (the default: every call kept) until
+#: it is timed end to end (``e2e_throughput.py``'s ``attnres_direct3``)
+DIRECT_MERGE_ENTRIES = 1
+
 
 def merges_fused(choice: bool | None) -> bool:
     """Whether a router's phase 2 goes through ``route_merge``: its scheme's ``fused_merge``

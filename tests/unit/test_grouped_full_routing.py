@@ -66,6 +66,24 @@ def test_grouped_routing_equals_routing_site_by_site(scheme, options, parallel, 
         assert ((a.double() - b).norm() / scale).item() <= max(4 * ((p.double() - b).norm() / scale).item(), 1e-6)
 
 
+@pytest.mark.parametrize("scheme,options", [("attnres", {"group_size": 4}), ("mhar", {"heads": 4, "group_size": 3})])
+def test_direct_merge_of_a_groups_entries_is_the_same_function(scheme, options, monkeypatch):
+    """``two_phase.DIRECT_MERGE_ENTRIES``: a router whose group made 2 to that many entries
+    adds them as ``merge_routes``' own sources, without a ``route_many`` call: logits and
+    every parameter gradient in float64 as one route per site, and the one-query calls gone."""
+    truth, _ = _logits_and_grads(scheme, {k: v for k, v in options.items() if k != "group_size"}, torch.float64)
+    calls = _count_calls(monkeypatch)
+    monkeypatch.setattr(two_phase, "DIRECT_MERGE_ENTRIES", options["group_size"] - 1)
+    direct, model = _logits_and_grads(scheme, options, torch.float64)
+    size = options["group_size"]
+    routers = len([n for n in model.state_dict() if n.endswith(".query")])
+    positions = [(i - 1) % size for i in range(1, routers + 1)]
+    assert calls["route_many"] == (routers - 1) // size + 1  # phase 1 only
+    assert calls["merge_routes"] == sum(p >= 2 for p in positions) > 0
+    for a, b in zip(direct, truth):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_recompute_gives_the_same_gradients_from_fewer_saved_tensors(monkeypatch):
     """``recompute=True`` (phase 1 under activation checkpointing): bit for bit the result of
     keeping phase 1's outputs, fewer bytes saved for the backward, phase 1 run again once

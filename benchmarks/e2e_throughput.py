@@ -611,9 +611,22 @@ def baseline_of(name: str) -> str:
     return "baseline"
 
 
+#: a row whose host takes at least this share of its step to issue the step is marked
+#: host-bound: its GPU waits for the host, so its step measures the host as much as the
+#: kernels (session 35: full AttnRes's step 105.6 ms with 92.9 ms of host time in one
+#: process, 112.5 ms with 108.5 in another, the same kernels)
+HOST_BOUND_SHARE = 0.9
+
+
+def host_bound(row: dict) -> bool:
+    """Whether ``row``'s host took HOST_BOUND_SHARE of its step or more to issue it."""
+    return row.get("host_ms", 0.0) >= HOST_BOUND_SHARE * row["step_ms"]
+
+
 def table(rows: list[dict]) -> str:
     bases = {r["name"]: r for r in rows if r["name"].startswith("baseline") and "error" not in r}
-    lines = ["| model | backend | ms/step | host ms/step (us a tiny op) | tokens/s | x baseline (goal) | peak GiB "
+    lines = [f"| model | backend | ms/step | host ms/step (us a tiny op; host-bound: >= {HOST_BOUND_SHARE:.0%} of the "
+             "step) | tokens/s | x baseline (goal) | peak GiB "
              "| x baseline | reserved GiB | alloc retries | routing ops lowered |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
@@ -634,6 +647,8 @@ def table(rows: list[dict]) -> str:
         host = f"{r.get('host_ms', float('nan')):.1f}"
         if "host_op_us" in r:  # this process's host speed (host_op_us)
             host += f" ({r['host_op_us']:.1f})"
+        if host_bound(r):
+            host += " host-bound"
         low = r.get("lowering") or {}
         ops = ", ".join(f"{k}: {v}" for k, v in (low.get("ops") or {}).items())
         if low:

@@ -59,3 +59,18 @@ def test_each_configuration_is_compared_with_the_baseline_compiled_the_same_way(
     assert e2e.baseline_of("mhar_block_fm_tfin") == e2e.baseline_of("dar_block") == "baseline"
     for name in e2e.CONFIGS:  # every baseline a row can name is a configuration
         assert e2e.baseline_of(name) in e2e.CONFIGS, name
+
+
+def test_rows_whose_host_sets_the_pace_are_marked():
+    """A row whose host takes 90 % of its step or more is marked host-bound in the table
+    (session 35: the same kernels measured 105.6 and 112.5 ms a step as the host's speed
+    changed); rows below that share, and rows without a host time, are not."""
+    e2e = load_benchmark("e2e_throughput")
+    row = {"name": "attnres", "step_ms": 112.5, "host_ms": 108.5, "host_op_us": 8.2, "tokens_per_s": 1.0,
+           "peak_gib": 20.8}
+    base = {"name": "baseline", "step_ms": 79.1, "host_ms": 28.2, "tokens_per_s": 1.0, "peak_gib": 16.2}
+    fast = dict(row, step_ms=105.6, host_ms=92.9)
+    assert e2e.host_bound(row) and not e2e.host_bound(fast) and not e2e.host_bound(base)
+    assert not e2e.host_bound({"step_ms": 1.0})
+    lines = e2e.table([base, row, fast]).splitlines()
+    assert "108.5 (8.2) host-bound |" in lines[3] and "host-bound |" not in lines[2] + lines[4]

@@ -282,10 +282,13 @@ def _table_ptrs(tab, q, qmask, ptr_ty, ALIGNED: tl.constexpr = False):
 
 
 @triton.jit
-def _more_sources(hh, i, N, cmask):
-    """Load mask of source ``i + 1``, prefetched while source ``i`` (or, two ahead, ``i - 1``)
-    is used (off past the last)."""
-    return cmask & ((tl.zeros_like(hh) + i + 1) < N)[:, None]  # a tensor also in the interpreter
+def _source_ahead(vtab, ktab, i, depth: tl.constexpr, offs, hh, N, cmask, ptr_ty, ALIGNED: tl.constexpr,
+                  HAS_KEYS: tl.constexpr):
+    """The rows of source ``i + depth``, prefetched ``depth`` sources ahead while source ``i``
+    is used (``i = -1``: before the first); past the last source the mask is off, so the
+    load moves no bytes."""
+    more = cmask & ((tl.zeros_like(hh) + i + depth) < N)[:, None]  # a tensor also in the interpreter
+    return _load_source(vtab, ktab, tl.minimum(i + depth, N - 1), offs, more, ptr_ty, ALIGNED, HAS_KEYS)
 
 
 @triton.jit
@@ -461,14 +464,11 @@ def _route_many_bwd_kernel(
         g_lse = tl.load(gl_ptrs[:, None] + hoffs, mask=hq, other=0.0)
         if REGISTER_PREFETCH >= 2:  # the first sources requested with the gradients, before the sums below
             v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
-            v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(1, N - 1), offs, _more_sources(hh, 0, N, cmask),
-                                        ptr_ty, ALIGNED, HAS_KEYS)
+            v_nx2, k_nx2 = _source_ahead(vtab, ktab, -1, 2, offs, hh, N, cmask, ptr_ty, ALIGNED, HAS_KEYS)
             if REGISTER_PREFETCH >= 3:
-                v_nx3, k_nx3 = _load_source(vtab, ktab, tl.minimum(2, N - 1), offs, _more_sources(hh, 1, N, cmask),
-                                            ptr_ty, ALIGNED, HAS_KEYS)
+                v_nx3, k_nx3 = _source_ahead(vtab, ktab, -1, 3, offs, hh, N, cmask, ptr_ty, ALIGNED, HAS_KEYS)
             if REGISTER_PREFETCH >= 4:
-                v_nx4, k_nx4 = _load_source(vtab, ktab, tl.minimum(3, N - 1), offs, _more_sources(hh, 2, N, cmask),
-                                            ptr_ty, ALIGNED, HAS_KEYS)
+                v_nx4, k_nx4 = _source_ahead(vtab, ktab, -1, 4, offs, hh, N, cmask, ptr_ty, ALIGNED, HAS_KEYS)
         lse = g_lse  # only read with several sources
         s_ada = g_lse
         if not ONE_SOURCE:
@@ -499,26 +499,24 @@ def _route_many_bwd_kernel(
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
             for i in range(N):
-                if REGISTER_PREFETCH:
+                if REGISTER_PREFETCH:  # the sources ahead move up a slot; the deepest is requested
                     v_raw, k_raw = v_nx, k_nx
-                    if REGISTER_PREFETCH >= 4:  # four sources ahead
+                    if REGISTER_PREFETCH >= 2:
                         v_nx, k_nx = v_nx2, k_nx2
+                    if REGISTER_PREFETCH >= 3:
                         v_nx2, k_nx2 = v_nx3, k_nx3
+                    if REGISTER_PREFETCH >= 4:
                         v_nx3, k_nx3 = v_nx4, k_nx4
-                        v_nx4, k_nx4 = _load_source(vtab, ktab, tl.minimum(i + 4, N - 1), offs,
-                                                    _more_sources(hh, i + 3, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                    v_new, k_new = _source_ahead(vtab, ktab, i, REGISTER_PREFETCH, offs, hh, N, cmask, ptr_ty,
+                                                 ALIGNED, HAS_KEYS)
+                    if REGISTER_PREFETCH == 1:
+                        v_nx, k_nx = v_new, k_new
+                    elif REGISTER_PREFETCH == 2:
+                        v_nx2, k_nx2 = v_new, k_new
                     elif REGISTER_PREFETCH == 3:
-                        v_nx, k_nx = v_nx2, k_nx2
-                        v_nx2, k_nx2 = v_nx3, k_nx3
-                        v_nx3, k_nx3 = _load_source(vtab, ktab, tl.minimum(i + 3, N - 1), offs,
-                                                    _more_sources(hh, i + 2, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
-                    elif REGISTER_PREFETCH == 2:  # two sources ahead
-                        v_nx, k_nx = v_nx2, k_nx2
-                        v_nx2, k_nx2 = _load_source(vtab, ktab, tl.minimum(i + 2, N - 1), offs,
-                                                    _more_sources(hh, i + 1, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                        v_nx3, k_nx3 = v_new, k_new
                     else:
-                        v_nx, k_nx = _load_source(vtab, ktab, tl.minimum(i + 1, N - 1), offs,
-                                                  _more_sources(hh, i, N, cmask), ptr_ty, ALIGNED, HAS_KEYS)
+                        v_nx4, k_nx4 = v_new, k_new
                 else:
                     v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
                 z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
@@ -993,8 +991,15 @@ def _backward_prefetch(kernel: str, row: int, block_q: int) -> int:
     largest listed block size up to ``block_q``), else one."""
     if kernel != "per_token" or row > PER_TOKEN_PREFETCH2_ROW:
         return 1
-    listed = [q for q in PER_TOKEN_PREFETCH if q <= block_q] or [min(PER_TOKEN_PREFETCH)]
-    return PER_TOKEN_PREFETCH[max(listed)]
+    return _entry_by_queries(PER_TOKEN_PREFETCH, block_q)
+
+
+def _entry_by_queries(table: dict, block_q: int):
+    """A per-token table's entry for ``block_q`` padded queries a program: that of the largest
+    listed block size up to ``block_q``, or of the smallest listed (PER_TOKEN_LAUNCH,
+    PER_TOKEN_PREFETCH)."""
+    listed = [q for q in table if q <= block_q] or [min(table)]
+    return table[max(listed)]
 
 
 def _per_token_block_q(s: int, heads: int, row: int, cfg: dict) -> int:
@@ -1148,8 +1153,7 @@ def _per_token_launch(block_q: int, heads: int, row: int) -> tuple[int, int | No
     at most NARROW_ROW, else OTHER_PER_TOKEN_LAUNCH."""
     if heads > 1 or row > NARROW_ROW:
         return OTHER_PER_TOKEN_LAUNCH
-    listed = [q for q in PER_TOKEN_LAUNCH if q <= block_q] or [min(PER_TOKEN_LAUNCH)]
-    return PER_TOKEN_LAUNCH[max(listed)]
+    return _entry_by_queries(PER_TOKEN_LAUNCH, block_q)
 
 
 def _no_sums(s: int, d: int, device) -> PartialSums:

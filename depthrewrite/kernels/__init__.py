@@ -151,14 +151,15 @@ def _route_many_cuda(values, queries, key_norm_weights, heads, eps, keys):
 
 
 def _route_many_backward_cuda(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps,
-                              keys):
+                              keys, grad_values_acc=None, grad_keys_acc=None):
     if not _use_fused(values, keys, queries, key_norm_weights, None):
         return _route_many_backward_op._init_fn(grad_out, grad_lse, out, lse, stats, values, queries,
-                                                key_norm_weights, heads, eps, keys)
+                                                key_norm_weights, heads, eps, keys, grad_values_acc, grad_keys_acc)
     from .route_many_triton import route_many_backward
 
     return route_many_backward(grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps,
-                               config=_backward_config(), keys=keys, stats=stats if stats.numel() else None)
+                               config=_backward_config(), keys=keys, stats=stats if stats.numel() else None,
+                               grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
 def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight=None,

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -93,13 +94,14 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
+    _normalized_sum, _plus_acc, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
     default_fused_sums, online_softmax_update, three_row_sums,
 )
 from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
+from ..ops.route import _check_acc
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
 
@@ -408,28 +410,32 @@ def _stats_rows(stats_ptr, tok, i, N, S, H, q0, qq, hh):
 
 
 @triton.jit
-def _store_source_grad(gtab, acctab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.constexpr, ACC_IN: tl.constexpr,
-                       ACC_OUT: tl.constexpr):
+def _store_source_grad(gtab, acctab, runtab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.constexpr,
+                       ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, RUNNING: tl.constexpr):
     """Store row block ``offs`` of source ``i``'s gradient. Chunks of queries: the earlier
     chunks' part is kept in fp32 (ACC_IN / ACC_OUT, table ``acctab``), so that the gradient
-    is rounded to the activation dtype only once."""
+    is rounded to the activation dtype only once. RUNNING: the final store adds the source's
+    running sum (table ``runtab``, entry 0: none; depthrewrite.grad_accumulation)."""
     f32_ty = tl.pointer_type(tl.float32)
     if ACC_IN:
         grad += tl.load(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, mask=mask, other=0.0)
     if ACC_OUT:
         tl.store(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, grad, mask=mask)
     else:
+        if RUNNING:
+            grad = _plus_acc(grad, runtab, i, offs, mask, ptr_ty, ALIGNED)
         tl.store(_src_ptr(gtab, i, ptr_ty, ALIGNED) + offs, grad.to(ptr_ty.element_ty), mask=mask)
 
 
 @triton.jit
 def _route_many_bwd_kernel(
     like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, qw_ptr, param_ptr,
-    T, N, S, D, C, H, S_CHUNK, eps, stats_ptr, Q0,
+    T, N, S, D, C, H, S_CHUNK, eps, stats_ptr, Q0, runtab, kruntab,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
     EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False, SAVED_STATS: tl.constexpr = False,
+    RUNNING: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
@@ -443,7 +449,8 @@ def _route_many_bwd_kernel(
     <v_j, g>`` over ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
     ``exact_softmax_grad``). SAVED_STATS: each source's logits and key ``rstd`` come from the
     forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
-    row sums (:func:`_per_token_sums`)."""
+    row sums (:func:`_per_token_sums`). RUNNING: each gradient is stored plus its running
+    sum (tables ``runtab``, ``kruntab``; :func:`_store_source_grad`)."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -494,7 +501,7 @@ def _route_many_bwd_kernel(
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, runtab, kruntab, RUNNING)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -523,7 +530,7 @@ def _route_many_bwd_kernel(
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, runtab, kruntab, RUNNING)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
@@ -578,7 +585,7 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
                             acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
                             ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
                             HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr, FUSED_SUMS: tl.constexpr, z_rows,
-                            r_row, SAVED_STATS: tl.constexpr):
+                            r_row, SAVED_STATS: tl.constexpr, runtab, kruntab, RUNNING: tl.constexpr):
     """Source ``i``'s part of the per-token backward for every query of the chunk: its value
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
     PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
@@ -602,10 +609,13 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
     d_value = tl.sum(a[:, :, None] * g, 0)
     if HAS_KEYS:
-        _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
-        _store_source_grad(gktab, kacctab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+        _store_source_grad(gvtab, acctab, runtab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT,
+                           RUNNING)
+        _store_source_grad(gktab, kacctab, kruntab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT,
+                           RUNNING)
     else:
-        _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT)
+        _store_source_grad(gvtab, acctab, runtab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN,
+                           ACC_OUT, RUNNING)
     return r_acc
 
 
@@ -633,8 +643,10 @@ def _tiled_weight(k, qw, rstd, lse, hmask):
 @triton.jit
 def _route_many_bwd_tiled_kernel(
     like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
+    runtab, kruntab,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr, EXACT: tl.constexpr = False,
+    RUNNING: tl.constexpr = False,
 ):
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -723,10 +735,11 @@ def _route_many_bwd_tiled_kernel(
             tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
         d_key = rstd[:, None, None] * (acc_q - k * (rstd * mt / D)[:, None, None])
         if HAS_KEYS:
-            tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, acc_g.to(act), mask=mask)
-            tl.store(_src_ptr(gktab, i, ptr_ty, ALIGNED) + offs, d_key.to(act), mask=mask)
+            _store_source_grad(gvtab, gvtab, runtab, i, offs, mask, acc_g, ptr_ty, ALIGNED, False, False, RUNNING)
+            _store_source_grad(gktab, gktab, kruntab, i, offs, mask, d_key, ptr_ty, ALIGNED, False, False, RUNNING)
         else:
-            tl.store(_src_ptr(gvtab, i, ptr_ty, ALIGNED) + offs, (acc_g + d_key).to(act), mask=mask)
+            _store_source_grad(gvtab, gvtab, runtab, i, offs, mask, acc_g + d_key, ptr_ty, ALIGNED, False, False,
+                               RUNNING)
 
 
 @triton.jit
@@ -921,12 +934,17 @@ def _many_forward_warps(heads: int, row: int) -> int:
 def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], out: Sequence[Tensor],
                         lse: Sequence[Tensor], values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor,
                         heads: int, eps: float, config: dict | None = None, keys: Sequence[Tensor] | None = None,
-                        stats: Tensor | None = None) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
+                        stats: Tensor | None = None, grad_values_acc: Sequence[Tensor | None] | None = None,
+                        grad_keys_acc: Sequence[Tensor | None] | None = None,
+                        ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     """Fused backward; ``out``, ``lse`` and ``stats`` (None: not kept) are what
     :func:`route_many_forward` (or the reference op) returned for these inputs; the
     per-token backward reads the logits and key statistics from ``stats``, the tiled one
     recomputes them. Returns what ``depthrewrite::route_many_backward``
-    returns (the key gradients empty without keys). ``config`` overrides ``backward``
+    returns (the key gradients empty without keys). ``grad_values_acc`` /
+    ``grad_keys_acc``: running sums (None, or None or a tensor shaped like its source per
+    source) that each gradient is added to as it is stored, in float32, rounded once
+    (depthrewrite.grad_accumulation puts them there). ``config`` overrides ``backward``
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2-4: that many sources ahead, per-token backward only; unset: ``_backward_prefetch``),
@@ -949,6 +967,8 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     _check_stats(stats, _tokens(values), len(values), s, heads, values[0].device)
+    _check_acc("grad_values_acc", grad_values_acc, values, "route_many_backward")
+    _check_acc("grad_keys_acc", grad_keys_acc, keys, "route_many_backward")
     dtype = values[0].dtype
     flat_v = _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
@@ -966,7 +986,9 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
-    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats)
+    running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
+    grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats,
+                                 running)
     grad_queries, grad_weights = finish(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
@@ -1022,7 +1044,7 @@ def _param_gradients(cfg: dict) -> str:
 
 
 def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                    stats=None) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+                    stats=None, running: RunningSums | None = None) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
     then the partial sums of ``r`` (the gradient of ``w_s * q_s``, (S, d)) from
     ``_route_many_param_kernel``. ``stats`` is not read: each tile forms its logits from the
@@ -1033,22 +1055,23 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     tokens, device = _tokens(flat_v), flat_v[0].device
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
+    running = running or RunningSums.of(None, None, len(flat_v))
     if tokens == 0:
-        return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], _no_sums(s, d, device)
+        return running.no_tokens(grad_v, grad_k) + (_no_sums(s, d, device),)
     n = len(flat_v)
     block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS, "route_many")
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
     coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
     qw = _per_query_rows(queries, key_norm_weights)
-    gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, flat_k,
-                                                                       grad_k)
+    gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, runtab, kruntab = pointer_tables(
+        device, g, o, ls, gl, flat_v, grad_v, flat_k, grad_k, *running.tables(flat_k))
     if not flat_k:  # the keys are the values (empty tables are never read)
-        ktab, gktab = vtab, gvtab
+        ktab, gktab, kruntab = vtab, gvtab, runtab
     _route_many_bwd_tiled_kernel[(cdiv(tokens, block_t),)](
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
-        heads, float(eps), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=cfg["prefetch"],
-        ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o), ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k),
-        EXACT=cfg["exact_softmax_grad"],
+        heads, float(eps), runtab, kruntab, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
+        PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o, running.present()),
+        ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k), EXACT=cfg["exact_softmax_grad"], RUNNING=running.any,
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
         **_register_cap(cfg, "route_many"),
     )
@@ -1086,7 +1109,7 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
 
 
 def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                        stats) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+                        stats, running: RunningSums | None = None) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program),
     reading the forward's logits and rstd from ``stats`` unless it is None."""
     s, d = queries.shape
@@ -1099,8 +1122,9 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     block_q = _per_token_block_q(s, heads, block_h * block_c, cfg)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
+    running = running or RunningSums.of(None, None, len(flat_v))
     if tokens == 0:
-        return [torch.zeros_like(t) for t in grad_v], [torch.zeros_like(t) for t in grad_k], _no_sums(s, d, device)
+        return running.no_tokens(grad_v, grad_k) + (_no_sums(s, d, device),)
     per_sm, cap = _per_token_launch(block_q, heads, block_h * block_c)
     cfg = {"per_sm": per_sm, "maxnreg": cap, **cfg}
     programs = _backward_programs(device, tokens, cfg["per_sm"])
@@ -1119,19 +1143,19 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     one_pass = dtype == torch.float32 or len(chunks) == 1
     partial_v = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
     partial_k = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_k]
-    gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab = pointer_tables(
-        device, g, o, ls, gl, flat_v, grad_v, partial_v, flat_k, grad_k, partial_k)
+    gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, runtab, kruntab = pointer_tables(
+        device, g, o, ls, gl, flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, *running.tables(flat_k))
     if one_pass:
         acctab, kacctab = gvtab, gktab
     if not flat_k:  # no separate keys (empty tables are never read)
-        ktab, gktab, kacctab = vtab, gvtab, acctab
-    aligned = _aligned(flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, g, o)
+        ktab, gktab, kacctab, kruntab = vtab, gvtab, acctab, runtab
+    aligned = _aligned(flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, g, o, running.present())
     for c, q0 in enumerate(chunks):
         _route_many_bwd_kernel[(programs,)](
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
-            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, BLOCK_Q=block_q, BLOCK_H=block_h,
-            BLOCK_C=block_c,
+            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, runtab, kruntab, BLOCK_Q=block_q,
+            BLOCK_H=block_h, BLOCK_C=block_c, RUNNING=running.any,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
             FUSED_SUMS=cfg["fused_sums"], SAVED_STATS=stats is not None, num_warps=warps,
@@ -1154,6 +1178,40 @@ def _per_token_launch(block_q: int, heads: int, row: int) -> tuple[int, int | No
     if heads > 1 or row > NARROW_ROW:
         return OTHER_PER_TOKEN_LAUNCH
     return _entry_by_queries(PER_TOKEN_LAUNCH, block_q)
+
+
+class RunningSums(NamedTuple):
+    """The running sums a backward call adds its source gradients to (``grad_values_acc`` /
+    ``grad_keys_acc``): one entry per source, None where that source has none."""
+
+    values: list[Tensor | None]
+    keys: list[Tensor | None] | None
+
+    @classmethod
+    def of(cls, values_acc, keys_acc, n: int) -> RunningSums:
+        values = _contiguous(values_acc) if values_acc is not None else [None] * n
+        return cls(values, _contiguous(keys_acc) if keys_acc is not None else None)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.present())
+
+    def present(self) -> list[Tensor]:
+        return [t for t in self.values + (self.keys or []) if t is not None]
+
+    def tables(self, flat_k: Sequence[Tensor]) -> tuple[list, list]:
+        """The two pointer-table groups (values', keys'), empty when no source has one (the
+        kernels then read neither)."""
+        if not self.any:
+            return [], []
+        return self.values, (self.keys or [None] * len(flat_k)) if flat_k else []
+
+    def no_tokens(self, grad_v: list[Tensor], grad_k: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """The gradients of a call with no tokens: zeros, or the running sums (copied: outputs
+        may not alias inputs)."""
+        def fill(grads, acc):
+            return [torch.zeros_like(t) if a is None else a.clone() for t, a in zip(grads, acc or [None] * len(grads))]
+        return fill(grad_v, self.values), fill(grad_k, self.keys)
 
 
 def _no_sums(s: int, d: int, device) -> PartialSums:

@@ -137,18 +137,18 @@ def _split_fresh(stacked: Tensor, dtype: torch.dtype, acc: Sequence[Tensor | Non
     return [t.to(dtype, copy=True) for t in parts]
 
 
-def _check_acc(name: str, acc, like: Sequence[Tensor] | None) -> None:
-    """``grad_values_acc`` / ``grad_keys_acc``: None, or one entry per source, each None or
-    a tensor shaped and typed like that source's gradient."""
+def _check_acc(name: str, acc, like: Sequence[Tensor] | None, op: str = "route_backward") -> None:
+    """``grad_values_acc`` / ``grad_keys_acc`` of ``op``: None, or one entry per source, each
+    None or a tensor shaped and typed like that source's gradient."""
     if acc is None:
         return
     if like is None:
-        raise ValueError(f"route_backward: `{name}` must be None when there are no keys; found {len(acc)} entries")
+        raise ValueError(f"{op}: `{name}` must be None when there are no keys; found {len(acc)} entries")
     if len(acc) != len(like):
-        raise ValueError(f"route_backward: `{name}` must have one entry per source ({len(like)}); found {len(acc)}")
+        raise ValueError(f"{op}: `{name}` must have one entry per source ({len(like)}); found {len(acc)}")
     for i, (a, t) in enumerate(zip(acc, like)):
         if a is not None and (a.shape != t.shape or a.dtype != t.dtype or a.device != t.device):
-            raise ValueError(f"route_backward: `{name}[{i}]` must be None or shaped and typed like source {i} "
+            raise ValueError(f"{op}: `{name}[{i}]` must be None or shaped and typed like source {i} "
                              f"({_describe(t)}); found {_describe(a)}")
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..recompute import recomputable
-from .route import _check_eps, _check_sources, _compute_dtype, _describe
+from .route import _check_acc, _check_eps, _check_sources, _compute_dtype, _describe, _split_fresh
 
 __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
 
@@ -49,7 +49,8 @@ ROUTE_MANY_SCHEMA = (
 )
 ROUTE_MANY_BACKWARD_SCHEMA = (
     "(Tensor[] grad_out, Tensor[] grad_lse, Tensor[] out, Tensor[] lse, Tensor stats, Tensor[] values, Tensor queries, "
-    "Tensor key_norm_weights, int heads, float eps, Tensor[]? keys) "
+    "Tensor key_norm_weights, int heads, float eps, Tensor[]? keys, Tensor?[]? grad_values_acc=None, "
+    "Tensor?[]? grad_keys_acc=None) "
     "-> (Tensor[] grad_values, Tensor[] grad_keys, Tensor grad_queries, Tensor grad_key_norm_weights)"
 )
 
@@ -161,19 +162,27 @@ def _route_many_fake(values, queries, key_norm_weights, heads, eps, keys):
 @torch.library.custom_op("depthrewrite::route_many_backward", mutates_args=(), schema=ROUTE_MANY_BACKWARD_SCHEMA)
 def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out: list[Tensor], lse: list[Tensor],
                             stats: Tensor, values: list[Tensor], queries: Tensor, key_norm_weights: Tensor,
-                            heads: int, eps: float, keys: list[Tensor] | None
+                            heads: int, eps: float, keys: list[Tensor] | None,
+                            grad_values_acc: list[Tensor | None] | None = None,
+                            grad_keys_acc: list[Tensor | None] | None = None,
                             ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     # the reference recomputes the forward and ignores out, lse and stats (the fused
-    # kernel's shortcuts), so that it stays an independent check of the kernel
-    return reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys)
+    # kernel's shortcuts), so that it stays an independent check of the kernel.
+    # grad_*_acc: running sums the gradients are added to (depthrewrite.grad_accumulation)
+    _check_acc("grad_values_acc", grad_values_acc, values, "route_many_backward")
+    _check_acc("grad_keys_acc", grad_keys_acc, keys, "route_many_backward")
+    return reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys,
+                              grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
 def reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads: int, eps: float, keys,
-                       shortcut_out: list[Tensor] | None = None) -> tuple:
+                       shortcut_out: list[Tensor] | None = None, grad_values_acc=None, grad_keys_acc=None) -> tuple:
     """The reference backward's math (``depthrewrite::route_many_backward``). With
     ``shortcut_out`` (the saved outputs), the softmax backward's ``sum_j a_j <v_j, g>`` is
     taken as ``<out, g>`` as the fused kernels take it: for accuracy studies
-    (benchmarks/gradient_accuracy.py's ``shortcut`` run), not for training."""
+    (benchmarks/gradient_accuracy.py's ``shortcut`` run), not for training.
+    ``grad_values_acc`` / ``grad_keys_acc``: running sums (None, or None or a tensor per
+    source) added to the gradients in the compute dtype, rounded once."""
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
     src, norm, rstd, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
     weights = torch.softmax(logits, dim=1)
@@ -195,19 +204,19 @@ def reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, he
     d_norm = (d_z_wide * per_query).sum(0)  # (N, *batch, d)
     # RMSNorm backward: the statistic couples all d channels of a source
     d_key = rstd * (d_norm - norm * (d_norm * norm).mean(-1, keepdim=True))
-    # copies: custom-op outputs may not alias each other (unbind gives views)
+    # fresh tensors: custom-op outputs may not alias each other (unbind gives views)
     act = values[0].dtype
     if keys is None:
-        grad_values, grad_keys = [t.to(act, copy=True) for t in (d_src + d_key).unbind(0)], []
+        grad_values, grad_keys = _split_fresh(d_src + d_key, act, grad_values_acc), []
     else:
-        grad_values = [t.to(act, copy=True) for t in d_src.unbind(0)]
-        grad_keys = [t.to(act, copy=True) for t in d_key.unbind(0)]
+        grad_values = _split_fresh(d_src, act, grad_values_acc)
+        grad_keys = _split_fresh(d_key, act, grad_keys_acc)
     return grad_values, grad_keys, (r * w).to(queries.dtype), (r * q).to(key_norm_weights.dtype)
 
 
 @_route_many_backward_op.register_fake
 def _route_many_backward_fake(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps,
-                              keys):
+                              keys, grad_values_acc=None, grad_keys_acc=None):
     grad_keys = [] if keys is None else [k.new_empty(k.shape) for k in keys]
     return ([v.new_empty(v.shape) for v in values], grad_keys, torch.empty_like(queries),
             torch.empty_like(key_norm_weights))

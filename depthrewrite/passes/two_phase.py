@@ -46,8 +46,10 @@ FUSED_MERGE = False
 #: ``route_many`` call and ``merge_routes``. Same function. Full AttnRes makes 24 such calls a
 #: step at 350M (groups of 4: sites 3 and 4 of each group), each costing the host 0.2-0.8 ms a
 #: direction, and its host is within 10 % of setting the step's pace (docs/design.md "The
-#: host's share of full AttnRes's step", session 35). 1 (the default: every call kept) until
-#: it is timed end to end (``e2e_throughput.py``'s ``attnres_direct3``)
+#: host's share of full AttnRes's step", session 35). 1 (the default: every call kept): at 3
+#: the host's step was 25 ms shorter but Inductor's merge kernels 5.2 ms longer for 2.3 ms
+#: less of route_many's, the step 1.5 % slower, also as CUDA graphs (H200, 350M GPT,
+#: ``e2e_throughput.py``'s ``attnres_direct3``, docs/benchmarks.md session 36)
 DIRECT_MERGE_ENTRIES = 1
 
 

@@ -640,3 +640,83 @@ def test_bad_stats_table_is_refused():
                 torch.empty(3, 5, 3, device=DEVICE).transpose(0, 1)):
         with pytest.raises(ValueError, match=r"^route_many \(Triton\): " + message):
             route_many_triton.route_many_forward(values, q, w, 1, 1e-6, stats=bad)
+
+
+# ------------------------------------------- running sums added as the gradients are stored
+
+
+def _backward_with_running_sums(inp, dtype, seed, config, running):
+    """The backward of ``_run``'s forward with the running sums ``running`` (per source None or
+    a tensor; values' and, with keys, keys' lists), and the same backward without them."""
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    values = [dev(v) for v in inp["values"]]
+    keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
+    q, w = dev(inp["queries"]), dev(inp["key_norm_weights"])
+    stats = _stats_for(values, q, inp["heads"], keys)
+    out, lse = route_many_triton.route_many_forward(values, q, w, inp["heads"], 1e-6, config, keys=keys, stats=stats)
+    gen = torch.Generator().manual_seed(seed + 1)
+    grad_out = [dev(torch.randn(o.shape, generator=gen).to(dtype)) for o in out]
+    grad_lse = [dev(torch.randn(t.shape, generator=gen)) for t in lse]
+
+    def backward(acc_v=None, acc_k=None):
+        return route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, inp["heads"], 1e-6,
+                                                     config, keys=keys, stats=stats, grad_values_acc=acc_v,
+                                                     grad_keys_acc=acc_k)
+
+    plain = backward()
+    summed = backward(*[None if r is None else [None if t is None else dev(t) for t in r] for r in running])
+    oracle = _oracle_f64(inp, [g.cpu() for g in grad_out], [g.cpu() for g in grad_lse], saved_out=[o.cpu() for o in out])[2]
+    return plain, summed, oracle
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backward,keys,config", [
+    ("per_token", False, None),
+    ("per_token", False, {"many_elems": 200}),  # chunks of 2 queries: the sums added at the last chunk's store
+    ("per_token", True, None),
+    ("tiled", False, None),
+    ("tiled", True, None),
+], ids=["per_token", "per_token_chunks", "per_token_keys", "tiled", "tiled_keys"])
+def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, keys, config, dtype):
+    """With running sums (depthrewrite.grad_accumulation) each source gradient comes out as
+    its running sum plus the gradient, added in float32 and rounded once: in float32 bit for
+    bit what adding the running sum to the plain gradient gives, in bf16 within the usual
+    tolerance of the float64 sum; sources without one, and the parameter gradients, exactly
+    as without running sums. 9 sources, 5 queries (two chunks of queries with the config),
+    odd tokens."""
+    n, s = 9, 5
+    inp = _make(n, s, (7,), 100, 1, dtype, 71, keys)
+    gen = torch.Generator().manual_seed(72)
+    running_v = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
+    running_k = [torch.randn(7, 100, generator=gen).to(dtype) if i % 2 else None for i in range(n)] if keys else None
+    cfg = {"backward": backward, **(config or {})}
+    plain, summed, oracle = _backward_with_running_sums(inp, dtype, 71, cfg, (running_v, running_k))
+    pairs = [(f"values[{i}]", plain[0][i], summed[0][i], oracle[i], running_v[i]) for i in range(n)]
+    if keys:
+        pairs += [(f"keys[{i}]", plain[1][i], summed[1][i], oracle[n + 2 + i], running_k[i]) for i in range(n)]
+    for name, without, got, want, acc in pairs:
+        assert got.dtype == dtype, name
+        if acc is None:
+            assert torch.equal(got, without), name
+        elif dtype == torch.float32:
+            assert torch.equal(got, without + acc.to(DEVICE)), name
+        else:
+            assert _rel(got.cpu(), want + acc.double()) < TOL[dtype], (name, _rel(got.cpu(), want + acc.double()))
+    assert torch.equal(summed[2], plain[2]) and torch.equal(summed[3], plain[3])
+
+
+def test_bad_running_sums_are_refused():
+    inp = _make(3, 2, (5,), 16, 1, torch.float32, 1)
+    values = [v.to(DEVICE) for v in inp["values"]]
+    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6)
+    args = ([torch.zeros_like(o) for o in out], [torch.zeros_like(t) for t in lse], out, lse, values, q, w, 1, 1e-6)
+    with pytest.raises(ValueError, match=re.escape("route_many_backward: `grad_values_acc` must have one entry per "
+                                                   "source (3); found 2")):
+        route_many_triton.route_many_backward(*args, grad_values_acc=[None, values[0]])
+    with pytest.raises(ValueError, match=re.escape("route_many_backward: `grad_values_acc[1]` must be None or shaped "
+                                                   "and typed like source 1")):
+        route_many_triton.route_many_backward(*args, grad_values_acc=[None, values[1].double(), None])
+    with pytest.raises(ValueError, match=re.escape("route_many_backward: `grad_keys_acc` must be None when there are "
+                                                   "no keys")):
+        route_many_triton.route_many_backward(*args, grad_keys_acc=[None] * 3)

@@ -249,8 +249,12 @@ LAUNCH_VARIANTS = {
     **{f"pf{k}": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_PREFETCH": {1: k}}) for k in (2, 3, 4)},
     # full AttnRes's group entries (2-3 a site) merged by Inductor's ops, not one-query
     # route_many calls: 24 custom-op calls a step fewer (two_phase.DIRECT_MERGE_ENTRIES;
-    # prepared in session 35, not yet timed)
+    # prepared in session 35; session 36: 1.5 % slower, not taken)
     "direct3": (("attnres", "attnres_cg"), {"two_phase.DIRECT_MERGE_ENTRIES": 3}),
+    # running sums for route_backward only, as before session 36: route_many_backward's
+    # source gradients summed by Inductor's adds (grad_accumulation.ACCUMULATED_OPS)
+    "rbacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
+              {"grad_accumulation.ACCUMULATED_OPS": ("route_backward",)}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),
@@ -304,6 +308,7 @@ def apply_launch_patches(name: str) -> list[tuple]:
     ``(module, constant, previous value)`` for each, to put back."""
     import depthrewrite.kernels as kernels
     from depthrewrite.kernels import param_grads, route_many_triton, route_merge_triton, route_triton
+    from depthrewrite import grad_accumulation
     from depthrewrite.passes import two_phase
 
     # the module, not the function depthrewrite.ops exports under its name
@@ -311,7 +316,7 @@ def apply_launch_patches(name: str) -> list[tuple]:
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
                "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton,
-               "route_many": route_many}
+               "route_many": route_many, "grad_accumulation": grad_accumulation}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

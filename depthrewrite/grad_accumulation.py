@@ -1,14 +1,17 @@
 """Source gradients summed inside the routing backward: an FX pass on AOTAutograd's
 backward graph (backend option ``accumulate_grads``).
 
-A source read by many ``route`` calls gets one gradient term per call, summed by a chain
-of ``add`` nodes (see :mod:`depthrewrite.sum_fences`). Where a term comes straight from a
-``route_backward`` call and the running sum before it already exists when that call runs,
+A source read by many ``route`` (or ``route_many``) calls gets one gradient term per call,
+summed by a chain of ``add`` nodes (see :mod:`depthrewrite.sum_fences`). Where a term comes
+straight from a ``route_backward`` or ``route_many_backward`` call (:data:`ACCUMULATED_OPS`)
+and the running sum before it already exists when that call runs,
 :func:`accumulate_into_route_backward` hands the running sum to the call
 (``grad_values_acc`` / ``grad_keys_acc``) and drops the ``add``: the kernel reads the
 running sum and writes running sum plus its gradient, added in float32 and rounded once,
 in place of the fresh gradient it wrote before. The same bytes as writing the term and
-reading it back in a separate sum, with no sum kernels and no term kept waiting.
+reading it back in a separate sum, with no sum kernels and no term kept waiting. Full
+AttnRes's backward at 350M ran 95 such two-term sums as kernels of their own, 3.7 ms a step
+(H200, docs/benchmarks.md session 36), before ``route_many_backward`` took running sums.
 
 Only calls with at most ``max_heads`` heads are rewritten (backend option
 ``accumulate_max_heads``, default ``MAX_HEADS`` = None: every call). Session 7 measured the
@@ -31,8 +34,11 @@ from .sum_fences import is_chain_add
 
 __all__ = ["accumulate_into_route_backward"]
 
-#: route_backward's outputs that are per-source gradient lists, and the argument that takes
-#: each one's running sums
+#: the routing backwards whose source gradients get running sums (both take ``grad_values_acc``
+#: and ``grad_keys_acc``); ``route_many_backward`` since session 36
+ACCUMULATED_OPS = ("route_backward", "route_many_backward")
+#: their outputs that are per-source gradient lists, and the argument that takes each one's
+#: running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
 #: the default most heads of a route_backward call that gets running sums; None: no limit
 #: (module docstring)
@@ -40,19 +46,24 @@ MAX_HEADS: int | None = None
 
 
 def _route_gradient(node: fx.Node, max_heads: int | None) -> tuple[fx.Node, int, int] | None:
-    """``(route_backward call, output list, source)`` when ``node`` is
-    ``route_backward(...)[list][source]`` for a per-source gradient list, else None."""
+    """``(call, output list, source)`` when ``node`` is ``call(...)[list][source]`` for a
+    per-source gradient list of a call of one of :data:`ACCUMULATED_OPS`, else None."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return None
     group, source = node.args
     if not (isinstance(group, fx.Node) and group.op == "call_function" and group.target is operator.getitem):
         return None
     call, which = group.args
-    if not (isinstance(call, fx.Node) and call.target is torch.ops.depthrewrite.route_backward.default):
+    if not (isinstance(call, fx.Node) and _accumulates(call)):
         return None
     if max_heads is not None and _heads(call) > max_heads:
         return None
     return (call, which, source) if which in _ACC_ARG else None
+
+
+def _accumulates(call: fx.Node) -> bool:
+    return call.op == "call_function" and any(
+        call.target is getattr(torch.ops.depthrewrite, name).default for name in ACCUMULATED_OPS)
 
 
 def _arguments(call: fx.Node) -> dict:
@@ -75,8 +86,8 @@ def _source_count(call: fx.Node, which: int) -> int:
 
 
 def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_HEADS) -> int:
-    """Rewrite every ``add(running_sum, route_backward(...)[g][i])`` that can be (the call
-    has at most ``max_heads`` heads unless that is None, the term has no other user, the
+    """Rewrite every ``add(running_sum, call(...)[g][i])`` of a routing backward ``call``
+    (:data:`ACCUMULATED_OPS`) that can be (the call has at most ``max_heads`` heads unless that is None, the term has no other user, the
     running sum is defined before the call and has the term's dtype, the call has no
     running sum for that source yet); returns how many."""
     position = {node: k for k, node in enumerate(graph.nodes)}

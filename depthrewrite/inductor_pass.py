@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from torch import fx
 
-from . import sum_fences
+from . import grad_accumulation, sum_fences
 from .grad_accumulation import MAX_HEADS, accumulate_into_route_backward, write_running_sums_in_place
 
 __all__ = ["backend_pass", "rewrite_gradient_sums"]
@@ -78,6 +78,7 @@ def _pass_class():
             if any(u is None for u in then):  # a user pass without an identity: Inductor skips its caches
                 return None
             return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads,
-                    self.accumulate_max_heads, self.accumulate_in_place, sum_fences.MIN_NUMEL, self.recomputed, then)
+                    self.accumulate_max_heads, self.accumulate_in_place, sum_fences.MIN_NUMEL,
+                    grad_accumulation.ACCUMULATED_OPS, self.recomputed, then)
 
     return BackendPass

@@ -44,14 +44,30 @@ def _compare(scheme: str, options: dict, **scheme_options):
     return backend.last_report()
 
 
-# (route_many, which the two-phase and grouped forms call, writes each source's gradient once
-# per call: it has no running sums, so full AttnRes, WAV and DAR are routed site by site here)
+# route_backward's running sums (site by site), and since session 36 route_many_backward's
+# (the two-phase and grouped forms: grouped full AttnRes, Block AttnRes, two-phase DAR with
+# its separate keys)
 @pytest.mark.parametrize("scheme,scheme_options", [("attnres", {"group_size": None}), ("wav", {"two_phase": False}),
-                                                   ("dar", {"variant": "dar", "two_phase": False})])
+                                                   ("dar", {"variant": "dar", "two_phase": False}),
+                                                   ("attnres", {"group_size": 2}), ("block_attnres", {"block_size": 1}),
+                                                   ("dar", {"variant": "dar", "layers_per_block": 1})])
 def test_aot_eager_with_accumulation_matches_eager(scheme, scheme_options):
     report = _compare(scheme, {"inner": "aot_eager", "accumulate_grads": True}, **scheme_options)
     assert report.accumulate_grads and report.accumulated["backward"] > 0
-    assert report.accumulated["forward"] == 0  # no route_backward in a forward graph
+    assert report.accumulated["forward"] == 0  # no routing backward in a forward graph
+
+
+def test_route_many_running_sums_can_be_left_to_inductor(monkeypatch):
+    """``grad_accumulation.ACCUMULATED_OPS`` without ``route_many_backward`` (the form before
+    session 36): grouped full AttnRes, which calls only route_many, gets no running sums and
+    the same result."""
+    from depthrewrite import grad_accumulation
+
+    report = _compare("attnres", {"inner": "aot_eager"}, group_size=2)
+    assert report.accumulated["backward"] > 0
+    monkeypatch.setattr(grad_accumulation, "ACCUMULATED_OPS", ("route_backward",))
+    report = _compare("attnres", {"inner": "aot_eager"}, group_size=2)
+    assert report.accumulated["backward"] == 0
 
 
 # Inductor: DAR with the running sums as new tensors, WAV (fewer calls to compile) with

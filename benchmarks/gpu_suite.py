@@ -435,7 +435,11 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_nostats": NO_STATS,
                             # a register cap (session 27): more programs resident per SM, at the
                             # price of spills (the forward held 242 registers at N = 4, session 18)
                             **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168, 200, 232)}}
-BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_tiled": {"backward": "tiled"},
+#: the backward's config marker of a call given a running sum for every source
+#: (depthrewrite.grad_accumulation with route_many_backward in ACCUMULATED_OPS; session 36)
+RUNNING_SUMS = {"backward": None}
+BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_SUMS,
+                            "_tiled": {"backward": "tiled"},
                             "_pertoken": {"backward": "per_token"},
                             # the per-token default requests 2-4 sources ahead up to d = 2048
                             # (session 11; route_many_triton.PER_TOKEN_PREFETCH); one ahead, as before
@@ -532,10 +536,17 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
             kept = None if cfg is NO_STATS else stats
             return route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, cfg, keys=keys, stats=kept)
 
+        # running sums for the _running variant (fresh random rows, one per source and key)
+        sums = [torch.randn_like(v) for v in vals]
+        key_sums = [torch.randn_like(k) for k in keys] if keys else None
+
         def many_bwd(cfg=None):
             kept = None if cfg is NO_STATS else stats
+            running = cfg is RUNNING_SUMS
             return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg,
-                                                         keys=keys, stats=kept)
+                                                         keys=keys, stats=kept,
+                                                         grad_values_acc=sums if running else None,
+                                                         grad_keys_acc=key_sums if running else None)
 
         def per_site():
             for j in range(s):
@@ -562,7 +573,7 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
         row["best_fwd"], row["best_bwd"] = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
         say("block-phase " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
-        del vals, keys, g, gl, saved
+        del vals, keys, g, gl, saved, sums, key_sums
         torch.cuda.empty_cache()
     return rows
 

@@ -9,9 +9,9 @@ and the running sum before it already exists when that call runs,
 (``grad_values_acc`` / ``grad_keys_acc``) and drops the ``add``: the kernel reads the
 running sum and writes running sum plus its gradient, added in float32 and rounded once,
 in place of the fresh gradient it wrote before. The same bytes as writing the term and
-reading it back in a separate sum, with no sum kernels and no term kept waiting. Full
-AttnRes's backward at 350M ran 95 such two-term sums as kernels of their own, 3.7 ms a step
-(H200, docs/benchmarks.md session 36), before ``route_many_backward`` took running sums.
+reading it back in a separate sum, with no sum kernels and no term kept waiting.
+``route_many_backward`` takes running sums too, but is left out by default
+(:data:`ACCUMULATED_OPS` says why).
 
 Only calls with at most ``max_heads`` heads are rewritten (backend option
 ``accumulate_max_heads``, default ``MAX_HEADS`` = None: every call). Session 7 measured the
@@ -34,9 +34,16 @@ from .sum_fences import is_chain_add
 
 __all__ = ["accumulate_into_route_backward"]
 
-#: the routing backwards whose source gradients get running sums (both take ``grad_values_acc``
-#: and ``grad_keys_acc``); ``route_many_backward`` since session 36
-ACCUMULATED_OPS = ("route_backward", "route_many_backward")
+#: the routing backwards whose source gradients get running sums (both ops take
+#: ``grad_values_acc`` and ``grad_keys_acc``). ``route_many_backward`` can since session 36 but
+#: is not listed: timed on the H200 (350M GPT, docs/benchmarks.md session 36) its kernels
+#: took longer than the Inductor adds they replaced (full AttnRes: route_many 27.7 against
+#: 21.0 ms a step, Inductor's kernels 13.2 against 17.8; Block AttnRes 8.7 against 7.4 and
+#: 15.6 against 16.1; DAR block 18.6 against 16.9 and 29.5 against 30.7, its peak 1.151x the
+#: baseline's against 1.175x): the per-token backward loads each running sum just before its
+#: store, a full memory latency a source, where the source rows are requested ahead. Add it
+#: here for the lower peak (DAR block) or to time a kernel that requests the sums ahead
+ACCUMULATED_OPS = ("route_backward",)
 #: their outputs that are per-source gradient lists, and the argument that takes each one's
 #: running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}

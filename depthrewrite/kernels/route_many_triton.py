@@ -94,7 +94,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _plus_acc, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
     default_fused_sums, online_softmax_update, three_row_sums,
 )
 from . import route_triton
@@ -410,12 +410,12 @@ def _stats_rows(stats_ptr, tok, i, N, S, H, q0, qq, hh):
 
 
 @triton.jit
-def _store_source_grad(gtab, acctab, runtab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.constexpr,
-                       ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, RUNNING: tl.constexpr):
+def _store_source_grad(gtab, acctab, i, offs, mask, grad, ptr_ty, ALIGNED: tl.constexpr, ACC_IN: tl.constexpr,
+                       ACC_OUT: tl.constexpr, RUNNING: tl.constexpr, run):
     """Store row block ``offs`` of source ``i``'s gradient. Chunks of queries: the earlier
     chunks' part is kept in fp32 (ACC_IN / ACC_OUT, table ``acctab``), so that the gradient
-    is rounded to the activation dtype only once. RUNNING: the final store adds the source's
-    running sum (table ``runtab``, entry 0: none; depthrewrite.grad_accumulation)."""
+    is rounded to the activation dtype only once. RUNNING (the last chunk only): the row
+    ``run`` of the source's running sum (:func:`_running_row`) is added before the rounding."""
     f32_ty = tl.pointer_type(tl.float32)
     if ACC_IN:
         grad += tl.load(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, mask=mask, other=0.0)
@@ -423,8 +423,22 @@ def _store_source_grad(gtab, acctab, runtab, i, offs, mask, grad, ptr_ty, ALIGNE
         tl.store(_src_ptr(acctab, i, f32_ty, ALIGNED) + offs, grad, mask=mask)
     else:
         if RUNNING:
-            grad = _plus_acc(grad, runtab, i, offs, mask, ptr_ty, ALIGNED)
+            grad += run.to(tl.float32)
         tl.store(_src_ptr(gtab, i, ptr_ty, ALIGNED) + offs, grad.to(ptr_ty.element_ty), mask=mask)
+
+
+@triton.jit
+def _running_row(runtab, i, N, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
+    """Row block ``offs`` of source ``i``'s running sum as stored (depthrewrite.grad_accumulation),
+    zeros where the source has none (table entry 0) or ``i`` is past the last source: those
+    loads are masked off and move no bytes. ALIGNED: vector loads (the sums are checked)."""
+    idx = tl.full((), 0, tl.int32) + i  # a tensor also where i is a Python int (the interpreter)
+    raw = tl.load(runtab + idx, mask=idx < N, other=0)  # past the last source: 0, as no sum
+    has = (tl.zeros_like(offs) + raw) != 0
+    p = raw.to(ptr_ty)
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)  # 0 (no running sum) is a multiple too
+    return tl.load(p + offs, mask=mask & has, other=0.0)
 
 
 @triton.jit
@@ -449,8 +463,9 @@ def _route_many_bwd_kernel(
     <v_j, g>`` over ``sum_j a_j`` from a first walk over the sources instead of ``<out, g>`` (the config's
     ``exact_softmax_grad``). SAVED_STATS: each source's logits and key ``rstd`` come from the
     forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
-    row sums (:func:`_per_token_sums`). RUNNING: each gradient is stored plus its running
-    sum (tables ``runtab``, ``kruntab``; :func:`_store_source_grad`)."""
+    row sums (:func:`_per_token_sums`). RUNNING (the last chunk of queries): each gradient
+    is stored plus its running sum (tables ``runtab``, ``kruntab``); a value's running sum is
+    requested one source ahead, as the source rows are, not at its store."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -497,14 +512,19 @@ def _route_many_bwd_kernel(
         if STAGES >= 2:
             for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                run_v = v_raw  # read only with RUNNING
+                if RUNNING:
+                    run_v = _running_row(runtab, i, N, offs, cmask, ptr_ty, ALIGNED)
                 z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
-                    gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, runtab, kruntab, RUNNING)
+                    gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+            if RUNNING:
+                run_nx = _running_row(runtab, 0, N, offs, cmask, ptr_ty, ALIGNED)
             for i in range(N):
                 if REGISTER_PREFETCH:  # the sources ahead move up a slot; the deepest is requested
                     v_raw, k_raw = v_nx, k_nx
@@ -526,11 +546,15 @@ def _route_many_bwd_kernel(
                         v_nx4, k_nx4 = v_new, k_new
                 else:
                     v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
+                run_v = v_raw  # read only with RUNNING
+                if RUNNING:  # this source's running sum, the next one's requested
+                    run_v = run_nx
+                    run_nx = _running_row(runtab, i + 1, N, offs, cmask, ptr_ty, ALIGNED)
                 z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
-                    gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, runtab, kruntab, RUNNING)
+                    gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
@@ -582,13 +606,14 @@ def _per_token_share(v_raw, k_raw, g, qw, lse, hq, D, eps, HAS_KEYS: tl.constexp
 
 @triton.jit
 def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab,
-                            acctab, gktab, kacctab, param_ptr, T, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
+                            acctab, gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
                             ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
                             HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr, FUSED_SUMS: tl.constexpr, z_rows,
-                            r_row, SAVED_STATS: tl.constexpr, runtab, kruntab, RUNNING: tl.constexpr):
+                            r_row, SAVED_STATS: tl.constexpr, kruntab, RUNNING: tl.constexpr, run_v):
     """Source ``i``'s part of the per-token backward for every query of the chunk: its value
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
-    PARAM_TABLE, ``dz * rstd`` stored to the parameter table."""
+    PARAM_TABLE, ``dz * rstd`` stored to the parameter table. RUNNING: ``run_v`` is the
+    value's running sum row; a key's is loaded here (table ``kruntab``)."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
     a, zr, rstd, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
     if ONE_SOURCE:
@@ -609,13 +634,14 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
     d_value = tl.sum(a[:, :, None] * g, 0)
     if HAS_KEYS:
-        _store_source_grad(gvtab, acctab, runtab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT,
-                           RUNNING)
-        _store_source_grad(gktab, kacctab, kruntab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT,
-                           RUNNING)
+        _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, RUNNING, run_v)
+        run_k = run_v
+        if RUNNING:
+            run_k = _running_row(kruntab, i, N, offs, cmask, ptr_ty, ALIGNED)
+        _store_source_grad(gktab, kacctab, i, offs, cmask, d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, RUNNING, run_k)
     else:
-        _store_source_grad(gvtab, acctab, runtab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN,
-                           ACC_OUT, RUNNING)
+        _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT,
+                           RUNNING, run_v)
     return r_acc
 
 
@@ -734,12 +760,17 @@ def _route_many_bwd_tiled_kernel(
             # reduction over tokens of dz * rstd * k (_route_many_param_kernel)
             tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
         d_key = rstd[:, None, None] * (acc_q - k * (rstd * mt / D)[:, None, None])
+        run_v, run_k = v, k  # read only with RUNNING: the running sums' rows
+        if RUNNING:
+            run_v = _running_row(runtab, i, N, offs, mask, ptr_ty, ALIGNED)
+            if HAS_KEYS:
+                run_k = _running_row(kruntab, i, N, offs, mask, ptr_ty, ALIGNED)
         if HAS_KEYS:
-            _store_source_grad(gvtab, gvtab, runtab, i, offs, mask, acc_g, ptr_ty, ALIGNED, False, False, RUNNING)
-            _store_source_grad(gktab, gktab, kruntab, i, offs, mask, d_key, ptr_ty, ALIGNED, False, False, RUNNING)
+            _store_source_grad(gvtab, gvtab, i, offs, mask, acc_g, ptr_ty, ALIGNED, False, False, RUNNING, run_v)
+            _store_source_grad(gktab, gktab, i, offs, mask, d_key, ptr_ty, ALIGNED, False, False, RUNNING, run_k)
         else:
-            _store_source_grad(gvtab, gvtab, runtab, i, offs, mask, acc_g + d_key, ptr_ty, ALIGNED, False, False,
-                               RUNNING)
+            _store_source_grad(gvtab, gvtab, i, offs, mask, acc_g + d_key, ptr_ty, ALIGNED, False, False, RUNNING,
+                               run_v)
 
 
 @triton.jit
@@ -1155,7 +1186,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
             qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
             min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, runtab, kruntab, BLOCK_Q=block_q,
-            BLOCK_H=block_h, BLOCK_C=block_c, RUNNING=running.any,
+            BLOCK_H=block_h, BLOCK_C=block_c, RUNNING=running.any and c == len(chunks) - 1,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
             FUSED_SUMS=cfg["fused_sums"], SAVED_STATS=stats is not None, num_warps=warps,

@@ -252,10 +252,13 @@ LAUNCH_VARIANTS = {
     # prepared in session 35; session 36: 1.5 % slower, not taken)
     "direct3": (("attnres", "attnres_cg"), {"two_phase.DIRECT_MERGE_ENTRIES": 3}),
     # route_many_backward's source gradients added to running sums in its kernels, not by
-    # Inductor's adds (grad_accumulation.ACCUMULATED_OPS; session 36's run 5, the sums loaded
-    # at the store: full AttnRes 1.1 % slower, its route_many kernels 6.7 ms longer)
+    # Inductor's adds (grad_accumulation.ACCUMULATED_OPS): in every call (manyacc; session
+    # 36's runs 5-7, before the default took them in calls of at most 4 queries), in none
+    # (rbacc: route_backward's only, as before session 36)
     "manyacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
-                {"grad_accumulation.ACCUMULATED_OPS": ("route_backward", "route_many_backward")}),
+                {"grad_accumulation.ROUTE_MANY_MAX_QUERIES": None}),
+    "rbacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
+              {"grad_accumulation.ACCUMULATED_OPS": ("route_backward",)}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

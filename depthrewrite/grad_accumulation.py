@@ -10,8 +10,8 @@ and the running sum before it already exists when that call runs,
 running sum and writes running sum plus its gradient, added in float32 and rounded once,
 in place of the fresh gradient it wrote before. The same bytes as writing the term and
 reading it back in a separate sum, with no sum kernels and no term kept waiting.
-``route_many_backward`` takes running sums too, but is left out by default
-(:data:`ACCUMULATED_OPS` says why).
+``route_many_backward`` takes running sums too, in its calls of one head, no separate keys
+and a few queries (:data:`ROUTE_MANY_MAX_QUERIES` says why).
 
 Only calls with at most ``max_heads`` heads are rewritten (backend option
 ``accumulate_max_heads``, default ``MAX_HEADS`` = None: every call). Session 7 measured the
@@ -35,15 +35,18 @@ from .sum_fences import is_chain_add
 __all__ = ["accumulate_into_route_backward"]
 
 #: the routing backwards whose source gradients get running sums (both ops take
-#: ``grad_values_acc`` and ``grad_keys_acc``). ``route_many_backward`` can since session 36 but
-#: is not listed: timed on the H200 (350M GPT, docs/benchmarks.md session 36) its kernels
-#: took longer than the Inductor adds they replaced (full AttnRes: route_many 27.7 against
-#: 21.0 ms a step, Inductor's kernels 13.2 against 17.8; Block AttnRes 8.7 against 7.4 and
-#: 15.6 against 16.1; DAR block 18.6 against 16.9 and 29.5 against 30.7, its peak 1.151x the
-#: baseline's against 1.175x): the per-token backward loads each running sum just before its
-#: store, a full memory latency a source, where the source rows are requested ahead. Add it
-#: here for the lower peak (DAR block) or to time a kernel that requests the sums ahead
-ACCUMULATED_OPS = ("route_backward",)
+#: ``grad_values_acc`` and ``grad_keys_acc``; ``route_many_backward`` since session 36, within
+#: ROUTE_MANY_MAX_QUERIES)
+ACCUMULATED_OPS = ("route_backward", "route_many_backward")
+#: the ``route_many_backward`` calls that get running sums: one head, no separate keys, at most
+#: this many queries (None: every call). Measured on the H200 (350M GPT, docs/benchmarks.md
+#: session 36), each sum read one source ahead in the per-token backward: full AttnRes (4
+#: queries a group call, 1 for its own-group calls and the readout) ran its route_many kernels
+#: 3.5 ms a step longer and Inductor's 4.5 ms shorter (its 95 separate two-term sums gone), the
+#: host's step 18 ms shorter; Block AttnRes's 6-query block calls (8 padded query rows, where
+#: the kernel already spills) 1.2 ms longer for 0.5 ms of Inductor's; DAR block's keyed calls
+#: 1.7 ms longer for 1.2 (its peak 1.151x the baseline's against 1.175x; sums loaded at the store)
+ROUTE_MANY_MAX_QUERIES: int | None = 4
 #: their outputs that are per-source gradient lists, and the argument that takes each one's
 #: running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
@@ -65,7 +68,19 @@ def _route_gradient(node: fx.Node, max_heads: int | None) -> tuple[fx.Node, int,
         return None
     if max_heads is not None and _heads(call) > max_heads:
         return None
+    if call.target is torch.ops.depthrewrite.route_many_backward.default and not _narrow_many(call):
+        return None
     return (call, which, source) if which in _ACC_ARG else None
+
+
+def _narrow_many(call: fx.Node) -> bool:
+    """Whether a ``route_many_backward`` call is one that takes running sums
+    (:data:`ROUTE_MANY_MAX_QUERIES`)."""
+    if ROUTE_MANY_MAX_QUERIES is None:
+        return True
+    bound = _arguments(call)
+    queries = bound["queries"].meta["val"].shape[0]
+    return bound["heads"] == 1 and not bound["keys"] and queries <= ROUTE_MANY_MAX_QUERIES
 
 
 def _accumulates(call: fx.Node) -> bool:

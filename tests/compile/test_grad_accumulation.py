@@ -12,9 +12,9 @@ from depthrewrite import backend, sum_fences
 from depthrewrite.models.gpt import gpt_from_preset
 
 
-def _model(scheme: str, **options):
+def _model(scheme: str, n_layer: int = 2, **options):
     torch.manual_seed(0)
-    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme, **options).train()
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=n_layer), scheme, **options).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "depth_route" in name:
@@ -29,8 +29,8 @@ def _loss_and_grads(model, fn, idx):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _compare(scheme: str, options: dict, **scheme_options):
-    model = _model(scheme, **scheme_options)
+def _compare(scheme: str, options: dict, n_layer: int = 2, **scheme_options):
+    model = _model(scheme, n_layer, **scheme_options)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     eager_loss, eager_grads = _loss_and_grads(model, model, idx)
     torch._dynamo.reset()
@@ -45,13 +45,17 @@ def _compare(scheme: str, options: dict, **scheme_options):
 
 
 # route_backward's running sums (site by site), and since session 36 route_many_backward's
-# (the two-phase and grouped forms: grouped full AttnRes, Block AttnRes, two-phase DAR with
-# its separate keys)
+# (the two-phase and grouped forms: grouped full AttnRes, Block AttnRes, and two-phase DAR
+# with its separate keys, whose calls get them only with ROUTE_MANY_MAX_QUERIES None)
 @pytest.mark.parametrize("scheme,scheme_options", [("attnres", {"group_size": None}), ("wav", {"two_phase": False}),
                                                    ("dar", {"variant": "dar", "two_phase": False}),
                                                    ("attnres", {"group_size": 2}), ("block_attnres", {"block_size": 1}),
                                                    ("dar", {"variant": "dar", "layers_per_block": 1})])
-def test_aot_eager_with_accumulation_matches_eager(scheme, scheme_options):
+def test_aot_eager_with_accumulation_matches_eager(monkeypatch, scheme, scheme_options):
+    from depthrewrite import grad_accumulation
+
+    if scheme_options.get("layers_per_block"):
+        monkeypatch.setattr(grad_accumulation, "ROUTE_MANY_MAX_QUERIES", None)
     report = _compare(scheme, {"inner": "aot_eager", "accumulate_grads": True}, **scheme_options)
     assert report.accumulate_grads and report.accumulated["backward"] > 0
     assert report.accumulated["forward"] == 0  # no routing backward in a forward graph
@@ -68,6 +72,23 @@ def test_route_many_running_sums_can_be_left_to_inductor(monkeypatch):
     monkeypatch.setattr(grad_accumulation, "ACCUMULATED_OPS", ("route_backward",))
     report = _compare("attnres", {"inner": "aot_eager"}, group_size=2)
     assert report.accumulated["backward"] == 0
+
+
+def test_route_many_calls_of_many_queries_or_keys_keep_their_sums_outside(monkeypatch):
+    """``ROUTE_MANY_MAX_QUERIES``: grouped full AttnRes over 8 sites in groups of 5 makes a
+    5-query group call (group 0's sites) besides calls of 1 to 4 queries; at the default 4 it
+    alone keeps its sums outside, at 5 or None it gets running sums too; DAR's keyed calls
+    get none at the default. Each form computes what eager computes (``_compare``)."""
+    from depthrewrite import grad_accumulation
+
+    def accumulated(limit, scheme="attnres", **options):
+        monkeypatch.setattr(grad_accumulation, "ROUTE_MANY_MAX_QUERIES", limit)
+        return _compare(scheme, {"inner": "aot_eager"}, **options).accumulated["backward"]
+
+    few, every = accumulated(4, n_layer=4, group_size=5), accumulated(None, n_layer=4, group_size=5)
+    assert 0 < few < every
+    assert accumulated(5, n_layer=4, group_size=5) == every
+    assert accumulated(4, "dar", variant="dar", layers_per_block=1) == 0
 
 
 # Inductor: DAR with the running sums as new tensors, WAV (fewer calls to compile) with

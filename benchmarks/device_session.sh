@@ -35,6 +35,8 @@
 #   OUT=... bash benchmarks/device_session.sh prefetch35  # the per-token backward 3 or 4 sources ahead: kernels and full AttnRes end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh final35    # host time per call before and after the session's trims, route_many's GPU tests, full and Block AttnRes end to end (session 35)
 #   OUT=... bash benchmarks/device_session.sh direct36   # full AttnRes with its groups' entries merged by Inductor's ops, and as CUDA graphs (prepared in session 35)
+#   OUT=... bash benchmarks/device_session.sh table36    # every scheme end to end, each model's 30 largest kernels (session 36)
+#   OUT=... bash benchmarks/device_session.sh sums36     # route_many's running sums: GPU tests, kernel times, full and Block AttnRes end to end with and without (session 36)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -811,6 +813,29 @@ direct36)
   # backward) beside the default and the baseline, and both recorded as CUDA graphs (the
   # GPU's time alone: the host's share of the difference; ~8 minutes)
   e2e_run 500 4 14 baseline attnres attnres_direct3 baseline_cg attnres_cg attnres_cg_direct3
+  ;;
+table36)
+  # session 36 (run 3): every scheme end to end with the session's defaults, each model's 30
+  # largest kernels (the Inductor kernels that are not the baseline's; ~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
+      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -20
+  ;;
+sums36)
+  # session 36 (runs 4-6 as one call): route_many_backward's running sums. Their GPU tests,
+  # the backward with a running sum for every source at full AttnRes's call shapes against
+  # without (_running), then end to end: full AttnRes with them (the default since session
+  # 36) and without (_rbacc), Block AttnRes without (the default: its 6-query calls take
+  # none) and with them in every call (_manyacc); ~8 minutes
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py -k running_sums \
+      > "$OUT/kernel_tests.txt" 2>&1
+  tail -1 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+  timeout 90 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --variants '^_running$' \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  grep "block-phase" "$OUT/bp.txt"
+  e2e_run 330 3 10 baseline attnres attnres_rbacc block_attnres block_attnres_manyacc
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

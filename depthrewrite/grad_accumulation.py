@@ -42,10 +42,11 @@ ACCUMULATED_OPS = ("route_backward", "route_many_backward")
 #: this many queries (None: every call). Measured on the H200 (350M GPT, docs/benchmarks.md
 #: session 36), each sum read one source ahead in the per-token backward: full AttnRes (4
 #: queries a group call, 1 for its own-group calls and the readout) ran its route_many kernels
-#: 3.5 ms a step longer and Inductor's 4.5 ms shorter (its 95 separate two-term sums gone), the
-#: host's step 18 ms shorter; Block AttnRes's 6-query block calls (8 padded query rows, where
-#: the kernel already spills) 1.2 ms longer for 0.5 ms of Inductor's; DAR block's keyed calls
-#: 1.7 ms longer for 1.2 (its peak 1.151x the baseline's against 1.175x; sums loaded at the store)
+#: 3.5 ms a step longer and Inductor's 4.5 ms shorter (its 95 separate two-term sums gone),
+#: 0.759x the baseline against 0.754x; Block AttnRes's 6-query block calls (8 padded query
+#: rows, where the kernel already spills) 1.2 ms longer for 0.5 ms of Inductor's; DAR block's
+#: keyed calls 1.7 ms longer for 1.2 (its peak 1.151x the baseline's against 1.175x; sums
+#: loaded at the store)
 ROUTE_MANY_MAX_QUERIES: int | None = 4
 #: their outputs that are per-source gradient lists, and the argument that takes each one's
 #: running sums

@@ -110,9 +110,10 @@ def _source_count(call: fx.Node, which: int) -> int:
 
 def accumulate_into_route_backward(graph: fx.Graph, max_heads: int | None = MAX_HEADS) -> int:
     """Rewrite every ``add(running_sum, call(...)[g][i])`` of a routing backward ``call``
-    (:data:`ACCUMULATED_OPS`) that can be (the call has at most ``max_heads`` heads unless that is None, the term has no other user, the
-    running sum is defined before the call and has the term's dtype, the call has no
-    running sum for that source yet); returns how many."""
+    (:data:`ACCUMULATED_OPS`) that can be (the call has at most ``max_heads`` heads unless
+    that is None, the term has no other user, the running sum is defined before the call
+    and has the term's dtype, the call has no running sum for that source yet); returns how
+    many."""
     position = {node: k for k, node in enumerate(graph.nodes)}
     rewritten = 0
     for node in list(graph.nodes):

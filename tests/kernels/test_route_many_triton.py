@@ -665,7 +665,8 @@ def _backward_with_running_sums(inp, dtype, seed, config, running):
 
     plain = backward()
     summed = backward(*[None if r is None else [None if t is None else dev(t) for t in r] for r in running])
-    oracle = _oracle_f64(inp, [g.cpu() for g in grad_out], [g.cpu() for g in grad_lse], saved_out=[o.cpu() for o in out])[2]
+    oracle = _oracle_f64(inp, [g.cpu() for g in grad_out], [g.cpu() for g in grad_lse],
+                         saved_out=[o.cpu() for o in out])[2]
     return plain, summed, oracle
 
 

@@ -149,7 +149,8 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
 MANY_TYPES = dict(like_ptr="*bf16", vtab="*i64", ktab="*i64", otab="*i64", ltab="*i64", qw_ptr="*fp32",
                   gtab="*i64", gltab="*i64", gvtab="*i64", acctab="*i64", gktab="*i64", kacctab="*i64",
                   param_ptr="*fp32", T="i32", N="i32", S="i32", D="i32", C="i32", H="i32",
-                  S_CHUNK="i32", eps="fp32", tokens_per_program="i32", stats_ptr="*fp32", Q0="i32")
+                  S_CHUNK="i32", eps="fp32", tokens_per_program="i32", stats_ptr="*fp32", Q0="i32", runtab="*i64",
+                  kruntab="*i64")
 
 
 def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None = None, lazy: bool | None = None,

@@ -253,8 +253,9 @@ LAUNCH_VARIANTS = {
     "direct3": (("attnres", "attnres_cg"), {"two_phase.DIRECT_MERGE_ENTRIES": 3}),
     # route_many_backward's source gradients added to running sums in its kernels, not by
     # Inductor's adds (grad_accumulation.ACCUMULATED_OPS): in every call (manyacc; session
-    # 36's runs 5-7, before the default took them in calls of at most 4 queries), in none
-    # (rbacc: route_backward's only, as before session 36)
+    # 36's runs 4-6, before the default took them in calls of at most 4 queries: for full
+    # AttnRes, whose calls all qualify, the same as the default), in none (rbacc:
+    # route_backward's only, as before session 36)
     "manyacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
                 {"grad_accumulation.ROUTE_MANY_MAX_QUERIES": None}),
     "rbacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),

@@ -94,7 +94,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, running_sum_row,
     default_fused_sums, online_softmax_update, three_row_sums,
 )
 from . import route_triton
@@ -433,12 +433,8 @@ def _running_row(runtab, i, N, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
     zeros where the source has none (table entry 0) or ``i`` is past the last source: those
     loads are masked off and move no bytes. ALIGNED: vector loads (the sums are checked)."""
     idx = tl.full((), 0, tl.int32) + i  # a tensor also where i is a Python int (the interpreter)
-    raw = tl.load(runtab + idx, mask=idx < N, other=0)  # past the last source: 0, as no sum
-    has = (tl.zeros_like(offs) + raw) != 0
-    p = raw.to(ptr_ty)
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)  # 0 (no running sum) is a multiple too
-    return tl.load(p + offs, mask=mask & has, other=0.0)
+    address = tl.load(runtab + idx, mask=idx < N, other=0)  # past the last source: 0, as no sum
+    return running_sum_row(address, offs, mask, ptr_ty, ALIGNED)
 
 
 @triton.jit
@@ -1075,7 +1071,7 @@ def _param_gradients(cfg: dict) -> str:
 
 
 def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                    stats=None, running: RunningSums | None = None) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+                    stats, running: RunningSums) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
     then the partial sums of ``r`` (the gradient of ``w_s * q_s``, (S, d)) from
     ``_route_many_param_kernel``. ``stats`` is not read: each tile forms its logits from the
@@ -1086,7 +1082,6 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     tokens, device = _tokens(flat_v), flat_v[0].device
     grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
     grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
-    running = running or RunningSums.of(None, None, len(flat_v))
     if tokens == 0:
         return running.no_tokens(grad_v, grad_k) + (_no_sums(s, d, device),)
     n = len(flat_v)
@@ -1140,7 +1135,7 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
 
 
 def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                        stats, running: RunningSums | None = None) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+                        stats, running: RunningSums) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program),
     reading the forward's logits and rstd from ``stats`` unless it is None."""
     s, d = queries.shape
@@ -1153,7 +1148,6 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     block_q = _per_token_block_q(s, heads, block_h * block_c, cfg)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
-    running = running or RunningSums.of(None, None, len(flat_v))
     if tokens == 0:
         return running.no_tokens(grad_v, grad_k) + (_no_sums(s, d, device),)
     per_sm, cap = _per_token_launch(block_q, heads, block_h * block_c)

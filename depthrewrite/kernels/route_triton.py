@@ -143,15 +143,21 @@ def _load_source(vtab, ktab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr, HAS_K
 @triton.jit
 def _plus_acc(x, acctab, i, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
     """``x`` plus row block ``offs`` of running sum ``i`` of a table (``x`` unchanged where
-    the entry is 0: no running sum for that source; the load is then masked off). ALIGNED
-    (the running sums are 16-byte aligned too) makes the row loads vector loads: without
-    the hint each element was a 2-byte load of its own (sm_90 PTX)."""
-    raw = tl.load(acctab + i)
-    has = (tl.zeros_like(offs) + raw) != 0  # a tensor also in the interpreter
-    p = raw.to(ptr_ty)
+    the entry is 0: no running sum for that source; the load is then masked off)."""
+    return x + running_sum_row(tl.load(acctab + i), offs, mask, ptr_ty, ALIGNED).to(tl.float32)
+
+
+@triton.jit
+def running_sum_row(address, offs, mask, ptr_ty, ALIGNED: tl.constexpr):
+    """Row block ``offs`` of the running sum at ``address`` (a pointer table's int64 entry) as
+    stored; zeros where the address is 0 (no running sum: the load is masked off and moves
+    no bytes). ALIGNED (the running sums are 16-byte aligned too) makes the row loads vector
+    loads: without the hint each element was a 2-byte load of its own (sm_90 PTX)."""
+    has = (tl.zeros_like(offs) + address) != 0  # a tensor also in the interpreter
+    p = address.to(ptr_ty)
     if ALIGNED:
         p = tl.multiple_of(p, 16)  # 0 (no running sum) is a multiple too
-    return x + tl.load(p + offs, mask=mask & has, other=0.0).to(tl.float32)
+    return tl.load(p + offs, mask=mask & has, other=0.0)
 
 
 @triton.jit

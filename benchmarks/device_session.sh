@@ -37,6 +37,7 @@
 #   OUT=... bash benchmarks/device_session.sh direct36   # full AttnRes with its groups' entries merged by Inductor's ops, and as CUDA graphs (prepared in session 35)
 #   OUT=... bash benchmarks/device_session.sh table36    # every scheme end to end, each model's 30 largest kernels (session 36)
 #   OUT=... bash benchmarks/device_session.sh sums36     # route_many's running sums: GPU tests, kernel times, full and Block AttnRes end to end with and without (session 36)
+#   OUT=... bash benchmarks/device_session.sh mhar37     # GPU kernel tests; route's launch variants at full MHAR's site shapes (session 37)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -836,6 +837,14 @@ sums36)
       --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
   grep "block-phase" "$OUT/bp.txt"
   e2e_run 330 3 10 baseline attnres attnres_rbacc block_attnres block_attnres_manyacc
+  ;;
+mhar37)
+  # session 37: the GPU kernel tests at the session's HEAD, then route's launch variants at
+  # full MHAR's site shapes (16 heads, N = 9 / 25 / 41, running sums; ~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 170
+  timeout 240 python3 benchmarks/gpu_suite.py --mhar-site-only --out "$OUT/mhsite" > "$OUT/mhsite.txt" 2>&1
+  tail -8 "$OUT/mhsite.txt"
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

@@ -260,6 +260,12 @@ LAUNCH_VARIANTS = {
                 {"grad_accumulation.ROUTE_MANY_MAX_QUERIES": None}),
     "rbacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
               {"grad_accumulation.ACCUMULATED_OPS": ("route_backward",)}),
+    # route's 16-head kernels (full MHAR's sites) with the sources through Triton's software
+    # pipeline in 3 stages: forward and backward (mhs3), the backward only (mhbs3), the forward
+    # only (mhfs3); session 37 (route_triton.MULTI_HEAD_*_STAGES: 0, the register prefetch)
+    "mhs3": (("mhar",), {"MULTI_HEAD_FORWARD_STAGES": 3, "MULTI_HEAD_BACKWARD_STAGES": 3}),
+    "mhbs3": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 3}),
+    "mhfs3": (("mhar",), {"MULTI_HEAD_FORWARD_STAGES": 3}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

@@ -605,6 +605,9 @@ SITE_ROUTE_SHAPES = [(16384, 1024, 4, 1), (16384, 1024, 8, 16), (16384, 1024, 16
 #: a WAV site as the model calls it: one head with a logit bias, a source scale and the
 #: gradients added to running sums (its floor also reads the N running sums)
 SITE_ROUTE_WAV_SHAPES = [(16384, 1024, 16, 1)]
+#: ``--mhar-site-only``: full MHAR's sites as the model calls them: 16 heads, no bias or
+#: scale, the gradients added to running sums (its sites route over 1-49 sources)
+SITE_ROUTE_MHAR_SHAPES = [(16384, 1024, 9, 16), (16384, 1024, 25, 16), (16384, 1024, 41, 16)]
 SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
                            "_t2w2": {"block_t": 2, "num_warps": 2}, "_t2w4": {"block_t": 2, "num_warps": 4},
                            "_t4w4": {"block_t": 4, "num_warps": 4}, "_t4w8": {"block_t": 4, "num_warps": 8},
@@ -664,10 +667,12 @@ def _matching(variants: dict, pattern: str | None) -> dict:
     return {k: v for k, v in variants.items() if not k or pattern is None or re.search(pattern, k)}
 
 
-def _site_inputs(tokens: int, d: int, n: int, heads: int, wav: bool):
+def _site_inputs(tokens: int, d: int, n: int, heads: int, wav: bool, sums: bool | None = None):
     """A site's route call, bf16, random (seeded by the shape): ``(values, query,
     key_norm_weight, grad_out, logit_bias, source_scale, running sums)``, the last three
-    None unless ``wav`` (a WAV-like call: a bias, a scale, running sums)."""
+    None unless ``wav`` (a WAV-like call: a bias, a scale, running sums); ``sums`` (None: as
+    ``wav``) gives running sums alone (full MHAR's calls)."""
+    sums = wav if sums is None else sums
     gen = torch.Generator(device="cuda").manual_seed(tokens + d + n + heads)
     vals = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)]
     q = torch.randn(d, device="cuda", generator=gen) / d**0.5
@@ -675,25 +680,27 @@ def _site_inputs(tokens: int, d: int, n: int, heads: int, wav: bool):
     g = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, device="cuda", generator=gen) if wav else None
     scale = torch.rand(n, tokens, device="cuda", generator=gen) + 0.5 if wav else None
-    acc = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] if wav else None
+    acc = [torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(n)] if sums else None
     return vals, q, w, g, bias, scale, acc
 
 
-def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None) -> list[dict]:
+def site_route_timing(shapes=None, fwd_variants=None, bwd_variants=None, sums: bool = False) -> list[dict]:
     """``route`` (one query) forward and backward kernels called directly with launch
     variants, bf16, against the HBM floor of each (rows moved per token: forward N read
     and 1 written; backward N sources, the output gradient and the output read, N source
-    gradients written)."""
+    gradients written, and with running sums N more read). ``shapes`` (tokens, d, N, heads;
+    None: SITE_ROUTE_SHAPES and SITE_ROUTE_WAV_SHAPES) with running sums if ``sums``."""
     rows = []
     fwd_variants, bwd_variants = fwd_variants or SITE_ROUTE_FWD_VARIANTS, bwd_variants or SITE_ROUTE_BWD_VARIANTS
-    shapes = [s + (False,) for s in shapes] if shapes else (
-        [s + (False,) for s in SITE_ROUTE_SHAPES] + [s + (True,) for s in SITE_ROUTE_WAV_SHAPES])
-    for tokens, d, n, heads, wav in shapes:
-        vals, q, w, g, bias, scale, acc = _site_inputs(tokens, d, n, heads, wav)
+    shapes = [s + (False, sums) for s in shapes] if shapes else (
+        [s + (False, False) for s in SITE_ROUTE_SHAPES] + [s + (True, True) for s in SITE_ROUTE_WAV_SHAPES])
+    for tokens, d, n, heads, wav, with_sums in shapes:
+        vals, q, w, g, bias, scale, acc = _site_inputs(tokens, d, n, heads, wav, with_sums)
         with torch.no_grad():
             out, lse, _ = route_triton.route_forward(vals, None, q, w, bias, scale, heads, 1e-6)
-        row = dict(tokens=tokens, d=d, n=n, heads=heads, wav=wav, floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
-                   floor_bwd=((3 if wav else 2) * n + 2) * tokens * d * 2 / HBM_BPS * 1e3)
+        row = dict(tokens=tokens, d=d, n=n, heads=heads, wav=wav, sums=with_sums,
+                   floor_fwd=(n + 1) * tokens * d * 2 / HBM_BPS * 1e3,
+                   floor_bwd=((3 if with_sums else 2) * n + 2) * tokens * d * 2 / HBM_BPS * 1e3)
         with torch.no_grad():
             for name, cfg in fwd_variants.items():
                 row[f"fwd{name}"] = bench(lambda cfg=cfg: route_triton.route_forward(
@@ -768,7 +775,7 @@ def site_route_table(rows) -> list[str]:
             times = {k: v for k, v in r.items() if k.startswith(part) and not k.startswith("floor")}
             best = min(times, key=times.get)
             parts.append(f"{r[part]:6.3f} {times[best]:6.3f} ({best[3:] or 'default':9s}) {r['floor_' + part]:6.3f}")
-        wav = " wav" if r.get("wav") else ""
+        wav = " wav" if r.get("wav") else " sums" if r.get("sums") else ""
         lines.append(f"{r['tokens']:6d} {r['d']:4d} {r['n']:3d} {r['heads']:2d}{wav} | " + " | ".join(parts))
     return lines
 
@@ -871,8 +878,10 @@ def main() -> int:
                          "per-token backward variant as this device compiles it")
     ap.add_argument("--site-route-only", action="store_true",
                     help="only the per-site route launch variants at the model's d = 1024 shapes")
+    ap.add_argument("--mhar-site-only", action="store_true",
+                    help="only route's launch variants at full MHAR's site shapes (16 heads, running sums)")
     ap.add_argument("--route-variants", default=None, metavar="REGEX",
-                    help="--site-route-only, --design-launch-only: only route's launch variants whose names "
+                    help="--site-route-only, --mhar-site-only, --design-launch-only: only route's launch variants whose names "
                          "match (and the defaults)")
     ap.add_argument("--design-launch-only", action="store_true",
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
@@ -911,10 +920,11 @@ def main() -> int:
         dump(summary)
         print(summary)
         return 0
-    if args.site_route_only:
+    if args.site_route_only or args.mhar_site_only:
         results["site_route"] = site_rows = site_route_timing(
-            None, _matching(SITE_ROUTE_FWD_VARIANTS, args.route_variants),
-            _matching(SITE_ROUTE_BWD_VARIANTS, args.route_variants))
+            SITE_ROUTE_MHAR_SHAPES if args.mhar_site_only else None,
+            _matching(SITE_ROUTE_FWD_VARIANTS, args.route_variants),
+            _matching(SITE_ROUTE_BWD_VARIANTS, args.route_variants), sums=args.mhar_site_only)
         summary = "\n".join(site_route_table(site_rows))
         dump(summary)
         print(summary)

@@ -622,12 +622,16 @@ def _route_tokens(heads: int, row: int) -> int:
 
 def _route_forward_stages(heads: int, row: int) -> int:
     """Pipeline stages of route's forward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
-    return ROUTE_FORWARD_STAGES if heads == 1 and row <= NARROW_ROW else 0
+    if heads > 1:
+        return MULTI_HEAD_FORWARD_STAGES
+    return ROUTE_FORWARD_STAGES if row <= NARROW_ROW else 0
 
 
 def _route_backward_stages(heads: int, row: int, has_acc: bool) -> int:
     """Pipeline stages of route's backward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
-    return ROUTE_BACKWARD_STAGES if heads == 1 and (has_acc or row >= WIDE_ROW) else 0
+    if heads > 1:
+        return MULTI_HEAD_BACKWARD_STAGES
+    return ROUTE_BACKWARD_STAGES if has_acc or row >= WIDE_ROW else 0
 
 
 def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
@@ -739,6 +743,12 @@ PREFETCH_DEPTHS = (False, True)
 #: at d = 1024 and 2048 without running sums)
 ROUTE_FORWARD_STAGES = 3
 ROUTE_BACKWARD_STAGES = 3
+#: the same for several heads (full MHAR's sites: 16 heads, d = 1024, the backward with
+#: running sums); 0: the register prefetch. Session 18 timed the pipeline at 16 heads only
+#: at N = 8 without running sums (level within the noise); session 37 times full MHAR's site
+#: shapes (benchmarks/gpu_suite.py's SITE_ROUTE_MHAR_SHAPES, e2e variant ``mhar_mhs3``)
+MULTI_HEAD_FORWARD_STAGES = 0
+MULTI_HEAD_BACKWARD_STAGES = 0
 #: the backward joins a source's three row sums (the key's squares, ``<k, qw>``, ``<v, g>``)
 #: in one reduction (:func:`three_row_sums`; the config's ``fused_sums``). Its sm_90 code
 #: (the device's Triton 3.6, d = 1024, one head, ``benchmarks/kernel_registers.py``) has 9

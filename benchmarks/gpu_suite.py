@@ -616,6 +616,10 @@ SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            # the launch's register cap or without
                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
                            "_s3_uncapped": {"stages": 3, "maxnreg": None},
+                           # 16 heads (session 37): one token a program on 2 warps (80 registers, 12
+                           # programs per SM by registers; 72 and 14 with the pipeline: sm_90 code of
+                           # the device's Triton 3.6, kernel_registers.py's helpers)
+                           "_s3_t1w2": {"stages": 3, "block_t": 1, "num_warps": 2},
                            # rescaled at every new maximum (before session 34; route_triton.LAZY_RESCALE)
                            "_eager": {"lazy_rescale": False}}
 SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_t1w2": {"block_t": 1, "num_warps": 2},
@@ -628,6 +632,14 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            # the sources through Triton's software pipeline (session 18)
                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
                            "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4},
+                           # 16 heads with running sums (session 37; sm_90 code of the device's
+                           # Triton 3.6): the default launch takes 146 registers (3 programs per
+                           # SM), 168 with the pipeline; capped at 128, 4 programs (8 bytes spilled
+                           # without the pipeline, none with it); one token on 4 warps 80 / 87
+                           # registers (6 / 5 programs) but 28 / 38 barriers against 9 / 19
+                           "_r128": {"maxnreg": 128, "per_sm": 4}, "_s3_r128": {"stages": 3, "maxnreg": 128, "per_sm": 4},
+                           "_t1w4_ps6": {"block_t": 1, "num_warps": 4, "per_sm": 6},
+                           "_s3_t1w4_ps5": {"stages": 3, "block_t": 1, "num_warps": 4, "per_sm": 5},
                            # sum_j a_j <v_j, g> from the sources, read twice (session 24)
                            "_exact": {"exact_softmax_grad": True},
                            # a source's three row sums reduced one by one (before session 33;

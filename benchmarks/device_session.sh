@@ -38,6 +38,7 @@
 #   OUT=... bash benchmarks/device_session.sh table36    # every scheme end to end, each model's 30 largest kernels (session 36)
 #   OUT=... bash benchmarks/device_session.sh sums36     # route_many's running sums: GPU tests, kernel times, full and Block AttnRes end to end with and without (session 36)
 #   OUT=... bash benchmarks/device_session.sh mhar37     # GPU kernel tests; route's launch variants at full MHAR's site shapes (session 37)
+#   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch, end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -845,6 +846,11 @@ mhar37)
   gpu_kernel_tests 170
   timeout 240 python3 benchmarks/gpu_suite.py --mhar-site-only --out "$OUT/mhsite" > "$OUT/mhsite.txt" 2>&1
   tail -8 "$OUT/mhsite.txt"
+  ;;
+mhar37e2e)
+  # session 37: full MHAR with route's 16-head backward in 3 stages at 128 registers and 4
+  # programs per SM (mhs3r128) beside its default and the baseline (~5 minutes)
+  e2e_run 420 3 10 baseline mhar mhar_mhs3r128
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

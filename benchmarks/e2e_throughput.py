@@ -266,6 +266,10 @@ LAUNCH_VARIANTS = {
     "mhs3": (("mhar",), {"MULTI_HEAD_FORWARD_STAGES": 3, "MULTI_HEAD_BACKWARD_STAGES": 3}),
     "mhbs3": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 3}),
     "mhfs3": (("mhar",), {"MULTI_HEAD_FORWARD_STAGES": 3}),
+    # the 16-head backward's fastest launch at full MHAR's site shapes in session 37's run 1
+    # (gpu_suite --mhar-site-only: _s3_r128, 12-15 % faster): 3 stages, 128 registers, 4 per SM
+    "mhs3r128": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 3, "MULTI_HEAD_BACKWARD_MAXNREG": 128,
+                             "MULTI_HEAD_BACKWARD_PER_SM": 4}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

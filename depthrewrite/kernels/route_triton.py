@@ -704,6 +704,8 @@ CAPPED_BACKWARD_PER_SM = 5
 #: run 2); 3 per SM was slower at N = 33 (0.833).
 MULTI_HEAD_ROW = 1024
 MULTI_HEAD_BACKWARD_PER_SM = 8
+#: the register cap of that launch (None: the compiler's choice; session 37 times 128)
+MULTI_HEAD_BACKWARD_MAXNREG = None
 #: route's backward on its wide launch (one-head rows padded to WIDE_ROW, WIDE_TOKENS tokens,
 #: WIDE_BACKWARD_WARPS warps; 255 registers, 2 programs resident per SM): 8 programs per SM
 #: were faster than 4 in every run that timed both on this launch, by 0.5-1.1 %: 0.830-0.833
@@ -724,7 +726,7 @@ def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int
     if heads == 1 and row >= 1024 and not has_keys:
         return CAPPED_BACKWARD_MAXNREG, CAPPED_BACKWARD_PER_SM
     if heads > 1 and row == MULTI_HEAD_ROW:
-        return None, MULTI_HEAD_BACKWARD_PER_SM
+        return MULTI_HEAD_BACKWARD_MAXNREG, MULTI_HEAD_BACKWARD_PER_SM
     return None, BACKWARD_PER_SM
 
 

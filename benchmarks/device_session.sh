@@ -38,7 +38,8 @@
 #   OUT=... bash benchmarks/device_session.sh table36    # every scheme end to end, each model's 30 largest kernels (session 36)
 #   OUT=... bash benchmarks/device_session.sh sums36     # route_many's running sums: GPU tests, kernel times, full and Block AttnRes end to end with and without (session 36)
 #   OUT=... bash benchmarks/device_session.sh mhar37     # GPU kernel tests; route's launch variants at full MHAR's site shapes (session 37)
-#   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch, end to end (session 37)
+#   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch against the old, end to end (session 37)
+#   OUT=... bash benchmarks/device_session.sh final37    # GPU kernel tests; full MHAR new / old launch and full AttnRes end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -848,9 +849,17 @@ mhar37)
   tail -8 "$OUT/mhsite.txt"
   ;;
 mhar37e2e)
-  # session 37: full MHAR with route's 16-head backward in 3 stages at 128 registers and 4
-  # programs per SM (mhs3r128) beside its default and the baseline (~5 minutes)
-  e2e_run 420 3 10 baseline mhar mhar_mhs3r128
+  # session 37 (run 2, while the old launch was the default): full MHAR with route's 16-head
+  # backward in 3 stages at 128 registers and 4 programs per SM (then the e2e variant
+  # mhar_mhs3r128, now the default) beside the old launch and the baseline (~5 minutes)
+  e2e_run 420 3 10 baseline mhar mhar_mh0
+  ;;
+final37)
+  # session 37's last call: the GPU kernel tests with the 16-head backward's new launch, then
+  # full MHAR with it and with the old one (mh0), full AttnRes, beside the baseline (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 170
+  e2e_run 400 4 12 baseline mhar mhar_mh0 attnres
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

@@ -260,16 +260,12 @@ LAUNCH_VARIANTS = {
                 {"grad_accumulation.ROUTE_MANY_MAX_QUERIES": None}),
     "rbacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
               {"grad_accumulation.ACCUMULATED_OPS": ("route_backward",)}),
-    # route's 16-head kernels (full MHAR's sites) with the sources through Triton's software
-    # pipeline in 3 stages: forward and backward (mhs3), the backward only (mhbs3), the forward
-    # only (mhfs3); session 37 (route_triton.MULTI_HEAD_*_STAGES: 0, the register prefetch)
-    "mhs3": (("mhar",), {"MULTI_HEAD_FORWARD_STAGES": 3, "MULTI_HEAD_BACKWARD_STAGES": 3}),
-    "mhbs3": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 3}),
-    "mhfs3": (("mhar",), {"MULTI_HEAD_FORWARD_STAGES": 3}),
-    # the 16-head backward's fastest launch at full MHAR's site shapes in session 37's run 1
-    # (gpu_suite --mhar-site-only: _s3_r128, 12-15 % faster): 3 stages, 128 registers, 4 per SM
-    "mhs3r128": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 3, "MULTI_HEAD_BACKWARD_MAXNREG": 128,
-                             "MULTI_HEAD_BACKWARD_PER_SM": 4}),
+    # route's 16-head backward as before session 37 (the register prefetch, the compiler's
+    # registers, 8 programs per SM); since, 3 stages at 128 registers and 4 programs per SM
+    # (route_triton.MULTI_HEAD_BACKWARD_MAXNREG's comment; session 37's run 2 measured that
+    # launch as mhar_mhs3r128 beside this one as the default)
+    "mh0": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 0, "MULTI_HEAD_BACKWARD_MAXNREG": None,
+                        "MULTI_HEAD_BACKWARD_PER_SM": 8}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

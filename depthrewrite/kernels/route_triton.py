@@ -623,14 +623,14 @@ def _route_tokens(heads: int, row: int) -> int:
 def _route_forward_stages(heads: int, row: int) -> int:
     """Pipeline stages of route's forward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
     if heads > 1:
-        return MULTI_HEAD_FORWARD_STAGES
+        return MULTI_HEAD_FORWARD_STAGES if row == MULTI_HEAD_ROW else 0
     return ROUTE_FORWARD_STAGES if row <= NARROW_ROW else 0
 
 
 def _route_backward_stages(heads: int, row: int, has_acc: bool) -> int:
     """Pipeline stages of route's backward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
     if heads > 1:
-        return MULTI_HEAD_BACKWARD_STAGES
+        return MULTI_HEAD_BACKWARD_STAGES if row == MULTI_HEAD_ROW else 0
     return ROUTE_BACKWARD_STAGES if has_acc or row >= WIDE_ROW else 0
 
 
@@ -697,15 +697,22 @@ RESIDENCY_WARPS = 4
 CAPPED_BACKWARD_MAXNREG = 96
 CAPPED_BACKWARD_PER_SM = 5
 #: route's backward with several heads at rows padded to MULTI_HEAD_ROW, on the same launch
-#: (2 tokens, RESIDENCY_WARPS warps): more programs per SM than the 3 that its 142-168
-#: registers let stay resident (sm_90 PTX, d = 1024, 16 heads). H200, bf16, 16384 tokens,
-#: d = 1024, 16 heads, two runs: 0.204 / 0.212 ms against 0.214 / 0.277 at N = 8, 0.701 /
-#: 0.720 against 0.731 / 0.731 at N = 33 (docs/benchmarks.md session 11 run 2, session 12
-#: run 2); 3 per SM was slower at N = 33 (0.833).
+#: (2 tokens, RESIDENCY_WARPS warps). Sessions 11-12 gave it 8 programs per SM, more than
+#: the 3 that its 142-168 registers let stay resident (H200, bf16, 16384 tokens, d = 1024, 16
+#: heads: 0.204 / 0.212 ms against 0.214 / 0.277 at N = 8, 0.701 / 0.720 against 0.731 /
+#: 0.731 at N = 33; docs/benchmarks.md session 11 run 2, session 12 run 2). Since session 37
+#: its sources come through Triton's pipeline in MULTI_HEAD_BACKWARD_STAGES stages at
+#: MULTI_HEAD_BACKWARD_MAXNREG registers, 4 programs per SM (sm_90 code of the device's
+#: Triton 3.6 with running sums: 128 registers, no spill, 4 resident, against 146 and 3;
+#: kernel_registers.py's helpers): at full MHAR's sites (16 heads, running sums) 0.272 /
+#: 0.677 / 1.121 ms against 0.318 / 0.796 / 1.276 at N = 9 / 25 / 41 (within 1.15-1.2x of
+#: the floor that counts the running sums), and full MHAR's step 124.4 against 129.5 ms
+#: (0.631x against 0.606x the baseline; our kernels 45.6 against 53.0 ms a step; session 37
+#: runs 1-2). The pipeline alone was 0.442 / 0.769 / 1.225, the cap alone 0.318 / 0.797 /
+#: 1.277: the two together.
 MULTI_HEAD_ROW = 1024
-MULTI_HEAD_BACKWARD_PER_SM = 8
-#: the register cap of that launch (None: the compiler's choice; session 37 times 128)
-MULTI_HEAD_BACKWARD_MAXNREG = None
+MULTI_HEAD_BACKWARD_PER_SM = 4
+MULTI_HEAD_BACKWARD_MAXNREG = 128
 #: route's backward on its wide launch (one-head rows padded to WIDE_ROW, WIDE_TOKENS tokens,
 #: WIDE_BACKWARD_WARPS warps; 255 registers, 2 programs resident per SM): 8 programs per SM
 #: were faster than 4 in every run that timed both on this launch, by 0.5-1.1 %: 0.830-0.833
@@ -745,12 +752,13 @@ PREFETCH_DEPTHS = (False, True)
 #: at d = 1024 and 2048 without running sums)
 ROUTE_FORWARD_STAGES = 3
 ROUTE_BACKWARD_STAGES = 3
-#: the same for several heads (full MHAR's sites: 16 heads, d = 1024, the backward with
-#: running sums); 0: the register prefetch. Session 18 timed the pipeline at 16 heads only
-#: at N = 8 without running sums (level within the noise); session 37 times full MHAR's site
-#: shapes (benchmarks/gpu_suite.py's SITE_ROUTE_MHAR_SHAPES, e2e variant ``mhar_mhs3``)
+#: the same for several heads on rows of MULTI_HEAD_ROW padded elements; 0: the register
+#: prefetch. The forward keeps it: at 16 heads the pipeline was within 2 % of it at full
+#: MHAR's sites (session 37 run 1: 0.254 / 0.400 ms against 0.258 / 0.403 at N = 25 / 41),
+#: as at N = 4 / 8 in session 18. The backward takes 3 stages with its register cap
+#: (MULTI_HEAD_BACKWARD_MAXNREG's comment)
 MULTI_HEAD_FORWARD_STAGES = 0
-MULTI_HEAD_BACKWARD_STAGES = 0
+MULTI_HEAD_BACKWARD_STAGES = 3
 #: the backward joins a source's three row sums (the key's squares, ``<k, qw>``, ``<v, g>``)
 #: in one reduction (:func:`three_row_sums`; the config's ``fused_sums``). Its sm_90 code
 #: (the device's Triton 3.6, d = 1024, one head, ``benchmarks/kernel_registers.py``) has 9

@@ -158,6 +158,9 @@ CASES = [
     (129, (3,), 8, 1, True, True, True),  # more sources than the DESIGN.md shapes
     (2, (3,), 7186, 1, False, True, True),  # the widest DESIGN-like width (a padded row of 8192)
     (3, (3,), 7186, 2, True, False, False),
+    # 16 heads on a row of 1024 (full MHAR's sites at 350M): on the GPU the backward's sources
+    # through the pipeline at 128 registers (route_triton.MULTI_HEAD_BACKWARD_MAXNREG)
+    (9, (5,), 1024, 16, False, False, False),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -414,7 +417,8 @@ def test_float64_is_rejected_by_the_kernel_and_reported_as_reference():
     assert implementation_for("cuda", torch.bfloat16, torch.float32) == "triton"
 
 
-ACC_CASES = [CASES[0], CASES[1], CASES[4], CASES[6]]  # one source with keys, two, nine with keys, 33 with keys
+# one source with keys, two, nine with keys, 33 with keys, 16 heads on a row of 1024 (full MHAR's calls)
+ACC_CASES = [CASES[0], CASES[1], CASES[4], CASES[6], CASES[-1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

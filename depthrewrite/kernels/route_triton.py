@@ -704,9 +704,11 @@ CAPPED_BACKWARD_PER_SM = 5
 #: its sources come through Triton's pipeline in MULTI_HEAD_BACKWARD_STAGES stages at
 #: MULTI_HEAD_BACKWARD_MAXNREG registers, 4 programs per SM (sm_90 code of the device's
 #: Triton 3.6 with running sums: 128 registers, no spill, 4 resident, against 146 and 3;
-#: kernel_registers.py's helpers): at full MHAR's sites (16 heads, running sums) 0.272 /
-#: 0.677 / 1.121 ms against 0.318 / 0.796 / 1.276 at N = 9 / 25 / 41 (within 1.15-1.2x of
-#: the floor that counts the running sums), and full MHAR's step 124.4 against 129.5 ms
+#: kernel_registers.py): at full MHAR's sites (16 heads, running sums) 0.272 / 0.677 /
+#: 1.121 ms against 0.318 / 0.796 / 1.276 for the old launch at N = 9 / 25 / 41 (its
+#: ``_ps8`` timing, the same launch: the default's, timed first at each shape, read 0.511 /
+#: 0.942 / 1.280, a warm-up effect), 1.13-1.20x the floor that counts the running sums;
+#: full MHAR's step 124.4 against 129.5 ms
 #: (0.631x against 0.606x the baseline; our kernels 45.6 against 53.0 ms a step; session 37
 #: runs 1-2). The pipeline alone was 0.442 / 0.769 / 1.225, the cap alone 0.318 / 0.797 /
 #: 1.277: the two together.

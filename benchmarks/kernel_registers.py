@@ -117,7 +117,7 @@ def compile_backward(d: int, heads: int, has_acc: bool, fused_sums: bool | None 
     block_t = _route_tokens(heads, row)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=False, HAS_SCALE=False, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=True, PREFETCH=True, HAS_NORM=False,
-                      HAS_ACC=has_acc, STAGES=_route_backward_stages(heads, row, has_acc),
+                      HAS_ACC=has_acc, STAGES=_route_backward_stages(heads, row, has_acc, False),
                       FUSED_SUMS=BACKWARD_FUSED_SUMS if fused_sums is None else fused_sums)
     warps = _route_backward_warps(heads, row, block_t)
     cap, _ = _route_backward_residency(heads, row, False, block_t, warps)

@@ -627,10 +627,11 @@ def _route_forward_stages(heads: int, row: int) -> int:
     return ROUTE_FORWARD_STAGES if row <= NARROW_ROW else 0
 
 
-def _route_backward_stages(heads: int, row: int, has_acc: bool) -> int:
-    """Pipeline stages of route's backward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
+def _route_backward_stages(heads: int, row: int, has_acc: bool, has_keys: bool = False) -> int:
+    """Pipeline stages of route's backward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES'
+    and MULTI_HEAD_BACKWARD_MAXNREG's comments; several heads: only as timed, without keys)."""
     if heads > 1:
-        return MULTI_HEAD_BACKWARD_STAGES if row == MULTI_HEAD_ROW else 0
+        return MULTI_HEAD_BACKWARD_STAGES if row == MULTI_HEAD_ROW and not has_keys else 0
     return ROUTE_BACKWARD_STAGES if has_acc or row >= WIDE_ROW else 0
 
 
@@ -708,13 +709,15 @@ CAPPED_BACKWARD_PER_SM = 5
 #: 1.121 ms against 0.318 / 0.796 / 1.276 for the old launch at N = 9 / 25 / 41 (its
 #: ``_ps8`` timing, the same launch: the default's, timed first at each shape, read 0.511 /
 #: 0.942 / 1.280, a warm-up effect), 1.13-1.20x the floor that counts the running sums;
-#: full MHAR's step 124.4 against 129.5 ms
-#: (0.631x against 0.606x the baseline; our kernels 45.6 against 53.0 ms a step; session 37
-#: runs 1-2). The pipeline alone was 0.442 / 0.769 / 1.225, the cap alone 0.318 / 0.797 /
-#: 1.277: the two together.
+#: full MHAR's step 124.4 against 129.5 ms (0.631x against 0.606x the baseline; our kernels
+#: 45.6 against 53.0 ms a step; session 37 runs 1-2). The pipeline alone was 0.442 / 0.769 /
+#: 1.225, the cap alone 0.318 / 0.797 / 1.277: the two together. Timed without separate keys
+#: (no scheme routes several heads with keys): keyed calls keep the launch before, 8
+#: programs per SM at the compiler's registers, no pipeline.
 MULTI_HEAD_ROW = 1024
 MULTI_HEAD_BACKWARD_PER_SM = 4
 MULTI_HEAD_BACKWARD_MAXNREG = 128
+KEYED_MULTI_HEAD_BACKWARD_PER_SM = 8
 #: route's backward on its wide launch (one-head rows padded to WIDE_ROW, WIDE_TOKENS tokens,
 #: WIDE_BACKWARD_WARPS warps; 255 registers, 2 programs resident per SM): 8 programs per SM
 #: were faster than 4 in every run that timed both on this launch, by 0.5-1.1 %: 0.830-0.833
@@ -735,6 +738,8 @@ def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int
     if heads == 1 and row >= 1024 and not has_keys:
         return CAPPED_BACKWARD_MAXNREG, CAPPED_BACKWARD_PER_SM
     if heads > 1 and row == MULTI_HEAD_ROW:
+        if has_keys:  # the cap was timed without keys: keyed calls keep the launch before
+            return None, KEYED_MULTI_HEAD_BACKWARD_PER_SM
         return MULTI_HEAD_BACKWARD_MAXNREG, MULTI_HEAD_BACKWARD_PER_SM
     return None, BACKWARD_PER_SM
 
@@ -1061,7 +1066,7 @@ def _backward_launch(config: dict | None, heads: int, row: int, has_keys: bool, 
     cap, per_sm = _route_backward_residency(heads, row, has_keys, block_t, warps)
     cfg = {"maxnreg": cap, "per_sm": per_sm, **cfg}
     prefetch = _check_prefetch(cfg["prefetch"], "route")
-    stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc), "route")
+    stages = _check_stages(cfg.get("stages"), _route_backward_stages(heads, row, has_acc, has_keys), "route")
     return {**cfg, "block_t": block_t, "num_warps": warps, "prefetch": prefetch, "stages": stages}
 
 

@@ -159,7 +159,9 @@ CASES = [
     (2, (3,), 7186, 1, False, True, True),  # the widest DESIGN-like width (a padded row of 8192)
     (3, (3,), 7186, 2, True, False, False),
     # 16 heads on a row of 1024 (full MHAR's sites at 350M): on the GPU the backward's sources
-    # through the pipeline at 128 registers (route_triton.MULTI_HEAD_BACKWARD_MAXNREG)
+    # through the pipeline at 128 registers (route_triton.MULTI_HEAD_BACKWARD_MAXNREG); with
+    # keys the launch before (KEYED_MULTI_HEAD_BACKWARD_PER_SM). ACC_CASES takes the last
+    (9, (5,), 1024, 16, True, True, True),
     (9, (5,), 1024, 16, False, False, False),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -618,7 +618,7 @@ SITE_ROUTE_FWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            "_s3_uncapped": {"stages": 3, "maxnreg": None},
                            # 16 heads (session 37): one token a program on 2 warps (80 registers, 12
                            # programs per SM by registers; 72 and 14 with the pipeline: sm_90 code of
-                           # the device's Triton 3.6, kernel_registers.py's helpers)
+                           # the device's Triton 3.6, docs/data/route_16_head_registers_*.py)
                            "_s3_t1w2": {"stages": 3, "block_t": 1, "num_warps": 2},
                            # rescaled at every new maximum (before session 34; route_triton.LAZY_RESCALE)
                            "_eager": {"lazy_rescale": False}}
@@ -633,11 +633,13 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            **{f"_s{k}": {"stages": k} for k in (2, 3, 4)},
                            "_s3_uncapped": {"stages": 3, "maxnreg": None, "per_sm": 4},
                            # 16 heads with running sums (session 37; sm_90 code of the device's
-                           # Triton 3.6): the default launch takes 146 registers (3 programs per
-                           # SM), 168 with the pipeline; capped at 128, 4 programs (8 bytes spilled
-                           # without the pipeline, none with it); one token on 4 warps 80 / 87
-                           # registers (6 / 5 programs) but 28 / 38 barriers against 9 / 19
-                           "_r128": {"maxnreg": 128, "per_sm": 4}, "_s3_r128": {"stages": 3, "maxnreg": 128, "per_sm": 4},
+                           # Triton 3.6, docs/data/route_16_head_registers_*.py): the launch before
+                           # took 146 registers (3 programs per SM), 168 with the pipeline; capped
+                           # at 128, 4 programs (8 bytes spilled without the pipeline, none with it:
+                           # _s3_r128, the default since); one token on 4 warps 80 / 87 registers
+                           # (6 / 5 programs) but 28 / 38 barriers against 9 / 19
+                           "_r128": {"maxnreg": 128, "per_sm": 4},
+                           "_s3_r128": {"stages": 3, "maxnreg": 128, "per_sm": 4},
                            "_t1w4_ps6": {"block_t": 1, "num_warps": 4, "per_sm": 6},
                            "_s3_t1w4_ps5": {"stages": 3, "block_t": 1, "num_warps": 4, "per_sm": 5},
                            # sum_j a_j <v_j, g> from the sources, read twice (session 24)
@@ -893,8 +895,8 @@ def main() -> int:
     ap.add_argument("--mhar-site-only", action="store_true",
                     help="only route's launch variants at full MHAR's site shapes (16 heads, running sums)")
     ap.add_argument("--route-variants", default=None, metavar="REGEX",
-                    help="--site-route-only, --mhar-site-only, --design-launch-only: only route's launch variants whose names "
-                         "match (and the defaults)")
+                    help="--site-route-only, --mhar-site-only, --design-launch-only: only route's launch "
+                         "variants whose names match (and the defaults)")
     ap.add_argument("--design-launch-only", action="store_true",
                     help="only route's forward and backward kernels at the DESIGN.md shapes, other tokens per program and warps")
     ap.add_argument("--launch-ab", type=int, nargs="?", const=7, default=0, metavar="ROUNDS",

@@ -640,6 +640,8 @@ SITE_ROUTE_BWD_VARIANTS = {"": None, "_t1w1": {"block_t": 1, "num_warps": 1}, "_
                            # (6 / 5 programs) but 28 / 38 barriers against 9 / 19
                            "_r128": {"maxnreg": 128, "per_sm": 4},
                            "_s3_r128": {"stages": 3, "maxnreg": 128, "per_sm": 4},
+                           # the 16-head launch before session 37 (run 1 timed it as _ps8, then the same)
+                           "_mh0": {"stages": 0, "maxnreg": None, "per_sm": 8},
                            "_t1w4_ps6": {"block_t": 1, "num_warps": 4, "per_sm": 6},
                            "_s3_t1w4_ps5": {"stages": 3, "block_t": 1, "num_warps": 4, "per_sm": 5},
                            # sum_j a_j <v_j, g> from the sources, read twice (session 24)

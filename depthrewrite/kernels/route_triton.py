@@ -622,12 +622,10 @@ def _route_tokens(heads: int, row: int) -> int:
 
 def _route_forward_stages(heads: int, row: int) -> int:
     """Pipeline stages of route's forward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES' comment)."""
-    if heads > 1:
-        return MULTI_HEAD_FORWARD_STAGES if row == MULTI_HEAD_ROW else 0
-    return ROUTE_FORWARD_STAGES if row <= NARROW_ROW else 0
+    return ROUTE_FORWARD_STAGES if heads == 1 and row <= NARROW_ROW else 0
 
 
-def _route_backward_stages(heads: int, row: int, has_acc: bool, has_keys: bool = False) -> int:
+def _route_backward_stages(heads: int, row: int, has_acc: bool, has_keys: bool) -> int:
     """Pipeline stages of route's backward unless a config sets ``stages`` (ROUTE_FORWARD_STAGES'
     and MULTI_HEAD_BACKWARD_MAXNREG's comments; several heads: only as timed, without keys)."""
     if heads > 1:
@@ -759,12 +757,11 @@ PREFETCH_DEPTHS = (False, True)
 #: at d = 1024 and 2048 without running sums)
 ROUTE_FORWARD_STAGES = 3
 ROUTE_BACKWARD_STAGES = 3
-#: the same for several heads on rows of MULTI_HEAD_ROW padded elements; 0: the register
-#: prefetch. The forward keeps it: at 16 heads the pipeline was within 2 % of it at full
-#: MHAR's sites (session 37 run 1: 0.254 / 0.400 ms against 0.258 / 0.403 at N = 25 / 41),
-#: as at N = 4 / 8 in session 18. The backward takes 3 stages with its register cap
-#: (MULTI_HEAD_BACKWARD_MAXNREG's comment)
-MULTI_HEAD_FORWARD_STAGES = 0
+#: the backward's stages for several heads on rows of MULTI_HEAD_ROW padded elements
+#: without keys, with its register cap (MULTI_HEAD_BACKWARD_MAXNREG's comment; 0: the
+#: register prefetch). The multi-head forward keeps the register prefetch: the pipeline was
+#: within 2 % of it at full MHAR's sites (session 37 run 1: 0.254 / 0.400 ms against 0.258 /
+#: 0.403 at N = 25 / 41), as at N = 4 / 8 in session 18
 MULTI_HEAD_BACKWARD_STAGES = 3
 #: the backward joins a source's three row sums (the key's squares, ``<k, qw>``, ``<v, g>``)
 #: in one reduction (:func:`three_row_sums`; the config's ``fused_sums``). Its sm_90 code

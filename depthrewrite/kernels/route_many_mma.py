@@ -119,15 +119,16 @@ def _bases(tab, idx, mask, ptr_ty, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _out_grad_dots(g_rows, o_rows, tok, D, qmask, BQ: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
-    """``<g_s, out_s>`` per query of token ``tok`` (fp32)."""
-    go = tl.zeros((BQ,), tl.float32)
+    """``<g_s, out_s>`` per query of token ``tok`` (fp32): the products summed chunk by chunk
+    in place, reduced across the threads once."""
+    go = tl.zeros((BQ, BLOCK_D), tl.float32)
     for c0 in range(0, D, BLOCK_D):
         cols = _chunk(c0, BLOCK_D)
         g_ptrs, mask = _rows(g_rows, tok, D, cols, qmask, cols < D)
         o_ptrs, _ = _rows(o_rows, tok, D, cols, qmask, cols < D)
         g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-        go += tl.sum(g * tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32), 1)
-    return go
+        go += g * tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.sum(go, 1)
 
 
 @triton.jit

@@ -40,8 +40,6 @@
 #   OUT=... bash benchmarks/device_session.sh mhar37     # GPU kernel tests; route's launch variants at full MHAR's site shapes (session 37)
 #   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch against the old, end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh final37    # GPU kernel tests; full MHAR new / old launch and full AttnRes end to end (session 37)
-#   OUT=... bash benchmarks/device_session.sh mma38      # route_many's tensor-core backward: its GPU tests, its kernels against the per-token one (session 38)
-#   OUT=... bash benchmarks/device_session.sh mma38e2e   # full and Block AttnRes with it end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -862,26 +860,6 @@ final37)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   gpu_kernel_tests 170
   e2e_run 400 4 12 baseline mhar mhar_mh0 attnres
-  ;;
-mma38)
-  # session 38: the tensor-core backward's GPU tests, then route_many's backward with it
-  # against the per-token kernel (with and without running sums) at full AttnRes's call
-  # shapes with its launch choices, and at the block phase's (~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
-      -k "mma or default_sends" > "$OUT/mma_tests.txt" 2>&1
-  tail -2 "$OUT/mma_tests.txt"
-  timeout 240 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
-      --variants '^_running$|_mma' --out "$OUT/bpf" > "$OUT/bpf.txt" 2>&1
-  grep -A 200 "^backward variants" "$OUT/bpf.txt" | grep -v "^N=.*keys=yes" | head -120
-  timeout 120 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes block \
-      --variants '^_running$|^_mma$|^_mma_running$|^_mma_n32_running$' --out "$OUT/bpb" > "$OUT/bpb.txt" 2>&1
-  grep -A 80 "^backward variants" "$OUT/bpb.txt" | head -60
-  ;;
-mma38e2e)
-  # session 38: full AttnRes and Block AttnRes with the tensor-core backward beside the
-  # defaults and the baseline (~8 minutes)
-  e2e_run 540 4 12 baseline attnres attnres_mma attnres_mma8 block_attnres block_attnres_mmab
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

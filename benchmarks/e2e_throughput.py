@@ -266,13 +266,6 @@ LAUNCH_VARIANTS = {
     # launch as mhar_mhs3r128 beside this one as the default)
     "mh0": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 0, "MULTI_HEAD_BACKWARD_MAXNREG": None,
                         "MULTI_HEAD_BACKWARD_PER_SM": 8}),
-    # route_many's tensor-core backward (session 38; route_many_triton.MMA_MIN_SOURCES) for
-    # every call it serves (mma: full AttnRes's, whose calls keep the forward's statistics;
-    # Block AttnRes's 6-7 query calls only with statistics kept for up to 8 queries: mmab),
-    # or only for calls of at least 8 sources (mma8)
-    "mma": (("attnres", "attnres_cg"), {"route_many_triton.MMA_MIN_SOURCES": 1}),
-    "mma8": (("attnres",), {"route_many_triton.MMA_MIN_SOURCES": 8}),
-    "mmab": (("block_attnres",), {"route_many_triton.MMA_MIN_SOURCES": 1, "route_many.STATS_MAX_QUERIES": 8}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

@@ -498,19 +498,7 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_
                             **{f"_pertoken_q{k}": {"backward": "per_token", "block_q": k} for k in (2, 4)},
                             # a source's three row sums reduced one by one (before session 33;
                             # since, joined in one reduction: route_many_triton.PER_TOKEN_FUSED_SUMS)
-                            "_pertoken_sums1": {"backward": "per_token", "fused_sums": False},
-                            # the tensor-core backward (session 38; route_many_mma), with the
-                            # forward's statistics at any query count, with and without running
-                            # sums ("_running": a key of this table, not of the config), and its
-                            # launch choices: sources a block, row chunk, pipeline stages, programs
-                            # per SM, warps (sm_90 code of the device's Triton 3.6 at the
-                            # defaults: 96 registers, 5 programs per SM by registers)
-                            "_mma": {"backward": "mma"}, "_mma_running": {"backward": "mma", "_running": True},
-                            **{f"_mma_{name}_running": {"backward": "mma", "_running": True, **cfg} for name, cfg in (
-                                ("n32", {"block_n": 32}), ("n64", {"block_n": 64}), ("d32", {"block_d": 32}),
-                                ("d128", {"block_d": 128}), ("s2", {"stages": 2}), ("s3", {"stages": 3}),
-                                ("pp2", {"per_sm": 2}), ("pp6", {"per_sm": 6}), ("pp8", {"per_sm": 8}),
-                                ("w8", {"num_warps": 8, "per_sm": 2}), ("d32pp8", {"block_d": 32, "per_sm": 8}))}}
+                            "_pertoken_sums1": {"backward": "per_token", "fused_sums": False}}
 
 
 def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES,
@@ -543,12 +531,6 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
         stats = torch.empty(shape, device="cuda") if len(shape) > 1 else None
         with torch.no_grad():
             saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, keys=keys, stats=stats)
-            # the mma variants read a statistics table at any query count (the op keeps one
-            # for at most route_many.STATS_MAX_QUERIES): one of their own where it keeps none
-            mma_stats = stats
-            if mma_stats is None and heads == 1 and not with_keys:
-                mma_stats = torch.empty((tokens, n, s + 1), device="cuda")
-                route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, stats=mma_stats)
 
         def many_fwd(cfg=None):
             kept = None if cfg is NO_STATS else stats
@@ -560,10 +542,7 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
 
         def many_bwd(cfg=None):
             kept = None if cfg is NO_STATS else stats
-            running = cfg is RUNNING_SUMS or bool(cfg and cfg.get("_running"))
-            if cfg and cfg.get("backward") == "mma":
-                kept = mma_stats
-            cfg = {k: v for k, v in cfg.items() if k != "_running"} if cfg and "_running" in cfg else cfg
+            running = cfg is RUNNING_SUMS
             return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg,
                                                          keys=keys, stats=kept,
                                                          grad_values_acc=sums if running else None,
@@ -594,29 +573,27 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
         row["best_fwd"], row["best_bwd"] = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
         say("block-phase " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         rows.append(row)
-        del vals, keys, g, gl, saved, sums, key_sums, mma_stats, stats
+        del vals, keys, g, gl, saved, sums, key_sums
         torch.cuda.empty_cache()
     return rows
 
 
 def compiled_registers(call, part: str) -> str:
     """``"registers/spill bytes"`` of the ``_route_many_fwd_kernel`` (``part="fwd"``) or
-    per-token ``_route_many_bwd_kernel`` and tensor-core ``_route_many_bwd_mma_kernel`` (``"bwd"``) binaries that ``call()`` launches, as
+    per-token ``_route_many_bwd_kernel`` (``"bwd"``) binaries that ``call()`` launches, as
     this device's Triton compiled them (its cache cleared first, so the binaries are this
     call's; Triton's disk cache makes the recompile cheap); "-" when the call launches none
     (the tiled backward) or this Triton keeps its binaries elsewhere."""
-    from depthrewrite.kernels import route_many_mma, route_many_triton
+    from depthrewrite.kernels import route_many_triton
 
-    fns = ([route_many_triton._route_many_fwd_kernel] if part == "fwd" else
-           [route_many_triton._route_many_bwd_kernel, route_many_mma._route_many_bwd_mma_kernel])
-    caches = [getattr(fn, "device_caches", None) for fn in fns]
-    if any(c is None for c in caches):
+    fn = route_many_triton._route_many_fwd_kernel if part == "fwd" else route_many_triton._route_many_bwd_kernel
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:
         return "-"
-    for c in caches:
-        c.clear()
+    caches.clear()
     call()
     torch.cuda.synchronize()
-    found = sorted({(k.n_regs, k.n_spills) for c in caches for entry in c.values() for k in entry[0].values()
+    found = sorted({(k.n_regs, k.n_spills) for entry in caches.values() for k in entry[0].values()
                     if getattr(k, "n_regs", None) is not None})
     return " ".join(f"{r}/{sp}" for r, sp in found) or "-"
 

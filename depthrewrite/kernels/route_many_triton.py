@@ -100,7 +100,6 @@ from .route_triton import (
 from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
-from .route_many_mma import QUERY_ROWS, _route_many_bwd_mma_kernel
 from .pointer_tables import pointer_tables
 from ..ops.route import _check_acc
 
@@ -202,19 +201,7 @@ MULTI_HEAD_BACKWARD_WARPS = 8
 #: entries, and the reduction reads every source again): one-head calls without keys stay
 #: per-token
 BACKWARD = None
-BACKWARD_CHOICES = ("tiled", "per_token", "mma")
-#: the tensor-core backward (``backward="mma"``, :mod:`.route_many_mma`): sources a block
-#: (``block_n``), row chunk (``block_d``), warps, persistent programs per SM (``per_sm``)
-#: and the chunk loops' software pipeline stages (``stages``; 0: none)
-MMA_BLOCK_N = 16
-MMA_BLOCK_D = 64
-MMA_WARPS = 4
-MMA_PER_SM = 4
-MMA_STAGES = 0
-#: the calls the default sends to the tensor-core backward: one head, no separate keys, the
-#: forward's statistics table, at most QUERY_ROWS queries, bf16 or fp16, and at least this
-#: many sources (None: none; not yet measured on the GPU)
-MMA_MIN_SOURCES = None
+BACKWARD_CHOICES = ("tiled", "per_token")
 #: one-head calls with more queries than this take the tiled backward (None: no limit). From
 #: 5 queries the per-token kernel holds 8 padded rows and spills (255 registers at d =
 #: 1024); the tiled kernel holds one query at a time and was faster at 5 queries over 45
@@ -1015,7 +1002,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     g = [t.to(dtype).contiguous() for t in grad_out]
     gl = [t.to(torch.float32).contiguous() for t in grad_lse]
     o, ls = _contiguous(out), _contiguous(lse)
-    kernel = _backward_kernel(heads, cfg, bool(flat_k), s, len(flat_v), stats is not None, dtype)
+    kernel = _backward_kernel(heads, cfg, bool(flat_k), s)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     if cfg["prefetch"] is None:
         cfg["prefetch"] = _backward_prefetch(kernel, row, _per_token_block_q(s, heads, row, cfg))
@@ -1025,9 +1012,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
-    if kernel == "mma":
-        _check_mma(heads, flat_k, stats, s, cfg, values[0].dtype)
-    backward = {"per_token": _per_token_backward, "tiled": _tiled_backward, "mma": _mma_backward}[kernel]
+    backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats,
                                  running)
@@ -1035,20 +1020,14 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     return grad_v, grad_k, grad_queries, grad_weights
 
 
-def _backward_kernel(heads: int, cfg: dict, has_keys: bool, queries: int, sources: int, has_stats: bool,
-                     dtype: torch.dtype) -> str:
+def _backward_kernel(heads: int, cfg: dict, has_keys: bool, queries: int) -> str:
     """The backward kernel of a call: ``cfg["backward"]`` (checked), else the measured choice
-    (BACKWARD's comment): the tensor-core kernel for the calls MMA_MIN_SOURCES names, then
-    per-token for one head without separate keys and at most PER_TOKEN_MAX_QUERIES queries
-    (None: any number), tiled otherwise (with 16 heads the per-token kernel's per-head
-    statistics make it 2x slower; with keys 12-16 % slower than the tiled kernel with its
-    pipelined parameter reduction)."""
+    (BACKWARD's comment): per-token for one head without separate keys and at most
+    PER_TOKEN_MAX_QUERIES queries (None: any number), tiled otherwise (with 16 heads the
+    per-token kernel's per-head statistics make it 2x slower; with keys 12-16 % slower than
+    the tiled kernel with its pipelined parameter reduction)."""
     choice = cfg["backward"]
     if choice is None:
-        if (MMA_MIN_SOURCES is not None and sources >= MMA_MIN_SOURCES and heads == 1 and not has_keys and has_stats
-                and queries <= QUERY_ROWS and dtype in (torch.bfloat16, torch.float16)
-                and not cfg["exact_softmax_grad"]):
-            return "mma"
         few = PER_TOKEN_MAX_QUERIES is None or queries <= PER_TOKEN_MAX_QUERIES
         return "per_token" if heads == 1 and not has_keys and few else "tiled"
     return _checked_choice("backward", choice, BACKWARD_CHOICES)
@@ -1082,8 +1061,6 @@ def _backward_stages(kernel: str, row: int, has_keys: bool) -> int:
     ONE_HEAD_FORWARD_TOKENS' comment): the per-token backward WIDE_PER_TOKEN_STAGES for rows
     wider than NARROW_ROW or with separate keys (two rows a source), else 0 (the tiled
     backward: always)."""
-    if kernel == "mma":
-        return MMA_STAGES
     return WIDE_PER_TOKEN_STAGES if kernel == "per_token" and (row > NARROW_ROW or has_keys) else 0
 
 
@@ -1127,49 +1104,6 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     # the logits' normalized rows are the keys': the parameter reduction reads them
     r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_k or flat_v), cfg)
     return grad_v, grad_k, r
-
-
-def _check_mma(heads: int, flat_k: list, stats: Tensor | None, s: int, cfg: dict, dtype: torch.dtype) -> None:
-    """The calls the tensor-core backward serves: one head, no separate keys, the forward's
-    statistics table, at most QUERY_ROWS queries, ``<out, g>`` from the saved output."""
-    found = [f"{heads} heads" if heads != 1 else "", "separate keys" if flat_k else "",
-             "no stats table from the forward" if stats is None else "",
-             f"{s} queries" if s > QUERY_ROWS else "",
-             "exact_softmax_grad" if cfg["exact_softmax_grad"] else ""]
-    found = [f for f in found if f]
-    if found:
-        raise ValueError(f"route_many (Triton): config backward='mma' takes one head, no separate keys, the forward's "
-                         f"stats table, at most {QUERY_ROWS} queries and exact_softmax_grad off; found "
-                         + ", ".join(found))
-    for key, allowed in (("block_n", (16, 32, 64)), ("block_d", (16, 32, 64, 128, 256))):
-        if cfg.get(key) is not None and cfg[key] not in allowed:
-            raise ValueError(f"route_many (Triton): config {key} must be one of {allowed} for the mma backward; "
-                             f"found {cfg[key]!r}")
-
-
-def _mma_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                  stats, running: RunningSums) -> tuple[list[Tensor], list[Tensor], PartialSums]:
-    """Value gradients from the tensor-core ``_route_many_bwd_mma_kernel`` (one token at a time,
-    the logits from ``stats``), then the partial sums of ``r`` from ``_route_many_param_kernel``
-    over the ``dz * rstd`` table it writes (the sources read once more)."""
-    s, d = queries.shape
-    tokens, device = _tokens(flat_v), flat_v[0].device
-    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
-    if tokens == 0:
-        return running.no_tokens(grad_v, []) + (_no_sums(s, d, device),)
-    n = len(flat_v)
-    coef = torch.empty((n, s, tokens, 1), dtype=torch.float32, device=device)
-    qw = _per_query_rows(queries, key_norm_weights)
-    sums, _ = running.tables(flat_k)
-    gtab, otab, ltab, gltab, vtab, gvtab, runtab = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, sums)
-    per_sm = cfg.get("per_sm") or MMA_PER_SM
-    _route_many_bwd_mma_kernel[(_backward_programs(device, tokens, per_sm),)](
-        flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, runtab if running.any else vtab, qw, stats, coef,
-        tokens, n, s, d, NB=cfg.get("block_n") or MMA_BLOCK_N, BLOCK_D=cfg.get("block_d") or MMA_BLOCK_D,
-        ALIGNED=_aligned(flat_v, grad_v, g, o, running.present()), ONE_SOURCE=n == 1, RUNNING=running.any,
-        STAGES=cfg["stages"], num_warps=cfg.get("num_warps") or MMA_WARPS, **_register_cap(cfg, "route_many"),
-    )
-    return grad_v, [], _param_reduction(vtab, flat_v[0], coef, s, d, 1, tokens, n, _aligned(flat_v), cfg)
 
 
 def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> PartialSums:

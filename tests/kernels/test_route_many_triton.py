@@ -393,7 +393,7 @@ def test_exact_softmax_grad_is_as_accurate_as_the_reference_where_sources_are_ne
 
 def test_unknown_backward_is_refused():
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
-    with pytest.raises(ValueError, match=r"config backward must be one of \('tiled', 'per_token', 'mma'\); found 'fast'"):
+    with pytest.raises(ValueError, match=r"config backward must be one of \('tiled', 'per_token'\); found 'fast'"):
         _run(inp, torch.float32, 1, config={"backward": "fast"})
     with pytest.raises(ValueError, match=r"config param must be one of \('registers', 'table'\); found 'shared'"):
         _run(inp, torch.float32, 1, config={"backward": "per_token", "param": "shared"})
@@ -411,109 +411,6 @@ def test_unknown_backward_is_refused():
                                          r"found 2"):  # the forward's check
         route_many_triton.route_many_forward([v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE),
                                              inp["key_norm_weights"].to(DEVICE), 1, 1e-6, {"prefetch": 2})
-
-
-#: the tensor-core backward (``backward="mma"``): n sources (in blocks of 16 by default), s
-#: queries (at most 16), batch, d
-MMA_CASES = [
-    (1, 1, (3,), 24),  # one source: dz is d lse exactly
-    (2, 3, (2, 3), 40),
-    (9, 6, (5,), 100),  # Block AttnRes's shape
-    (33, 4, (3,), 72),  # full AttnRes's group calls: 3 blocks of sources, the last one partial
-    (65, 16, (2,), 16),  # the most queries, 5 blocks
-    (3, 8, (7,), 1000),  # width not a power of two
-    (2, 2, (1,), 7186),
-]
-
-
-def _run_mma(inp, dtype, config, running):
-    """Forward with its statistics table (kept for any number of queries here), backward
-    with ``config``; ``running``: a running sum for every other source. Returns the
-    gradients, the oracle's (plus the running sums) and what ``_rel`` needs."""
-    dev = lambda t: t.to(DEVICE)  # noqa: E731
-    values = [dev(v) for v in inp["values"]]
-    queries, weights = dev(inp["queries"]), dev(inp["key_norm_weights"])
-    n, s = len(values), queries.shape[0]
-    stats = torch.empty((values[0].numel() // values[0].shape[-1], n, s + 1), device=DEVICE)
-    out, lse = route_many_triton.route_many_forward(values, queries, weights, 1, 1e-6, {}, stats=stats)
-    gen = torch.Generator().manual_seed(11)
-    grad_out = [torch.randn(o.shape, generator=gen).to(dtype) for o in out]
-    grad_lse = [torch.randn(t.shape, generator=gen) for t in lse]
-    sums = [torch.randn(v.shape, generator=gen).to(dtype) if i % 2 == 0 else None
-            for i, v in enumerate(inp["values"])] if running else None
-    grad_v, grad_k, grad_q, grad_w = route_many_triton.route_many_backward(
-        [dev(g) for g in grad_out], [dev(g) for g in grad_lse], out, lse, values, queries, weights, 1, 1e-6,
-        {"backward": "mma", **config}, stats=stats, grad_values_acc=None if sums is None else
-        [None if t is None else dev(t) for t in sums])
-    assert grad_k == []
-    _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=[o.cpu() for o in out])
-    if sums is not None:
-        oracle = [o if t is None else o + t.double() for o, t in zip(oracle[:n], sums)] + oracle[n:]
-    return [t.cpu() for t in (*grad_v, grad_q, grad_w)], oracle
-
-
-@pytest.mark.parametrize("running", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,s,batch,d", MMA_CASES)
-def test_mma_backward_matches_float64(n, s, batch, d, dtype, running):
-    """Every source gradient (plus its running sum, where it has one) and the query and
-    key-norm-weight gradients of the tensor-core backward against the float64 oracle that
-    uses the saved output, at the tolerance of the returned dtype (the parameter
-    gradients are fp32: 2e-5 in fp32, 1e-5 relative otherwise as for the other kernels)."""
-    inp = _make(n, s, batch, d, 1, dtype, 13)
-    grads, oracle = _run_mma(inp, dtype, {}, running)
-    for k, (got, want) in enumerate(zip(grads, oracle)):
-        limit = min(1e-5, TOL[dtype]) if k >= n else TOL[dtype]
-        assert _rel(got, want) < limit, (k, _rel(got, want))
-
-
-@pytest.mark.parametrize("config", [{"block_n": 32}, {"block_n": 64, "block_d": 16}, {"block_d": 128, "stages": 2},
-                                    {"num_warps": 8, "per_sm": 1}, {"block_d": 32, "stages": 3, "maxnreg": 96}],
-                         ids=lambda c: "-".join(f"{k}_{v}" for k, v in c.items()))
-def test_mma_backward_launch_choices_match_float64(config):
-    """The launch choices the benchmarks time, at a shape with a partial block of sources,
-    a partial last chunk of the row and running sums, in bf16."""
-    n, s, batch, d = 37, 5, (3,), 200
-    inp = _make(n, s, batch, d, 1, torch.bfloat16, 17)
-    grads, oracle = _run_mma(inp, torch.bfloat16, config, running=True)
-    for k, (got, want) in enumerate(zip(grads, oracle)):
-        assert _rel(got, want) < (1e-5 if k >= n else TOL[torch.bfloat16]), (k, _rel(got, want))
-
-
-def test_default_sends_the_calls_mma_min_sources_names_to_the_mma_backward(monkeypatch):
-    choose = route_many_triton._backward_kernel
-    cfg = {"backward": None, "exact_softmax_grad": False}
-    bf16 = torch.bfloat16
-    assert route_many_triton.MMA_MIN_SOURCES is None  # off until measured
-    assert choose(1, cfg, False, 4, 45, True, bf16) == "per_token"
-    monkeypatch.setattr(route_many_triton, "MMA_MIN_SOURCES", 8)
-    assert choose(1, cfg, False, 4, 45, True, bf16) == "mma"
-    assert choose(1, cfg, False, 4, 45, True, torch.float16) == "mma"
-    assert choose(1, cfg, False, 16, 8, True, bf16) == "mma"
-    # fewer sources, several heads, keys, no stats, too many queries, fp32, the exact sum: not served
-    assert choose(1, cfg, False, 4, 7, True, bf16) == "per_token"
-    assert choose(16, cfg, False, 4, 45, True, bf16) == "tiled"
-    assert choose(1, cfg, True, 4, 45, True, bf16) == "tiled"
-    assert choose(1, cfg, False, 4, 45, False, bf16) == "per_token"
-    assert choose(1, cfg, False, 17, 45, True, bf16) == "per_token"
-    assert choose(1, cfg, False, 4, 45, True, torch.float32) == "per_token"
-    assert choose(1, {**cfg, "exact_softmax_grad": True}, False, 4, 45, True, bf16) == "per_token"
-
-
-def test_mma_backward_refuses_the_calls_it_does_not_serve():
-    inp = _make(3, 2, (3,), 16, 1, torch.float32, 1)
-    with pytest.raises(ValueError, match=r"config backward='mma' takes one head, no separate keys, the forward's stats "
-                                         r"table, at most 16 queries and exact_softmax_grad off; found no stats table"):
-        _run(inp, torch.float32, 1, config={"backward": "mma"}, fwd_config={}, keep_stats=False)
-    with pytest.raises(ValueError, match=r"found 3 heads, separate keys, no stats table from the forward"):
-        _run(_make(3, 2, (3,), 24, 3, torch.float32, 1, keys=True), torch.float32, 1, config={"backward": "mma"},
-             fwd_config={})
-    with pytest.raises(ValueError, match=r"found 17 queries"):
-        _run_mma(_make(2, 17, (2,), 16, 1, torch.float32, 1), torch.float32, {}, running=False)
-    with pytest.raises(ValueError, match=r"found exact_softmax_grad"):
-        _run_mma(inp, torch.float32, {"exact_softmax_grad": True}, running=False)
-    with pytest.raises(ValueError, match=r"config block_n must be one of \(16, 32, 64\) for the mma backward; found 8"):
-        _run_mma(inp, torch.float32, {"block_n": 8}, running=False)
 
 
 def test_backward_is_deterministic():

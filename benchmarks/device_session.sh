@@ -40,6 +40,7 @@
 #   OUT=... bash benchmarks/device_session.sh mhar37     # GPU kernel tests; route's launch variants at full MHAR's site shapes (session 37)
 #   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch against the old, end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh final37    # GPU kernel tests; full MHAR new / old launch and full AttnRes end to end (session 37)
+#   OUT=... bash benchmarks/device_session.sh running38  # route_many's per-token backward launches with running sums at full AttnRes's call shapes (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -860,6 +861,12 @@ final37)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   gpu_kernel_tests 170
   e2e_run 400 4 12 baseline mhar mhar_mh0 attnres
+  ;;
+running38)
+  # session 38: route_many's backward launch choices with a running sum for every source (as
+  # full AttnRes's calls run since session 36) at its call shapes, each one's registers (~4 minutes)
+  full_attnres_phase '^_running' 280
+  grep -A 200 "^backward variants" "$OUT/bp.txt" | head -150
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

@@ -498,7 +498,23 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_
                             **{f"_pertoken_q{k}": {"backward": "per_token", "block_q": k} for k in (2, 4)},
                             # a source's three row sums reduced one by one (before session 33;
                             # since, joined in one reduction: route_many_triton.PER_TOKEN_FUSED_SUMS)
-                            "_pertoken_sums1": {"backward": "per_token", "fused_sums": False}}
+                            "_pertoken_sums1": {"backward": "per_token", "fused_sums": False},
+                            # the launch choices again with a running sum for every source, as full
+                            # AttnRes's calls run since session 36 (grad_accumulation; its launches
+                            # were chosen without them): each sum read one source ahead (a
+                            # "_running" key marks them; it is not a config entry)
+                            **{f"_running_{name}": {"_running": True, **cfg} for name, cfg in (
+                                ("pf1", {"prefetch": True}), ("pf3", {"prefetch": 3}), ("pf4", {"prefetch": 4}),
+                                ("s2", {"stages": 2}), ("s3", {"stages": 3}), ("s4", {"stages": 4}),
+                                ("pp2", {"per_sm": 2}), ("pp4", {"per_sm": 4}),
+                                ("uncapped_pp2", {"per_sm": 2, "maxnreg": None}),
+                                ("cap128_pp4", {"per_sm": 4, "maxnreg": 128}),
+                                ("cap200_pp2", {"per_sm": 2, "maxnreg": 200}),
+                                ("w8_pp2", {"num_warps": 8, "per_sm": 2, "maxnreg": None}),
+                                ("w8_cap128_pp2", {"num_warps": 8, "per_sm": 2, "maxnreg": 128}),
+                                ("table", {"param": "table"}), ("table_cap128_pp4", {"param": "table", "per_sm": 4,
+                                                                                      "maxnreg": 128}),
+                                ("sums1", {"fused_sums": False}), ("tiled", {"backward": "tiled"}))}}
 
 
 def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHASE_SHAPES,
@@ -542,7 +558,9 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
 
         def many_bwd(cfg=None):
             kept = None if cfg is NO_STATS else stats
-            running = cfg is RUNNING_SUMS
+            running = cfg is RUNNING_SUMS or bool(cfg and cfg.get("_running"))
+            if cfg and "_running" in cfg:
+                cfg = {k: v for k, v in cfg.items() if k != "_running"}
             return route_many_triton.route_many_backward(g, gl, saved[0], saved[1], vals, q, w, heads, 1e-6, cfg,
                                                          keys=keys, stats=kept,
                                                          grad_values_acc=sums if running else None,

@@ -41,6 +41,7 @@
 #   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch against the old, end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh final37    # GPU kernel tests; full MHAR new / old launch and full AttnRes end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh running38  # route_many's per-token backward launches with running sums at full AttnRes's call shapes (session 38)
+#   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
 #   OUT=... bash benchmarks/device_session.sh paramstages  # the parameter reduction's pipeline (session 18)
@@ -867,6 +868,15 @@ running38)
   # full AttnRes's calls run since session 36) at its call shapes, each one's registers (~4 minutes)
   full_attnres_phase '^_running' 280
   grep -A 200 "^backward variants" "$OUT/bp.txt" | head -150
+  ;;
+running38e2e)
+  # session 38: route_many's GPU tests with its running sums through the pipeline (the
+  # default since), then full AttnRes with it and without (run0) beside the baseline (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+      > "$OUT/route_many_tests.txt" 2>&1
+  tail -2 "$OUT/route_many_tests.txt"
+  e2e_run 400 3 10 baseline attnres attnres_run0
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

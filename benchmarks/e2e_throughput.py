@@ -266,6 +266,10 @@ LAUNCH_VARIANTS = {
     # launch as mhar_mhs3r128 beside this one as the default)
     "mh0": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 0, "MULTI_HEAD_BACKWARD_MAXNREG": None,
                         "MULTI_HEAD_BACKWARD_PER_SM": 8}),
+    # route_many's one-head per-token backward with running sums through the register
+    # prefetch, as before session 38 (since, its sources through Triton's pipeline at 1 and 4
+    # queries: route_many_triton.RUNNING_PER_TOKEN_STAGES)
+    "run0": (("attnres", "block_attnres"), {"route_many_triton.RUNNING_PER_TOKEN_STAGES": {1: 0}}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

@@ -164,6 +164,16 @@ ONE_HEAD_FORWARD_STAGES = 3
 #: ``dar_block_fwdcap0``: none)
 KEYED_FORWARD_MAXNREG = 168
 WIDE_PER_TOKEN_STAGES = 3
+#: the one-head per-token backward's pipeline stages on rows up to NARROW_ROW when its
+#: gradients are added to running sums (full AttnRes's calls since session 36,
+#: grad_accumulation), by the padded queries a program holds (BLOCK_Q; a block size not
+#: listed takes the entry of the largest listed one below it; 0: the register prefetch,
+#: PER_TOKEN_PREFETCH). Session 38 (H200, bf16, 16384 tokens, d = 1024, running sums; run 2,
+#: docs/benchmarks.md) against the register prefetch, at full AttnRes's call shapes: 4 queries
+#: 0.695 / 1.408 / 2.109 ms against 0.714 / 1.474 / 2.232 at N = 13 / 29 / 45 (20 bytes
+#: spilled at the cap of 168 against 2); one query 1.252 against 1.330 at N = 49; 2 queries
+#: slower (0.559 against 0.475 at N = 13); 8 queries (no scheme adds running sums there) untimed
+RUNNING_PER_TOKEN_STAGES = {1: 3, 2: 0, 4: 3, 8: 0}
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
@@ -1008,12 +1018,13 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
         cfg["prefetch"] = _backward_prefetch(kernel, row, _per_token_block_q(s, heads, row, cfg))
     allowed = PREFETCH_DEPTHS + PER_TOKEN_PREFETCH_DEPTHS if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
-    cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k)), "route_many")
+    running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
+    cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(
+        kernel, row, bool(flat_k), running.any, _per_token_block_q(s, heads, row, cfg)), "route_many")
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
-    running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats,
                                  running)
     grad_queries, grad_weights = finish(r, queries, key_norm_weights)
@@ -1056,12 +1067,16 @@ def _per_token_block_q(s: int, heads: int, row: int, cfg: dict) -> int:
     return _query_block(s, row, cfg, MULTI_HEAD_BACKWARD_QUERIES if heads > 1 else None)
 
 
-def _backward_stages(kernel: str, row: int, has_keys: bool) -> int:
+def _backward_stages(kernel: str, row: int, has_keys: bool, running: bool, block_q: int) -> int:
     """The pipeline stages a backward kernel takes unless a config sets them (measured,
     ONE_HEAD_FORWARD_TOKENS' comment): the per-token backward WIDE_PER_TOKEN_STAGES for rows
-    wider than NARROW_ROW or with separate keys (two rows a source), else 0 (the tiled
-    backward: always)."""
-    return WIDE_PER_TOKEN_STAGES if kernel == "per_token" and (row > NARROW_ROW or has_keys) else 0
+    wider than NARROW_ROW or with separate keys (two rows a source), RUNNING_PER_TOKEN_STAGES'
+    entry for ``block_q`` padded queries with running sums, else 0 (the tiled backward: always)."""
+    if kernel != "per_token":
+        return 0
+    if row > NARROW_ROW or has_keys:
+        return WIDE_PER_TOKEN_STAGES
+    return _entry_by_queries(RUNNING_PER_TOKEN_STAGES, block_q) if running else 0
 
 
 def _param_gradients(cfg: dict) -> str:

@@ -712,6 +712,38 @@ def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, ke
     assert torch.equal(summed[2], plain[2]) and torch.equal(summed[3], plain[3])
 
 
+def test_running_sums_take_the_pipeline_by_the_queries_a_program_holds(monkeypatch):
+    stages = route_many_triton._backward_stages
+    monkeypatch.setattr(route_many_triton, "RUNNING_PER_TOKEN_STAGES", {1: 3, 2: 0, 4: 5})
+    # one head, rows up to NARROW_ROW: by the padded queries, only with running sums
+    assert [stages("per_token", 1024, False, True, q) for q in (1, 2, 4, 8)] == [3, 0, 5, 5]
+    assert [stages("per_token", 1024, False, False, q) for q in (1, 4)] == [0, 0]
+    # wider rows and separate keys: WIDE_PER_TOKEN_STAGES either way; the tiled backward: none
+    wide = route_many_triton.WIDE_PER_TOKEN_STAGES
+    assert stages("per_token", 2048, False, True, 2) == stages("per_token", 1024, True, False, 2) == wide
+    assert stages("tiled", 1024, False, True, 4) == 0
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_running_sums_at_full_attnres_query_counts_match_float64(s):
+    """The default launch with running sums at full AttnRes's query counts (its sources
+    through Triton's pipeline: RUNNING_PER_TOKEN_STAGES), bf16, odd tokens: each gradient
+    with a running sum against the float64 gradient plus that sum, each without one and
+    the parameter gradients against the plain backward's (which takes the register prefetch)."""
+    n, dtype = 9, torch.bfloat16
+    inp = _make(n, s, (7,), 100, 1, dtype, 73)
+    gen = torch.Generator().manual_seed(74)
+    running = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
+    plain, summed, oracle = _backward_with_running_sums(inp, dtype, 73, {"backward": "per_token"}, (running, None))
+    for i, acc in enumerate(running):
+        want = oracle[i] if acc is None else oracle[i] + acc.double()
+        assert _rel(summed[0][i].cpu(), want) < TOL[dtype], i
+        if acc is None:
+            assert _rel(summed[0][i].cpu(), plain[0][i].cpu()) < TOL[dtype], i
+    for k in (2, 3):
+        assert _rel(summed[k].cpu(), plain[k].cpu()) < 1e-6, k
+
+
 def test_bad_running_sums_are_refused():
     inp = _make(3, 2, (5,), 16, 1, torch.float32, 1)
     values = [v.to(DEVICE) for v in inp["values"]]

@@ -77,7 +77,15 @@ of tokens in one kernel, into small ``(N, S, T)`` tables, then the gradient rows
 kernel without reductions, the parameter terms through ``tl.dot``): at d = 1024, S = 6,
 its best forms took 0.375 + 0.367 ms at N = 4 and 0.724 + 0.719 at N = 8 against the
 per-token kernel's 0.579 and 1.035 (at N = 4 the two kernels 5.4x and 3.7x their own
-floors: as latency-bound as the one-pass kernels; docs/benchmarks.md session 29).
+floors: as latency-bound as the one-pass kernels; docs/benchmarks.md session 29). So is a
+second tensor-core backward for one head (commits 0733273 and 477daad, ``backward="mma"``:
+one token at a time, its sources in blocks of 16, the logits from the forward's statistics,
+``<g, v>`` and the gradient rows as ``tl.dot`` over column chunks of the row, no reduction
+across threads; 96 registers, no spill): 2.0-2.9x the per-token kernel's time at full
+AttnRes's group calls (4 queries over 13-45 sources), 2.7-3.9x at one query, 1.7-2.7x at
+the block phase's, its best launch (3 stages, or chunks of 128) still 1.8-2.2x: each token
+walks its row chunk by chunk three times, and every chunk waits on its loads
+(docs/benchmarks.md session 38).
 """
 
 from __future__ import annotations

@@ -81,11 +81,12 @@ floors: as latency-bound as the one-pass kernels; docs/benchmarks.md session 29)
 second tensor-core backward for one head (commits 0733273 and 477daad, ``backward="mma"``:
 one token at a time, its sources in blocks of 16, the logits from the forward's statistics,
 ``<g, v>`` and the gradient rows as ``tl.dot`` over column chunks of the row, no reduction
-across threads; 96 registers, no spill): 2.0-2.9x the per-token kernel's time at full
-AttnRes's group calls (4 queries over 13-45 sources), 2.7-3.9x at one query, 1.7-2.7x at
-the block phase's, its best launch (3 stages, or chunks of 128) still 1.8-2.2x: each token
-walks its row chunk by chunk three times, and every chunk waits on its loads
-(docs/benchmarks.md session 38).
+across threads; 96 registers, no spill): 2.3-2.7x the per-token kernel's time at full
+AttnRes's group calls (4 queries over 13-45 sources), 3.9-4.0x at the readout's one query
+over 49, 1.7-2.7x at the block phase's; its fastest launch (3 stages) still 1.45-1.71x at
+the group calls and 2.6x at the readout, running sums on both sides: each token walks its
+row chunk by chunk three times, and every chunk waits on its loads (docs/benchmarks.md
+session 38).
 """
 
 from __future__ import annotations

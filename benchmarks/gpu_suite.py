@@ -504,7 +504,10 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_
                             # were chosen without them): each sum read one source ahead (a
                             # "_running" key marks them; it is not a config entry)
                             **{f"_running_{name}": {"_running": True, **cfg} for name, cfg in (
-                                ("pf1", {"prefetch": True}), ("pf3", {"prefetch": 3}), ("pf4", {"prefetch": 4}),
+                                # the register prefetch, 1-4 ahead (2: the default before session 38;
+                                # since, 3 stages at 1 and 4 queries: RUNNING_PER_TOKEN_STAGES)
+                                ("pf1", {"prefetch": True, "stages": 0}), ("pf2", {"prefetch": 2, "stages": 0}),
+                                ("pf3", {"prefetch": 3, "stages": 0}), ("pf4", {"prefetch": 4, "stages": 0}),
                                 ("s2", {"stages": 2}), ("s3", {"stages": 3}), ("s4", {"stages": 4}),
                                 ("pp2", {"per_sm": 2}), ("pp4", {"per_sm": 4}),
                                 ("uncapped_pp2", {"per_sm": 2, "maxnreg": None}),

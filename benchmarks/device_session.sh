@@ -41,6 +41,7 @@
 #   OUT=... bash benchmarks/device_session.sh mhar37e2e  # full MHAR with the 16-head backward's fastest launch against the old, end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh final37    # GPU kernel tests; full MHAR new / old launch and full AttnRes end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh running38  # route_many's per-token backward launches with running sums at full AttnRes's call shapes (session 38)
+#   OUT=... bash benchmarks/device_session.sh sequence39   # full AttnRes's backward calls of a step replayed in order, two launches; end to end (session 39)
 #   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
@@ -876,6 +877,15 @@ running38e2e)
   timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
       > "$OUT/route_many_tests.txt" 2>&1
   tail -2 "$OUT/route_many_tests.txt"
+  e2e_run 400 3 10 baseline attnres attnres_run0
+  ;;
+sequence39)
+  # session 39: full AttnRes's route_many_backward calls of one step replayed in order, with
+  # its default launch and run0's (in sequence and each alone), then end to end again (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 benchmarks/backward_sequence.py --config attnres --variants default attnres_run0 \
+      --rounds 9 --out "$OUT" > "$OUT/sequence.txt" 2>&1
+  tail -12 "$OUT/sequence.txt"
   e2e_run 400 3 10 baseline attnres attnres_run0
   ;;
 table34)

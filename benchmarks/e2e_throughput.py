@@ -268,8 +268,9 @@ LAUNCH_VARIANTS = {
                         "MULTI_HEAD_BACKWARD_PER_SM": 8}),
     # route_many's one-head per-token backward with running sums through the register
     # prefetch, as before session 38 (since, its sources through Triton's pipeline at 1 and 4
-    # queries: route_many_triton.RUNNING_PER_TOKEN_STAGES)
-    "run0": (("attnres", "block_attnres"), {"route_many_triton.RUNNING_PER_TOKEN_STAGES": {1: 0}}),
+    # queries: route_many_triton.RUNNING_PER_TOKEN_STAGES). Full AttnRes only: no call of
+    # Block AttnRes's gets running sums (its readout comes first in the backward)
+    "run0": (("attnres",), {"route_many_triton.RUNNING_PER_TOKEN_STAGES": {1: 0}}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

@@ -8,7 +8,7 @@ the step's sequence of calls too.
 First, on the CPU, the end-to-end configuration ``--config`` (``e2e_throughput.py``'s model:
 24 layers, 16 heads) is rewritten at width 64, compiled with the depthrewrite backend
 (Inductor replaced by ``aot_eager``, its passes as on the GPU: the running sums of
-``depthrewrite.grad_accumulation`` included) and trained for one step while a dispatch mode
+``depthrewrite.grad_accumulation`` included) and run forward and backward while a dispatch mode
 records each ``route_many_backward`` call of the backward: its sources (by identity), its
 queries, heads and which sources come with a running sum. Then, on the GPU, the calls are
 made again in that order at the end-to-end shape (8 x 2048 tokens, d = 1024, bf16): one
@@ -19,7 +19,9 @@ times, per variant (the variants in a rotated order), the whole sequence (CUDA e
 around every call, three passes, the median) and then each call alone (three times back to
 back, as a kernel benchmark times a call; the median). ``--variants``: ``default`` (the launch
 constants as they are) and names of ``e2e_throughput.LAUNCH_PATCHES`` (their constants
-set for the variant's passes, then put back).
+set for the variant's passes, then put back). A call whose kernels are shorter than its
+host time (one query over 2-3 sources: ~0.4 ms) is timed from its start event to its
+kernels' end, host time included; so is a sequence's first call.
 
 Prints, last, per variant and form (in sequence, alone): the median over rounds of the
 calls' total time and of its calls grouped by queries and running sums, and the ratio to

@@ -183,8 +183,8 @@ WIDE_PER_TOKEN_STAGES = 3
 #: spilled at the cap of 168 against 2); one query 1.252 against 1.330 at N = 49; 2 queries
 #: slower (0.559 against 0.475 at N = 13); 8 queries (no scheme adds running sums there) untimed.
 #: Session 39: full AttnRes's 37 backward calls of a step replayed in order
-#: (benchmarks/backward_sequence.py), its 12 four-query calls 14.77 against 15.17 ms (4.3 %
-#: faster each call alone); in the training step the profile had the backward kernels level
+#: (benchmarks/backward_sequence.py), its 12 four-query calls 14.77 against 15.17 ms (14.13
+#: against 14.74 each call alone); in the training step the profile had the backward kernels level
 #: (17.33-17.36 against 17.38 ms a step, two runs): not slower anywhere measured. Its readout
 #: (one query) comes first in the backward, before any sum, so it keeps the prefetch
 RUNNING_PER_TOKEN_STAGES = {1: 3, 2: 0, 4: 3, 8: 0}

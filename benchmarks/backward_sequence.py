@@ -3,7 +3,7 @@ under launch variants: whether a launch that is faster on a call timed alone is 
 the step's sequence of calls too.
 
     python3 benchmarks/backward_sequence.py [--config attnres] [--variants default attnres_run0]
-        [--rounds 7] [--out DIR]
+        [--rounds 7] [--between-matmuls K] [--out DIR]
 
 First, on the CPU, the end-to-end configuration ``--config`` (``e2e_throughput.py``'s model:
 24 layers, 16 heads) is rewritten at width 64, compiled with the depthrewrite backend
@@ -17,13 +17,16 @@ gradients and the forward's outputs, log-sum-exps and statistics; a call with ru
 takes each source's latest gradient as its sum and its result becomes the next. Each round
 times, per variant (the variants in a rotated order), the whole sequence (CUDA events
 around every call, three passes, the median) and then each call alone (three times back to
-back, as a kernel benchmark times a call; the median). ``--variants``: ``default`` (the launch
-constants as they are) and names of ``e2e_throughput.LAUNCH_PATCHES`` (their constants
-set for the variant's passes, then put back). A call whose kernels are shorter than its
-host time (one query over 2-3 sources: ~0.4 ms) is timed from its start event to its
-kernels' end, host time included; so is a sequence's first call.
+back, as a kernel benchmark times a call; the median), and with ``--between-matmuls K``
+the sequence again with K bf16 matmuls of the model's MLP shape queued before each call
+(untimed: the step runs a layer's backward between two routing calls). ``--variants``:
+``default`` (the launch constants as they are) and names of
+``e2e_throughput.LAUNCH_PATCHES`` (their constants set for the variant's passes, then put
+back). A call whose kernels are shorter than its host time (one query over 2-3 sources:
+~0.4 ms) is timed from its start event to its kernels' end, host time included, unless
+matmuls queued before it keep the GPU busy meanwhile; so is a sequence's first call.
 
-Prints, last, per variant and form (in sequence, alone): the median over rounds of the
+Prints, last, per variant and form (in sequence, alone, between matmuls): the median over rounds of the
 calls' total time and of its calls grouped by queries and running sums, and the ratio to
 the first variant.
 """
@@ -133,12 +136,15 @@ def _call(c: dict, sums: dict[int, torch.Tensor]) -> list[torch.Tensor]:
                                                  grad_values_acc=acc if c["running"] else None)[0]
 
 
-def run_sequence(prepared: list[dict], sums: dict[int, torch.Tensor]) -> list[float]:
+def run_sequence(prepared: list[dict], sums: dict[int, torch.Tensor], between=None) -> list[float]:
     """The calls once, in order; each call's GPU time (ms, CUDA events around it). ``sums``:
-    the running sum per source id, replaced by each call's gradient for a source it has."""
+    the running sum per source id, replaced by each call's gradient for a source it has.
+    ``between``: None, or work to queue before each call (not timed)."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in prepared]
     with torch.no_grad():
         for (start, end), c in zip(events, prepared):
+            if between is not None:
+                between()
             start.record()
             grads = _call(c, sums)
             end.record()
@@ -165,23 +171,44 @@ def run_isolated(prepared: list[dict], sums: dict[int, torch.Tensor]) -> list[fl
     return times
 
 
-def time_variants(prepared: list[dict], sources: list[torch.Tensor], variants: list[str], rounds: int) -> dict:
-    """Per form ("sequence", "isolated"), variant and round: each call's time (ms; in
-    sequence, the median over PASSES passes)."""
+def matmuls(count: int, seed: int = 1):
+    """``count`` bf16 matmuls of the end-to-end model's MLP shape ((8 x 2048, 1024) @ (1024,
+    4096), ~0.2 ms each on an H200), as one callable: the work a step does between two routing
+    backwards (a layer's backward: ~1.6 ms of other kernels a call in full AttnRes's step)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(BATCH * SEQ, E2E_WIDTH, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(E2E_WIDTH, 4 * E2E_WIDTH, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def run():
+        for _ in range(count):
+            torch.mm(a, b)
+    return run
+
+
+def time_variants(prepared: list[dict], sources: list[torch.Tensor], variants: list[str], rounds: int,
+                  between_matmuls: int = 0) -> dict:
+    """Per form ("sequence", "isolated", and with ``between_matmuls`` "between matmuls":
+    the sequence with that many matmuls queued before each call), variant and round: each
+    call's time (ms; in sequence, the median over PASSES passes)."""
     sums = {i: torch.randn_like(t) for i, t in enumerate(sources)}
-    times = {form: {v: [] for v in variants} for form in ("sequence", "isolated")}
+    forms = ("sequence", "isolated") + (("between matmuls",) if between_matmuls else ())
+    between = matmuls(between_matmuls) if between_matmuls else None
+    times = {form: {v: [] for v in variants} for form in forms}
     for r in range(rounds + 1):  # round 0 compiles every variant's kernels: not counted
         for name in variants[r % len(variants):] + variants[:r % len(variants)]:
             previous = apply_launch_patches(name) if name != "default" else []
             try:
                 passes = [run_sequence(prepared, sums) for _ in range(PASSES)]
                 isolated = run_isolated(prepared, sums)
+                mixed = [run_sequence(prepared, sums, between) for _ in range(PASSES)] if between else None
             finally:
                 for module, constant, value in previous:
                     setattr(module, constant, value)
             if r:
                 times["sequence"][name].append([statistics.median(call) for call in zip(*passes)])
                 times["isolated"][name].append(isolated)
+                if mixed:
+                    times["between matmuls"][name].append([statistics.median(call) for call in zip(*mixed)])
     return times
 
 
@@ -213,21 +240,27 @@ def main() -> int:
     ap.add_argument("--config", default="attnres", help="the end-to-end configuration whose step is replayed")
     ap.add_argument("--variants", nargs="+", default=["default", "attnres_run0"])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--between-matmuls", type=int, default=0, metavar="K",
+                    help="also time the sequence with K MLP-sized matmuls queued before each call")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="writes backward_sequence.json there")
     args = ap.parse_args()
     unknown = [v for v in args.variants if v != "default" and v not in LAUNCH_PATCHES]
     if unknown:
         ap.error(f"--variants: {unknown} are neither 'default' nor e2e_throughput.LAUNCH_PATCHES names")
+    if args.between_matmuls < 0:
+        ap.error(f"--between-matmuls must be >= 0; found {args.between_matmuls}")
     if not torch.cuda.is_available():
         ap.error("the replay needs a CUDA device")
     calls = record_calls(args.config)
     print(f"{args.config}: {len(calls)} route_many_backward calls a step, recorded on the CPU", flush=True)
     sources, prepared = make_inputs(calls)
-    times = time_variants(prepared, sources, args.variants, args.rounds)
+    times = time_variants(prepared, sources, args.variants, args.rounds, args.between_matmuls)
     if args.out:
         with open(os.path.join(args.out, "backward_sequence.json"), "w") as f:
             json.dump(dict(config=args.config, calls=calls, times=times), f, separators=(",", ":"))
-    print("\n".join(table(calls, times["sequence"], "in sequence") + table(calls, times["isolated"], "each alone")))
+    forms = {"sequence": "in sequence", "isolated": "each alone",
+             "between matmuls": f"in sequence, {args.between_matmuls} matmuls before each"}
+    print("\n".join(line for form, rows in times.items() for line in table(calls, rows, forms[form])))
     return 0
 
 

@@ -42,6 +42,7 @@
 #   OUT=... bash benchmarks/device_session.sh final37    # GPU kernel tests; full MHAR new / old launch and full AttnRes end to end (session 37)
 #   OUT=... bash benchmarks/device_session.sh running38  # route_many's per-token backward launches with running sums at full AttnRes's call shapes (session 38)
 #   OUT=... bash benchmarks/device_session.sh sequence39   # full AttnRes's backward calls of a step replayed in order, two launches; end to end (session 39)
+#   OUT=... bash benchmarks/device_session.sh matmuls39    # the same replay, also with matmuls between the calls (session 39)
 #   OUT=... bash benchmarks/device_session.sh table39      # every scheme end to end at HEAD (session 39)
 #   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
@@ -888,6 +889,14 @@ sequence39)
       --rounds 9 --out "$OUT" > "$OUT/sequence.txt" 2>&1
   tail -12 "$OUT/sequence.txt"
   e2e_run 400 3 10 baseline attnres attnres_run0
+  ;;
+matmuls39)
+  # session 39: full AttnRes's route_many_backward calls replayed with both launches, also
+  # with 6 MLP-sized matmuls queued before each call (the step's work between them; ~3 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 200 python3 benchmarks/backward_sequence.py --config attnres --variants default attnres_run0 \
+      --rounds 9 --between-matmuls 6 --out "$OUT" > "$OUT/sequence.txt" 2>&1
+  tail -18 "$OUT/sequence.txt"
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)

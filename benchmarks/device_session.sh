@@ -43,6 +43,7 @@
 #   OUT=... bash benchmarks/device_session.sh running38  # route_many's per-token backward launches with running sums at full AttnRes's call shapes (session 38)
 #   OUT=... bash benchmarks/device_session.sh sequence39   # full AttnRes's backward calls of a step replayed in order, two launches; end to end (session 39)
 #   OUT=... bash benchmarks/device_session.sh matmuls39    # the same replay, also with matmuls between the calls (session 39)
+#   OUT=... bash benchmarks/device_session.sh final39      # GPU tests; the replay with the final default, run0 and run13 (session 39)
 #   OUT=... bash benchmarks/device_session.sh table39      # every scheme end to end at HEAD (session 39)
 #   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
@@ -897,6 +898,19 @@ matmuls39)
   timeout 200 python3 benchmarks/backward_sequence.py --config attnres --variants default attnres_run0 \
       --rounds 9 --between-matmuls 6 --out "$OUT" > "$OUT/sequence.txt" 2>&1
   tail -18 "$OUT/sequence.txt"
+  ;;
+final39)
+  # session 39's last call: route_many's GPU tests, then full AttnRes's backward calls replayed
+  # with the new default (the prefetch at one query), run0 (the prefetch at both) and run13
+  # (session 38's: the pipeline at both), matmuls between the calls too (~3 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+      > "$OUT/route_many_tests.txt" 2>&1
+  tail -2 "$OUT/route_many_tests.txt"
+  timeout 150 python3 benchmarks/backward_sequence.py --config attnres \
+      --variants default attnres_run0 attnres_run13 --rounds 9 --between-matmuls 6 --out "$OUT" \
+      > "$OUT/sequence.txt" 2>&1
+  tail -20 "$OUT/sequence.txt"
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)

@@ -267,10 +267,13 @@ LAUNCH_VARIANTS = {
     "mh0": (("mhar",), {"MULTI_HEAD_BACKWARD_STAGES": 0, "MULTI_HEAD_BACKWARD_MAXNREG": None,
                         "MULTI_HEAD_BACKWARD_PER_SM": 8}),
     # route_many's one-head per-token backward with running sums through the register
-    # prefetch, as before session 38 (since, its sources through Triton's pipeline at 1 and 4
-    # queries: route_many_triton.RUNNING_PER_TOKEN_STAGES). Full AttnRes only: no call of
+    # prefetch, as before session 38 (since, its sources through Triton's pipeline at 4
+    # queries, and in session 38 at 1 too: route_many_triton.RUNNING_PER_TOKEN_STAGES). Full AttnRes only: no call of
     # Block AttnRes's gets running sums (its readout comes first in the backward)
     "run0": (("attnres",), {"route_many_triton.RUNNING_PER_TOKEN_STAGES": {1: 0}}),
+    # session 38's default: the pipeline at one query too (session 39 measured the one-query
+    # calls over 2-3 sources slower with it, the four-query calls faster)
+    "run13": (("attnres",), {"route_many_triton.RUNNING_PER_TOKEN_STAGES": {1: 3, 2: 0, 4: 3, 8: 0}}),
     # route_many's one-head forward (no keys, d <= 1024) with 4 queries a program and 4
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),

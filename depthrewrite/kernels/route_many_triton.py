@@ -182,12 +182,13 @@ WIDE_PER_TOKEN_STAGES = 3
 #: 0.695 / 1.408 / 2.109 ms against 0.714 / 1.474 / 2.232 at N = 13 / 29 / 45 (20 bytes
 #: spilled at the cap of 168 against 2); one query 1.252 against 1.330 at N = 49; 2 queries
 #: slower (0.559 against 0.475 at N = 13); 8 queries (no scheme adds running sums there) untimed.
-#: Session 39: full AttnRes's 37 backward calls of a step replayed in order
-#: (benchmarks/backward_sequence.py), its 12 four-query calls 14.77 against 15.17 ms (14.13
-#: against 14.74 each call alone); in the training step the profile had the backward kernels level
-#: (17.33-17.36 against 17.38 ms a step, two runs): not slower anywhere measured. Its readout
-#: (one query) comes first in the backward, before any sum, so it keeps the prefetch
-RUNNING_PER_TOKEN_STAGES = {1: 3, 2: 0, 4: 3, 8: 0}
+#: Session 39 (benchmarks/backward_sequence.py: full AttnRes's 37 backward calls of a step
+#: replayed in order, 6 MLP-sized matmuls queued before each as in the step): its 12 four-query
+#: calls 15.21 against 15.48 ms a step with the pipeline, but its 24 one-query calls (over 2-3
+#: sources) 3.01 against 2.79 (slower in every round), the sum level, as the training step's
+#: profile had it (17.33-17.36 against 17.38 ms). So one query keeps the prefetch; the one-query
+#: call the pipeline helped (N = 49, the readout) never has running sums: it comes first
+RUNNING_PER_TOKEN_STAGES = {1: 0, 2: 0, 4: 3, 8: 0}
 FORWARD_ORDERS = ("token_major", "chunk_major")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1

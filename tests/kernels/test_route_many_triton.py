@@ -726,10 +726,11 @@ def test_running_sums_take_the_pipeline_by_the_queries_a_program_holds(monkeypat
 
 @pytest.mark.parametrize("s", [1, 4])
 def test_running_sums_at_full_attnres_query_counts_match_float64(s):
-    """The default launch with running sums at full AttnRes's query counts (its sources
-    through Triton's pipeline: RUNNING_PER_TOKEN_STAGES), bf16, odd tokens: each gradient
-    with a running sum against the float64 gradient plus that sum, each without one and
-    the parameter gradients against the plain backward's (which takes the register prefetch)."""
+    """The default launch with running sums at full AttnRes's query counts
+    (RUNNING_PER_TOKEN_STAGES: the sources through Triton's pipeline at 4 queries, the
+    register prefetch at 1), bf16, odd tokens: each gradient with a running sum against the
+    float64 gradient plus that sum, each without one and the parameter gradients against
+    the plain backward's (which takes the register prefetch)."""
     n, dtype = 9, torch.bfloat16
     inp = _make(n, s, (7,), 100, 1, dtype, 73)
     gen = torch.Generator().manual_seed(74)

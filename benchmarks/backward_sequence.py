@@ -223,8 +223,8 @@ def table(calls: list[dict], times: dict, form: str) -> list[str]:
     first variant."""
     groups = sorted({_group(c) for c in calls})
     first = None
-    lines = ["", f"calls {form}, ms", "| variant | all calls (x first) | " + " | ".join(f"{g} ({sum(_group(c) == g for c in calls)} calls) ms"
-                                                    for g in groups) + " |",
+    columns = [f"{g} ({sum(_group(c) == g for c in calls)} calls) ms" for g in groups]
+    lines = ["", f"calls {form}, ms", "| variant | all calls (x first) | " + " | ".join(columns) + " |",
              "| --- | ---: | " + " | ".join("---:" for _ in groups) + " |"]
     for name, rounds in times.items():
         total = statistics.median(sum(r) for r in rounds)

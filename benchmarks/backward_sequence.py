@@ -47,8 +47,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from e2e_throughput import BATCH, CONFIGS, LAUNCH_PATCHES, SEQ, apply_launch_patches  # noqa: E402
+from routing_floor import E2E_WIDTH  # noqa: E402
 
-E2E_WIDTH = 1024
 PASSES = 3  # timed passes of the sequence per variant and round (their median counts)
 
 

@@ -268,8 +268,9 @@ LAUNCH_VARIANTS = {
                         "MULTI_HEAD_BACKWARD_PER_SM": 8}),
     # route_many's one-head per-token backward with running sums through the register
     # prefetch, as before session 38 (since, its sources through Triton's pipeline at 4
-    # queries, and in session 38 at 1 too: route_many_triton.RUNNING_PER_TOKEN_STAGES). Full AttnRes only: no call of
-    # Block AttnRes's gets running sums (its readout comes first in the backward)
+    # queries, and in session 38 at 1 too: route_many_triton.RUNNING_PER_TOKEN_STAGES).
+    # Full AttnRes only: no call of Block AttnRes's gets running sums (its readout comes
+    # first in the backward)
     "run0": (("attnres",), {"route_many_triton.RUNNING_PER_TOKEN_STAGES": {1: 0}}),
     # session 38's default: the pipeline at one query too (session 39 measured the one-query
     # calls over 2-3 sources slower with it, the four-query calls faster)

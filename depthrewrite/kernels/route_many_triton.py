@@ -1029,13 +1029,14 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     o, ls = _contiguous(out), _contiguous(lse)
     kernel = _backward_kernel(heads, cfg, bool(flat_k), s)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
+    block_q = _per_token_block_q(s, heads, row, cfg)
     if cfg["prefetch"] is None:
-        cfg["prefetch"] = _backward_prefetch(kernel, row, _per_token_block_q(s, heads, row, cfg))
+        cfg["prefetch"] = _backward_prefetch(kernel, row, block_q)
     allowed = PREFETCH_DEPTHS + PER_TOKEN_PREFETCH_DEPTHS if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
-    cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(
-        kernel, row, bool(flat_k), running.any, _per_token_block_q(s, heads, row, cfg)), "route_many")
+    cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k), running.any, block_q),
+                                  "route_many")
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")

@@ -45,6 +45,7 @@
 #   OUT=... bash benchmarks/device_session.sh matmuls39    # the same replay, also with matmuls between the calls (session 39)
 #   OUT=... bash benchmarks/device_session.sh final39      # GPU tests; the replay with the final default, run0 and run13 (session 39)
 #   OUT=... bash benchmarks/device_session.sh table39      # every scheme end to end at HEAD (session 39)
+#   OUT=... bash benchmarks/device_session.sh grouped40    # grouped full MHAR (pairs of sites, the fused merge) checked against eager, then end to end against the default (session 40)
 #   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
@@ -911,6 +912,17 @@ final39)
       --variants default attnres_run0 attnres_run13 --rounds 9 --between-matmuls 6 --out "$OUT" \
       > "$OUT/sequence.txt" 2>&1
   tail -20 "$OUT/sequence.txt"
+  ;;
+grouped40)
+  # session 40: full MHAR grouped in pairs of sites (phase 1 kept; each site's phase 2 one
+  # route_merge with the branch norm fused, or merge_partial's torch ops) and in groups of 4,
+  # first compiled against eager on the tiny GPT (fp32, bf16), then end to end beside the
+  # default (site by site) and the baseline (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 90 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes mhar_g2_fm mhar_g3 mhar \
+      > "$OUT/scheme_check.txt" 2>&1
+  grep -E "^scheme-check" "$OUT/scheme_check.txt" | cut -c1-160
+  e2e_run 480 5 8 baseline mhar mhar_g2_keep mhar_g2_keep_fm mhar_g4_keep_fm
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)

@@ -91,6 +91,10 @@ CONFIGS = {
     **{f"attnres_g{g}_keep": ("attnres", {"group_size": g, "recompute": False}, None) for g in (4, 6, 8, 12)},
     "mhar": ("mhar", {}, 0.78),
     "mhar_g6": ("mhar", {"group_size": 6}, None),
+    # grouped full MHAR keeping phase 1, as full AttnRes's default (session 40): in groups of
+    # 2 sites every site's phase 2 is one merge (none or one entry), which the fused merge
+    # below ("_fm") does in route_merge's kernels; groups of 4 route 2-3 entries together
+    **{f"mhar_g{g}_keep": ("mhar", {"group_size": g, "recompute": False}, None) for g in (2, 4)},
 }
 #: backend-option variants of the configurations above: their scheme and options, no goal.
 #: Suffix -> backend options
@@ -155,7 +159,7 @@ for suffix in ("cg", "cdt"):
 #: (fuse_output_norms, on by default; session 20): "_fm"; the same with the branch norms
 #: left to Inductor (each merge writes x, and the backward makes it again): "_fmnf". Until
 #: session 27 these set the module flag two_phase.FUSED_MERGE, the same code path
-FUSED_MERGE_BASES = ("block_attnres", "mhar_block", "dar_block", "attnres")
+FUSED_MERGE_BASES = ("block_attnres", "mhar_block", "dar_block", "attnres", "mhar_g2_keep", "mhar_g4_keep")
 for _base in FUSED_MERGE_BASES:
     for _suffix in ("fm", "fmnf"):
         CONFIGS[f"{_base}_{_suffix}"] = (CONFIGS[_base][0], {**CONFIGS[_base][1], "fused_merge": True}, None)

@@ -130,6 +130,8 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "attnres_site": ("attnres", {"group_size": None}),
            "attnres_g3": ("attnres", {"group_size": 3, "recompute": True}),
            "mhar_g3": ("mhar", {"group_size": 3, "recompute": False}),
+           # grouped full MHAR in pairs of sites, each site's one entry merged by route_merge
+           "mhar_g2_fm": ("mhar", {"group_size": 2, "recompute": False, "fused_merge": True}),
            # the backend's recompute_partial_sums (the partial sums recomputed in the backward;
            # WAV in one block of 4 sites: its default blocks of 2 sites have no sums to recompute)
            "wav_recompute": ("wav", {"block_size": 4}), "dar_recompute": ("dar", {}),

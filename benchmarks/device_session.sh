@@ -46,6 +46,7 @@
 #   OUT=... bash benchmarks/device_session.sh final39      # GPU tests; the replay with the final default, run0 and run13 (session 39)
 #   OUT=... bash benchmarks/device_session.sh table39      # every scheme end to end at HEAD (session 39)
 #   OUT=... bash benchmarks/device_session.sh grouped40    # grouped full MHAR (pairs of sites, the fused merge) checked against eager, then end to end against the default (session 40)
+#   OUT=... bash benchmarks/device_session.sh mhsums40     # route_many's running-sum GPU tests; 16-head route_many calls with running sums, end to end (session 40)
 #   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
@@ -923,6 +924,17 @@ grouped40)
       > "$OUT/scheme_check.txt" 2>&1
   grep -E "^scheme-check" "$OUT/scheme_check.txt" | cut -c1-160
   e2e_run 480 5 8 baseline mhar mhar_g2_keep mhar_g2_keep_fm mhar_g4_keep_fm
+  ;;
+mhsums40)
+  # session 40: route_many's running-sum GPU tests (16 heads among them), then block MHAR and
+  # grouped full MHAR (groups of 4, the fused merge) with their 16-head route_many calls
+  # taking running sums (grad_accumulation.ROUTE_MANY_MULTI_HEAD) beside without, full MHAR's
+  # default and the baseline (~7 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 90 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py -k running_sums \
+      > "$OUT/running_sums_tests.txt" 2>&1
+  tail -2 "$OUT/running_sums_tests.txt"
+  e2e_run 440 6 9 baseline mhar mhar_block mhar_block_mhsums mhar_g4_keep_fm mhar_g4_keep_fm_mhsums
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)

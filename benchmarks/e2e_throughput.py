@@ -264,6 +264,10 @@ LAUNCH_VARIANTS = {
                 {"grad_accumulation.ROUTE_MANY_MAX_QUERIES": None}),
     "rbacc": (("attnres", "block_attnres", "mhar_block", "dar_block"),
               {"grad_accumulation.ACCUMULATED_OPS": ("route_backward",)}),
+    # route_many_backward's calls of 16 heads with running sums too (the tiled kernel;
+    # grad_accumulation.ROUTE_MANY_MULTI_HEAD; session 40)
+    "mhsums": (("mhar_block", "mhar_g4_keep_fm", "mhar_g2_keep_fm"),
+               {"grad_accumulation.ROUTE_MANY_MULTI_HEAD": True}),
     # route's 16-head backward as before session 37 (the register prefetch, the compiler's
     # registers, 8 programs per SM); since, 3 stages at 128 registers and 4 programs per SM
     # (route_triton.MULTI_HEAD_BACKWARD_MAXNREG's comment; session 37's run 2 measured that

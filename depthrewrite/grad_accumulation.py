@@ -48,6 +48,11 @@ ACCUMULATED_OPS = ("route_backward", "route_many_backward")
 #: keyed calls 1.7 ms longer for 1.2 (its peak 1.151x the baseline's against 1.175x; sums
 #: loaded at the store)
 ROUTE_MANY_MAX_QUERIES: int | None = 4
+#: whether ``route_many_backward`` calls of several heads (no separate keys; the tiled kernel)
+#: get running sums at any query count, whatever ROUTE_MANY_MAX_QUERIES says. Grouped full
+#: MHAR (16 heads, groups of 4 sites, the fused merge) left 132 two-term sums a step to
+#: Inductor without them, 5.2 ms (H200, 350M GPT, docs/benchmarks.md session 40)
+ROUTE_MANY_MULTI_HEAD: bool = False
 #: their outputs that are per-source gradient lists, and the argument that takes each one's
 #: running sums
 _ACC_ARG = {0: "grad_values_acc", 1: "grad_keys_acc"}
@@ -76,12 +81,15 @@ def _route_gradient(node: fx.Node, max_heads: int | None) -> tuple[fx.Node, int,
 
 def _narrow_many(call: fx.Node) -> bool:
     """Whether a ``route_many_backward`` call is one that takes running sums
-    (:data:`ROUTE_MANY_MAX_QUERIES`)."""
+    (:data:`ROUTE_MANY_MAX_QUERIES`, :data:`ROUTE_MANY_MULTI_HEAD`)."""
     if ROUTE_MANY_MAX_QUERIES is None:
         return True
     bound = _arguments(call)
-    queries = bound["queries"].meta["val"].shape[0]
-    return bound["heads"] == 1 and not bound["keys"] and queries <= ROUTE_MANY_MAX_QUERIES
+    if bound["keys"]:
+        return False
+    if bound["heads"] > 1:
+        return ROUTE_MANY_MULTI_HEAD
+    return bound["queries"].meta["val"].shape[0] <= ROUTE_MANY_MAX_QUERIES
 
 
 def _accumulates(call: fx.Node) -> bool:

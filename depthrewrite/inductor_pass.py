@@ -79,7 +79,8 @@ def _pass_class():
                 return None
             return (get_hash_for_files(sources), self.max_sum_terms, self.accumulate_grads,
                     self.accumulate_max_heads, self.accumulate_in_place, sum_fences.MIN_NUMEL,
-                    grad_accumulation.ACCUMULATED_OPS, grad_accumulation.ROUTE_MANY_MAX_QUERIES, self.recomputed,
+                    grad_accumulation.ACCUMULATED_OPS, grad_accumulation.ROUTE_MANY_MAX_QUERIES,
+                    grad_accumulation.ROUTE_MANY_MULTI_HEAD, self.recomputed,
                     then)
 
     return BackendPass

@@ -91,6 +91,21 @@ def test_route_many_calls_of_many_queries_or_keys_keep_their_sums_outside(monkey
     assert accumulated(4, "dar", variant="dar", layers_per_block=1) == 0
 
 
+def test_multi_head_route_many_calls_take_running_sums_when_asked(monkeypatch):
+    """``ROUTE_MANY_MULTI_HEAD``: grouped full MHAR (4 heads, pairs of sites) keeps its
+    route_many calls' sums outside by default, as before session 40; with the flag its
+    calls get running sums (only route_many's: the scheme calls no route), and the result
+    is still eager's."""
+    from depthrewrite import grad_accumulation
+
+    def accumulated(flag):
+        monkeypatch.setattr(grad_accumulation, "ROUTE_MANY_MULTI_HEAD", flag)
+        return _compare("mhar", {"inner": "aot_eager"}, heads=4, group_size=2, recompute=False).accumulated["backward"]
+
+    assert accumulated(False) == 0
+    assert accumulated(True) > 0
+
+
 # Inductor: DAR with the running sums as new tensors, WAV (fewer calls to compile) with
 # them written in place (the default) (Inductor's fallback kernel for a custom op that
 # mutates lists of tensors)

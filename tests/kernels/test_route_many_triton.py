@@ -671,17 +671,18 @@ def _backward_with_running_sums(inp, dtype, seed, config, running):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("backward,keys,config", [
-    ("per_token", False, None),
-    ("per_token", False, {"many_elems": 200}),  # chunks of 2 queries: the sums added at the last chunk's store
-    ("per_token", False, {"prefetch": 0}),  # each source's sum loaded with it, not one ahead
-    ("per_token", False, {"stages": 2}),  # the sources and sums through Triton's pipeline
-    ("per_token", True, None),
-    ("tiled", False, None),
-    ("tiled", True, None),
+@pytest.mark.parametrize("backward,keys,config,heads", [
+    ("per_token", False, None, 1),
+    ("per_token", False, {"many_elems": 200}, 1),  # chunks of 2 queries: the sums added at the last chunk's store
+    ("per_token", False, {"prefetch": 0}, 1),  # each source's sum loaded with it, not one ahead
+    ("per_token", False, {"stages": 2}, 1),  # the sources and sums through Triton's pipeline
+    ("per_token", True, None, 1),
+    ("tiled", False, None, 1),
+    ("tiled", True, None, 1),
+    ("tiled", False, None, 4),  # grouped MHAR's calls (grad_accumulation.ROUTE_MANY_MULTI_HEAD)
 ], ids=["per_token", "per_token_chunks", "per_token_pf0", "per_token_stages", "per_token_keys", "tiled",
-        "tiled_keys"])
-def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, keys, config, dtype):
+        "tiled_keys", "tiled_heads"])
+def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, keys, config, heads, dtype):
     """With running sums (depthrewrite.grad_accumulation) each source gradient comes out as
     its running sum plus the gradient, added in float32 and rounded once: in float32 what
     adding the running sum to the plain gradient gives, within one rounding of each (on the
@@ -690,7 +691,7 @@ def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, ke
     without one, and the parameter gradients, bit for bit as without running sums. 9
     sources, 5 queries (two chunks of queries with the config), odd tokens."""
     n, s = 9, 5
-    inp = _make(n, s, (7,), 100, 1, dtype, 71, keys)
+    inp = _make(n, s, (7,), 100, heads, dtype, 71, keys)
     gen = torch.Generator().manual_seed(72)
     running_v = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
     running_k = [torch.randn(7, 100, generator=gen).to(dtype) if i % 2 else None for i in range(n)] if keys else None

@@ -47,6 +47,7 @@
 #   OUT=... bash benchmarks/device_session.sh table39      # every scheme end to end at HEAD (session 39)
 #   OUT=... bash benchmarks/device_session.sh grouped40    # grouped full MHAR (pairs of sites, the fused merge) checked against eager, then end to end against the default (session 40)
 #   OUT=... bash benchmarks/device_session.sh mhsums40     # route_many's running-sum GPU tests; 16-head route_many calls with running sums, end to end (session 40)
+#   OUT=... bash benchmarks/device_session.sh mhsumsab40   # block MHAR with and without them, one model compiled at a time (session 40)
 #   OUT=... bash benchmarks/device_session.sh running38e2e  # route_many's GPU tests; full AttnRes with the pipeline for running sums against the register prefetch, end to end (session 38)
 #   OUT=... bash benchmarks/device_session.sh fwdq4      # route_many's forward with 4 queries a program (2 or 4 warps) at full AttnRes's and the block phase's shapes, end to end (session 34)
 #   OUT=... bash benchmarks/device_session.sh ncu        # Nsight Compute on route_many's kernels (session 18)
@@ -935,6 +936,12 @@ mhsums40)
       > "$OUT/running_sums_tests.txt" 2>&1
   tail -2 "$OUT/running_sums_tests.txt"
   e2e_run 440 6 9 baseline mhar mhar_block mhar_block_mhsums mhar_g4_keep_fm mhar_g4_keep_fm_mhsums
+  ;;
+mhsumsab40)
+  # session 40: block MHAR with its 16-head route_many calls taking running sums beside
+  # without, each model compiled alone (--wave 1: in mhsums40 a kernel that Inductor tunes at
+  # its first run took 13x its time in the process compiled beside five others; ~5 minutes)
+  e2e_run 380 1 6 baseline mhar_block mhar_block_mhsums
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)

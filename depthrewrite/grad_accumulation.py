@@ -11,7 +11,8 @@ running sum and writes running sum plus its gradient, added in float32 and round
 in place of the fresh gradient it wrote before. The same bytes as writing the term and
 reading it back in a separate sum, with no sum kernels and no term kept waiting.
 ``route_many_backward`` takes running sums too, in its calls of one head, no separate keys
-and a few queries (:data:`ROUTE_MANY_MAX_QUERIES` says why).
+and a few queries (:data:`ROUTE_MANY_MAX_QUERIES` says why), and with
+:data:`ROUTE_MANY_MULTI_HEAD` in its calls of several heads.
 
 Only calls with at most ``max_heads`` heads are rewritten (backend option
 ``accumulate_max_heads``, default ``MAX_HEADS`` = None: every call). Session 7 measured the
@@ -49,9 +50,11 @@ ACCUMULATED_OPS = ("route_backward", "route_many_backward")
 #: loaded at the store)
 ROUTE_MANY_MAX_QUERIES: int | None = 4
 #: whether ``route_many_backward`` calls of several heads (no separate keys; the tiled kernel)
-#: get running sums at any query count, whatever ROUTE_MANY_MAX_QUERIES says. Grouped full
-#: MHAR (16 heads, groups of 4 sites, the fused merge) left 132 two-term sums a step to
-#: Inductor without them, 5.2 ms (H200, 350M GPT, docs/benchmarks.md session 40)
+#: get running sums at any query count, whatever ROUTE_MANY_MAX_QUERIES says. Off: level
+#: where measured (H200, 350M GPT, docs/benchmarks.md session 40). Block MHAR 99.2 against
+#: 99.5 ms a step, within its trials' spread; grouped full MHAR (not a default) 4.4 ms less
+#: of Inductor's sums for 3.3 ms more in the tiled kernel, which loads each sum just before
+#: its store
 ROUTE_MANY_MULTI_HEAD: bool = False
 #: their outputs that are per-source gradient lists, and the argument that takes each one's
 #: running sums

@@ -32,7 +32,8 @@ class MharOptions(AttnResOptions):
     # full form: the two-phase computation over groups of this many sites
     # (attnres.FullAttnResOptions); None: one route per site. Off by default: with 16 heads
     # slower than site by site (H200, 350M GPT: G = 6 0.570x the baseline against 0.608,
-    # docs/benchmarks.md session 9)
+    # docs/benchmarks.md session 9), at best level (G = 4, recompute=False,
+    # fused_merge=True: 0.630x against 0.631x, 1.31x peak memory against 1.19x; session 40)
     group_size: int | None = None
     # two-phase (block form) or grouped (full form): the backward recomputes phase 1
     recompute: bool = True

@@ -19,7 +19,11 @@ trial and the allocator's retries (cache flushes for lack of memory) during the
 trials; peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps. The
 backend's lowering report (routing ops per graph and the implementation they went to) is
 recorded so the table shows that the fused kernels ran. ``--wave`` bounds how many models
-are on the GPU at once (memory).
+are on the GPU at once (memory). The compiles of a wave overlap on the GPU too: a kernel
+that Inductor tunes at its first run can then be tuned on a busy GPU (session 40: one fused
+forward kernel 13x its time in one process of a wave of six, the same graph's kernel fast
+in its sibling), so compare Inductor's kernels by name across rows, and compile one model
+at a time (``--wave 1``) for a run that decides a default.
 
 Also recorded: the host's time to issue a step (``host_ms``: ``step()`` returning, with the
 GPU idle when it starts; close to the step time means the GPU waits for the host), the

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from e2e_throughput import BATCH, CONFIGS, LAUNCH_PATCHES, SEQ, apply_launch_patches  # noqa: E402
+from e2e_throughput import BATCH, CONFIGS, LAUNCH_PATCHES, SEQ, launch_patches  # noqa: E402
 from routing_floor import E2E_WIDTH  # noqa: E402
 
 PASSES = 3  # timed passes of the sequence per variant and round (their median counts)
@@ -196,14 +196,10 @@ def time_variants(prepared: list[dict], sources: list[torch.Tensor], variants: l
     times = {form: {v: [] for v in variants} for form in forms}
     for r in range(rounds + 1):  # round 0 compiles every variant's kernels: not counted
         for name in variants[r % len(variants):] + variants[:r % len(variants)]:
-            previous = apply_launch_patches(name) if name != "default" else []
-            try:
+            with launch_patches(name):  # "default" has none
                 passes = [run_sequence(prepared, sums) for _ in range(PASSES)]
                 isolated = run_isolated(prepared, sums)
                 mixed = [run_sequence(prepared, sums, between) for _ in range(PASSES)] if between else None
-            finally:
-                for module, constant, value in previous:
-                    setattr(module, constant, value)
             if r:
                 times["sequence"][name].append([statistics.median(call) for call in zip(*passes)])
                 times["isolated"][name].append(isolated)

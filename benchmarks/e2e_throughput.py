@@ -49,6 +49,7 @@ Writes ``e2e.json`` under --out and prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -358,6 +359,18 @@ def apply_launch_patches(name: str) -> list[tuple]:
         previous.append((module, constant, getattr(module, constant)))
         setattr(module, constant, value)
     return previous
+
+
+@contextlib.contextmanager
+def launch_patches(name: str):
+    """Configuration ``name``'s launch constants set inside the block and put back after it
+    (:func:`apply_launch_patches`; none for a name without patches, such as a base configuration)."""
+    previous = apply_launch_patches(name)
+    try:
+        yield
+    finally:
+        for module, constant, value in reversed(previous):
+            setattr(module, constant, value)
 
 
 def _build(name: str):

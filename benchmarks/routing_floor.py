@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from e2e_throughput import BACKEND_OPTIONS, BATCH, CONFIGS, SEQ, apply_launch_patches  # noqa: E402
+from e2e_throughput import BACKEND_OPTIONS, BATCH, CONFIGS, SEQ, launch_patches  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 E2E_WIDTH = 1024
@@ -93,12 +93,8 @@ def count(config: str, width: int) -> RoutingCalls:
     norms fused (the default) a merge writes the normed row instead of ``x``, the same
     count of rows, and nothing is made again."""
     scheme, options, _ = CONFIGS[config]
-    previous = apply_launch_patches(config)
-    try:
+    with launch_patches(config):
         counter = count_step(scheme, options, width)
-    finally:
-        for module, constant, value in previous:
-            setattr(module, constant, value)
     options = BACKEND_OPTIONS.get(config, {})
     if counter.calls["route_merge"] and options.get("recompute_partial_sums", True) \
             and not options.get("fuse_output_norms", True):

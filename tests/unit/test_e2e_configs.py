@@ -27,6 +27,24 @@ def test_every_launch_patch_sets_an_existing_constant():
                 setattr(module, constant, value)
 
 
+def test_launch_patches_hold_inside_the_block_only():
+    """``launch_patches`` sets a configuration's constants for the block and puts them back
+    after it, also when the block raises; a name without patches changes nothing."""
+    from depthrewrite import grad_accumulation
+
+    e2e = load_benchmark("e2e_throughput")
+    before = grad_accumulation.ROUTE_MANY_MULTI_HEAD
+    with e2e.launch_patches("mhar_block_mhsums"):
+        assert grad_accumulation.ROUTE_MANY_MULTI_HEAD is True
+    assert grad_accumulation.ROUTE_MANY_MULTI_HEAD == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with e2e.launch_patches("mhar_block_mhsums"):
+            raise RuntimeError("inside")
+    assert grad_accumulation.ROUTE_MANY_MULTI_HEAD == before
+    with e2e.launch_patches("default"):
+        assert grad_accumulation.ROUTE_MANY_MULTI_HEAD == before
+
+
 def test_every_backend_variant_names_real_settings():
     """Each A/B configuration's backend options are the backend's own or Inductor settings
     that exist (what the backend passes on to Inductor), and the plain model's "_cg" and

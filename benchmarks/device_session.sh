@@ -943,6 +943,24 @@ mhsumsab40)
   # its first run took 13x its time in the process compiled beside five others; ~5 minutes)
   e2e_run 380 1 6 baseline mhar_block mhar_block_mhsums
   ;;
+grouped41)
+  # session 41: grouped full MHAR's and block MHAR's route_many calls (16 heads) as kernels:
+  # the tiled backward with its parameter reduction (the default) against the per-token
+  # kernel with all of a call's queries in one chunk (its parameter sums in registers, the
+  # sources read once), with and without running sums (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 330 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes grouped_mhar \
+      --variants '^_tiled$|^_pertoken$|^_pertoken_q[248]$|^_pertoken_q4_|^_running$|^_running_pertoken_q4$' \
+      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  tail -14 "$OUT/bp.txt"
+  ;;
+grouped41e2e)
+  # session 41: block MHAR and grouped full MHAR (groups of 4, the fused merge) with their
+  # 16-head route_many calls through the per-token backward in one chunk (ptq), with
+  # running sums too (ptqs), beside the defaults and the baseline (~8 minutes)
+  e2e_run 540 3 9 baseline mhar mhar_g4_keep_fm mhar_g4_keep_fm_ptq mhar_g4_keep_fm_ptqs mhar_block mhar_block_ptq \
+      mhar_block_ptqs
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

@@ -395,7 +395,15 @@ FULL_ATTNRES_PHASE_SHAPES = [(16384, 1024, 13, 4, 1, False), (16384, 1024, 29, 4
                              (16384, 1024, 45, 4, 1, False), (16384, 1024, 49, 1, 1, False),
                              (16384, 1024, 2, 1, 1, False), (16384, 1024, 3, 1, 1, False),
                              (16384, 1024, 13, 2, 1, False)]  # 2 queries: PER_TOKEN_LAUNCH's entry
-PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_SHAPES}
+#: grouped full MHAR's route_many calls at 350M (groups of 4 sites, 16 heads: a group's 4
+#: queries over every entry made before it, N = 1 + 4g up to 45), then block MHAR's (6
+#: queries over 4 or 8 blocks): the tiled backward and its parameter reduction against the
+#: per-token kernel, which forms the parameter sums in its registers (session 41)
+GROUPED_MHAR_PHASE_SHAPES = [(16384, 1024, 13, 4, 16, False), (16384, 1024, 29, 4, 16, False),
+                             (16384, 1024, 45, 4, 16, False), (16384, 1024, 4, 6, 16, False),
+                             (16384, 1024, 8, 6, 16, False)]
+PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_SHAPES,
+                "grouped_mhar": GROUPED_MHAR_PHASE_SHAPES}
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
 #: and the one-pass per-token backward
@@ -496,6 +504,15 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_
                             # 3 or 4 programs per SM, no spill; fp32 partial gradients between
                             # the chunks) rather than one chunk of 8 padded rows that spills
                             **{f"_pertoken_q{k}": {"backward": "per_token", "block_q": k} for k in (2, 4)},
+                            # several heads (8 warps a program): a call's queries in one chunk (4 or
+                            # 8), not MULTI_HEAD_BACKWARD_QUERIES' 2 (fp32 partial gradients between
+                            # chunks); 4 queries at 16 warps, one program per SM; 4 queries with
+                            # running sums (sm_90 code of Triton 3.6 at 16 heads, d = 1024: 128
+                            # registers at 4 queries and 8 warps, 2 programs per SM; session 41)
+                            "_pertoken_q8": {"backward": "per_token", "block_q": 8},
+                            "_pertoken_q4_w16": {"backward": "per_token", "block_q": 4, "num_warps": 16, "per_sm": 1},
+                            "_pertoken_q4_s3": {"backward": "per_token", "block_q": 4, "stages": 3},
+                            "_running_pertoken_q4": {"_running": True, "backward": "per_token", "block_q": 4},
                             # a source's three row sums reduced one by one (before session 33;
                             # since, joined in one reduction: route_many_triton.PER_TOKEN_FUSED_SUMS)
                             "_pertoken_sums1": {"backward": "per_token", "fused_sums": False},

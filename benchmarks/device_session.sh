@@ -954,12 +954,13 @@ grouped41)
       --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
   tail -14 "$OUT/bp.txt"
   ;;
-grouped41e2e)
-  # session 41: block MHAR and grouped full MHAR (groups of 4, the fused merge) with their
-  # 16-head route_many calls through the per-token backward in one chunk (ptq), with
-  # running sums too (ptqs), beside the defaults and the baseline (~8 minutes)
-  e2e_run 540 3 9 baseline mhar mhar_g4_keep_fm mhar_g4_keep_fm_ptq mhar_g4_keep_fm_ptqs mhar_block mhar_block_ptq \
-      mhar_block_ptqs
+grouped41fwd)
+  # session 41: the same calls' forward launches (queries a program, warps, runs of tokens,
+  # the pipeline) against the default (one query a program on 2 warps for 16 heads; ~2 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes grouped_mhar \
+      --variants '^_w[124]$|^_q4|^_q8w[48]$|^_r[248]$|^_s3$|^_s3_w2$|^_cm$' --out "$OUT/bpf" > "$OUT/bpf.txt" 2>&1
+  grep -E "^\[.*block-phase" "$OUT/bpf.txt" | sed -E 's/ many_bwd[^ ]*//g' | cut -c1-600
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)

@@ -273,15 +273,6 @@ LAUNCH_VARIANTS = {
     # grad_accumulation.ROUTE_MANY_MULTI_HEAD; session 40)
     "mhsums": (("mhar_block", "mhar_g4_keep_fm", "mhar_g2_keep_fm"),
                {"grad_accumulation.ROUTE_MANY_MULTI_HEAD": True}),
-    # route_many's 16-head calls through the per-token backward in one chunk of queries (4 for
-    # grouped full MHAR's groups, 8 for block MHAR's 6 sites), its parameter sums in
-    # registers (the default: the tiled backward, then a parameter reduction that reads the
-    # sources again), without and with running sums (session 41)
-    "ptq": (("mhar_block", "mhar_g4_keep_fm"),
-            {"route_many_triton.BACKWARD": "per_token", "route_many_triton.MULTI_HEAD_BACKWARD_QUERIES": 8}),
-    "ptqs": (("mhar_block", "mhar_g4_keep_fm"),
-             {"route_many_triton.BACKWARD": "per_token", "route_many_triton.MULTI_HEAD_BACKWARD_QUERIES": 8,
-              "grad_accumulation.ROUTE_MANY_MULTI_HEAD": True}),
     # route's 16-head backward as before session 37 (the register prefetch, the compiler's
     # registers, 8 programs per SM); since, 3 stages at 128 registers and 4 programs per SM
     # (route_triton.MULTI_HEAD_BACKWARD_MAXNREG's comment; session 37's run 2 measured that

@@ -962,6 +962,17 @@ grouped41fwd)
       --variants '^_w[124]$|^_q4|^_q8w[48]$|^_r[248]$|^_s3$|^_s3_w2$|^_cm$' --out "$OUT/bpf" > "$OUT/bpf.txt" 2>&1
   grep -E "^\[.*block-phase" "$OUT/bpf.txt" | sed -E 's/ many_bwd[^ ]*//g' | cut -c1-600
   ;;
+pairs41)
+  # session 41: route_many's tiled backward taking a source's queries two at a time
+  # (query_pairs) at grouped full MHAR's and block MHAR's calls (16 heads) and DAR's keyed
+  # block calls, beside the default (~3 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  for shapes in grouped_mhar block; do
+    timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes $shapes --variants '^_qp' \
+        --out "$OUT/bp_$shapes" > "$OUT/bp_$shapes.txt" 2>&1
+    grep -E "^\[.*block-phase" "$OUT/bp_$shapes.txt" | sed -E 's/ many_fwd[^ ]*//g; s/ per_site.*//' | cut -c1-400
+  done
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

@@ -965,7 +965,9 @@ grouped41fwd)
 pairs41)
   # session 41: route_many's tiled backward taking a source's queries two at a time
   # (query_pairs) at grouped full MHAR's and block MHAR's calls (16 heads) and DAR's keyed
-  # block calls, beside the default (~3 minutes)
+  # block calls, beside the default (~3 minutes). Ran at 6b31885; slower at every shape, so
+  # the kernel's query_pairs and the _qp variants were removed after the run (check out
+  # 6b31885 to run it again)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   for shapes in grouped_mhar block; do
     timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes $shapes --variants '^_qp' \

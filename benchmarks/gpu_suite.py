@@ -513,15 +513,6 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_
                             "_pertoken_q4_w16": {"backward": "per_token", "block_q": 4, "num_warps": 16, "per_sm": 1},
                             "_pertoken_q4_s3": {"backward": "per_token", "block_q": 4, "stages": 3},
                             "_running_pertoken_q4": {"_running": True, "backward": "per_token", "block_q": 4},
-                            # the tiled backward (16 heads, or separate keys) taking a source's
-                            # queries two at a time (route_many_triton.TILED_QUERY_PAIRS), without
-                            # the next source's prefetch, on 2 warps (sm_90 code of Triton 3.6 at d =
-                            # 1024: one warp spills 128-136 bytes with the prefetch, 4-88 without;
-                            # two warps none at 167-181 registers; session 41)
-                            "_qp": {"backward": "tiled", "query_pairs": True},
-                            "_qp_pf0": {"backward": "tiled", "query_pairs": True, "prefetch": False},
-                            "_qp_w2": {"backward": "tiled", "query_pairs": True, "num_warps": 2},
-                            "_qp_w2_pf0": {"backward": "tiled", "query_pairs": True, "num_warps": 2, "prefetch": False},
                             # a source's three row sums reduced one by one (before session 33;
                             # since, joined in one reduction: route_many_triton.PER_TOKEN_FUSED_SUMS)
                             "_pertoken_sums1": {"backward": "per_token", "fused_sums": False},

@@ -279,10 +279,6 @@ PER_TOKEN_PREFETCH = {1: 2, 8: 4}
 TILED_TOKENS = 1
 TILED_WARPS = 1
 TILED_MAX_ROW = 1024
-#: the tiled backward takes a source's queries two at a time (their loads and row sums
-#: interleaved, no output-gradient prefetch), not one at a time (the config's ``query_pairs``;
-#: calls of one source always one at a time)
-TILED_QUERY_PAIRS = False
 #: the parameter-gradient reduction: queries and columns per program, fp32 elements of its
 #: (tokens, queries, columns) accumulator, programs per SM
 PARAM_QUERIES = 8
@@ -692,31 +688,12 @@ def _tiled_weight(k, qw, rstd, lse, hmask):
 
 
 @triton.jit
-def _tiled_query(v, k, rstd, i, s, S, gtab, ltab, qw_ptr, sada_ptr, coef_ptr, T, D, H, col, cmask, offs, mask, hoffs,
-                 hmask, ptr_ty, f32_ty, ALIGNED: tl.constexpr):
-    """Query ``s``'s terms at source ``i`` of a tile (all zero for ``s >= S``: the second of a
-    pair past the last query): its weights ``a``, ``dz``, logits, output-gradient rows and
-    ``w_s * g_s`` row; stores ``dz * rstd`` for the parameter reduction."""
-    # past the last query the rows of the last are read again (from cache) and weighed 0
-    q = tl.minimum(s, S - 1)
-    qmask = hmask & ((tl.zeros_like(hoffs) + s) < S)  # a tensor also in the interpreter
-    qw = tl.load(qw_ptr + q * D + col, mask=cmask, other=0.0)
-    g = tl.load(_src_ptr(gtab, q, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-    s_ada = tl.load(sada_ptr + _query_base(0, q, S, T, H) + hoffs, mask=hmask, other=0.0)
-    lse = tl.load(_src_ptr(ltab, q, f32_ty, False) + hoffs, mask=hmask, other=0.0)
-    a, zr = _tiled_weight(k, qw, rstd, lse, qmask)
-    dz = a * (tl.sum(v * g, 2) - s_ada)
-    tl.store(coef_ptr + _query_base(i, q, S, T, H) + hoffs, dz * rstd[:, None], mask=qmask)
-    return a, dz, zr, g, qw
-
-
-@triton.jit
 def _route_many_bwd_tiled_kernel(
     like_ptr, gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw_ptr, sada_ptr, coef_ptr, T, N, S, D, C, H, eps,
     runtab, kruntab,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr, ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr, EXACT: tl.constexpr = False,
-    RUNNING: tl.constexpr = False, QUERY_PAIRS: tl.constexpr = False,
+    RUNNING: tl.constexpr = False,
 ):
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -775,47 +752,34 @@ def _route_many_bwd_tiled_kernel(
         acc_g = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s a_s g_s
         acc_q = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), tl.float32)  # sum_s dz_s w_s q_s
         mt = tl.zeros((BLOCK_T,), tl.float32)  # sum over queries and heads of dz_s z_s (the norm's term)
-        # the queries one at a time (QUERY_PAIRS: two at a time, their two chains of loads and
-        # row sums interleaved): their output-gradient rows are read from cache once per
+        # the queries one at a time: their output-gradient rows are read from cache once per
         # source (the first source brought them in), so a program holds a few rows, not S
-        if PREFETCH and not QUERY_PAIRS:
+        if PREFETCH:
             g_nx = tl.load(_src_ptr(gtab, 0, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0)
-        if QUERY_PAIRS:
-            for s in range(0, S, 2):
-                a0, dz0, zr0, g0, qw0 = _tiled_query(v, k, rstd, i, s, S, gtab, ltab, qw_ptr, sada_ptr, coef_ptr, T,
-                                                     D, H, col, cmask, offs, mask, hoffs, hmask, ptr_ty, f32_ty,
-                                                     ALIGNED)
-                a1, dz1, zr1, g1, qw1 = _tiled_query(v, k, rstd, i, s + 1, S, gtab, ltab, qw_ptr, sada_ptr, coef_ptr,
-                                                     T, D, H, col, cmask, offs, mask, hoffs, hmask, ptr_ty, f32_ty,
-                                                     ALIGNED)
-                acc_g += a0[:, :, None] * g0 + a1[:, :, None] * g1
-                acc_q += dz0[:, :, None] * qw0[None, :, :] + dz1[:, :, None] * qw1[None, :, :]
-                mt += tl.sum(dz0 * zr0 + dz1 * zr1, 1)
-        else:
-            for s in range(S):
-                qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
-                if PREFETCH:  # the next query's rows are requested before this one's are used
-                    g = g_nx.to(tl.float32)
-                    nxt, more = _next_source(tok, s, S, mask)
-                    g_nx = tl.load(_src_ptr(gtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
-                else:
-                    g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-                s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
-                if ONE_SOURCE:
-                    # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
-                    zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
-                    a = tl.where(hmask, 1.0, 0.0)
-                    dz = s_ada
-                else:
-                    lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
-                    a, zr = _tiled_weight(k, qw, rstd, lse, hmask)
-                    dz = a * (tl.sum(v * g, 2) - s_ada)
-                acc_g += a[:, :, None] * g
-                acc_q += dz[:, :, None] * qw[None, :, :]
-                mt += tl.sum(dz * zr, 1)
-                # d z / d (w q) is the normalized key: the parameter gradients are a separate
-                # reduction over tokens of dz * rstd * k (_route_many_param_kernel)
-                tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
+        for s in range(S):
+            qw = tl.load(qw_ptr + s * D + col, mask=cmask, other=0.0)
+            if PREFETCH:  # the next query's rows are requested before this one's are used
+                g = g_nx.to(tl.float32)
+                nxt, more = _next_source(tok, s, S, mask)
+                g_nx = tl.load(_src_ptr(gtab, nxt, ptr_ty, ALIGNED) + offs, mask=more, other=0.0)
+            else:
+                g = tl.load(_src_ptr(gtab, s, ptr_ty, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+            s_ada = tl.load(sada_ptr + _query_base(0, s, S, T, H) + hoffs, mask=hmask, other=0.0)
+            if ONE_SOURCE:
+                # weight exactly 1 and out = v: dz is d lse exactly (see the per-token kernel)
+                zr = tl.sum(k * qw[None, :, :], 2) * rstd[:, None]
+                a = tl.where(hmask, 1.0, 0.0)
+                dz = s_ada
+            else:
+                lse = tl.load(_src_ptr(ltab, s, f32_ty, False) + hoffs, mask=hmask, other=0.0)
+                a, zr = _tiled_weight(k, qw, rstd, lse, hmask)
+                dz = a * (tl.sum(v * g, 2) - s_ada)
+            acc_g += a[:, :, None] * g
+            acc_q += dz[:, :, None] * qw[None, :, :]
+            mt += tl.sum(dz * zr, 1)
+            # d z / d (w q) is the normalized key: the parameter gradients are a separate
+            # reduction over tokens of dz * rstd * k (_route_many_param_kernel)
+            tl.store(coef_ptr + _query_base(i, s, S, T, H) + hoffs, dz * rstd[:, None], mask=hmask)
         d_key = rstd[:, None, None] * (acc_q - k * (rstd * mt / D)[:, None, None])
         run_v, run_k = v, k  # read only with RUNNING: the running sums' rows
         if RUNNING:
@@ -1165,7 +1129,6 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
         heads, float(eps), runtab, kruntab, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
         PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o, running.present()),
         ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k), EXACT=cfg["exact_softmax_grad"], RUNNING=running.any,
-        QUERY_PAIRS=n > 1 and check_flag(cfg.get("query_pairs", TILED_QUERY_PAIRS), "query_pairs", "route_many"),
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
         **_register_cap(cfg, "route_many"),
     )

@@ -975,6 +975,15 @@ pairs41)
     grep -E "^\[.*block-phase" "$OUT/bp_$shapes.txt" | sed -E 's/ many_fwd[^ ]*//g; s/ per_site.*//' | cut -c1-400
   done
   ;;
+fw1e2e41)
+  # session 41: route_many's GPU tests with its 16-head forward on 1 warp (the default since),
+  # then block MHAR with it and with 2 warps (mhfw2), each model compiled alone (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 110 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
+      > "$OUT/route_many_tests.txt" 2>&1
+  tail -2 "$OUT/route_many_tests.txt"
+  e2e_run 420 1 6 baseline mhar_block mhar_block_mhfw2
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

@@ -273,6 +273,8 @@ LAUNCH_VARIANTS = {
     # grad_accumulation.ROUTE_MANY_MULTI_HEAD; session 40)
     "mhsums": (("mhar_block", "mhar_g4_keep_fm", "mhar_g2_keep_fm"),
                {"grad_accumulation.ROUTE_MANY_MULTI_HEAD": True}),
+    # route_many's 16-head forward on 2 warps, as from session 16 to 40 (since session 41, 1)
+    "mhfw2": (("mhar_block", "mhar_g4_keep_fm"), {"route_many_triton.MULTI_HEAD_FORWARD_WARPS": 2}),
     # route's 16-head backward as before session 37 (the register prefetch, the compiler's
     # registers, 8 programs per SM); since, 3 stages at 128 registers and 4 programs per SM
     # (route_triton.MULTI_HEAD_BACKWARD_MAXNREG's comment; session 37's run 2 measured that

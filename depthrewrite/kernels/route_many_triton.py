@@ -134,10 +134,14 @@ MANY_ELEMS = 8192
 #: heads 2 queries and 4 warps) 0.236 / 0.317 ms against 0.217 / 0.349 at N = 4 / 8 (one
 #: head: the one shape where the old launch stays faster), 16 heads 0.265 / 0.440 against
 #: 0.280 / 0.466, with keys 0.251 / 0.419 against 0.289 / 0.502 (session 16's run 3).
+#: Several heads on 1 warp since session 41 (its run 2, 16 heads, d = 1024, docs/benchmarks.md):
+#: 0.487 / 0.998 / 1.499 ms against 0.516 / 1.055 / 1.583 with 2 warps at grouped full MHAR's
+#: calls (S = 4, N = 13 / 29 / 45), 0.278 / 0.467 against 0.301 / 0.500 at block MHAR's (S =
+#: 6, N = 4 / 8); 4 queries a program, 4 warps, runs of tokens and the pipeline level or slower.
 FORWARD_QUERIES = 2
 MANY_NARROW_FORWARD_WARPS = 1
 MULTI_HEAD_FORWARD_QUERIES = 1
-MULTI_HEAD_FORWARD_WARPS = 2
+MULTI_HEAD_FORWARD_WARPS = 1
 #: the forward's program order (one launch holds every chunk of queries): "token_major"
 #: (the chunks of a token run side by side and share its source rows through L2) or
 #: "chunk_major" (one chunk's tokens after another: each chunk reads every source from

@@ -984,6 +984,16 @@ fw1e2e41)
   tail -2 "$OUT/route_many_tests.txt"
   e2e_run 420 1 6 baseline mhar_block mhar_block_mhfw2
   ;;
+rfw41)
+  # session 41: route's GPU tests with its 16-head forward on one token and one warp (the
+  # default since), then full MHAR with it and with the launch before (rfw0), each model
+  # compiled alone (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_triton.py \
+      > "$OUT/route_tests.txt" 2>&1
+  tail -2 "$OUT/route_tests.txt"
+  e2e_run 420 1 6 baseline mhar mhar_rfw0
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

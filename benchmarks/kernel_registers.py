@@ -130,13 +130,13 @@ def compile_forward(d: int, heads: int, has_bias: bool = False, has_scale: bool 
     register cap (None: the launch's default cap, if any; 0: none, the compiler's choice) and
     ``lazy`` as its rescale (None: LAZY_RESCALE)."""
     from depthrewrite.kernels.route_triton import (
-        LAZY_RESCALE, _route_forward_cap, _route_forward_stages, _route_forward_warps, _route_fwd_kernel, _route_tokens,
-        _row_blocks,
+        LAZY_RESCALE, _route_forward_cap, _route_forward_stages, _route_forward_tokens, _route_forward_warps,
+        _route_fwd_kernel, _row_blocks,
     )
 
     block_h, block_c = _row_blocks(d, heads)
     row = block_h * block_c
-    block_t = _route_tokens(heads, row)
+    block_t = _route_forward_tokens(heads, row)
     warps = _route_forward_warps(heads, row, block_t)
     constexprs = dict(HAS_KEYS=False, HAS_BIAS=has_bias, HAS_SCALE=has_scale, ONE_SOURCE=False, BLOCK_T=block_t,
                       BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=True, ALIGNED=True, HAS_NORM=has_norm,

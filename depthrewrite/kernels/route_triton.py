@@ -616,8 +616,25 @@ def _is_wide(heads: int, row: int) -> bool:
 
 
 def _route_tokens(heads: int, row: int) -> int:
-    """Tokens per program of route's forward and backward unless a config sets ``block_t``."""
+    """Tokens per program of route's backward (and forward, but for MULTI_HEAD_FORWARD_TOKENS)
+    unless a config sets ``block_t``."""
     return WIDE_TOKENS if _is_wide(heads, row) else _tokens_per_program(row)
+
+
+#: route's forward for several heads on rows of MULTI_HEAD_ROW padded elements: one token a
+#: program on one warp since session 41, against 2 tokens on 4 warps before (H200, bf16,
+#: 16384 tokens, d = 1024, 16 heads, full MHAR's sites N = 9 / 25 / 41: 0.107 / 0.248 / 0.384
+#: ms against 0.109 / 0.258 / 0.403, the fastest of the launches timed in session 37's run
+#: 1; full MHAR's step in session 41, docs/benchmarks.md)
+MULTI_HEAD_FORWARD_TOKENS = 1
+MULTI_HEAD_FORWARD_WARPS = 1
+
+
+def _route_forward_tokens(heads: int, row: int) -> int:
+    """Tokens per program of route's forward unless a config sets ``block_t``."""
+    if heads > 1 and row == MULTI_HEAD_ROW:
+        return MULTI_HEAD_FORWARD_TOKENS
+    return _route_tokens(heads, row)
 
 
 def _route_forward_stages(heads: int, row: int) -> int:
@@ -637,6 +654,8 @@ def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     """Warps of route's forward for ``block_t`` tokens per program unless a config sets them."""
     if _is_wide(heads, row) and block_t == WIDE_TOKENS:
         return WIDE_FORWARD_WARPS
+    if heads > 1 and row == MULTI_HEAD_ROW and block_t == MULTI_HEAD_FORWARD_TOKENS:
+        return MULTI_HEAD_FORWARD_WARPS
     return _forward_warps(heads, row, _num_warps(block_t * row))
 
 
@@ -910,7 +929,7 @@ def _forward_launch(config: dict | None, heads: int, row: int, has_keys: bool, h
     """:func:`route_forward`'s launch choices: ``config``'s entries, checked, over the
     measured defaults (``block_t``, ``num_warps``, ``maxnreg``, ``prefetch``, ``fuse_norm``,
     ``pair_reduce``, ``stages``, ``lazy_rescale``)."""
-    cfg = {"block_t": _route_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, "pair_reduce": False,
+    cfg = {"block_t": _route_forward_tokens(heads, row), "prefetch": True, "fuse_norm": FUSE_NORM, "pair_reduce": False,
            "lazy_rescale": LAZY_RESCALE, **(config or {})}
     block_t = _check_block_t(cfg["block_t"])
     warps = cfg.get("num_warps") or _route_forward_warps(heads, row, block_t)

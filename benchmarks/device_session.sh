@@ -110,6 +110,11 @@ gpu_kernel_tests() {
   timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
   tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
 }
+# one kernel test file, tests/kernels/$2, at most $1 s, its summary in $OUT/$3 and printed
+kernel_test_file() {
+  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider "tests/kernels/$2" > "$OUT/$3" 2>&1
+  tail -2 "$OUT/$3"
+}
 # the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
 # once, at most $1 s; its last $3 table lines printed
 e2e_run() {
@@ -979,9 +984,7 @@ fw1e2e41)
   # session 41: route_many's GPU tests with its 16-head forward on 1 warp (the default since),
   # then block MHAR with it and with 2 warps (mhfw2), each model compiled alone (~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 110 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
-      > "$OUT/route_many_tests.txt" 2>&1
-  tail -2 "$OUT/route_many_tests.txt"
+  kernel_test_file 110 test_route_many_triton.py route_many_tests.txt
   e2e_run 420 1 6 baseline mhar_block mhar_block_mhfw2
   ;;
 rfw41)
@@ -989,9 +992,7 @@ rfw41)
   # default since), then full MHAR with it and with the launch before (rfw0), each model
   # compiled alone (~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_triton.py \
-      > "$OUT/route_tests.txt" 2>&1
-  tail -2 "$OUT/route_tests.txt"
+  kernel_test_file 100 test_route_triton.py route_tests.txt
   e2e_run 420 1 6 baseline mhar mhar_rfw0
   ;;
 table39)

@@ -995,6 +995,13 @@ rfw41)
   kernel_test_file 100 test_route_triton.py route_tests.txt
   e2e_run 420 1 6 baseline mhar mhar_rfw0
   ;;
+rfw41w3)
+  # rfw41 with the three models compiled at once (--wave 3; compare the routing kernels by
+  # name: a concurrent compile can skew Inductor's tuning), for a call with less device time left
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  kernel_test_file 80 test_route_triton.py route_tests.txt
+  e2e_run 260 3 6 baseline mhar mhar_rfw0
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

@@ -1002,6 +1002,18 @@ rfw41w3)
   kernel_test_file 80 test_route_triton.py route_tests.txt
   e2e_run 260 3 6 baseline mhar mhar_rfw0
   ;;
+rfw41b)
+  # rfw41 without the baseline, the two models compiled at once (--wave 2): the routing
+  # kernels compared by name, for a call with little device time left (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  kernel_test_file 70 test_route_triton.py route_tests.txt
+  e2e_run 200 2 5 mhar mhar_rfw0
+  ;;
+rfwtests41)
+  # route's GPU tests alone, with its 16-head forward on one token and one warp (~1 minute)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  kernel_test_file 70 test_route_triton.py route_tests.txt
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

@@ -1014,6 +1014,19 @@ rfwtests41)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   kernel_test_file 70 test_route_triton.py route_tests.txt
   ;;
+final41)
+  # session 41's last call: route's GPU tests with its 16-head forward on one token and one
+  # warp, route_many's "heads" layout tests, then that layout's forward at grouped full
+  # MHAR's and block MHAR's calls (16 heads) against the default (~2 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  kernel_test_file 60 test_route_triton.py route_tests.txt
+  timeout 40 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py -k heads_layout \
+      > "$OUT/heads_tests.txt" 2>&1
+  tail -2 "$OUT/heads_tests.txt"
+  timeout 90 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes grouped_mhar --variants '^_heads' \
+      --out "$OUT/bph" > "$OUT/bph.txt" 2>&1
+  grep -E "^\[.*block-phase" "$OUT/bph.txt" | sed -E 's/ many_bwd[^ ]*//g' | cut -c1-400
+  ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

@@ -109,6 +109,7 @@ from .route_triton import (
 from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
+from .route_many_heads import heads_forward
 from .pointer_tables import pointer_tables
 from ..ops.route import _check_acc
 
@@ -194,6 +195,12 @@ WIDE_PER_TOKEN_STAGES = 3
 #: call the pipeline helped (N = 49, the readout) never has running sums: it comes first
 RUNNING_PER_TOKEN_STAGES = {1: 0, 2: 0, 4: 3, 8: 0}
 FORWARD_ORDERS = ("token_major", "chunk_major")
+#: the forward's layout of programs: "rows" (a token's whole row and a chunk of queries a
+#: program) or "heads" (a block of tokens of one head and every query a program, after a
+#: pass for the keys' RMS statistics: :mod:`.route_many_heads`, built in session 41 for the
+#: 16-head calls, not yet timed)
+FORWARD_LAYOUT = "rows"
+FORWARD_LAYOUTS = ("rows", "heads")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
@@ -873,7 +880,8 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
     ``maxnreg``: a register cap, None for none; ``lazy_rescale``: the online softmax's
     rescale; unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' and
-    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`). ``stats``: a float32
+    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`; ``layout``: FORWARD_LAYOUT's
+    choices, "heads" taking ``block_t``, ``num_warps`` and ``lazy_rescale`` only). ``stats``: a float32
     ``(T, N, S * H + 1)`` tensor the kernel fills with each source's logits and key ``rstd``
     for :func:`route_many_backward` (``depthrewrite::route_many``'s ``stats``), or None.
     One token per program: several (the layout of ``route``'s forward) was slower at every
@@ -892,7 +900,16 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty(shape[:-1] + (heads,), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
     _check_stats(stats, tokens, len(values), s, heads, flat_v[0].device)
-    if tokens > 0:
+    layout = _checked_choice("layout", cfg.get("layout") or FORWARD_LAYOUT, FORWARD_LAYOUTS)
+    if layout == "heads" and stats is not None:
+        raise ValueError("route_many (Triton): config layout='heads' keeps no statistics table; found stats "
+                         f"{tuple(stats.shape)} (route_many keeps one for one head only)")
+    if tokens > 0 and layout == "heads":
+        vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
+        heads_forward(flat_v, flat_k, out, vtab, ktab if flat_k else vtab, otab, ltab,
+                      _per_query_rows(queries, key_norm_weights), tokens, heads, eps, _aligned(flat_v, out, flat_k),
+                      cfg)
+    elif tokens > 0:
         qw = _per_query_rows(queries, key_norm_weights)
         vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
         row = block_h * block_c

@@ -988,38 +988,15 @@ fw1e2e41)
   e2e_run 420 1 6 baseline mhar_block mhar_block_mhfw2
   ;;
 rfw41)
-  # session 41: route's GPU tests with its 16-head forward on one token and one warp (the
-  # default since), then full MHAR with it and with the launch before (rfw0), each model
-  # compiled alone (~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  kernel_test_file 100 test_route_triton.py route_tests.txt
-  e2e_run 420 1 6 baseline mhar mhar_rfw0
-  ;;
-rfw41w3)
-  # rfw41 with the three models compiled at once (--wave 3; compare the routing kernels by
-  # name: a concurrent compile can skew Inductor's tuning), for a call with less device time left
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  kernel_test_file 80 test_route_triton.py route_tests.txt
-  e2e_run 260 3 6 baseline mhar mhar_rfw0
-  ;;
-rfw41b)
-  # rfw41 without the baseline, the two models compiled at once (--wave 2): the routing
-  # kernels compared by name, for a call with little device time left (~4 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  kernel_test_file 70 test_route_triton.py route_tests.txt
-  e2e_run 200 2 5 mhar mhar_rfw0
-  ;;
-rfwtests41)
-  # route's GPU tests alone, with its 16-head forward on one token and one warp (~1 minute)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  kernel_test_file 70 test_route_triton.py route_tests.txt
+  # session 41 (prepared, not run: no device): route's 16-head forward on one token and one
+  # warp (mhar_rfw1) beside its default and the baseline, each model compiled alone (~6 minutes)
+  e2e_run 420 1 6 baseline mhar mhar_rfw1
   ;;
 final41)
-  # session 41's last call: route's GPU tests with its 16-head forward on one token and one
-  # warp, route_many's "heads" layout tests, then that layout's forward at grouped full
-  # MHAR's and block MHAR's calls (16 heads) against the default (~2 minutes)
+  # session 41 (prepared, not run: no device): route_many's "heads" layout tests, then that
+  # layout's forward at grouped full MHAR's and block MHAR's calls (16 heads) against the
+  # default (~2 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  kernel_test_file 60 test_route_triton.py route_tests.txt
   timeout 40 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py -k heads_layout \
       > "$OUT/heads_tests.txt" 2>&1
   tail -2 "$OUT/heads_tests.txt"

@@ -621,13 +621,14 @@ def _route_tokens(heads: int, row: int) -> int:
     return WIDE_TOKENS if _is_wide(heads, row) else _tokens_per_program(row)
 
 
-#: route's forward for several heads on rows of MULTI_HEAD_ROW padded elements: one token a
-#: program on one warp since session 41, against 2 tokens on 4 warps before (H200, bf16,
-#: 16384 tokens, d = 1024, 16 heads, full MHAR's sites N = 9 / 25 / 41: 0.107 / 0.248 / 0.384
-#: ms against 0.109 / 0.258 / 0.403, the fastest of the launches timed in session 37's run
-#: 1; full MHAR's step in session 41, docs/benchmarks.md)
-MULTI_HEAD_FORWARD_TOKENS = 1
-MULTI_HEAD_FORWARD_WARPS = 1
+#: route's forward for several heads on rows of MULTI_HEAD_ROW padded elements: 2 tokens a
+#: program on 4 warps (_tokens_per_program's and _num_warps' choice). One token on one warp
+#: was the fastest launch of session 37's run 1 (H200, bf16, 16384 tokens, d = 1024, 16
+#: heads, full MHAR's sites N = 9 / 25 / 41: 0.107 / 0.248 / 0.384 ms against 0.109 / 0.258 /
+#: 0.403); session 41 set it up end to end (the e2e variant mhar_rfw1) but got no device to
+#: run it or the GPU tests on it, so it is not the default
+MULTI_HEAD_FORWARD_TOKENS = 2
+MULTI_HEAD_FORWARD_WARPS = 4
 
 
 def _route_forward_tokens(heads: int, row: int) -> int:

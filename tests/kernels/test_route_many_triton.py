@@ -274,7 +274,15 @@ def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
     inp = _make(n, s, batch, d, heads, dtype, 7, keys)
     # the forward takes one source ahead at most: the backward's prefetch 2-4 stays with it
     fwd_config = {k: v for k, v in config.items() if not (k == "prefetch" and v in (2, 3, 4))}
-    out, lse, grads, grad_out, grad_lse = _run(inp, dtype, 7, config=config, fwd_config=fwd_config)
+    _assert_run_matches_float64(inp, dtype, 7, config, fwd_config)
+
+
+def _assert_run_matches_float64(inp, dtype, seed, config, fwd_config, keep_stats=True):
+    """``_run``'s outputs and log-sum-exps against float64, its gradients (keys' included)
+    against the float64 oracle given the saved outputs."""
+    n = len(inp["values"])
+    out, lse, grads, grad_out, grad_lse = _run(inp, dtype, seed, config=config, fwd_config=fwd_config,
+                                               keep_stats=keep_stats)
     exact_out, exact_lse, _ = _oracle_f64(inp, grad_out, grad_lse)
     assert all(_rel(o, e) < TOL[dtype] for o, e in zip(out, exact_out.unbind(0)))
     assert all((t.double() - e).abs().max().item() < 1e-4 for t, e in zip(lse, exact_lse.unbind(0)))
@@ -295,15 +303,8 @@ def test_heads_layout_forward_matches_float64(n, s, batch, d, heads, keys, confi
     RMS statistics from a pass of their own), with separate keys, one source and 65, token
     counts that leave a partial block: outputs and log-sum-exps against float64, and the
     backward from its saved outputs against the float64 oracle given them."""
-    inp = _make(n, s, batch, d, heads, dtype, 13, keys)
-    out, lse, grads, grad_out, grad_lse = _run(inp, dtype, 13, config={}, fwd_config=config, keep_stats=False)
-    exact_out, exact_lse, _ = _oracle_f64(inp, grad_out, grad_lse)
-    assert all(_rel(o, e) < TOL[dtype] for o, e in zip(out, exact_out.unbind(0)))
-    assert all((t.double() - e).abs().max().item() < 1e-4 for t, e in zip(lse, exact_lse.unbind(0)))
-    _, _, oracle = _oracle_f64(inp, grad_out, grad_lse, saved_out=out)
-    for k, (got, want) in enumerate(zip(grads, oracle)):
-        limit = 1e-5 if k in (n, n + 1) else TOL[dtype]  # queries, key-norm weights: fp32
-        assert _rel(got, want) < limit, (k, _rel(got, want))
+    _assert_run_matches_float64(_make(n, s, batch, d, heads, dtype, 13, keys), dtype, 13, {}, config,
+                                keep_stats=False)
 
 
 def test_heads_layout_refuses_a_statistics_table_and_oversized_programs():

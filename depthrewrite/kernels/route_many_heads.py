@@ -27,7 +27,7 @@ from torch import Tensor
 from .grid import cdiv
 from .route_triton import _check_block_t, _next_pow2, _row64, _src_ptr, online_softmax_update
 
-__all__ = ["heads_forward", "HEADS_TOKENS", "HEADS_WARPS", "RSTD_TOKENS"]
+__all__ = ["heads_forward", "HEADS_TOKENS", "HEADS_WARPS", "HEADS_MAX_ELEMS", "RSTD_TOKENS"]
 
 #: tokens a head program holds (at most: fewer where its accumulators would pass
 #: HEADS_MAX_ELEMS), and its warps

@@ -109,8 +109,8 @@ from .route_triton import (
 from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
-from .route_many_heads import heads_forward
 from .pointer_tables import pointer_tables
+from .route_many_heads import heads_forward
 from ..ops.route import _check_acc
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
@@ -138,7 +138,8 @@ MANY_ELEMS = 8192
 #: Several heads on 1 warp since session 41 (its run 2, 16 heads, d = 1024, docs/benchmarks.md):
 #: 0.487 / 0.998 / 1.499 ms against 0.516 / 1.055 / 1.583 with 2 warps at grouped full MHAR's
 #: calls (S = 4, N = 13 / 29 / 45), 0.278 / 0.467 against 0.301 / 0.500 at block MHAR's (S =
-#: 6, N = 4 / 8); 4 queries a program, 4 warps, runs of tokens and the pipeline level or slower.
+#: 6, N = 4 / 8); 4 queries a program, 4 warps and runs of tokens level or slower, the pipeline
+#: 2-3 % faster at 4 queries and level at 6 (on 2 warps; not timed with one).
 FORWARD_QUERIES = 2
 MANY_NARROW_FORWARD_WARPS = 1
 MULTI_HEAD_FORWARD_QUERIES = 1

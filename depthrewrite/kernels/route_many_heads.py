@@ -103,12 +103,12 @@ def _route_many_fwd_heads_kernel(like_ptr, vtab, ktab, otab, ltab, qw_ptr, rstd_
     tl.store(lse_ptrs[None, :] + (tok * H + h)[:, None], m + tl.log(l), mask=tmask[:, None] & qmask[None, :])
 
 
-def heads_forward(flat_v: list[Tensor], flat_k: list[Tensor], out: list[Tensor], vtab: Tensor, ktab: Tensor,
-                  otab: Tensor, ltab: Tensor, qw: Tensor, tokens: int, heads: int, eps: float, aligned: bool,
-                  config: dict) -> None:
-    """Fill ``out`` and the log-sum-exps behind ``ltab`` for a call of ``qw.shape[0]``
-    queries (``route_many_forward``'s tensors and tables; ``config``'s ``block_t``,
-    ``num_warps`` and ``lazy_rescale`` over HEADS_TOKENS, HEADS_WARPS and the lazy rescale)."""
+def heads_forward(flat_v: list[Tensor], has_keys: bool, vtab: Tensor, ktab: Tensor, otab: Tensor, ltab: Tensor,
+                  qw: Tensor, tokens: int, heads: int, eps: float, aligned: bool, config: dict) -> None:
+    """Fill the outputs and log-sum-exps behind ``otab`` and ``ltab`` for a call of
+    ``qw.shape[0]`` queries over the sources ``flat_v`` (``route_many_forward``'s tensors
+    and tables, ``ktab`` the keys' or the sources'; ``config``'s ``block_t``, ``num_warps``
+    and ``lazy_rescale`` over HEADS_TOKENS, HEADS_WARPS and the lazy rescale)."""
     s, d = qw.shape
     n, c = len(flat_v), d // heads
     rstd = torch.empty((n, tokens), dtype=torch.float32, device=flat_v[0].device)
@@ -119,7 +119,7 @@ def heads_forward(flat_v: list[Tensor], flat_k: list[Tensor], out: list[Tensor],
     block_t = _heads_tokens(config.get("block_t"), block_q * block_c)
     _route_many_fwd_heads_kernel[(cdiv(tokens, block_t) * heads,)](
         flat_v[0], vtab, ktab, otab, ltab, qw, rstd, tokens, n, s, d, c, heads, BLOCK_T=block_t,
-        BLOCK_Q=block_q, BLOCK_C=block_c, ALIGNED=aligned, HAS_KEYS=bool(flat_k),
+        BLOCK_Q=block_q, BLOCK_C=block_c, ALIGNED=aligned, HAS_KEYS=has_keys,
         LAZY=config.get("lazy_rescale", True), num_warps=config.get("num_warps") or HEADS_WARPS)
 
 

@@ -905,33 +905,35 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     if layout == "heads" and stats is not None:
         raise ValueError("route_many (Triton): config layout='heads' keeps no statistics table; found stats "
                          f"{tuple(stats.shape)} (route_many keeps one for one head only)")
-    if tokens > 0 and layout == "heads":
-        vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
-        heads_forward(flat_v, flat_k, out, vtab, ktab if flat_k else vtab, otab, ltab,
-                      _per_query_rows(queries, key_norm_weights), tokens, heads, eps, _aligned(flat_v, out, flat_k),
-                      cfg)
-    elif tokens > 0:
-        qw = _per_query_rows(queries, key_norm_weights)
-        vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
-        row = block_h * block_c
-        block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
-        order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
-        chunks = cdiv(s, block_q)
-        per_program = cfg.get("tokens_per_program")
-        per_program = _positive_int("route_many", "tokens_per_program",
-                                    _many_forward_tokens(heads) if per_program is None else per_program)
-        runs = cdiv(tokens, per_program)
-        _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
-                                  f"of {block_q} queries")
-        _route_many_fwd_kernel[(runs * chunks,)](
-            flat_v[0], vtab, ktab if flat_k else vtab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
-            float(eps), per_program, qw if stats is None else stats, BLOCK_Q=block_q, BLOCK_H=block_h,
-            BLOCK_C=block_c, PREFETCH=prefetch, SAVE_STATS=stats is not None,
-            ALIGNED=_aligned(flat_v, out, flat_k), HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
-            STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
-            LAZY=check_flag(cfg.get("lazy_rescale", _many_forward_lazy(heads)), "lazy_rescale", "route_many"),
-            num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
-            **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
+    if tokens == 0:
+        return out, lse
+    qw = _per_query_rows(queries, key_norm_weights)
+    vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
+    if not flat_k:  # the keys are the values (an empty table is never read)
+        ktab = vtab
+    aligned = _aligned(flat_v, out, flat_k)
+    if layout == "heads":
+        heads_forward(flat_v, bool(flat_k), vtab, ktab, otab, ltab, qw, tokens, heads, eps, aligned, cfg)
+        return out, lse
+    row = block_h * block_c
+    block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
+    order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
+    chunks = cdiv(s, block_q)
+    per_program = cfg.get("tokens_per_program")
+    per_program = _positive_int("route_many", "tokens_per_program",
+                                _many_forward_tokens(heads) if per_program is None else per_program)
+    runs = cdiv(tokens, per_program)
+    _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
+                              f"of {block_q} queries")
+    _route_many_fwd_kernel[(runs * chunks,)](
+        flat_v[0], vtab, ktab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
+        float(eps), per_program, qw if stats is None else stats, BLOCK_Q=block_q, BLOCK_H=block_h,
+        BLOCK_C=block_c, PREFETCH=prefetch, SAVE_STATS=stats is not None,
+        ALIGNED=aligned, HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
+        STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
+        LAZY=check_flag(cfg.get("lazy_rescale", _many_forward_lazy(heads)), "lazy_rescale", "route_many"),
+        num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
+        **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
     return out, lse
 
 

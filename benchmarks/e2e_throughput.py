@@ -369,10 +369,11 @@ def apply_launch_patches(name: str) -> list[tuple]:
 @contextlib.contextmanager
 def launch_patches(name: str):
     """Configuration ``name``'s launch constants set inside the block and put back after it
-    (:func:`apply_launch_patches`; none for a name without patches, such as a base configuration)."""
+    (:func:`apply_launch_patches`; none for a name without patches, such as a base
+    configuration). Yields ``(module, constant, previous value)`` for each."""
     previous = apply_launch_patches(name)
     try:
-        yield
+        yield previous
     finally:
         for module, constant, value in reversed(previous):
             setattr(module, constant, value)

@@ -17,14 +17,10 @@ def test_every_launch_patch_sets_an_existing_constant():
     assert e2e.BACKEND_OPTIONS["mhar_block_fm_cg_tfin"] == e2e.BACKEND_OPTIONS["mhar_block_fm_cg"] != {}
     assert e2e.CONFIGS["mhar_block_fm_cg_tfin"][:2] == e2e.CONFIGS["mhar_block_fm_cg"][:2]
     for name, patch in e2e.LAUNCH_PATCHES.items():
-        previous = e2e.apply_launch_patches(name)
-        try:
+        with e2e.launch_patches(name) as previous:
             assert len(previous) == len(patch)
             for (module, constant, _), value in zip(previous, patch.values()):
                 assert getattr(module, constant) == value, (name, constant)
-        finally:
-            for module, constant, value in reversed(previous):
-                setattr(module, constant, value)
 
 
 def test_launch_patches_hold_inside_the_block_only():

@@ -615,6 +615,11 @@ def _is_wide(heads: int, row: int) -> bool:
     return heads == 1 and row == WIDE_ROW
 
 
+def _is_multi_head(heads: int, row: int) -> bool:
+    """Several heads on rows of MULTI_HEAD_ROW padded elements: the measured multi-head launches."""
+    return heads > 1 and row == MULTI_HEAD_ROW
+
+
 def _route_tokens(heads: int, row: int) -> int:
     """Tokens per program of route's backward (and forward, but for MULTI_HEAD_FORWARD_TOKENS)
     unless a config sets ``block_t``."""
@@ -633,7 +638,7 @@ MULTI_HEAD_FORWARD_WARPS = 4
 
 def _route_forward_tokens(heads: int, row: int) -> int:
     """Tokens per program of route's forward unless a config sets ``block_t``."""
-    if heads > 1 and row == MULTI_HEAD_ROW:
+    if _is_multi_head(heads, row):
         return MULTI_HEAD_FORWARD_TOKENS
     return _route_tokens(heads, row)
 
@@ -655,7 +660,7 @@ def _route_forward_warps(heads: int, row: int, block_t: int) -> int:
     """Warps of route's forward for ``block_t`` tokens per program unless a config sets them."""
     if _is_wide(heads, row) and block_t == WIDE_TOKENS:
         return WIDE_FORWARD_WARPS
-    if heads > 1 and row == MULTI_HEAD_ROW and block_t == MULTI_HEAD_FORWARD_TOKENS:
+    if _is_multi_head(heads, row) and block_t == MULTI_HEAD_FORWARD_TOKENS:
         return MULTI_HEAD_FORWARD_WARPS
     return _forward_warps(heads, row, _num_warps(block_t * row))
 
@@ -755,7 +760,7 @@ def _route_backward_residency(heads: int, row: int, has_keys: bool, block_t: int
         return None, BACKWARD_PER_SM
     if heads == 1 and row >= 1024 and not has_keys:
         return CAPPED_BACKWARD_MAXNREG, CAPPED_BACKWARD_PER_SM
-    if heads > 1 and row == MULTI_HEAD_ROW:
+    if _is_multi_head(heads, row):
         if has_keys:  # the cap was timed without keys: keyed calls keep the launch before
             return None, KEYED_MULTI_HEAD_BACKWARD_PER_SM
         return MULTI_HEAD_BACKWARD_MAXNREG, MULTI_HEAD_BACKWARD_PER_SM

@@ -110,10 +110,17 @@ gpu_kernel_tests() {
   timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
   tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
 }
-# one kernel test file, tests/kernels/$2, at most $1 s, its summary in $OUT/$3 and printed
+# one kernel test file, tests/kernels/$2 (pytest's further arguments "${@:4}"), at most $1 s,
+# its summary in $OUT/$3 and printed
 kernel_test_file() {
-  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider "tests/kernels/$2" > "$OUT/$3" 2>&1
+  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider "tests/kernels/$2" "${@:4}" > "$OUT/$3" 2>&1
   tail -2 "$OUT/$3"
+}
+# route_many's block-phase timings at gpu_suite's phase shapes $2 of the variants matching $3
+# (gpu_suite's further arguments "${@:5}"), at most $1 s, into $OUT/$4.txt and $OUT/$4/
+block_phase_run() {
+  timeout "$1" python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes "$2" --variants "$3" "${@:5}" \
+      --out "$OUT/$4" > "$OUT/$4.txt" 2>&1
 }
 # the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
 # once, at most $1 s; its last $3 table lines printed
@@ -129,8 +136,7 @@ e2e_run() {
 # as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
 full_attnres_phase() {
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout "$2" python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes full_attnres --phase-registers \
-      --variants "$1" --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  block_phase_run "$2" full_attnres "$1" bp --phase-registers
   tail -10 "$OUT/bp.txt"
 }
 PER_TOKEN_VARIANTS='^_pertoken(_s31|_pp[3468]|_cap168_pp3|_cap128_pp4)?$|^_tiled$'
@@ -937,9 +943,7 @@ mhsums40)
   # taking running sums (grad_accumulation.ROUTE_MANY_MULTI_HEAD) beside without, full MHAR's
   # default and the baseline (~7 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 90 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py -k running_sums \
-      > "$OUT/running_sums_tests.txt" 2>&1
-  tail -2 "$OUT/running_sums_tests.txt"
+  kernel_test_file 90 test_route_many_triton.py running_sums_tests.txt -k running_sums
   e2e_run 440 6 9 baseline mhar mhar_block mhar_block_mhsums mhar_g4_keep_fm mhar_g4_keep_fm_mhsums
   ;;
 mhsumsab40)
@@ -954,17 +958,15 @@ grouped41)
   # kernel with all of a call's queries in one chunk (its parameter sums in registers, the
   # sources read once), with and without running sums (~4 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 330 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes grouped_mhar \
-      --variants '^_tiled$|^_pertoken$|^_pertoken_q[248]$|^_pertoken_q4_|^_running$|^_running_pertoken_q4$' \
-      --out "$OUT/bp" > "$OUT/bp.txt" 2>&1
+  block_phase_run 330 grouped_mhar \
+      '^_tiled$|^_pertoken$|^_pertoken_q[248]$|^_pertoken_q4_|^_running$|^_running_pertoken_q4$' bp
   tail -14 "$OUT/bp.txt"
   ;;
 grouped41fwd)
   # session 41: the same calls' forward launches (queries a program, warps, runs of tokens,
   # the pipeline) against the default (one query a program on 2 warps for 16 heads; ~2 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 200 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes grouped_mhar \
-      --variants '^_w[124]$|^_q4|^_q8w[48]$|^_r[248]$|^_s3$|^_s3_w2$|^_cm$' --out "$OUT/bpf" > "$OUT/bpf.txt" 2>&1
+  block_phase_run 200 grouped_mhar '^_w[124]$|^_q4|^_q8w[48]$|^_r[248]$|^_s3$|^_s3_w2$|^_cm$' bpf
   grep -E "^\[.*block-phase" "$OUT/bpf.txt" | sed -E 's/ many_bwd[^ ]*//g' | cut -c1-600
   ;;
 pairs41)
@@ -975,8 +977,7 @@ pairs41)
   # 6b31885 to run it again)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   for shapes in grouped_mhar block; do
-    timeout 150 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes $shapes --variants '^_qp' \
-        --out "$OUT/bp_$shapes" > "$OUT/bp_$shapes.txt" 2>&1
+    block_phase_run 150 $shapes '^_qp' "bp_$shapes"
     grep -E "^\[.*block-phase" "$OUT/bp_$shapes.txt" | sed -E 's/ many_fwd[^ ]*//g; s/ per_site.*//' | cut -c1-400
   done
   ;;
@@ -997,11 +998,8 @@ final41)
   # layout's forward at grouped full MHAR's and block MHAR's calls (16 heads) against the
   # default (~2 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 40 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py -k heads_layout \
-      > "$OUT/heads_tests.txt" 2>&1
-  tail -2 "$OUT/heads_tests.txt"
-  timeout 90 python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes grouped_mhar --variants '^_heads' \
-      --out "$OUT/bph" > "$OUT/bph.txt" 2>&1
+  kernel_test_file 40 test_route_many_triton.py heads_tests.txt -k heads_layout
+  block_phase_run 90 grouped_mhar '^_heads' bph
   grep -E "^\[.*block-phase" "$OUT/bph.txt" | sed -E 's/ many_bwd[^ ]*//g' | cut -c1-400
   ;;
 table39)

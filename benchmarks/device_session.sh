@@ -989,14 +989,28 @@ fw1e2e41)
   e2e_run 420 1 6 baseline mhar_block mhar_block_mhfw2
   ;;
 rfw41)
-  # session 41 (prepared, not run: no device): route's 16-head forward on one token and one
-  # warp (mhar_rfw1) beside its default and the baseline, each model compiled alone (~6 minutes)
-  e2e_run 420 1 6 baseline mhar mhar_rfw1
+  # session 41 (prepared; ran as session 42's run 2 at 75db607): route's 16-head forward on
+  # one token and one warp (then mhar_rfw1; the default since, and mhar_rfw2 the launch
+  # before) beside the default and the baseline, each model compiled alone (~6 minutes)
+  e2e_run 420 1 6 baseline mhar mhar_rfw2
+  ;;
+tests42)
+  # session 42: every kernel test on the GPU (route's 16-head forward on one token and one warp)
+  gpu_kernel_tests 400
+  ;;
+table42)
+  # session 42: every scheme end to end at HEAD (table39 again; ~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
+      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -20
   ;;
 final41)
-  # session 41 (prepared, not run: no device): route_many's "heads" layout tests, then that
-  # layout's forward at grouped full MHAR's and block MHAR's calls (16 heads) against the
-  # default (~2 minutes)
+  # session 41 (prepared; ran as session 42's run 1 at 75db607): route_many's "heads" layout
+  # tests, then that layout's forward at grouped full MHAR's and block MHAR's calls (16 heads)
+  # against the default (~2 minutes). 3.0-4.0x slower than the default at every shape, so the
+  # layout (route_many_heads) and the _heads variants were removed after the run (check out
+  # 75db607 to run it again)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   kernel_test_file 40 test_route_many_triton.py heads_tests.txt -k heads_layout
   block_phase_run 90 grouped_mhar '^_heads' bph

@@ -273,9 +273,9 @@ LAUNCH_VARIANTS = {
     # grad_accumulation.ROUTE_MANY_MULTI_HEAD; session 40)
     "mhsums": (("mhar_block", "mhar_g4_keep_fm", "mhar_g2_keep_fm"),
                {"grad_accumulation.ROUTE_MANY_MULTI_HEAD": True}),
-    # route's 16-head forward on one token a program and one warp (the default: 2 tokens on 4
-    # warps; route_triton.MULTI_HEAD_FORWARD_TOKENS' comment; session 41, not run yet)
-    "rfw1": (("mhar",), {"MULTI_HEAD_FORWARD_TOKENS": 1, "MULTI_HEAD_FORWARD_WARPS": 1}),
+    # route's 16-head forward on 2 tokens a program and 4 warps, as before session 42 (since,
+    # one token on one warp: route_triton.MULTI_HEAD_FORWARD_TOKENS' comment)
+    "rfw2": (("mhar",), {"MULTI_HEAD_FORWARD_TOKENS": 2, "MULTI_HEAD_FORWARD_WARPS": 4}),
     # route_many's 16-head forward on 2 warps, as from session 16 to 40 (since session 41, 1)
     "mhfw2": (("mhar_block", "mhar_g4_keep_fm"), {"route_many_triton.MULTI_HEAD_FORWARD_WARPS": 2}),
     # route's 16-head backward as before session 37 (the register prefetch, the compiler's

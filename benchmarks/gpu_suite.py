@@ -442,15 +442,7 @@ BLOCK_PHASE_FWD_VARIANTS = {"": None, "_nostats": NO_STATS,
                             "_s3_w2": {"stages": 3, "num_warps": 2}, "_s3_r8": {"stages": 3, "tokens_per_program": 8},
                             # a register cap (session 27): more programs resident per SM, at the
                             # price of spills (the forward held 242 registers at N = 4, session 18)
-                            **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168, 200, 232)},
-                            # a program per block of tokens and head, every query, after a pass for
-                            # the keys' RMS statistics (route_many_heads; session 41, for the 16-head
-                            # calls): its default tokens a program, other warps, fewer tokens, the
-                            # eager rescale
-                            "_heads": {"layout": "heads"}, "_heads_w2": {"layout": "heads", "num_warps": 2},
-                            "_heads_w8": {"layout": "heads", "num_warps": 8},
-                            "_heads_t4": {"layout": "heads", "block_t": 4},
-                            "_heads_eager": {"layout": "heads", "lazy_rescale": False}}
+                            **{f"_cap{k}": {"maxnreg": k} for k in (64, 96, 128, 168, 200, 232)}}
 #: the backward's config marker of a call given a running sum for every source
 #: (depthrewrite.grad_accumulation with route_many_backward in ACCUMULATED_OPS; session 36)
 RUNNING_SUMS = {"backward": None}

@@ -12,8 +12,7 @@ scale / fused-norm combination; with ``--forward-caps`` also under those registe
 none), ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
 several heads), the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6
 queries, or ``--many-queries``; also with its row sums one by one and in its ``param="table"``
-form), its forward in the "heads" layout (route_many_heads), each without and with separate keys,
-and ``route_merge``'s forward and backward (J = 1
+form), each without and with separate keys, and ``route_merge``'s forward and backward (J = 1
 and 2, with and without the fused output norm) at their launchers' choices; runs ``ptxas -v``
 on the PTX, and ``nvdisasm`` (beside that ``ptxas``) on its machine code to count the SASS
 instructions and the ``BAR.SYNC`` barriers, where a program's warps wait for each other.
@@ -205,22 +204,6 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps, cap), warps
 
 
-HEADS_TYPES = dict(MANY_TYPES, rstd_ptr="*fp32")
-
-
-def compile_many_heads_forward(d: int, heads: int, has_keys: bool, queries: int = 4):
-    """route_many's forward in the "heads" layout (route_many_heads) for a call of
-    ``queries`` queries, as its launcher compiles it (tokens a program by HEADS_MAX_ELEMS)."""
-    from depthrewrite.kernels import route_many_heads
-    from depthrewrite.kernels.route_triton import _next_pow2
-
-    block_q, block_c = _next_pow2(queries), _next_pow2(d // heads)
-    constexprs = dict(BLOCK_T=route_many_heads._heads_tokens(None, block_q * block_c), BLOCK_Q=block_q,
-                      BLOCK_C=block_c, ALIGNED=True, HAS_KEYS=has_keys, LAZY=True)
-    warps = route_many_heads.HEADS_WARPS
-    return _compile(route_many_heads._route_many_fwd_heads_kernel, HEADS_TYPES, constexprs, warps), warps
-
-
 def memory_instructions(ptx: str) -> dict[str, int]:
     """Global loads and stores of the PTX by kind (``ld.global.v4.b32``: 16 bytes each)."""
     counts: dict[str, int] = {}
@@ -296,8 +279,6 @@ def main() -> int:
                   (f"per-token backward S={queries}, no saved stats", functools.partial(per_token, saved_stats=False)),
                   (f"per-token backward S={queries}, saved stats", functools.partial(per_token, saved_stats=True)),
                   (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True))]
-    kinds += [(f"forward, heads layout, S={queries}", functools.partial(compile_many_heads_forward, queries=queries))
-              for queries in args.many_queries]
     for name, compile_fn in kinds:
         for heads in args.heads:
             for has_keys in (False, True):

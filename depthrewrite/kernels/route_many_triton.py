@@ -110,7 +110,6 @@ from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
-from .route_many_heads import heads_forward
 from ..ops.route import _check_acc
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
@@ -196,12 +195,6 @@ WIDE_PER_TOKEN_STAGES = 3
 #: call the pipeline helped (N = 49, the readout) never has running sums: it comes first
 RUNNING_PER_TOKEN_STAGES = {1: 0, 2: 0, 4: 3, 8: 0}
 FORWARD_ORDERS = ("token_major", "chunk_major")
-#: the forward's layout of programs: "rows" (a token's whole row and a chunk of queries a
-#: program) or "heads" (a block of tokens of one head and every query a program, after a
-#: pass for the keys' RMS statistics: :mod:`.route_many_heads`, built in session 41 for the
-#: 16-head calls, not yet timed)
-FORWARD_LAYOUT = "rows"
-FORWARD_LAYOUTS = ("rows", "heads")
 #: CUDA's limit on a launch's first grid dimension
 MAX_PROGRAMS = 2**31 - 1
 MULTI_HEAD_BACKWARD_QUERIES = 2
@@ -881,8 +874,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     program, ``stages``: the sources' software pipeline, 0 for the register prefetch,
     ``maxnreg``: a register cap, None for none; ``lazy_rescale``: the online softmax's
     rescale; unset: the measured choices, ONE_HEAD_FORWARD_TOKENS' and
-    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`; ``layout``: FORWARD_LAYOUT's
-    choices, "heads" taking ``block_t``, ``num_warps`` and ``lazy_rescale`` only). ``stats``: a float32
+    KEYED_FORWARD_MAXNREG's comments, :func:`_many_forward_lazy`). ``stats``: a float32
     ``(T, N, S * H + 1)`` tensor the kernel fills with each source's logits and key ``rstd``
     for :func:`route_many_backward` (``depthrewrite::route_many``'s ``stats``), or None.
     One token per program: several (the layout of ``route``'s forward) was slower at every
@@ -901,10 +893,6 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     out = [torch.empty_like(flat_v[0]) for _ in range(s)]
     lse = [torch.empty(shape[:-1] + (heads,), dtype=torch.float32, device=flat_v[0].device) for _ in range(s)]
     _check_stats(stats, tokens, len(values), s, heads, flat_v[0].device)
-    layout = _checked_choice("layout", cfg.get("layout") or FORWARD_LAYOUT, FORWARD_LAYOUTS)
-    if layout == "heads" and stats is not None:
-        raise ValueError("route_many (Triton): config layout='heads' keeps no statistics table; found stats "
-                         f"{tuple(stats.shape)} (route_many keeps one for one head only)")
     if tokens == 0:
         return out, lse
     qw = _per_query_rows(queries, key_norm_weights)
@@ -912,9 +900,6 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     if not flat_k:  # the keys are the values (an empty table is never read)
         ktab = vtab
     aligned = _aligned(flat_v, out, flat_k)
-    if layout == "heads":
-        heads_forward(flat_v, bool(flat_k), vtab, ktab, otab, ltab, qw, tokens, heads, eps, aligned, cfg)
-        return out, lse
     row = block_h * block_c
     block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
     order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)

@@ -626,14 +626,15 @@ def _route_tokens(heads: int, row: int) -> int:
     return WIDE_TOKENS if _is_wide(heads, row) else _tokens_per_program(row)
 
 
-#: route's forward for several heads on rows of MULTI_HEAD_ROW padded elements: 2 tokens a
-#: program on 4 warps (_tokens_per_program's and _num_warps' choice). One token on one warp
-#: was the fastest launch of session 37's run 1 (H200, bf16, 16384 tokens, d = 1024, 16
-#: heads, full MHAR's sites N = 9 / 25 / 41: 0.107 / 0.248 / 0.384 ms against 0.109 / 0.258 /
-#: 0.403); session 41 set it up end to end (the e2e variant mhar_rfw1) but got no device to
-#: run it or the GPU tests on it, so it is not the default
-MULTI_HEAD_FORWARD_TOKENS = 2
-MULTI_HEAD_FORWARD_WARPS = 4
+#: route's forward for several heads on rows of MULTI_HEAD_ROW padded elements: one token a
+#: program on one warp. The fastest launch of session 37's run 1 (H200, bf16, 16384 tokens,
+#: d = 1024, 16 heads, full MHAR's sites N = 9 / 25 / 41: 0.107 / 0.248 / 0.384 ms against
+#: 0.109 / 0.258 / 0.403 on 2 tokens and 4 warps, _tokens_per_program's and _num_warps'
+#: choice, the default before); end to end (session 42 run 2, each model compiled alone) full
+#: MHAR's step 123.5 ms against 125.0 (0.640x against 0.632x the baseline's 79.1 ms; the
+#: forward kernel 11.7 against 13.7 ms a step)
+MULTI_HEAD_FORWARD_TOKENS = 1
+MULTI_HEAD_FORWARD_WARPS = 1
 
 
 def _route_forward_tokens(heads: int, row: int) -> int:

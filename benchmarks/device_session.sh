@@ -1008,7 +1008,7 @@ table42)
 final41)
   # session 41 (prepared; ran as session 42's run 1 at 75db607): route_many's "heads" layout
   # tests, then that layout's forward at grouped full MHAR's and block MHAR's calls (16 heads)
-  # against the default (~2 minutes). 3.0-4.0x slower than the default at every shape, so the
+  # against the default (~2 minutes). 3.0-4.4x slower than the default at every shape, so the
   # layout (route_many_heads) and the _heads variants were removed after the run (check out
   # 75db607 to run it again)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1

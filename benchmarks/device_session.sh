@@ -132,6 +132,14 @@ e2e_run() {
       --schemes "$@" > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -"$lines"
 }
+# every scheme end to end with the defaults, in waves of 4, each model's 30 largest kernels
+# (at most 570 s); the tables printed
+every_scheme_table() {
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
+      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -20
+}
 # route_many's launch variants matching $1 at full AttnRes's call shapes, each one's registers
 # as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
 full_attnres_phase() {
@@ -840,10 +848,7 @@ direct36)
 table36)
   # session 36 (run 3): every scheme end to end with the session's defaults, each model's 30
   # largest kernels (the Inductor kernels that are not the baseline's; ~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -20
+  every_scheme_table
   ;;
 sums36)
   # session 36 (runs 4-6 as one call): route_many_backward's running sums. Their GPU tests,
@@ -1000,10 +1005,7 @@ tests42)
   ;;
 table42)
   # session 42: every scheme end to end at HEAD (table39 again; ~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -20
+  every_scheme_table
   ;;
 final41)
   # session 41 (prepared; ran as session 42's run 1 at 75db607): route_many's "heads" layout
@@ -1018,10 +1020,7 @@ final41)
   ;;
 table39)
   # session 39: every scheme end to end at HEAD (session 36's table36; ~6 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -20
+  every_scheme_table
   ;;
 table34)
   # session 34: every scheme end to end with the session's defaults (the lazy rescale), in

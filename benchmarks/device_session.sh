@@ -1007,6 +1007,17 @@ table42)
   # session 42: every scheme end to end at HEAD (table39 again; ~6 minutes)
   every_scheme_table
   ;;
+darcode43)
+  # session 43: DAR block's Inductor code and profile at HEAD (inductorcode for DAR block
+  # alone, 80 kernels, the logged code gzipped so that it comes back; ~4 minutes)
+  export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
+  TORCH_LOGS=output_code timeout 300 python3 benchmarks/kernel_code.py dar_block 80 \
+      > "$OUT/dar_block_profile.txt" 2> "$OUT/dar_block_code.txt"
+  python3 benchmarks/kernel_inputs.py "$OUT/dar_block_code.txt" "$OUT/dar_block_profile.txt" \
+      > "$OUT/dar_block_kernels.md" 2>&1
+  gzip -9 "$OUT/dar_block_code.txt"
+  head -1 "$OUT/dar_block_profile.txt"; grep "triton_" "$OUT/dar_block_kernels.md" | head -30 | cut -c1-200
+  ;;
 final41)
   # session 41 (prepared; ran as session 42's run 1 at 75db607): route_many's "heads" layout
   # tests, then that layout's forward at grouped full MHAR's and block MHAR's calls (16 heads)

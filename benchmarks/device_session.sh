@@ -1018,6 +1018,17 @@ darcode43)
   gzip -9 "$OUT/dar_block_code.txt"
   head -1 "$OUT/dar_block_profile.txt"; grep "triton_" "$OUT/dar_block_kernels.md" | head -30 | cut -c1-200
   ;;
+mix43)
+  # session 43: DAR's gate and transport as differences (dar.MIX_FORM "difference", one sum
+  # over the tokens per scalar use) against the SPEC's form (dar_block_mixw), each model
+  # compiled alone (~8 minutes)
+  e2e_run 570 1 6 baseline dar_block dar_block_mixw
+  ;;
+mixcheck43)
+  # session 43: DAR compiled as training compiles it (the backend, Inductor around the
+  # kernels) against Inductor alone on the reference ops, on the GPU (~3 minutes)
+  SCHEMES="dar dar_recompute dar_fm" bash "$0" schemesinductor
+  ;;
 final41)
   # session 41 (prepared; ran as session 42's run 1 at 75db607): route_many's "heads" layout
   # tests, then that layout's forward at grouped full MHAR's and block MHAR's calls (16 heads)

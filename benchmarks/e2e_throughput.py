@@ -175,7 +175,7 @@ for _base in FUSED_MERGE_BASES:
 #: kernel-launch variants: configuration suffix -> (base configurations, launch constants
 #: set in that configuration's process before it compiles: ``route_triton``'s, or another
 #: module's as ``module.CONSTANT``: ``route_many_triton``, ``route_merge_triton``,
-#: ``two_phase``, ``kernels``, ``param_grads``), an A/B of a module default in one run
+#: ``two_phase``, ``kernels``, ``param_grads``, ``dar``), an A/B of a module default in one run
 LAUNCH_VARIANTS = {
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
@@ -297,6 +297,9 @@ LAUNCH_VARIANTS = {
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),
             {"route_many_triton.FORWARD_QUERIES": 4, "route_many_triton.MANY_NARROW_FORWARD_WARPS": 4}),
+    # DAR's gate and transport in the SPEC's form, both weights applied, as before session 43
+    # (since, as differences: one sum over the tokens per scalar use, dar.MIX_FORM)
+    "mixw": (("dar_block",), {"dar.MIX_FORM": "weights"}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
@@ -347,14 +350,14 @@ def apply_launch_patches(name: str) -> list[tuple]:
     import depthrewrite.kernels as kernels
     from depthrewrite.kernels import param_grads, route_many_triton, route_merge_triton, route_triton
     from depthrewrite import grad_accumulation
-    from depthrewrite.passes import two_phase
+    from depthrewrite.passes import dar, two_phase
 
     # the module, not the function depthrewrite.ops exports under its name
     route_many = importlib.import_module("depthrewrite.ops.route_many")
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
                "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton,
-               "route_many": route_many, "grad_accumulation": grad_accumulation}
+               "route_many": route_many, "grad_accumulation": grad_accumulation, "dar": dar}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

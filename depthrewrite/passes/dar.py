@@ -39,6 +39,44 @@ VARIANTS = {
 }
 
 
+#: How the gate ``s r^0 + (1 - s) r^1`` and the transport ``rho q^0 + (1 - rho) q^1`` are
+#: written as torch ops. "difference" (the default since session 43): ``r^1 + s (r^0 - r^1)``
+#: and ``q^1 + rho (q^0 - q^1)``, so that autograd forms one sum over the tokens for each
+#: scalar (``<g, r^0 - r^1>``), and the transport's write with its two betas three sums, not
+#: six; those sums are Inductor's split reductions over every element, which read their
+#: tensors again and ran at 1.4-2.0 TB/s in DAR block's step (docs/benchmarks.md, session
+#: 43). "weights": the SPEC's form, both weights applied (before session 43). The two agree
+#: up to rounding.
+MIX_FORM = "difference"
+MIX_FORMS = ("difference", "weights")
+
+
+def _weights_form() -> bool:
+    if MIX_FORM not in MIX_FORMS:
+        raise ValueError(f"dar.MIX_FORM must be one of {', '.join(MIX_FORMS)}, found {MIX_FORM!r}")
+    return MIX_FORM == "weights"
+
+
+def _mix(weight: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``weight first + (1 - weight) second`` in the form :data:`MIX_FORM` names."""
+    if _weights_form():
+        return weight * first + (1 - weight) * second
+    return second + weight * (first - second)
+
+
+def _transport(rho: torch.Tensor, q0: torch.Tensor, q1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``M(rho) [q^0, q^1]``, ``M = [[rho, 1 - rho], [1 - rho, rho]]``, in the form
+    :data:`MIX_FORM` names: as differences, ``rho`` multiplies one tensor, ``q^0 - q^1``."""
+    if _weights_form():
+        return rho * q0 + (1 - rho) * q1, (1 - rho) * q0 + rho * q1
+    # only rho's gradient reads the difference: made again in the backward (recompute.py),
+    # also where the write closes a block and its sums are kept (else it is saved, one
+    # activation a block more)
+    with recomputable():
+        moved = rho * (q0 - q1)
+    return q1 + moved, q0 - moved
+
+
 @dataclasses.dataclass(frozen=True)
 class DarOptions(AttnResOptions):
     variant: str = "dar"  # 'dar', 'selfkv', 'crossv' or 'fixedkv' (see VARIANTS)
@@ -82,8 +120,7 @@ class DualRoute(nn.Module):
             return self._fused_merge(first, partial)
         else:
             r0, r1 = (self._merge(first[j], partial, j) for j in (0, 1))
-        s = torch.sigmoid(self.mix)
-        return s * r0 + (1 - s) * r1
+        return _mix(torch.sigmoid(self.mix), r0, r1)
 
     def _route(self, streams, j: int) -> torch.Tensor:
         value_stream, key_stream = VARIANTS[self.variant](j)
@@ -146,8 +183,8 @@ class DarRouter(DualRoute):
             else:
                 rho = torch.sigmoid(self.transport)
                 q0, q1 = partial
-                p0 = rho * q0 + (1 - rho) * q1 + self.beta[0] * u
-                p1 = (1 - rho) * q0 + rho * q1 + self.beta[1] * u
+                p0, p1 = _transport(rho, q0, q1)
+                p0, p1 = p0 + self.beta[0] * u, p1 + self.beta[1] * u
             # the scalars are float32 parameters: keep the streams in the sources' dtype
             # (bf16 under autocast), as routing reads all sources in one dtype
             p0, p1 = p0.to(u.dtype), p1.to(u.dtype)

@@ -1019,10 +1019,20 @@ darcode43)
   head -1 "$OUT/dar_block_profile.txt"; grep "triton_" "$OUT/dar_block_kernels.md" | head -30 | cut -c1-200
   ;;
 mix43)
-  # session 43: DAR's gate and transport as differences (dar.MIX_FORM "difference", one sum
-  # over the tokens per scalar use) against the SPEC's form (dar_block_mixw), each model
-  # compiled alone (~8 minutes)
-  e2e_run 570 1 6 baseline dar_block dar_block_mixw
+  # session 43 (run 2, at 396493a, when "difference" was dar.MIX_FORM's default): DAR's gate
+  # and transport as differences (one sum over the tokens per scalar use) against the SPEC's
+  # form (then dar_block_mixw; now the default, and the differences dar_block_mixd), each
+  # model compiled alone (~8 minutes)
+  e2e_run 570 1 6 baseline dar_block dar_block_mixd
+  ;;
+tag43)
+  # session 43: the closing site's transport tagged for recomputation (the default since)
+  # against untagged (dar_block_untag, before) and against the differences (dar_block_mixd),
+  # in one wave (~6 minutes), 40 kernels each
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 40 \
+      --schemes dar_block dar_block_untag dar_block_mixd > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -10
   ;;
 mixcheck43)
   # session 43: DAR compiled as training compiles it (the backend, Inductor around the

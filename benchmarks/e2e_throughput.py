@@ -297,9 +297,12 @@ LAUNCH_VARIANTS = {
     # warps (127 registers with the lazy rescale) instead of 2 queries and 1 warp (session 34)
     "fq4": (("attnres", "block_attnres"),
             {"route_many_triton.FORWARD_QUERIES": 4, "route_many_triton.MANY_NARROW_FORWARD_WARPS": 4}),
-    # DAR's gate and transport in the SPEC's form, both weights applied, as before session 43
-    # (since, as differences: one sum over the tokens per scalar use, dar.MIX_FORM)
-    "mixw": (("dar_block",), {"dar.MIX_FORM": "weights"}),
+    # DAR's gate and transport as differences, one sum over the tokens per scalar use
+    # (dar.MIX_FORM; the default is the SPEC's form)
+    "mixd": (("dar_block",), {"dar.MIX_FORM": "difference"}),
+    # DAR's transport at a block's closing site untagged, as before session 43 (since, tagged
+    # for recomputation like every other site's: dar.TAG_CLOSING_TRANSPORT)
+    "untag": (("dar_block",), {"dar.TAG_CLOSING_TRANSPORT": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})

@@ -16,6 +16,7 @@ entries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -40,15 +41,21 @@ VARIANTS = {
 
 
 #: How the gate ``s r^0 + (1 - s) r^1`` and the transport ``rho q^0 + (1 - rho) q^1`` are
-#: written as torch ops. "difference" (the default since session 43): ``r^1 + s (r^0 - r^1)``
-#: and ``q^1 + rho (q^0 - q^1)``, so that autograd forms one sum over the tokens for each
-#: scalar (``<g, r^0 - r^1>``), and the transport's write with its two betas three sums, not
-#: six; those sums are Inductor's split reductions over every element, which read their
-#: tensors again and ran at 1.4-2.0 TB/s in DAR block's step (docs/benchmarks.md, session
-#: 43). "weights": the SPEC's form, both weights applied (before session 43). The two agree
-#: up to rounding.
-MIX_FORM = "difference"
-MIX_FORMS = ("difference", "weights")
+#: written as torch ops. "weights" (the SPEC's form, the default): both weights applied.
+#: "difference": ``r^1 + s (r^0 - r^1)`` and ``q^1 + rho (q^0 - q^1)``, so that autograd
+#: forms one sum over the tokens per scalar use (the gate 1, not 2; a write with its betas
+#: 3, not 6), since those sums are Inductor's split reductions that read their tensors
+#: again (1.4-2.0 TB/s in DAR block's step). Measured in session 43 (docs/benchmarks.md):
+#: Inductor then fused the step's backward differently and its kernels took longer, so it
+#: stays an option. The two agree up to rounding.
+MIX_FORM = "weights"
+MIX_FORMS = ("weights", "difference")
+#: Whether the transport's products at a site that closes its block are tagged for
+#: recomputation (:func:`recomputable`), as every other site's partial sums are; only the
+#: block's completed entries they add up to are kept. Untagged (before session 43), the
+#: partitioner kept a float32 copy of that site's routed input for the branch's norm
+#: instead: two activations a block (at 350M, 0.36 GiB of DAR block's peak, session 43).
+TAG_CLOSING_TRANSPORT = True
 
 
 def _weights_form() -> bool:
@@ -66,15 +73,14 @@ def _mix(weight: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> tor
 
 def _transport(rho: torch.Tensor, q0: torch.Tensor, q1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``M(rho) [q^0, q^1]``, ``M = [[rho, 1 - rho], [1 - rho, rho]]``, in the form
-    :data:`MIX_FORM` names: as differences, ``rho`` multiplies one tensor, ``q^0 - q^1``."""
-    if _weights_form():
-        return rho * q0 + (1 - rho) * q1, (1 - rho) * q0 + rho * q1
-    # only rho's gradient reads the difference: made again in the backward (recompute.py),
-    # also where the write closes a block and its sums are kept (else it is saved, one
-    # activation a block more)
-    with recomputable():
+    :data:`MIX_FORM` names (as differences, ``rho`` multiplies one tensor, ``q^0 - q^1``),
+    tagged for recomputation where :data:`TAG_CLOSING_TRANSPORT` says (the caller tags a
+    site that does not close its block)."""
+    with recomputable() if TAG_CLOSING_TRANSPORT else contextlib.nullcontext():
+        if _weights_form():
+            return rho * q0 + (1 - rho) * q1, (1 - rho) * q0 + rho * q1
         moved = rho * (q0 - q1)
-    return q1 + moved, q0 - moved
+        return q1 + moved, q0 - moved
 
 
 @dataclasses.dataclass(frozen=True)

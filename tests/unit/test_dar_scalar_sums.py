@@ -1,7 +1,8 @@
-"""DAR's gate and transport written so that autograd forms one sum over the tokens per
-scalar use (``depthrewrite.passes.dar.MIX_FORM``): each such sum is a split reduction over
-every element in the compiled step, which reads its tensors again. Counted in the eager
-backward: the sums that reduce a ``(batch, tokens, d)`` tensor to one or two numbers."""
+"""The two forms of DAR's gate and transport (``depthrewrite.passes.dar.MIX_FORM``): as
+differences, autograd forms one sum over the tokens per scalar use, the SPEC's form two
+(each such sum is a split reduction over every element in the compiled step, which reads
+its tensors again); both give the same gradients. Counted in the eager backward: the sums
+that reduce a ``(batch, tokens, d)`` tensor to one or two numbers."""
 
 from __future__ import annotations
 
@@ -70,5 +71,5 @@ def test_an_unknown_form_is_refused(monkeypatch):
     model = depthrewrite.rewrite(GPT(GPTConfig(d_model=D, n_layer=2, n_head=2, max_seq_len=TOKENS)), "dar")
     monkeypatch.setattr(dar, "MIX_FORM", "sums")
     idx = torch.zeros(1, TOKENS, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"dar.MIX_FORM must be one of difference, weights, found 'sums'"):
+    with pytest.raises(ValueError, match=r"dar.MIX_FORM must be one of weights, difference, found 'sums'"):
         model(idx, idx)

@@ -54,7 +54,7 @@ MIX_FORMS = ("weights", "difference")
 #: recomputation (:func:`recomputable`), as every other site's partial sums are; only the
 #: block's completed entries they add up to are kept. Untagged (before session 43), the
 #: partitioner kept a float32 copy of that site's routed input for the branch's norm
-#: instead: two activations a block (at 350M, 0.36 GiB of DAR block's peak, session 43).
+#: instead: two activations a block (at 350M, 0.44 GiB of DAR block's peak, session 43).
 TAG_CLOSING_TRANSPORT = True
 
 

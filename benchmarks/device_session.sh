@@ -1039,6 +1039,21 @@ mixcheck43)
   # kernels) against Inductor alone on the reference ops, on the GPU (~3 minutes)
   SCHEMES="dar dar_recompute dar_fm" bash "$0" schemesinductor
   ;;
+narrow44)
+  # session 43 (prepared for session 44; no device time was left): the backend's
+  # recompute_branch_outputs="narrow" (the attention projections' outputs recomputed, not
+  # the MLPs') on WAV, DAR block and DAR block's fused merge beside their defaults and the
+  # baseline, waves of 3 (~8 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline wav wav_narrow dar_block dar_block_narrow dar_block_fm_narrow > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -10
+  ;;
+narrowcheck44)
+  # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
+  # Inductor alone on the reference ops, on the GPU (~2 minutes)
+  SCHEMES="wav_narrow dar_narrow" bash "$0" schemesinductor
+  ;;
 final41)
   # session 41 (prepared; ran as session 42's run 1 at 75db607): route_many's "heads" layout
   # tests, then that layout's forward at grouped full MHAR's and block MHAR's calls (16 heads)

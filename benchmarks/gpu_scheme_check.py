@@ -147,7 +147,9 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "mhar_block_fm": ("mhar", {"block_size": 2, "fused_merge": True}),
            "dar_fm": ("dar", {"fused_merge": True}),
            # both: DAR block's lowest-memory form (session 26)
-           "dar_fm_branch": ("dar", {"fused_merge": True})}
+           "dar_fm_branch": ("dar", {"fused_merge": True}),
+           # recompute_branch_outputs="narrow": the attention projections' outputs only (session 43)
+           "wav_narrow": ("wav", {"block_size": 4}), "dar_narrow": ("dar", {})}
 #: the schemes that route (the others add no routing op to the graph)
 ROUTING_SCHEMES = ("attnres", "block_attnres", "dar", "mhar", "wav")
 #: configurations with the fused merge: their route_merge calls must be lowered
@@ -156,7 +158,8 @@ FUSED_MERGE_CONFIGS = tuple(name for name, (_, options) in CONFIGS.items() if op
 BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recompute": {"recompute_partial_sums": True},
                    "wav_newsums": {"accumulate_in_place": False}, "mhar_newsums": {"accumulate_in_place": False},
                    "wav_branch": {"recompute_branch_outputs": True}, "dar_branch": {"recompute_branch_outputs": True},
-                   "dar_fm_branch": {"recompute_branch_outputs": True}}
+                   "dar_fm_branch": {"recompute_branch_outputs": True},
+                   "wav_narrow": {"recompute_branch_outputs": "narrow"}, "dar_narrow": {"recompute_branch_outputs": "narrow"}}
 #: configurations whose backward must have route_backward calls written in place (the default)
 IN_PLACE_EXPECTED = ("wav", "mhar")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}

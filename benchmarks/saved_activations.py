@@ -36,9 +36,9 @@ from depthrewrite.recompute import mark_recomputable  # noqa: E402
 
 #: name -> (scheme or None for the baseline, options[, True: the backend's
 #: recompute_partial_sums, the tagged partial sums marked for recomputation; "branch": that
-#: and recompute_branch_outputs]): the e2e benchmark's block forms. With the scheme option
-#: fused_merge the second phase goes through route_merge, the branch norms fused into it as
-#: the backend's fuse_output_norms does
+#: and recompute_branch_outputs; "narrow": that option set to "narrow"]): the e2e
+#: benchmark's block forms. With the scheme option fused_merge the second phase goes
+#: through route_merge, the branch norms fused into it as the backend's fuse_output_norms does
 CONFIGS = {
     "baseline": (None, {}),
     "block_attnres": ("block_attnres", {}),
@@ -57,6 +57,10 @@ CONFIGS = {
     "mhar_block_recompute_fm": ("mhar", {"block_size": 6, "fused_merge": True}, True),
     "dar_block_recompute_fm": ("dar", {"layers_per_block": 3, "fused_merge": True}, True),
     "dar_block_branch_fm": ("dar", {"layers_per_block": 3, "fused_merge": True}, "branch"),
+    # "narrow": recompute_branch_outputs="narrow", only the attention projections' outputs
+    "wav_narrow": ("wav", {"block_size": 6}, "narrow"),
+    "dar_block_narrow": ("dar", {"layers_per_block": 3}, "narrow"),
+    "dar_block_narrow_fm": ("dar", {"layers_per_block": 3, "fused_merge": True}, "narrow"),
 }
 
 
@@ -127,7 +131,7 @@ def saved_tensors(cfg: tuple, d: int, layers: int, heads: int, batch: int, seq: 
         if fused_merge and fuse_output_norms(gm.graph):  # as the depthrewrite backend does by default
             gm.recompile()
         if recompute:
-            mark_recomputable(gm.graph, branch_outputs=recompute == "branch")
+            mark_recomputable(gm.graph, branch_outputs={"branch": True, "narrow": "narrow"}.get(recompute, False))
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
     torch.manual_seed(0)

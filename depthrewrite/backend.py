@@ -40,7 +40,10 @@ figure is given (docs/benchmarks.md has the runs):
   branch outputs those sums are rebuilt from are not saved either; their linear layers'
   matmuls run again in the backward (one activation a site less for one matmul a site
   more). Peak 1.158x -> 1.091x for WAV, 1.175x -> 1.107x for DAR block, each step about
-  3 % longer (sessions 14-15).
+  3 % longer (sessions 14-15). ``"narrow"``: only the outputs of linear layers no wider at
+  their input than at their output (attention's output projection, not the MLP's down
+  projection), the cheapest matmuls per activation (:mod:`depthrewrite.recompute`; not
+  yet timed on the GPU).
 - ``fuse_output_norms`` (default True; :mod:`depthrewrite.norm_fusion`): where the second
   phase runs through ``route_merge`` (the scheme option ``fused_merge=True``, or
   ``two_phase.FUSED_MERGE``), the branch's RMSNorm that alone reads a merge's result is
@@ -360,7 +363,10 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     in_place = _pop_flag(options, "accumulate_in_place", True)
     asked_to_recompute = "recompute_partial_sums" in options
     recompute = _pop_flag(options, "recompute_partial_sums", True)
-    branch_outputs = _pop_flag(options, "recompute_branch_outputs", False)
+    branch_outputs = options.pop("recompute_branch_outputs", False)
+    if not (isinstance(branch_outputs, bool) or branch_outputs == "narrow"):
+        raise ValueError(f"depthrewrite_backend: options['recompute_branch_outputs'] must be True, False or "
+                         f"'narrow'; found {branch_outputs!r}")
     if branch_outputs and not recompute:
         raise ValueError("depthrewrite_backend: options['recompute_branch_outputs'] needs recompute_partial_sums "
                          "(the branch outputs are saved for the partial sums' recomputation); found "

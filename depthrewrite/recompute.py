@@ -25,7 +25,11 @@ and views) and marks that path too, so the partitioner recomputes the branch's l
 in the backward from its input, which the matmul's own backward keeps anyway. One matmul
 per site more for one activation per site less: a trade for a run short of memory, see
 docs/benchmarks.md for its price. A branch output reached otherwise (no linear layer, or
-through a dropout that draws random numbers) stays saved.
+through a dropout that draws random numbers) stays saved. ``recompute_branch_outputs="narrow"``
+recomputes only the outputs of linear layers whose input is no wider than their output
+(an attention branch's output projection, d -> d), whose matmul costs the least per
+activation saved, and keeps the rest (an MLP's down projection, about 2.7 d -> d in the
+bundled GPT, so 2.7 times the matmul for the same activation).
 
 The recomputed sums are the forward's in float32. In bf16 the backward's copy may differ
 from the forward's in the last bit where Inductor computes a chain of sums in one kernel
@@ -70,10 +74,11 @@ def _tagged(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and (node.meta.get("custom") or {}).get(key) == value
 
 
-def mark_recomputable(graph: fx.Graph, branch_outputs: bool = False) -> tuple[str, ...]:
+def mark_recomputable(graph: fx.Graph, branch_outputs: bool | str = False) -> tuple[str, ...]:
     """Mark the tagged operations of a Dynamo graph for recomputation in the backward (with
     ``branch_outputs``, also the branch outputs they are summed from, back to their linear
-    layers: :func:`branch_output_path`); returns the marked nodes' names. Node metadata is
+    layers: :func:`branch_output_path`; ``"narrow"``: only where the linear layer's input is
+    no wider than its output); returns the marked nodes' names. Node metadata is
     not part of the compile caches' keys (``GraphModule.__reduce__`` drops it): the backend
     puts these names in its Inductor pass's key, so that a graph compiled without the marks
     is never loaded in its place. A node that already has a policy (a user's selective
@@ -84,7 +89,7 @@ def mark_recomputable(graph: fx.Graph, branch_outputs: bool = False) -> tuple[st
         for node in tagged:
             for source in node.all_input_nodes:
                 if not _tagged(source) and source not in paths and _same_shape(source, node):
-                    paths[source] = branch_output_path(source)
+                    paths[source] = branch_output_path(source, narrow_only=branch_outputs == "narrow")
         found = sum(1 for path in paths.values() if path)
         log.info("recompute: %d branch outputs recomputed from their linear layers, %d kept (no linear layer "
                  "reached through recomputable ops)", found, len(paths) - found)
@@ -110,20 +115,31 @@ _LINEAR = (torch.nn.functional.linear, torch._C._nn.linear, torch.matmul, operat
 _PASS_METHODS = ("to", "contiguous", "view", "reshape", "float", "bfloat16", "half", "type_as")
 
 
-def branch_output_path(node: fx.Node, max_steps: int = 4) -> list[fx.Node]:
+def branch_output_path(node: fx.Node, max_steps: int = 4, narrow_only: bool = False) -> list[fx.Node]:
     """The nodes from ``node`` up to and including the linear layer that made it, through
     at most ``max_steps`` pass-through ops (:data:`_PASS_METHODS`, a dropout of probability
-    0); empty if there is none (recomputing a random op would draw new numbers)."""
+    0); empty if there is none (recomputing a random op would draw new numbers), or with
+    ``narrow_only`` where that layer's input is wider than its output (or of unknown width)."""
     path = []
     for _ in range(max_steps + 1):
         if node.op == "call_function" and node.target in _LINEAR:
-            return path + [node]
+            return path + [node] if not narrow_only or _narrow(node) else []
         if _passes_through(node):
             path.append(node)
             node = node.args[0]
             continue
         return []
     return []
+
+
+def _narrow(linear: fx.Node) -> bool:
+    """Whether a linear layer's input is no wider than its output (last dimensions of the
+    example values Dynamo recorded; False where one is missing)."""
+    inp = linear.args[0].meta.get("example_value") if isinstance(linear.args[0], fx.Node) else None
+    out = linear.meta.get("example_value")
+    if not (isinstance(inp, torch.Tensor) and isinstance(out, torch.Tensor) and inp.dim() and out.dim()):
+        return False
+    return inp.shape[-1] <= out.shape[-1]
 
 
 def _passes_through(node: fx.Node) -> bool:

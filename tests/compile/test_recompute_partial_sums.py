@@ -125,6 +125,32 @@ def test_branch_outputs_recomputed_same_gradients_one_tensor_less_per_site(schem
     assert set(sums.recomputed) < set(branch.recomputed)
 
 
+@pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2})])
+def test_narrow_branch_outputs_only_the_attention_projections(scheme, scheme_options):
+    """``recompute_branch_outputs="narrow"``: of the 3 sites with partial sums (attention,
+    MLP, attention), only the attention sites' outputs come from a linear layer no wider at
+    its input (d -> d; the MLP's down projection is 2.7 d -> d): 2 tensors fewer saved, the
+    float32 loss and gradients bit for bit those without it."""
+    loss, grads, sums = _run(scheme, scheme_options, recompute=None)
+    loss_n, grads_n, narrow = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs="narrow")
+    _, _, every = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=True)
+    assert torch.equal(loss_n, loss) and grads_n.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads_n[name], grads[name]), name
+    activation = 2 * 32 * 64 * 4  # (batch, sequence, d) float32
+    assert sums.saved_for_backward["tensors"] - narrow.saved_for_backward["tensors"] == 2
+    assert sums.saved_for_backward["bytes"] - narrow.saved_for_backward["bytes"] == 2 * activation
+    assert set(sums.recomputed) < set(narrow.recomputed) < set(every.recomputed)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_branch_outputs_bad_value_refused(value):
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"options\['recompute_branch_outputs'\] must be True, False or 'narrow'; "
+                                         rf"found {value!r}"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"recompute_branch_outputs": value})
+
+
 def test_branch_outputs_need_recomputed_sums():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"options\['recompute_branch_outputs'\] needs recompute_partial_sums .*"
@@ -147,6 +173,12 @@ def test_branch_output_path_stops_at_random_or_unknown_ops():
     assert branch_output_path(kept) == [kept, cast, lin]
     assert branch_output_path(random) == [] and branch_output_path(other) == []
     assert branch_output_path(kept, max_steps=1) == []  # two pass-through ops before the linear
+    # narrow_only: the layer's widths from the example values Dynamo records; none here
+    assert branch_output_path(kept, narrow_only=True) == []
+    x.meta["example_value"], lin.meta["example_value"] = torch.empty(2, 8), torch.empty(2, 8)
+    assert branch_output_path(kept, narrow_only=True) == [kept, cast, lin]
+    x.meta["example_value"] = torch.empty(2, 9)  # wider at the input: kept
+    assert branch_output_path(kept, narrow_only=True) == [] and branch_output_path(kept) == [kept, cast, lin]
 
 
 def _saved_by_min_cut(monkeypatch, tag_merges: bool) -> list[torch.Tensor]:

@@ -92,7 +92,8 @@ def mark_recomputable(graph: fx.Graph, branch_outputs: bool | str = False) -> tu
                     paths[source] = branch_output_path(source, narrow_only=branch_outputs == "narrow")
         found = sum(1 for path in paths.values() if path)
         log.info("recompute: %d branch outputs recomputed from their linear layers, %d kept (no linear layer "
-                 "reached through recomputable ops)", found, len(paths) - found)
+                 "reached through recomputable ops, or with 'narrow' one wider at its input)", found,
+                 len(paths) - found)
     marked = []
     for node in tagged + [n for path in paths.values() for n in path]:
         if "recompute" not in node.meta:

@@ -109,38 +109,23 @@ def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_p
     assert recomputed.saved_for_backward["bytes"] < kept.saved_for_backward["bytes"]
 
 
+@pytest.mark.parametrize("option,recomputed_outputs", [(True, 3), ("narrow", 2)])
 @pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2})])
-def test_branch_outputs_recomputed_same_gradients_one_tensor_less_per_site(scheme, scheme_options):
+def test_branch_outputs_recomputed_same_gradients_fewer_saved(scheme, scheme_options, option, recomputed_outputs):
     """``recompute_branch_outputs``: the branch outputs of the 3 sites with partial sums
-    (one block of 4) are recomputed from their linear layers: float32 loss and gradients
-    bit for bit those without it, 3 tensors of one activation each fewer saved."""
+    (one block of 4: attention, MLP, attention) are recomputed from their linear layers;
+    with ``"narrow"`` only the attention sites' (d -> d; the MLP's down projection is
+    2.7 d -> d). Float32 loss and gradients bit for bit those without it, one tensor of
+    one activation fewer saved per recomputed output."""
     loss, grads, sums = _run(scheme, scheme_options, recompute=None)
-    loss_b, grads_b, branch = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=True)
+    loss_b, grads_b, branch = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=option)
     assert torch.equal(loss_b, loss) and grads_b.keys() == grads.keys()
     for name in grads:
         assert torch.equal(grads_b[name], grads[name]), name
     activation = 2 * 32 * 64 * 4  # (batch, sequence, d) float32
-    assert sums.saved_for_backward["tensors"] - branch.saved_for_backward["tensors"] == 3
-    assert sums.saved_for_backward["bytes"] - branch.saved_for_backward["bytes"] == 3 * activation
+    assert sums.saved_for_backward["tensors"] - branch.saved_for_backward["tensors"] == recomputed_outputs
+    assert sums.saved_for_backward["bytes"] - branch.saved_for_backward["bytes"] == recomputed_outputs * activation
     assert set(sums.recomputed) < set(branch.recomputed)
-
-
-@pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2})])
-def test_narrow_branch_outputs_only_the_attention_projections(scheme, scheme_options):
-    """``recompute_branch_outputs="narrow"``: of the 3 sites with partial sums (attention,
-    MLP, attention), only the attention sites' outputs come from a linear layer no wider at
-    its input (d -> d; the MLP's down projection is 2.7 d -> d): 2 tensors fewer saved, the
-    float32 loss and gradients bit for bit those without it."""
-    loss, grads, sums = _run(scheme, scheme_options, recompute=None)
-    loss_n, grads_n, narrow = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs="narrow")
-    _, _, every = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=True)
-    assert torch.equal(loss_n, loss) and grads_n.keys() == grads.keys()
-    for name in grads:
-        assert torch.equal(grads_n[name], grads[name]), name
-    activation = 2 * 32 * 64 * 4  # (batch, sequence, d) float32
-    assert sums.saved_for_backward["tensors"] - narrow.saved_for_backward["tensors"] == 2
-    assert sums.saved_for_backward["bytes"] - narrow.saved_for_backward["bytes"] == 2 * activation
-    assert set(sums.recomputed) < set(narrow.recomputed) < set(every.recomputed)
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])

@@ -132,6 +132,16 @@ e2e_run() {
       --schemes "$@" > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -"$lines"
 }
+# model $1 compiled and profiled in one process with Inductor's code logged (its $2 largest
+# kernels, at most $3 s), joined by kernel_inputs.py: what each Inductor kernel reads and
+# writes; $OUT/$1_{profile.txt,code.txt,kernels.md}
+inductor_code() {
+  local model=$1 top=$2 seconds=$3
+  TORCH_LOGS=output_code timeout "$seconds" python3 benchmarks/kernel_code.py "$model" "$top" \
+      > "$OUT/${model}_profile.txt" 2> "$OUT/${model}_code.txt"
+  python3 benchmarks/kernel_inputs.py "$OUT/${model}_code.txt" "$OUT/${model}_profile.txt" \
+      > "$OUT/${model}_kernels.md" 2>&1
+}
 # every scheme end to end with the defaults, in waves of 4, each model's 30 largest kernels
 # (at most 570 s); the tables printed
 every_scheme_table() {
@@ -558,10 +568,7 @@ inductorcode)
   # profiled in one process with Inductor's code logged and its bytes estimated
   export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
   for model in dar_block mhar_block; do
-    TORCH_LOGS=output_code timeout 270 python3 benchmarks/kernel_code.py "$model" 60 \
-        > "$OUT/${model}_profile.txt" 2> "$OUT/${model}_code.txt"
-    python3 benchmarks/kernel_inputs.py "$OUT/${model}_code.txt" "$OUT/${model}_profile.txt" \
-        > "$OUT/${model}_kernels.md" 2>&1
+    inductor_code "$model" 60 270
     echo "== $model"; head -1 "$OUT/${model}_profile.txt"; grep "triton_" "$OUT/${model}_kernels.md" | head -25 | cut -c1-220
   done
   ;;
@@ -1011,10 +1018,7 @@ darcode43)
   # session 43: DAR block's Inductor code and profile at HEAD (inductorcode for DAR block
   # alone, 80 kernels, the logged code gzipped so that it comes back; ~4 minutes)
   export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
-  TORCH_LOGS=output_code timeout 300 python3 benchmarks/kernel_code.py dar_block 80 \
-      > "$OUT/dar_block_profile.txt" 2> "$OUT/dar_block_code.txt"
-  python3 benchmarks/kernel_inputs.py "$OUT/dar_block_code.txt" "$OUT/dar_block_profile.txt" \
-      > "$OUT/dar_block_kernels.md" 2>&1
+  inductor_code dar_block 80 300
   gzip -9 "$OUT/dar_block_code.txt"
   head -1 "$OUT/dar_block_profile.txt"; grep "triton_" "$OUT/dar_block_kernels.md" | head -30 | cut -c1-200
   ;;
@@ -1044,10 +1048,7 @@ narrow44)
   # recompute_branch_outputs="narrow" (the attention projections' outputs recomputed, not
   # the MLPs') on WAV, DAR block and DAR block's fused merge beside their defaults and the
   # baseline, waves of 3 (~8 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline wav wav_narrow dar_block dar_block_narrow dar_block_fm_narrow > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -10
+  e2e_run 570 3 10 baseline wav wav_narrow dar_block dar_block_narrow dar_block_fm_narrow
   ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against

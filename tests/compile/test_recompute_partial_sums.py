@@ -22,18 +22,22 @@ from depthrewrite.passes import dar
 from depthrewrite.recompute import TAG, branch_output_path, mark_recomputable
 
 
-def _run(scheme: str, scheme_options: dict, recompute: bool | None, **backend_options):
-    """Compiled with ``recompute`` as the option (None: not given, the default)."""
+def _run(scheme: str, scheme_options: dict, recompute: bool | None, dtype=torch.float32, **backend_options):
+    """Compiled with ``recompute`` as the option (None: not given, the default), in
+    ``dtype``, through ``aot_eager`` unless ``backend_options`` names another inner compiler."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = depthrewrite.rewrite(GPT(GPTConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=32)), scheme,
-                                 **scheme_options).train()
+                                 **scheme_options).to(dtype).train()
     options = {"inner": "aot_eager", **backend_options} | ({} if recompute is None else
                                                            {"recompute_partial_sums": recompute})
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
     idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    _, loss = compiled(idx, idx)
-    loss.backward()
+    # no cache: a graph Inductor loads from one is not partitioned, so its saved set is not recorded
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        _, loss = compiled(idx, idx)
+        loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, backend.last_report()
 
@@ -210,31 +214,17 @@ def test_the_merge_saves_no_float32_copy_of_the_phase_one_output(monkeypatch):
     assert sum(t.nbytes for t in untagged) - sum(t.nbytes for t in tagged) == 4 * activation * 4
 
 
-def _dar_block_bf16(tag_closing: bool, monkeypatch):
-    """A DAR block of 2 layers in bf16 through the backend with Inductor (whose partition
-    training gets), ``dar.TAG_CLOSING_TRANSPORT`` as given: (loss, gradients, saved set)."""
-    monkeypatch.setattr(dar, "TAG_CLOSING_TRANSPORT", tag_closing)
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    config = GPTConfig(d_model=64, n_layer=2, n_head=2, max_seq_len=32)
-    model = depthrewrite.rewrite(GPT(config), "dar", layers_per_block=2).to(torch.bfloat16).train()
-    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "inductor"})
-    idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    # no cache: a graph loaded from one is not partitioned, so its saved set is not recorded
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        _, loss = compiled(idx, idx)
-        loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, backend.last_report().saved_for_backward
-
-
 def test_dar_closing_transport_tagged_saves_no_float32_copy(monkeypatch):
     """Untagged, the transport at the site that closes the block led the partitioner to keep
     a float32 copy of that site's routed input (for the branch's norm): one (2, 32, 64)
     float32 tensor more than with it tagged, the rest the same."""
-    loss, grads, saved = _dar_block_bf16(True, monkeypatch)
-    loss_u, grads_u, saved_u = _dar_block_bf16(False, monkeypatch)
+    def dar_block_bf16(tag_closing: bool):  # through Inductor, whose partition training gets
+        monkeypatch.setattr(dar, "TAG_CLOSING_TRANSPORT", tag_closing)
+        loss, grads, report = _run("dar", {"layers_per_block": 2}, None, torch.bfloat16, inner="inductor")
+        return loss, grads, report.saved_for_backward
+
+    loss, grads, saved = dar_block_bf16(True)
+    loss_u, grads_u, saved_u = dar_block_bf16(False)
     assert saved_u["tensors"] - saved["tensors"] == 1
     assert saved_u["bytes"] - saved["bytes"] == 2 * 32 * 64 * 4
     assert torch.equal(loss, loss_u)

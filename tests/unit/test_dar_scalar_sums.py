@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import depthrewrite
 from depthrewrite.models.gpt import GPT, GPTConfig
 from depthrewrite.passes import dar
+from tests.unit.test_schemes_routed import randomize_routing
 
 D, LAYERS, BATCH, TOKENS = 32, 4, 2, 8
 
@@ -37,10 +38,7 @@ def _backward_sums(form: str, layers_per_block: int, two_phase: bool, monkeypatc
     torch.manual_seed(0)
     model = GPT(GPTConfig(d_model=D, n_layer=LAYERS, n_head=2, max_seq_len=TOKENS))
     model = depthrewrite.rewrite(model, "dar", layers_per_block=layers_per_block, two_phase=two_phase)
-    with torch.no_grad():  # every scalar away from its initial value, so that each sum matters
-        for name, p in model.named_parameters():
-            if "depth_route" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    randomize_routing(model)  # every scalar away from its initial value, so that each sum matters
     idx = torch.randint(0, model.config.vocab_size, (BATCH, TOKENS), generator=torch.Generator().manual_seed(1))
     _, loss = model(idx, idx)
     counter = ScalarSums()

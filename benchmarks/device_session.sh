@@ -1050,6 +1050,11 @@ narrow44)
   # baseline, waves of 3 (~8 minutes)
   e2e_run 570 3 10 baseline wav wav_narrow dar_block dar_block_narrow dar_block_fm_narrow
   ;;
+fmnarrow44)
+  # session 44: DAR block's fused merge with and without "narrow" beside the default and
+  # the baseline in one wave of 4: run 1's fm_narrow process was host-bound (~5 minutes)
+  e2e_run 480 4 8 baseline dar_block dar_block_fm dar_block_fm_narrow
+  ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
   # Inductor alone on the reference ops, on the GPU (~2 minutes)

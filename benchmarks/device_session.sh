@@ -1055,6 +1055,11 @@ fmnarrow44)
   # the baseline in one wave of 4: run 1's fm_narrow process was host-bound (~5 minutes)
   e2e_run 480 4 8 baseline dar_block dar_block_fm dar_block_fm_narrow
   ;;
+memory44)
+  # session 44: every block form that meets the memory goal or comes near it beside the
+  # defaults and the baseline, waves of 3 (~7 minutes)
+  e2e_run 570 3 10 baseline wav wav_narrow wav_branch dar_block dar_block_fm_narrow
+  ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
   # Inductor alone on the reference ops, on the GPU (~2 minutes)

@@ -130,7 +130,7 @@ e2e_run() {
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout "$seconds" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave "$wave" --profile 12 \
       --schemes "$@" > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -"$lines"
+  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | tail -"$lines"
 }
 # model $1 compiled and profiled in one process with Inductor's code logged (its $2 largest
 # kernels, at most $3 s), joined by kernel_inputs.py: what each Inductor kernel reads and
@@ -1059,6 +1059,11 @@ memory44)
   # session 44: every block form that meets the memory goal or comes near it beside the
   # defaults and the baseline, waves of 3 (~7 minutes)
   e2e_run 570 3 10 baseline wav wav_narrow wav_branch dar_block dar_block_fm_narrow
+  ;;
+gc44)
+  # session 44: Python's garbage collections in each timed trial, DAR block's fused merge
+  # with "narrow" with and without gc.freeze() after its warm-up, one wave (~5 minutes)
+  e2e_run 420 4 8 baseline dar_block dar_block_fm_narrow dar_block_fm_narrow_gcfreeze
   ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against

@@ -29,7 +29,10 @@ Also recorded: the host's time to issue a step (``host_ms``: ``step()`` returnin
 GPU idle when it starts; close to the step time means the GPU waits for the host), the
 process's host speed beside it (``host_op_us``: one tiny CUDA op's issue time; host times of
 different processes compare only through it, session 21) and the allocator's peak reserved
-memory. The ``_cg`` configurations record the compiled step as
+memory, and Python's garbage collections during each timed trial (``gc_ms``, ``gc_full``:
+their milliseconds and full collections; a full one walks every object the compiles left,
+session 44). The ``_gcfreeze`` configurations call ``gc.freeze()`` after their warm-up, so that
+later collections skip those objects. The ``_cg`` configurations record the compiled step as
 CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets) and are
 compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
 memory misses the graphs' pool, so their memory is compared by reserved GiB. The ``_cdt``
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib
 import json
 import multiprocessing as mp
@@ -336,6 +340,14 @@ BACKEND_OPTIONS["dar_block_fm_narrow"] = BACKEND_VARIANTS["narrow"]
 #: backend since session 28, measured on dar_block only)
 CONFIGS["dar_block_fm_mfs64"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_mfs64"] = BACKEND_VARIANTS["mfs64"]
+#: ``gc.freeze()`` after the warm-up (session 44: some timed trials ran 30-140 ms a step
+#: over their siblings; a full collection walks the compiles' objects, see GcTimes)
+GC_FREEZE = tuple(f"{base}_gcfreeze" for base in ("baseline", "dar_block", "dar_block_fm_narrow", "wav"))
+for _name in GC_FREEZE:
+    _base = _name.rsplit("_", 1)[0]
+    CONFIGS[_name] = CONFIGS[_base][:2] + (None,)
+    LAUNCH_PATCHES[_name] = LAUNCH_PATCHES.get(_base, {})
+    BACKEND_OPTIONS[_name] = BACKEND_OPTIONS.get(_base, {})
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
@@ -393,6 +405,28 @@ def launch_patches(name: str):
             setattr(module, constant, value)
 
 
+class GcTimes:
+    """Python's garbage collections while active (``gc.callbacks``): their total
+    milliseconds and how many were full (generation 2) collections."""
+
+    def __init__(self):
+        self.ms, self.full, self._start = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.ms += (time.perf_counter() - self._start) * 1e3
+        self.full += info["generation"] == 2
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
 def _build(name: str):
     if name in RAW_REGISTRATION:  # read when depthrewrite.kernels is first imported, just below
         os.environ["DEPTHREWRITE_KERNEL_REGISTRATION"] = "dispatcher"
@@ -442,6 +476,8 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
             step()
         torch.cuda.synchronize()
         warm_s = time.time() - start
+        if name in GC_FREEZE:  # the compiles' objects out of every later collection's walk
+            gc.freeze()
         # while waiting, hand the cached blocks back: the others of the wave are timed
         # meanwhile, and a timed process short of memory has its allocator free and retry
         # (session 5: the heavy models' trials varied by up to 25 %)
@@ -454,15 +490,17 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-        trial_ms = []
+        trial_ms, collections = [], []
         for _ in range(trials):
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(steps):
-                loss = step()
-            t1.record()
-            torch.cuda.synchronize()
+            with GcTimes() as gc_times:
+                t0.record()
+                for _ in range(steps):
+                    loss = step()
+                t1.record()
+                torch.cuda.synchronize()
             trial_ms.append(t0.elapsed_time(t1) / steps)
+            collections.append(gc_times)
         ms = statistics.median(trial_ms)
         row = dict(name=name, step_ms=ms, trial_ms=trial_ms, tokens_per_s=BATCH * SEQ / (ms * 1e-3),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30,
@@ -470,7 +508,8 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                    # max_memory_allocated misses them, the memory the allocator holds does not
                    reserved_gib=torch.cuda.max_memory_reserved() / 2**30, compile_and_warmup_s=warm_s,
                    loss=float(loss.detach()), lowering=_lowering(name),
-                   alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before)
+                   alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
+                   gc_ms=[c.ms for c in collections], gc_full=[c.full for c in collections])
         row["host_ms"] = host_issue_ms(step, steps)
         row["host_op_us"] = host_op_us()
         if profile:
@@ -670,6 +709,18 @@ def host_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gc_table(rows: list[dict]) -> str:
+    """Each timed trial's step time beside the garbage collections that ran in it."""
+    lines = []
+    for r in rows:
+        if "gc_ms" not in r:
+            continue
+        trials = ", ".join(f"{ms:.1f} ms/step (gc {gc_ms:.0f} ms, {full} full)"
+                           for ms, gc_ms, full in zip(r["trial_ms"], r["gc_ms"], r["gc_full"]))
+        lines.append(f"trials {r['name']}: {trials}")
+    return "\n".join(lines)
+
+
 def baseline_of(name: str) -> str:
     """The configuration a row is compared with: the CUDA-graph and coordinate-descent
     variants with the baseline compiled the same way, the others with the plain Inductor
@@ -747,6 +798,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(rows, indent=1))
     print(host_table(rows))
+    print(gc_table(rows))
     print(table(rows))
     print(breakdown_table(rows))
     return 0

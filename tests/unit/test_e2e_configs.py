@@ -88,3 +88,25 @@ def test_rows_whose_host_sets_the_pace_are_marked():
     assert not e2e.host_bound({"step_ms": 1.0})
     lines = e2e.table([base, row, fast]).splitlines()
     assert "108.5 (8.2) host-bound |" in lines[3] and "host-bound |" not in lines[2] + lines[4]
+
+
+def test_trials_record_the_garbage_collections_inside_them():
+    """``GcTimes`` counts a full collection made inside it, with its time, and none after it
+    is left; ``gc_table`` prints each trial's step beside its collections; a ``_gcfreeze``
+    configuration is its base configuration with the same patches and backend options."""
+    import gc
+
+    e2e = load_benchmark("e2e_throughput")
+    garbage = [[i] for i in range(20000)]
+    with e2e.GcTimes() as times:
+        gc.collect(0)
+        gc.collect()
+    del garbage
+    gc.collect()
+    assert times.full == 1 and times.ms > 0.0
+    row = {"name": "dar_block", "trial_ms": [113.6, 148.3], "gc_ms": [0.4, 912.0], "gc_full": [0, 1]}
+    assert e2e.gc_table([row, {"name": "baseline"}]) == (
+        "trials dar_block: 113.6 ms/step (gc 0 ms, 0 full), 148.3 ms/step (gc 912 ms, 1 full)")
+    assert e2e.CONFIGS["dar_block_fm_narrow_gcfreeze"][:2] == e2e.CONFIGS["dar_block_fm_narrow"][:2]
+    assert e2e.BACKEND_OPTIONS["dar_block_fm_narrow_gcfreeze"] == e2e.BACKEND_OPTIONS["dar_block_fm_narrow"] != {}
+    assert e2e.baseline_of("dar_block_gcfreeze") == "baseline"

@@ -127,7 +127,8 @@ BACKEND_VARIANTS = {
     # run again in the backward)
     "branch": {"recompute_branch_outputs": True},
     # only those of linear layers no wider at their input than at their output (attention's
-    # output projections, not the MLPs' down projections; session 43, not timed there)
+    # output projections, not the MLPs' down projections; session 43; timed in session 44:
+    # about 1.1 ms of kernels a step for 0.66 GiB of peak)
     "narrow": {"recompute_branch_outputs": "narrow"},
     # Inductor tunes every generated kernel's launch by coordinate descent (slower compiles);
     # compared with "baseline_cdt", the plain model compiled the same way
@@ -333,7 +334,7 @@ CONFIGS["dar_block_fm_branch"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
 #: the same with only the attention projections' outputs recomputed (session 43: the CPU
 #: saved set 12 units under the fused merge's at 12 layers, 0.75 GiB at 350M by the count;
-#: not timed yet)
+#: session 44: 1.089x the baseline's peak, its kernels level with dar_block's)
 CONFIGS["dar_block_fm_narrow"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_narrow"] = BACKEND_VARIANTS["narrow"]
 #: DAR block's fused merge at Inductor's own max_fusion_size (its graphs get 16 from the

@@ -114,13 +114,15 @@ def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("option,recomputed_outputs", [(True, 3), ("narrow", 2)])
-@pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2})])
+@pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2}),
+                                                   ("dar", {"layers_per_block": 2, "fused_merge": True})])
 def test_branch_outputs_recomputed_same_gradients_fewer_saved(scheme, scheme_options, option, recomputed_outputs):
     """``recompute_branch_outputs``: the branch outputs of the 3 sites with partial sums
     (one block of 4: attention, MLP, attention) are recomputed from their linear layers;
     with ``"narrow"`` only the attention sites' (d -> d; the MLP's down projection is
     2.7 d -> d). Float32 loss and gradients bit for bit those without it, one tensor of
-    one activation fewer saved per recomputed output."""
+    one activation fewer saved per recomputed output. DAR's fused merge with "narrow" is
+    README's form for a DAR run short of memory."""
     loss, grads, sums = _run(scheme, scheme_options, recompute=None)
     loss_b, grads_b, branch = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=option)
     assert torch.equal(loss_b, loss) and grads_b.keys() == grads.keys()

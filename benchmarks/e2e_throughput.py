@@ -341,8 +341,10 @@ BACKEND_OPTIONS["dar_block_fm_narrow"] = BACKEND_VARIANTS["narrow"]
 #: backend since session 28, measured on dar_block only)
 CONFIGS["dar_block_fm_mfs64"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_mfs64"] = BACKEND_VARIANTS["mfs64"]
-#: ``gc.freeze()`` after the warm-up (session 44: some timed trials ran 30-140 ms a step
-#: over their siblings; a full collection walks the compiles' objects, see GcTimes)
+#: ``gc.freeze()`` after the warm-up: some timed trials ran 11-140 ms a step over their
+#: siblings, and a full collection walks all the compiles' objects. Session 44's run 5: not
+#: the collector (3-9 ms of collections a trial, none full); frozen, the slow first trial
+#: and the median stayed (docs/benchmarks.md)
 GC_FREEZE = tuple(f"{base}_gcfreeze" for base in ("baseline", "dar_block", "dar_block_fm_narrow", "wav"))
 for _name in GC_FREEZE:
     _base = _name.rsplit("_", 1)[0]

@@ -1065,6 +1065,12 @@ gc44)
   # with "narrow" with and without gc.freeze() after its warm-up, one wave (~5 minutes)
   e2e_run 420 4 8 baseline dar_block dar_block_fm_narrow dar_block_fm_narrow_gcfreeze
   ;;
+tables45)
+  # session 44 (prepared for session 45): the pointer tables each timed trial made (e2e's
+  # trial lines): does a slow first trial of the fused merge make tables the next two
+  # find cached? One wave of 3 (~4 minutes)
+  e2e_run 400 3 7 baseline dar_block dar_block_fm_narrow
+  ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
   # Inductor alone on the reference ops, on the GPU (~2 minutes)

@@ -29,9 +29,10 @@ Also recorded: the host's time to issue a step (``host_ms``: ``step()`` returnin
 GPU idle when it starts; close to the step time means the GPU waits for the host), the
 process's host speed beside it (``host_op_us``: one tiny CUDA op's issue time; host times of
 different processes compare only through it, session 21) and the allocator's peak reserved
-memory, and Python's garbage collections during each timed trial (``gc_ms``, ``gc_full``:
-their milliseconds and full collections; a full one walks every object the compiles left,
-session 44). The ``_gcfreeze`` configurations call ``gc.freeze()`` after their warm-up, so that
+memory, and per timed trial Python's garbage collections (``gc_ms``, ``gc_full``: their
+milliseconds and full collections; a full one walks every object the compiles left, session
+44) and the routing kernels' pointer tables made rather than found in their cache
+(``tables_made``: an upload costs ~250 us of host time). The ``_gcfreeze`` configurations call ``gc.freeze()`` after their warm-up, so that
 later collections skip those objects. The ``_cg`` configurations record the compiled step as
 CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets) and are
 compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
@@ -456,6 +457,8 @@ def _build(name: str):
 def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) -> None:
     import torch
 
+    from depthrewrite.kernels.pointer_tables import cache_counts
+
     try:
         model, compiled = _build(name)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -493,9 +496,10 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-        trial_ms, collections = [], []
+        trial_ms, collections, tables_made = [], [], []
         for _ in range(trials):
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            made = cache_counts()["made"]
             with GcTimes() as gc_times:
                 t0.record()
                 for _ in range(steps):
@@ -504,6 +508,7 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                 torch.cuda.synchronize()
             trial_ms.append(t0.elapsed_time(t1) / steps)
             collections.append(gc_times)
+            tables_made.append(cache_counts()["made"] - made)
         ms = statistics.median(trial_ms)
         row = dict(name=name, step_ms=ms, trial_ms=trial_ms, tokens_per_s=BATCH * SEQ / (ms * 1e-3),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30,
@@ -512,7 +517,8 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                    reserved_gib=torch.cuda.max_memory_reserved() / 2**30, compile_and_warmup_s=warm_s,
                    loss=float(loss.detach()), lowering=_lowering(name),
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
-                   gc_ms=[c.ms for c in collections], gc_full=[c.full for c in collections])
+                   gc_ms=[c.ms for c in collections], gc_full=[c.full for c in collections],
+                   tables_made=tables_made)
         row["host_ms"] = host_issue_ms(step, steps)
         row["host_op_us"] = host_op_us()
         if profile:
@@ -712,14 +718,17 @@ def host_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def gc_table(rows: list[dict]) -> str:
-    """Each timed trial's step time beside the garbage collections that ran in it."""
+def trial_table(rows: list[dict]) -> str:
+    """Each timed trial's step time beside the garbage collections that ran in it and the
+    pointer tables it made."""
     lines = []
     for r in rows:
         if "gc_ms" not in r:
             continue
-        trials = ", ".join(f"{ms:.1f} ms/step (gc {gc_ms:.0f} ms, {full} full)"
-                           for ms, gc_ms, full in zip(r["trial_ms"], r["gc_ms"], r["gc_full"]))
+        made = r.get("tables_made") or [None] * len(r["trial_ms"])
+        trials = ", ".join(f"{ms:.1f} ms/step (gc {gc_ms:.0f} ms, {full} full"
+                           + ("" if n is None else f"; {n} tables made") + ")"
+                           for ms, gc_ms, full, n in zip(r["trial_ms"], r["gc_ms"], r["gc_full"], made))
         lines.append(f"trials {r['name']}: {trials}")
     return "\n".join(lines)
 
@@ -801,7 +810,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(rows, indent=1))
     print(host_table(rows))
-    print(gc_table(rows))
+    print(trial_table(rows))
     print(table(rows))
     print(breakdown_table(rows))
     return 0

@@ -18,6 +18,10 @@ hands the same addresses to the same call step after step, so the tables repeat.
   graph, and the host tensor is kept for the life of the process: every replay repeats the
   copy from that same host block, which must still hold these addresses. It is small (8
   bytes an entry) and made once per captured call.
+
+:func:`cache_counts` says how many lookups found their table and how many made one (an
+upload costs the host ~250 us on the H200's hosts, docs/benchmarks.md session 35), so that a
+benchmark can tell a step whose tables repeat from one whose addresses keep changing.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["pointer_tables", "CACHE_ENTRIES", "clear_cache"]
+__all__ = ["pointer_tables", "CACHE_ENTRIES", "clear_cache", "cache_counts"]
 
 #: tables kept (a few hundred bytes each); a training step of the 24-layer DAR model of
 #: docs/benchmarks.md makes 196 routing calls, each with tables of its own
@@ -42,12 +46,21 @@ _upload_streams: dict[torch.device, torch.cuda.Stream] = {}
 _allocator: concurrent.futures.ThreadPoolExecutor | None = None
 #: pinned host tables read by the copies of captured CUDA graphs (never freed: see above)
 _captured_host_tables: list[Tensor] = []
+#: lookups since the process started, outside capture: found in the cache, or made
+_counts = {"hits": 0, "made": 0}
 
 
 def clear_cache() -> None:
     """Drop the cached device tables (the captured graphs' host tables stay)."""
     with _cache_lock:
         _cache.clear()
+
+
+def cache_counts() -> dict[str, int]:
+    """Lookups outside CUDA-graph capture since the process started: ``hits`` (the table
+    was cached) and ``made`` (it was made, uploaded on CUDA), a copy."""
+    with _cache_lock:
+        return dict(_counts)
 
 
 def _views(flat: Tensor, groups) -> list[Tensor]:
@@ -106,6 +119,7 @@ def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> li
         tables = _cache.get(key)
         if tables is not None:
             _cache.move_to_end(key)
+            _counts["hits"] += 1
             return tables
     if cuda:
         flat = _upload(ptrs, device, stream)
@@ -113,6 +127,7 @@ def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> li
         flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
     tables = _views(flat, groups)
     with _cache_lock:  # two threads that missed the same key both store it: same content
+        _counts["made"] += 1
         _cache[key] = tables
         _cache.move_to_end(key)
         while len(_cache) > CACHE_ENTRIES:

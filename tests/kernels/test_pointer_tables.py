@@ -186,3 +186,17 @@ def test_reduce_overhead_compilation_matches_eager_on_fresh_batches(scheme, opti
     # the routing calls were captured (their tables copied inside the graphs), not skipped
     assert len(pt._captured_host_tables) >= kept + report.num_routing_ops
     assert set(report.implementation.values()) == {"triton"}
+
+
+def test_cache_counts_say_which_lookups_found_their_table():
+    """``cache_counts``: a first lookup makes its table, a repeat finds it, new addresses
+    make another (clear_cache keeps the counts: they are the process's)."""
+    a, b = _tensors(2), _tensors(2)
+    before = pt.cache_counts()
+    pt.pointer_tables(DEVICE, a)
+    pt.pointer_tables(DEVICE, a)
+    pt.pointer_tables(DEVICE, b)
+    pt.clear_cache()
+    pt.pointer_tables(DEVICE, a)
+    after = pt.cache_counts()
+    assert (after["made"] - before["made"], after["hits"] - before["hits"]) == (3, 1)

@@ -92,7 +92,8 @@ def test_rows_whose_host_sets_the_pace_are_marked():
 
 def test_trials_record_the_garbage_collections_inside_them():
     """``GcTimes`` counts a full collection made inside it, with its time, and none after it
-    is left; ``gc_table`` prints each trial's step beside its collections; a ``_gcfreeze``
+    is left; ``trial_table`` prints each trial's step beside its collections (and the pointer
+    tables it made, where recorded); a ``_gcfreeze``
     configuration is its base configuration with the same patches and backend options."""
     import gc
 
@@ -105,8 +106,10 @@ def test_trials_record_the_garbage_collections_inside_them():
     gc.collect()
     assert times.full == 1 and times.ms > 0.0
     row = {"name": "dar_block", "trial_ms": [113.6, 148.3], "gc_ms": [0.4, 912.0], "gc_full": [0, 1]}
-    assert e2e.gc_table([row, {"name": "baseline"}]) == (
+    assert e2e.trial_table([row, {"name": "baseline"}]) == (
         "trials dar_block: 113.6 ms/step (gc 0 ms, 0 full), 148.3 ms/step (gc 912 ms, 1 full)")
+    row["tables_made"] = [0, 130]  # rows since session 44's run 5 count the tables made too
+    assert e2e.trial_table([row]).endswith("148.3 ms/step (gc 912 ms, 1 full; 130 tables made)")
     assert e2e.CONFIGS["dar_block_fm_narrow_gcfreeze"][:2] == e2e.CONFIGS["dar_block_fm_narrow"][:2]
     assert e2e.BACKEND_OPTIONS["dar_block_fm_narrow_gcfreeze"] == e2e.BACKEND_OPTIONS["dar_block_fm_narrow"] != {}
     assert e2e.baseline_of("dar_block_gcfreeze") == "baseline"

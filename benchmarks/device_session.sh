@@ -1068,8 +1068,9 @@ gc44)
 tables45)
   # session 44 (prepared for session 45): the pointer tables each timed trial made (e2e's
   # trial lines): does a slow first trial of the fused merge make tables the next two
-  # find cached? One wave of 3 (~4 minutes)
-  e2e_run 400 3 7 baseline dar_block dar_block_fm_narrow
+  # find cached? Then DAR block's lowest-memory timed form recorded as CUDA graphs beside
+  # the default recorded so (README's claim for mode="reduce-overhead"); waves of 3 (~8 minutes)
+  e2e_run 570 3 10 baseline dar_block dar_block_fm_narrow baseline_cg dar_block_cg dar_block_fm_narrow_cg
   ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against

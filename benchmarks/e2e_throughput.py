@@ -338,6 +338,10 @@ BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
 #: session 44: 1.089x the baseline's peak, its kernels level with dar_block's)
 CONFIGS["dar_block_fm_narrow"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_narrow"] = BACKEND_VARIANTS["narrow"]
+#: the same recorded as CUDA graphs (mode="reduce-overhead"): the host out of the step,
+#: where session 44 found it 6-16 % slower on slow hosts (prepared in session 44)
+CONFIGS["dar_block_fm_narrow_cg"] = CONFIGS["dar_block_fm"]
+BACKEND_OPTIONS["dar_block_fm_narrow_cg"] = {**BACKEND_VARIANTS["narrow"], **BACKEND_VARIANTS["cg"]}
 #: DAR block's fused merge at Inductor's own max_fusion_size (its graphs get 16 from the
 #: backend since session 28, measured on dar_block only)
 CONFIGS["dar_block_fm_mfs64"] = CONFIGS["dar_block_fm"]

@@ -32,8 +32,9 @@ different processes compare only through it, session 21) and the allocator's pea
 memory, and per timed trial Python's garbage collections (``gc_ms``, ``gc_full``: their
 milliseconds and full collections; a full one walks every object the compiles left, session
 44) and the routing kernels' pointer tables made rather than found in their cache
-(``tables_made``: an upload costs ~250 us of host time). The ``_gcfreeze`` configurations call ``gc.freeze()`` after their warm-up, so that
-later collections skip those objects. The ``_cg`` configurations record the compiled step as
+(``tables_made``: an upload costs ~250 us of host time). The ``_gcfreeze`` configurations
+call ``gc.freeze()`` after their warm-up, so that later collections skip those objects. The
+``_cg`` configurations record the compiled step as
 CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets) and are
 compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
 memory misses the graphs' pool, so their memory is compared by reserved GiB. The ``_cdt``
@@ -323,11 +324,19 @@ for _name in LAUNCH_PATCHES:  # a variant of a configuration with backend option
 #: full AttnRes since session 35: its GPU idles 6.3 ms a step against the baseline's 2.6)
 RAW_REGISTRATION = tuple(f"{base}_raw" for base in ("wav", "dar_block", "block_attnres", "dar_block_fm",
                                                     "block_attnres_fm", "mhar_block_fm", "attnres"))
-for _name in RAW_REGISTRATION:
-    _base = _name.rsplit("_", 1)[0]
-    CONFIGS[_name] = CONFIGS[_base][:2] + (None,)
-    LAUNCH_PATCHES[_name] = LAUNCH_PATCHES.get(_base, {})
-    BACKEND_OPTIONS[_name] = BACKEND_OPTIONS.get(_base, {})
+
+
+def _same_as_base(names) -> None:
+    """Each of ``names`` (``<base>_<suffix>``) as its base configuration: the same model, launch
+    constants and backend options, no goal of its own (the suffix changes the process only)."""
+    for name in names:
+        base = name.rsplit("_", 1)[0]
+        CONFIGS[name] = CONFIGS[base][:2] + (None,)
+        LAUNCH_PATCHES[name] = LAUNCH_PATCHES.get(base, {})
+        BACKEND_OPTIONS[name] = BACKEND_OPTIONS.get(base, {})
+
+
+_same_as_base(RAW_REGISTRATION)
 #: DAR block's lowest-memory form: the second phase through route_merge with the branch
 #: outputs recomputed too (the CPU saved set predicted 1.03-1.08x the baseline's peak at
 #: 350M; session 26's run 2 measured 1.062x, steps 2.6 % longer than dar_block's)
@@ -351,11 +360,7 @@ BACKEND_OPTIONS["dar_block_fm_mfs64"] = BACKEND_VARIANTS["mfs64"]
 #: the collector (3-9 ms of collections a trial, none full); frozen, the slow first trial
 #: and the median stayed (docs/benchmarks.md)
 GC_FREEZE = tuple(f"{base}_gcfreeze" for base in ("baseline", "dar_block", "dar_block_fm_narrow", "wav"))
-for _name in GC_FREEZE:
-    _base = _name.rsplit("_", 1)[0]
-    CONFIGS[_name] = CONFIGS[_base][:2] + (None,)
-    LAUNCH_PATCHES[_name] = LAUNCH_PATCHES.get(_base, {})
-    BACKEND_OPTIONS[_name] = BACKEND_OPTIONS.get(_base, {})
+_same_as_base(GC_FREEZE)
 #: block schemes whose peak memory should stay within 1.10x of the baseline's
 BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048

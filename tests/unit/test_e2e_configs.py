@@ -93,8 +93,8 @@ def test_rows_whose_host_sets_the_pace_are_marked():
 def test_trials_record_the_garbage_collections_inside_them():
     """``GcTimes`` counts a full collection made inside it, with its time, and none after it
     is left; ``trial_table`` prints each trial's step beside its collections (and the pointer
-    tables it made, where recorded); a ``_gcfreeze``
-    configuration is its base configuration with the same patches and backend options."""
+    tables it made, where recorded); a ``_gcfreeze`` configuration is its base configuration
+    with the same patches and backend options."""
     import gc
 
     e2e = load_benchmark("e2e_throughput")

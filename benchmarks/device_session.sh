@@ -123,13 +123,13 @@ block_phase_run() {
       --out "$OUT/$4" > "$OUT/$4.txt" 2>&1
 }
 # the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
-# once, at most $1 s; its last $3 table lines printed
+# once, at most $1 s, E2E_TRIALS timed trials each (3 if unset); its last $3 table lines printed
 e2e_run() {
   local seconds=$1 wave=$2 lines=$3
   shift 3
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout "$seconds" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave "$wave" --profile 12 \
-      --schemes "$@" > "$OUT/e2e.txt" 2>&1
+      --trials "${E2E_TRIALS:-3}" --schemes "$@" > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | tail -"$lines"
 }
 # model $1 compiled and profiled in one process with Inductor's code logged (its $2 largest
@@ -1071,6 +1071,13 @@ tables45)
   # find cached? Then DAR block's lowest-memory timed form recorded as CUDA graphs beside
   # the default recorded so (README's claim for mode="reduce-overhead"); waves of 3 (~8 minutes)
   e2e_run 570 3 10 baseline dar_block dar_block_fm_narrow baseline_cg dar_block_cg dar_block_fm_narrow_cg
+  ;;
+settle45)
+  # session 45: each process warmed again until a step neither made a pointer table nor
+  # grew the allocator's pool (tables45: DAR block's fused merge made 668 tables in its
+  # first trial after 2 steps, that trial 26 % slower); DAR block's lowest-memory form
+  # beside the defaults without CUDA graphs, 5 trials each, one wave (~5 minutes)
+  E2E_TRIALS=5 e2e_run 480 3 10 baseline dar_block dar_block_fm_narrow
   ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against

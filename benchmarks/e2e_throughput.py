@@ -366,8 +366,12 @@ BLOCK_SCHEMES = ("block_attnres", "mhar_block", "wav", "dar_block")
 BATCH, SEQ = 8, 2048
 #: steps before timing: the first compiles; the rest let the allocator and caches settle
 WARMUP_STEPS = 5
-#: steps when a process's turn comes, before its timed trials (its cache was emptied while it waited)
+#: steps when a process's turn comes, before its timed trials (its cache was emptied while it
+#: waited); then more, up to REWARM_MAX_STEPS, until a step neither grows the allocator's pool
+#: nor makes a pointer table (session 45: DAR block's fused merge made 668 tables in its first
+#: timed trial after 2 steps, 0 in the next two, and that trial was 26 % slower)
 REWARM_STEPS = 2
+REWARM_MAX_STEPS = 12
 PROFILE_STEPS = 3
 #: (category, regular expression on the kernel name), first match wins
 KERNEL_CATEGORIES = (
@@ -440,6 +444,29 @@ class GcTimes:
         gc.callbacks.remove(self._callback)
 
 
+def segments_and_tables() -> tuple[int, int]:
+    """Counts since the process started: the CUDA allocator's segments allocated (its pool
+    grown by cudaMalloc) and the routing kernels' pointer tables made (not found cached)."""
+    import torch
+
+    from depthrewrite.kernels.pointer_tables import cache_counts
+
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0), cache_counts()["made"]
+
+
+def rewarm(step, least: int = REWARM_STEPS, most: int = REWARM_MAX_STEPS, counts=segments_and_tables) -> int:
+    """Run ``step`` at least ``least`` times, then until one run of it changed neither
+    count of ``counts`` (the addresses the routing calls get repeat), at most ``most``
+    times; the number of runs. Both counts move on the host as a step is issued, so no
+    synchronisation is needed between runs."""
+    for n in range(1, most + 1):
+        before = counts()
+        step()
+        if n >= least and counts() == before:
+            return n
+    return most
+
+
 def _build(name: str):
     if name in RAW_REGISTRATION:  # read when depthrewrite.kernels is first imported, just below
         os.environ["DEPTHREWRITE_KERNEL_REGISTRATION"] = "dispatcher"
@@ -465,8 +492,6 @@ def _build(name: str):
 
 def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) -> None:
     import torch
-
-    from depthrewrite.kernels.pointer_tables import cache_counts
 
     try:
         model, compiled = _build(name)
@@ -500,15 +525,14 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
         to_parent.put(("ready", name, None))
         go.wait()
         # the cache grows back here, not inside the first timed trial
-        for _ in range(REWARM_STEPS):
-            step()
+        rewarm_steps = rewarm(step)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-        trial_ms, collections, tables_made = [], [], []
+        trial_ms, collections, made = [], [], []
         for _ in range(trials):
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            made = cache_counts()["made"]
+            before = segments_and_tables()
             with GcTimes() as gc_times:
                 t0.record()
                 for _ in range(steps):
@@ -517,7 +541,7 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                 torch.cuda.synchronize()
             trial_ms.append(t0.elapsed_time(t1) / steps)
             collections.append(gc_times)
-            tables_made.append(cache_counts()["made"] - made)
+            made.append([now - then for now, then in zip(segments_and_tables(), before)])
         ms = statistics.median(trial_ms)
         row = dict(name=name, step_ms=ms, trial_ms=trial_ms, tokens_per_s=BATCH * SEQ / (ms * 1e-3),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30,
@@ -527,7 +551,8 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                    loss=float(loss.detach()), lowering=_lowering(name),
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
                    gc_ms=[c.ms for c in collections], gc_full=[c.full for c in collections],
-                   tables_made=tables_made)
+                   rewarm_steps=rewarm_steps, segments_made=[m[0] for m in made],
+                   tables_made=[m[1] for m in made])
         row["host_ms"] = host_issue_ms(step, steps)
         row["host_op_us"] = host_op_us()
         if profile:
@@ -728,17 +753,21 @@ def host_table(rows: list[dict]) -> str:
 
 
 def trial_table(rows: list[dict]) -> str:
-    """Each timed trial's step time beside the garbage collections that ran in it and the
-    pointer tables it made."""
+    """Each timed trial's step time beside the garbage collections that ran in it, the
+    pointer tables it made and the allocator's segments it allocated (where recorded: since
+    session 44's run 5 and session 45), and the steps run before the trials."""
     lines = []
     for r in rows:
         if "gc_ms" not in r:
             continue
-        made = r.get("tables_made") or [None] * len(r["trial_ms"])
+        unknown = [None] * len(r["trial_ms"])
+        made = zip(r.get("tables_made") or unknown, r.get("segments_made") or unknown)
         trials = ", ".join(f"{ms:.1f} ms/step (gc {gc_ms:.0f} ms, {full} full"
-                           + ("" if n is None else f"; {n} tables made") + ")"
-                           for ms, gc_ms, full, n in zip(r["trial_ms"], r["gc_ms"], r["gc_full"], made))
-        lines.append(f"trials {r['name']}: {trials}")
+                           + ("" if tables is None else f"; {tables} tables made")
+                           + ("" if segments is None else f", {segments} segments") + ")"
+                           for ms, gc_ms, full, (tables, segments) in zip(r["trial_ms"], r["gc_ms"], r["gc_full"], made))
+        rewarmed = "" if "rewarm_steps" not in r else f" after {r['rewarm_steps']} steps"
+        lines.append(f"trials {r['name']}{rewarmed}: {trials}")
     return "\n".join(lines)
 
 

@@ -110,6 +110,30 @@ def test_trials_record_the_garbage_collections_inside_them():
         "trials dar_block: 113.6 ms/step (gc 0 ms, 0 full), 148.3 ms/step (gc 912 ms, 1 full)")
     row["tables_made"] = [0, 130]  # rows since session 44's run 5 count the tables made too
     assert e2e.trial_table([row]).endswith("148.3 ms/step (gc 912 ms, 1 full; 130 tables made)")
+    row.update(segments_made=[0, 2], rewarm_steps=4)  # and since session 45 the segments and rewarm
+    assert e2e.trial_table([row]) == ("trials dar_block after 4 steps: 113.6 ms/step (gc 0 ms, 0 full; "
+                                      "0 tables made, 0 segments), 148.3 ms/step (gc 912 ms, 1 full; "
+                                      "130 tables made, 2 segments)")
     assert e2e.CONFIGS["dar_block_fm_narrow_gcfreeze"][:2] == e2e.CONFIGS["dar_block_fm_narrow"][:2]
     assert e2e.BACKEND_OPTIONS["dar_block_fm_narrow_gcfreeze"] == e2e.BACKEND_OPTIONS["dar_block_fm_narrow"] != {}
     assert e2e.baseline_of("dar_block_gcfreeze") == "baseline"
+
+
+def test_rewarm_runs_until_a_step_changes_nothing():
+    """``rewarm`` runs the least number of steps, then more until one step made no table and
+    allocated no segment, and stops at the most it may run when the counts never settle."""
+    e2e = load_benchmark("e2e_throughput")
+    made = iter([(0, 0), (1, 5), (1, 5), (2, 5), (2, 5), (2, 5), (2, 5), (2, 5), (2, 5)])
+    counts, state = [], {"now": next(made)}
+
+    def step():
+        state["now"] = next(made)
+
+    def count():
+        counts.append(state["now"])
+        return state["now"]
+
+    # steps: 1 (0,0)->(1,5), 2 (1,5)->(1,5) but the least is 3, 3 (1,5)->(2,5), 4 (2,5)->(2,5): settled
+    assert e2e.rewarm(step, least=3, most=12, counts=count) == 4
+    growing = iter(range(100))
+    assert e2e.rewarm(lambda: None, least=2, most=5, counts=lambda: next(growing)) == 5

@@ -1079,6 +1079,13 @@ settle45)
   # beside the defaults without CUDA graphs, 5 trials each, one wave (~5 minutes)
   E2E_TRIALS=5 e2e_run 480 3 10 baseline dar_block dar_block_fm_narrow
   ;;
+memorycg45)
+  # session 45: the forms short of memory recorded as CUDA graphs (the host out of the
+  # step), each beside its scheme's default recorded so: WAV with recompute_branch_outputs
+  # True and "narrow", DAR block's fused merge with "narrow" (run 1's pair again), waves
+  # of 3 (~8 minutes)
+  e2e_run 570 3 10 baseline_cg wav_cg wav_branch_cg wav_narrow_cg dar_block_cg dar_block_fm_narrow_cg
+  ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
   # Inductor alone on the reference ops, on the GPU (~2 minutes)

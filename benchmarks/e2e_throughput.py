@@ -348,9 +348,15 @@ BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
 CONFIGS["dar_block_fm_narrow"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_narrow"] = BACKEND_VARIANTS["narrow"]
 #: the same recorded as CUDA graphs (mode="reduce-overhead"): the host out of the step,
-#: where session 44 found it 6-16 % slower on slow hosts (prepared in session 44)
+#: where session 44 found it 6-16 % slower on slow hosts (session 45's run 1: 0.9 % slower
+#: than dar_block_cg, 1.093x the baseline's reserved memory against 1.157x)
 CONFIGS["dar_block_fm_narrow_cg"] = CONFIGS["dar_block_fm"]
 BACKEND_OPTIONS["dar_block_fm_narrow_cg"] = {**BACKEND_VARIANTS["narrow"], **BACKEND_VARIANTS["cg"]}
+#: WAV's forms short of memory recorded as CUDA graphs, beside wav_cg (WAV is host-bound
+#: without them; session 44 timed these without)
+for _variant in ("branch", "narrow"):
+    CONFIGS[f"wav_{_variant}_cg"] = CONFIGS["wav"]
+    BACKEND_OPTIONS[f"wav_{_variant}_cg"] = {**BACKEND_VARIANTS[_variant], **BACKEND_VARIANTS["cg"]}
 #: DAR block's fused merge at Inductor's own max_fusion_size (its graphs get 16 from the
 #: backend since session 28, measured on dar_block only)
 CONFIGS["dar_block_fm_mfs64"] = CONFIGS["dar_block_fm"]

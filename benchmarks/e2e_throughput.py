@@ -374,8 +374,9 @@ BATCH, SEQ = 8, 2048
 WARMUP_STEPS = 5
 #: steps when a process's turn comes, before its timed trials (its cache was emptied while it
 #: waited); then more, up to REWARM_MAX_STEPS, until a step neither grows the allocator's pool
-#: nor makes a pointer table (session 45: DAR block's fused merge made 668 tables in its first
-#: timed trial after 2 steps, 0 in the next two, and that trial was 26 % slower)
+#: nor makes a pointer table. Session 45: DAR block's fused merge made 668 tables in its first
+#: timed trial after 2 steps (0 in the next two; that trial 26 % slower); warmed so (5 steps),
+#: its first trial still made 434, its addresses repeating for one step and then changing
 REWARM_STEPS = 2
 REWARM_MAX_STEPS = 12
 PROFILE_STEPS = 3

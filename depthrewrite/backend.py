@@ -44,7 +44,9 @@ figure is given (docs/benchmarks.md has the runs):
   their input than at their output (attention's output projection, not the MLP's down
   projection), the cheapest matmuls per activation (:mod:`depthrewrite.recompute`): peak
   1.158x -> 1.118x for WAV, 1.148x -> 1.107x for DAR block, about 1.1 ms of kernels a
-  step; with DAR's ``fused_merge=True`` 1.089x (session 44).
+  step; with DAR's ``fused_merge=True`` 1.089x (session 44), and recorded as CUDA graphs
+  (``"triton.cudagraphs": True`` in ``options``) 1.093x of the reserved memory, steps
+  0.8-0.9 % longer than the defaults' so recorded (session 45).
 - ``fuse_output_norms`` (default True; :mod:`depthrewrite.norm_fusion`): where the second
   phase runs through ``route_merge`` (the scheme option ``fused_merge=True``, or
   ``two_phase.FUSED_MERGE``), the branch's RMSNorm that alone reads a merge's result is

@@ -123,17 +123,13 @@ def test_rewarm_runs_until_a_step_changes_nothing():
     """``rewarm`` runs the least number of steps, then more until one step made no table and
     allocated no segment, and stops at the most it may run when the counts never settle."""
     e2e = load_benchmark("e2e_throughput")
-    made = iter([(0, 0), (1, 5), (1, 5), (2, 5), (2, 5), (2, 5), (2, 5), (2, 5), (2, 5)])
-    counts, state = [], {"now": next(made)}
+    after_each_step = iter([(1, 5), (1, 5), (2, 5), (2, 5), (2, 5)])
+    state = {"now": (0, 0)}
 
     def step():
-        state["now"] = next(made)
-
-    def count():
-        counts.append(state["now"])
-        return state["now"]
+        state["now"] = next(after_each_step)
 
     # steps: 1 (0,0)->(1,5), 2 (1,5)->(1,5) but the least is 3, 3 (1,5)->(2,5), 4 (2,5)->(2,5): settled
-    assert e2e.rewarm(step, least=3, most=12, counts=count) == 4
+    assert e2e.rewarm(step, least=3, most=12, counts=lambda: state["now"]) == 4
     growing = iter(range(100))
     assert e2e.rewarm(lambda: None, least=2, most=5, counts=lambda: next(growing)) == 5

@@ -337,30 +337,34 @@ def _same_as_base(names) -> None:
 
 
 _same_as_base(RAW_REGISTRATION)
+
+
+def _with_variants(name: str, model: str, *suffixes: str) -> None:
+    """``name``: the configuration ``model`` (its model and goal) with the backend options of
+    the ``BACKEND_VARIANTS`` named by ``suffixes`` together."""
+    CONFIGS[name] = CONFIGS[model]
+    BACKEND_OPTIONS[name] = {key: value for suffix in suffixes for key, value in BACKEND_VARIANTS[suffix].items()}
+
+
 #: DAR block's lowest-memory form: the second phase through route_merge with the branch
 #: outputs recomputed too (the CPU saved set predicted 1.03-1.08x the baseline's peak at
 #: 350M; session 26's run 2 measured 1.062x, steps 2.6 % longer than dar_block's)
-CONFIGS["dar_block_fm_branch"] = CONFIGS["dar_block_fm"]
-BACKEND_OPTIONS["dar_block_fm_branch"] = BACKEND_VARIANTS["branch"]
+_with_variants("dar_block_fm_branch", "dar_block_fm", "branch")
 #: the same with only the attention projections' outputs recomputed (session 43: the CPU
 #: saved set 12 units under the fused merge's at 12 layers, 0.75 GiB at 350M by the count;
 #: session 44: 1.089x the baseline's peak, its kernels level with dar_block's)
-CONFIGS["dar_block_fm_narrow"] = CONFIGS["dar_block_fm"]
-BACKEND_OPTIONS["dar_block_fm_narrow"] = BACKEND_VARIANTS["narrow"]
+_with_variants("dar_block_fm_narrow", "dar_block_fm", "narrow")
 #: the same recorded as CUDA graphs (mode="reduce-overhead"): the host out of the step,
 #: where session 44 found it 6-16 % slower on slow hosts (session 45's run 1: 0.9 % slower
 #: than dar_block_cg, 1.093x the baseline's reserved memory against 1.157x)
-CONFIGS["dar_block_fm_narrow_cg"] = CONFIGS["dar_block_fm"]
-BACKEND_OPTIONS["dar_block_fm_narrow_cg"] = {**BACKEND_VARIANTS["narrow"], **BACKEND_VARIANTS["cg"]}
+_with_variants("dar_block_fm_narrow_cg", "dar_block_fm", "narrow", "cg")
 #: WAV's forms short of memory recorded as CUDA graphs, beside wav_cg (WAV is host-bound
 #: without them; session 44 timed these without)
-for _variant in ("branch", "narrow"):
-    CONFIGS[f"wav_{_variant}_cg"] = CONFIGS["wav"]
-    BACKEND_OPTIONS[f"wav_{_variant}_cg"] = {**BACKEND_VARIANTS[_variant], **BACKEND_VARIANTS["cg"]}
+_with_variants("wav_branch_cg", "wav", "branch", "cg")
+_with_variants("wav_narrow_cg", "wav", "narrow", "cg")
 #: DAR block's fused merge at Inductor's own max_fusion_size (its graphs get 16 from the
 #: backend since session 28, measured on dar_block only)
-CONFIGS["dar_block_fm_mfs64"] = CONFIGS["dar_block_fm"]
-BACKEND_OPTIONS["dar_block_fm_mfs64"] = BACKEND_VARIANTS["mfs64"]
+_with_variants("dar_block_fm_mfs64", "dar_block_fm", "mfs64")
 #: ``gc.freeze()`` after the warm-up: some timed trials ran 11-140 ms a step over their
 #: siblings, and a full collection walks all the compiles' objects. Session 44's run 5: not
 #: the collector (3-9 ms of collections a trial, none full); frozen, the slow first trial

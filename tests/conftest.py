@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
     # Triton's interpreter for the kernel tests: it must be on before triton.language is
     # first imported, which any test module may do (torch._inductor imports it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from tests.interpreter_patching import install
+
+        install()  # half the kernel tests' time: see the module
 
 # The test models are tiny: one thread is faster than two (and two stall badly when the
 # 2-core CI machine is busy).

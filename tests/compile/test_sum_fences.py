@@ -89,10 +89,19 @@ def _dar_model():
     return model
 
 
-def test_inductor_through_fences_matches_eager(monkeypatch):
+def test_inductor_through_fences_matches_eager_and_user_passes_run_after_them(monkeypatch):
     """DAR (the scheme with the longest sums) compiled with Inductor on the CPU, with the
-    size threshold lowered so that the tiny model's sums are fenced too."""
+    size threshold lowered so that the tiny model's sums are fenced too, matches eager; a
+    user's own ``post_grad_custom_post_pass`` (here a list of two) runs after the fences.
+    One compilation for both: on the CPU it takes most of a minute."""
     monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
+    seen = []
+
+    def user_pass(name):
+        def run(graph):
+            seen.append((name, sum(n.target is FENCE for n in graph.nodes)))
+        return run
+
     model = _dar_model()
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -107,7 +116,8 @@ def test_inductor_through_fences_matches_eager(monkeypatch):
     backend.clear_reports()
     # a fresh compilation, so that the pass runs here (the report counts its fences)
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
-                             options={"max_sum_terms": 2, "force_disable_caches": True})
+                             options={"max_sum_terms": 2, "force_disable_caches": True,
+                                      "post_grad_custom_post_pass": [user_pass("a"), user_pass("b")]})
     loss, grads = loss_and_grads(compiled)
     report = backend.last_report()
     assert report.max_sum_terms == 2 and report.fences["backward"] > 0
@@ -115,6 +125,9 @@ def test_inductor_through_fences_matches_eager(monkeypatch):
     assert grads.keys() == eager_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # forward then backward, each user pass given the graph with its fences in
+    assert seen == [("a", report.fences["forward"]), ("b", report.fences["forward"]),
+                    ("a", report.fences["backward"]), ("b", report.fences["backward"])]
 
 
 def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
@@ -138,28 +151,3 @@ def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
     # other settings: compiled anew, not loaded from the entry the first one left
     assert "backward" in reports[1].aot_graphs and reports[1].fences == {}
     # the third has the first one's settings: it may come from the caches, fences and all
-
-
-def test_user_post_grad_pass_still_runs(monkeypatch):
-    """A user's own ``post_grad_custom_post_pass`` (here a list of two) runs after the fences."""
-    monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
-    seen = []
-
-    def user_pass(name):
-        def run(graph):
-            seen.append((name, sum(n.target is FENCE for n in graph.nodes)))
-        return run
-
-    model = _dar_model()
-    idx = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    torch._dynamo.reset()
-    backend.clear_reports()
-    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
-                             options={"max_sum_terms": 2, "force_disable_caches": True,
-                                      "post_grad_custom_post_pass": [user_pass("a"), user_pass("b")]})
-    compiled(idx, idx)[1].backward()
-    fences = backend.last_report().fences
-    # forward then backward, each pass after the fences were in the graph
-    assert seen == [("a", fences["forward"]), ("b", fences["forward"]),
-                    ("a", fences["backward"]), ("b", fences["backward"])]
-    assert fences["backward"] > 0

@@ -1086,6 +1086,18 @@ memorycg45)
   # of 3 (~8 minutes)
   e2e_run 570 3 10 baseline_cg wav_cg wav_branch_cg wav_narrow_cg dar_block_cg dar_block_fm_narrow_cg
   ;;
+raw46)
+  # session 46: DAR block's lowest-memory form without CUDA graphs with its kernels
+  # registered through the custom op (the default) and with the dispatcher directly, beside
+  # dar_block and the baseline, 5 trials each, one wave (~6 minutes), after the host time of
+  # a call each way (host_overhead.py, under a minute each)
+  for registration in custom_op dispatcher; do
+    DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout 75 python3 benchmarks/host_overhead.py --sources 3 \
+      --calls 100 --profile-top 0 > "$OUT/host_overhead_$registration.txt" 2>&1
+    echo "registration: $registration"; grep "^|" "$OUT/host_overhead_$registration.txt" | tail -12
+  done
+  E2E_TRIALS=5 e2e_run 420 4 8 baseline dar_block dar_block_fm_narrow dar_block_fm_narrow_raw
+  ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
   # Inductor alone on the reference ops, on the GPU (~2 minutes)

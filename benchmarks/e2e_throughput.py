@@ -354,6 +354,11 @@ _with_variants("dar_block_fm_branch", "dar_block_fm", "branch")
 #: saved set 12 units under the fused merge's at 12 layers, 0.75 GiB at 350M by the count;
 #: session 44: 1.089x the baseline's peak, its kernels level with dar_block's)
 _with_variants("dar_block_fm_narrow", "dar_block_fm", "narrow")
+#: the same with its kernels registered with the dispatcher directly: is its step without
+#: CUDA graphs, 6-16 % slower than dar_block's where the host is slow (sessions 44-45), the
+#: custom op wrapper's host time (session 46)?
+RAW_REGISTRATION += ("dar_block_fm_narrow_raw",)
+_same_as_base(("dar_block_fm_narrow_raw",))
 #: the same recorded as CUDA graphs (mode="reduce-overhead"): the host out of the step,
 #: where session 44 found it 6-16 % slower on slow hosts (session 45's run 1: 0.9 % slower
 #: than dar_block_cg, 1.093x the baseline's reserved memory against 1.157x)

@@ -1098,6 +1098,17 @@ raw46)
   done
   E2E_TRIALS=5 e2e_run 420 4 8 baseline dar_block dar_block_fm_narrow dar_block_fm_narrow_raw
   ;;
+opcost46)
+  # session 46: where the route_merge/route_many ops' host time goes beyond our kernel
+  # function (raw46: registering the kernels with the dispatcher made DAR block's fused
+  # merge no faster): each op called as Inductor calls it and below the autograd keys,
+  # 15 x 100 calls, both registrations (~1 minute each)
+  for registration in custom_op dispatcher; do
+    DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout 150 python3 benchmarks/host_overhead.py --sources 3 \
+      --calls 100 --repeats 15 --profile-top 0 > "$OUT/host_overhead_$registration.txt" 2>&1
+    echo "registration: $registration"; grep "^|" "$OUT/host_overhead_$registration.txt" | tail -12
+  done
+  ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against
   # Inductor alone on the reference ops, on the GPU (~2 minutes)

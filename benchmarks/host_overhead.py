@@ -153,15 +153,28 @@ def two_phase_cases(tokens: int, d: int, dev: str = "cuda") -> dict:
 
 
 def two_phase_rows(tokens: int, d: int, calls: int, repeats: int, profile_top: int) -> dict[str, list[float]]:
-    """name -> host us per call: the op, our kernel function, the Triton launcher, the
-    launcher with the parameter sums finished by torch ops. Prints
+    """name -> host us per call: the op, the op below the autograd keys, our kernel function,
+    the Triton launcher, the launcher with the parameter sums finished by torch ops. Prints
     each op's profile first (``profile_top`` > 0)."""
     cases = two_phase_cases(tokens, d)
     for name, (op, _, _) in cases.items() if profile_top > 0 else ():
         print(f"== {name}: the op's calls under cProfile ({calls} calls)")
         print(profile(op, calls, profile_top), flush=True)
-    return {name: [per_call_us(fn, calls, repeats) for fn in (*fns, torch_finish(fns[-1]))]
+    return {name: [per_call_us(fn, calls, repeats) for fn in (fns[0], below_autograd(fns[0]), *fns[1:],
+                                                                 torch_finish(fns[-1]))]
             for name, fns in cases.items()}
+
+
+def below_autograd(fn):
+    """``fn`` with the dispatcher starting below the autograd keys: the op's own autograd
+    kernel (custom_op's, in Python, run for every call even without gradients) skipped, so
+    that the difference from the op's column is that kernel's host time (session 46)."""
+    import torch
+
+    def call():
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return fn()
+    return call
 
 
 def profile(fn, calls: int, top: int) -> str:
@@ -201,8 +214,9 @@ def main() -> int:
     print("| --- |" + " ---: |" * len(args.sources))
     for i, name in enumerate(names):
         print(f"| {name} | " + " | ".join(f"{results[n][i][1]:.1f}" for n in args.sources) + " |")
-    print("| two-phase op (the end-to-end model's sites) | op | kernel function | launcher | launcher, torch finish |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| two-phase op (the end-to-end model's sites) | op | op below autograd | kernel function | launcher "
+          "| launcher, torch finish |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, times in two_phase.items():
         print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
     return 0

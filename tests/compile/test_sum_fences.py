@@ -132,7 +132,8 @@ def test_inductor_through_fences_matches_eager_and_user_passes_run_after_them(mo
 
 def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
     """A graph compiled with fences is not served from Inductor's caches to a compilation
-    without them (or with another max_sum_terms): the pass's uuid differs."""
+    without them (or with another max_sum_terms): the pass's uuid differs. To one with the
+    same settings it is: the pass does not make the graphs uncacheable."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
     assert inductor_pass.backend_pass(2, False).uuid() != inductor_pass.backend_pass(4, False).uuid()
@@ -150,4 +151,6 @@ def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
     assert "backward" in reports[0].aot_graphs and reports[0].fences["backward"] > 0
     # other settings: compiled anew, not loaded from the entry the first one left
     assert "backward" in reports[1].aot_graphs and reports[1].fences == {}
-    # the third has the first one's settings: it may come from the caches, fences and all
+    # the third has the first one's settings: served from the caches the first one filled
+    # (no graph compiled here, so no fences counted), and it runs forward and backward
+    assert reports[2].aot_graphs == {} and reports[2].fences == {}

@@ -356,7 +356,8 @@ _with_variants("dar_block_fm_branch", "dar_block_fm", "branch")
 _with_variants("dar_block_fm_narrow", "dar_block_fm", "narrow")
 #: the same with its kernels registered with the dispatcher directly: is its step without
 #: CUDA graphs, 6-16 % slower than dar_block's where the host is slow (sessions 44-45), the
-#: custom op wrapper's host time (session 46)?
+#: custom op wrapper's host time? Session 46's run 1: no, 0.570x against 0.600x, both
+#: host-bound (docs/benchmarks.md: the host time is our launchers')
 RAW_REGISTRATION += ("dar_block_fm_narrow_raw",)
 _same_as_base(("dar_block_fm_narrow_raw",))
 #: the same recorded as CUDA graphs (mode="reduce-overhead"): the host out of the step,

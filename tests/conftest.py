@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     if os.environ["TRITON_INTERPRET"] == "1":
         from tests.interpreter_patching import install
 
-        install()  # half the kernel tests' time: see the module
+        install()  # two thirds of the kernel tests' time: see the module
 
 # The test models are tiny: one thread is faster than two (and two stall badly when the
 # 2-core CI machine is busy).

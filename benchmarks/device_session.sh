@@ -1102,7 +1102,7 @@ opcost46)
   # session 46: where the route_merge/route_many ops' host time goes beyond our kernel
   # function (raw46: registering the kernels with the dispatcher made DAR block's fused
   # merge no faster): each op called as Inductor calls it and below the autograd keys,
-  # 15 x 100 calls, both registrations (~1 minute each)
+  # 15 x 100 calls, both registrations (~1 minute each); run 3: the columns interleaved
   for registration in custom_op dispatcher; do
     DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout 150 python3 benchmarks/host_overhead.py --sources 3 \
       --calls 100 --repeats 15 --profile-top 0 > "$OUT/host_overhead_$registration.txt" 2>&1

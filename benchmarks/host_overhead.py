@@ -7,7 +7,9 @@ call, apart from the GPU's work.
 
 Each row calls one layer ``--calls`` times back to back on a few tokens (the kernels take a
 few microseconds, so the host sets the pace), synchronises, and reports the median over
-``--repeats`` of the wall time per call, in microseconds. Layers, outermost first:
+``--repeats`` of the wall time per call, in microseconds. The two-phase table's columns (the
+layers of one call) are timed interleaved, repeat by repeat (:func:`side_by_side_us`).
+Layers, outermost first:
 
 - ``op``: ``torch.ops.depthrewrite.<op>.default`` with autograd off, as Inductor's wrapper
   calls it (dispatcher, the custom op's layers, our CUDA kernel function);
@@ -160,9 +162,29 @@ def two_phase_rows(tokens: int, d: int, calls: int, repeats: int, profile_top: i
     for name, (op, _, _) in cases.items() if profile_top > 0 else ():
         print(f"== {name}: the op's calls under cProfile ({calls} calls)")
         print(profile(op, calls, profile_top), flush=True)
-    return {name: [per_call_us(fn, calls, repeats) for fn in (fns[0], below_autograd(fns[0]), *fns[1:],
-                                                                 torch_finish(fns[-1]))]
+    return {name: side_by_side_us((fns[0], below_autograd(fns[0]), *fns[1:], torch_finish(fns[-1])), calls, repeats)
             for name, fns in cases.items()}
+
+
+def side_by_side_us(fns, calls: int, repeats: int) -> list[float]:
+    """:func:`per_call_us` for layers of one call, interleaved: each repeat times every layer
+    once (the first layer rotating), so that a drift of the host's speed during the
+    measurement moves every column alike (session 46: timed one after another, a launcher
+    once measured more than the kernel function that calls it)."""
+    import torch
+
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        for i in (k % len(fns) for k in range(r, r + len(fns))):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[i]()
+            torch.cuda.synchronize()
+            times[i].append((time.perf_counter() - t0) / calls * 1e6)
+    return [statistics.median(t) for t in times]
 
 
 def below_autograd(fn):

@@ -142,6 +142,18 @@ inductor_code() {
   python3 benchmarks/kernel_inputs.py "$OUT/${model}_code.txt" "$OUT/${model}_profile.txt" \
       > "$OUT/${model}_kernels.md" 2>&1
 }
+# host_overhead.py's two-phase table (3 sources, 100 calls a repeat, at most $1 s a process,
+# the rest of the arguments passed on) with the kernels registered each way, a process each:
+# $OUT/host_overhead_{custom_op,dispatcher}.txt
+host_overhead_each_registration() {
+  local seconds=$1
+  shift
+  for registration in custom_op dispatcher; do
+    DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout "$seconds" python3 benchmarks/host_overhead.py \
+      --sources 3 --calls 100 --profile-top 0 "$@" > "$OUT/host_overhead_$registration.txt" 2>&1
+    echo "registration: $registration"; grep "^|" "$OUT/host_overhead_$registration.txt" | tail -12
+  done
+}
 # every scheme end to end with the defaults, in waves of 4, each model's 30 largest kernels
 # (at most 570 s); the tables printed
 every_scheme_table() {
@@ -1091,11 +1103,7 @@ raw46)
   # registered through the custom op (the default) and with the dispatcher directly, beside
   # dar_block and the baseline, 5 trials each, one wave (~6 minutes), after the host time of
   # a call each way (host_overhead.py, under a minute each)
-  for registration in custom_op dispatcher; do
-    DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout 75 python3 benchmarks/host_overhead.py --sources 3 \
-      --calls 100 --profile-top 0 > "$OUT/host_overhead_$registration.txt" 2>&1
-    echo "registration: $registration"; grep "^|" "$OUT/host_overhead_$registration.txt" | tail -12
-  done
+  host_overhead_each_registration 75
   E2E_TRIALS=5 e2e_run 420 4 8 baseline dar_block dar_block_fm_narrow dar_block_fm_narrow_raw
   ;;
 opcost46)
@@ -1103,11 +1111,7 @@ opcost46)
   # function (raw46: registering the kernels with the dispatcher made DAR block's fused
   # merge no faster): each op called as Inductor calls it and below the autograd keys,
   # 15 x 100 calls, both registrations (~1 minute each); run 3: the columns interleaved
-  for registration in custom_op dispatcher; do
-    DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout 150 python3 benchmarks/host_overhead.py --sources 3 \
-      --calls 100 --repeats 15 --profile-top 0 > "$OUT/host_overhead_$registration.txt" 2>&1
-    echo "registration: $registration"; grep "^|" "$OUT/host_overhead_$registration.txt" | tail -12
-  done
+  host_overhead_each_registration 150 --repeats 15
   ;;
 narrowcheck44)
   # session 43 (prepared for session 44): "narrow" compiled as training compiles it against

@@ -46,18 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+    """The median over ``repeats`` of the host's wall time per call of ``fn``, in us, over
+    ``calls`` calls back to back and a synchronisation (one warm-up call first)."""
+    return side_by_side_us((fn,), calls, repeats)[0]
 
 
 def rows_for(n: int, tokens: int, d: int, calls: int, repeats: int) -> list[tuple[str, float]]:
@@ -167,8 +158,8 @@ def two_phase_rows(tokens: int, d: int, calls: int, repeats: int, profile_top: i
 
 
 def side_by_side_us(fns, calls: int, repeats: int) -> list[float]:
-    """:func:`per_call_us` for layers of one call, interleaved: each repeat times every layer
-    once (the first layer rotating), so that a drift of the host's speed during the
+    """:func:`per_call_us` of each of ``fns`` (the layers of one call), interleaved: each
+    repeat times every layer once (the first layer rotating), so that a drift of the host's speed during the
     measurement moves every column alike (session 46: timed one after another, a launcher
     once measured more than the kernel function that calls it)."""
     import torch

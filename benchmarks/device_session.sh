@@ -83,6 +83,7 @@
 #   OUT=... bash benchmarks/device_session.sh fullfwd   # route_many's forward launch variants at full AttnRes's call shapes (session 32)
 #   OUT=... bash benchmarks/device_session.sh fullphase   # the per-token backward's variants at full AttnRes's corrected call shapes (session 32)
 #   OUT=... bash benchmarks/device_session.sh blockq   # the block phase's queries in per-token chunks of 4 or 2 (session 32)
+#   OUT=... bash benchmarks/device_session.sh launch47   # the two-phase launchers' host time: their parts, and inside DAR block's step (session 47)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -1097,6 +1098,17 @@ memorycg45)
   # True and "narrow", DAR block's fused merge with "narrow" (run 1's pair again), waves
   # of 3 (~8 minutes)
   e2e_run 570 3 10 baseline_cg wav_cg wav_branch_cg wav_narrow_cg dar_block_cg dar_block_fm_narrow_cg
+  ;;
+launch47)
+  # session 47: where the two-phase launchers' host time goes (launch_parts.py: the launcher
+  # beside its Triton launches, those launches through the compiled kernels, its pointer
+  # tables, ~1 minute), then DAR block and its fused merge with "narrow" end to end with our
+  # launchers' host time per step measured inside the step (e2e_throughput.py's "launchers")
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 100 python3 benchmarks/launch_parts.py > "$OUT/launch_parts.txt" 2>&1
+  grep -v "^ \|^$" "$OUT/launch_parts.txt" | tail -12
+  E2E_TRIALS=5 e2e_run 420 3 6 baseline dar_block dar_block_fm_narrow
+  grep "^launchers\|^host" "$OUT/e2e.txt"
   ;;
 raw46)
   # session 46: DAR block's lowest-memory form without CUDA graphs with its kernels

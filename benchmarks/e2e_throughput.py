@@ -572,6 +572,7 @@ def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) 
                    tables_made=[m[1] for m in made])
         row["host_ms"] = host_issue_ms(step, steps)
         row["host_op_us"] = host_op_us()
+        row["launchers"] = launcher_host_ms(step, steps)
         if profile:
             row["kernels"] = kernel_breakdown(step, PROFILE_STEPS, top=profile)
             row["host"] = host_breakdown(step, PROFILE_STEPS)
@@ -641,6 +642,50 @@ def host_issue_ms(step, steps: int) -> float:
         times.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()  # the next step starts on an idle GPU: its queue never throttles the host
     return statistics.median(times)
+
+
+#: (module, function): our Triton launchers, which the ops' registered CUDA kernel functions
+#: import at each call (so a module attribute replaced here is the one they call)
+LAUNCHERS = (("route_triton", "route_forward"), ("route_triton", "route_backward"),
+             ("route_many_triton", "route_many_forward"), ("route_many_triton", "route_many_backward"),
+             ("route_merge_triton", "route_merge_forward"), ("route_merge_triton", "route_merge_backward"))
+
+
+def launcher_host_ms(step, steps: int) -> dict:
+    """Host time inside each of our launchers (``LAUNCHERS``) while the step is issued, per
+    step, over ``steps`` steps (each started on an idle GPU, as ``host_issue_ms``): launcher
+    name -> ``{"ms": host ms per step, "calls": calls per step}``. The launchers' own time in
+    a step, against what ``host_overhead.py`` measures for the same calls back to back
+    (session 47: the profile put a fused-merge backward at ~860 us of host time in a step
+    against ~200 us back to back)."""
+    import torch
+
+    spent: dict[str, list[float]] = {}
+    originals = []
+    for module_name, fn_name in LAUNCHERS:
+        module = importlib.import_module(f"depthrewrite.kernels.{module_name}")
+        original = getattr(module, fn_name)
+        spent[fn_name] = [0.0, 0]
+
+        def timed(*args, _fn=original, _acc=spent[fn_name], **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _acc[0] += time.perf_counter() - t0
+                _acc[1] += 1
+        originals.append((module, fn_name, original))
+        setattr(module, fn_name, timed)
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            step()
+        torch.cuda.synchronize()
+    finally:
+        for module, fn_name, original in originals:
+            setattr(module, fn_name, original)
+    return {name: {"ms": total * 1e3 / steps, "calls": calls / steps} for name, (total, calls) in spent.items()
+            if calls}
 
 
 def host_op_us(ops: int = 2000, repeats: int = 5) -> float:
@@ -757,9 +802,14 @@ def breakdown_table(rows: list[dict]) -> str:
 
 
 def host_table(rows: list[dict]) -> str:
-    """The largest host-side costs per model (rows measured with --profile)."""
+    """Our launchers' host time per step (every row since session 47) and the largest
+    host-side costs per model (rows measured with --profile)."""
     lines = []
     for r in rows:
+        launchers = "; ".join(f"{n} {v['ms']:.1f} ms in {v['calls']:.0f} calls ({v['ms'] * 1e3 / v['calls']:.0f} us each)"
+                              for n, v in (r.get("launchers") or {}).items())
+        if launchers:
+            lines.append(f"launchers {r['name']} (host ms a step, not profiled): {launchers}")
         if "host" not in r:
             continue
         speed = f" (a tiny CUDA op: {r['host_op_us']:.1f} us)" if "host_op_us" in r else ""

@@ -148,13 +148,18 @@ BACKEND_VARIANTS = {
     "mix0": {"triton.mix_order_reduction": False},
     # each reduction compiled persistent and looped, the faster picked at its first run
     "mk": {"triton.multi_kernel": 1},
+    # Inductor's generated wrapper without its checks of the fallback ops' outputs and the
+    # graph inputs (assert_size_stride, assert_alignment: on by default, off in fbcode for
+    # alignment; the tiny DAR block graphs carried 424 of them, 164 for our ops' outputs;
+    # session 47): host time only; compared with "baseline_noasserts"
+    "noasserts": {"size_asserts": False, "alignment_asserts": False},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mfs32", "mix0",
-                  "mk", "mfs64", "narrow"),
-    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow"),
+                  "mk", "mfs64", "narrow", "noasserts"),
+    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16", "noasserts"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow", "noasserts"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16"),
     "block_attnres": ("unfenced", "cg", "cdt", "mfs16", "mk"),
     "mhar_block": ("unfenced", "cg", "mfs16", "mk"),
@@ -165,7 +170,7 @@ BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffix
 CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffixes in VARIANTS_OF.items()
                 for suffix in suffixes})
 #: the baseline recorded as CUDA graphs too, the reference of the "_cg" variants
-for suffix in ("cg", "cdt"):
+for suffix in ("cg", "cdt", "noasserts"):
     CONFIGS[f"baseline_{suffix}"] = (None, {}, None)
     BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
 #: the second phase through depthrewrite::route_merge's fused kernels (the scheme option
@@ -364,6 +369,8 @@ _same_as_base(("dar_block_fm_narrow_raw",))
 #: where session 44 found it 6-16 % slower on slow hosts (session 45's run 1: 0.9 % slower
 #: than dar_block_cg, 1.093x the baseline's reserved memory against 1.157x)
 _with_variants("dar_block_fm_narrow_cg", "dar_block_fm", "narrow", "cg")
+#: the same without Inductor's asserts in its wrapper (host time; session 47)
+_with_variants("dar_block_fm_narrow_noasserts", "dar_block_fm", "narrow", "noasserts")
 #: WAV's forms short of memory recorded as CUDA graphs, beside wav_cg (WAV is host-bound
 #: without them; session 44 timed these without)
 _with_variants("wav_branch_cg", "wav", "branch", "cg")
@@ -839,11 +846,11 @@ def trial_table(rows: list[dict]) -> str:
 
 
 def baseline_of(name: str) -> str:
-    """The configuration a row is compared with: the CUDA-graph and coordinate-descent
-    variants with the baseline compiled the same way, the others with the plain Inductor
-    baseline. A launch variant of a CUDA-graph configuration (``mhar_block_fm_cg_tfin``)
-    is recorded as CUDA graphs too."""
-    for part in ("cg", "cdt"):
+    """The configuration a row is compared with: the CUDA-graph, coordinate-descent and
+    assert-free variants with the baseline compiled the same way, the others with the plain
+    Inductor baseline. A launch variant of a CUDA-graph configuration
+    (``mhar_block_fm_cg_tfin``) is recorded as CUDA graphs too."""
+    for part in ("cg", "cdt", "noasserts"):
         if part in name.split("_"):
             return f"baseline_{part}"
     return "baseline"

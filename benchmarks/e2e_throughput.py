@@ -658,15 +658,17 @@ LAUNCHERS = (("route_triton", "route_forward"), ("route_triton", "route_backward
              ("route_merge_triton", "route_merge_forward"), ("route_merge_triton", "route_merge_backward"))
 
 
-def launcher_host_ms(step, steps: int) -> dict:
+def launcher_host_ms(step, steps: int, synchronize=None) -> dict:
     """Host time inside each of our launchers (``LAUNCHERS``) while the step is issued, per
     step, over ``steps`` steps (each started on an idle GPU, as ``host_issue_ms``): launcher
     name -> ``{"ms": host ms per step, "calls": calls per step}``. The launchers' own time in
     a step, against what ``host_overhead.py`` measures for the same calls back to back
     (session 47: the profile put a fused-merge backward at ~860 us of host time in a step
-    against ~200 us back to back)."""
+    against ~200 us back to back). ``synchronize``: the GPU wait between steps (default
+    ``torch.cuda.synchronize``)."""
     import torch
 
+    synchronize = synchronize or torch.cuda.synchronize
     spent: dict[str, list[float]] = {}
     originals = []
     for module_name, fn_name in LAUNCHERS:
@@ -685,9 +687,9 @@ def launcher_host_ms(step, steps: int) -> dict:
         setattr(module, fn_name, timed)
     try:
         for _ in range(steps):
-            torch.cuda.synchronize()
+            synchronize()
             step()
-        torch.cuda.synchronize()
+        synchronize()
     finally:
         for module, fn_name, original in originals:
             setattr(module, fn_name, original)

@@ -70,6 +70,7 @@ def test_each_configuration_is_compared_with_the_baseline_compiled_the_same_way(
     assert e2e.baseline_of("mhar_block_fm_cg_tfin") == "baseline_cg"
     assert e2e.baseline_of("mhar_block_cg") == "baseline_cg"
     assert e2e.baseline_of("block_attnres_cdt") == "baseline_cdt"
+    assert e2e.baseline_of("dar_block_fm_narrow_noasserts") == "baseline_noasserts"
     assert e2e.baseline_of("mhar_block_fm_tfin") == e2e.baseline_of("dar_block") == "baseline"
     for name in e2e.CONFIGS:  # every baseline a row can name is a configuration
         assert e2e.baseline_of(name) in e2e.CONFIGS, name
@@ -133,3 +134,38 @@ def test_rewarm_runs_until_a_step_changes_nothing():
     assert e2e.rewarm(step, least=3, most=12, counts=lambda: state["now"]) == 4
     growing = iter(range(100))
     assert e2e.rewarm(lambda: None, least=2, most=5, counts=lambda: next(growing)) == 5
+
+
+def test_launchers_host_time_is_counted_inside_the_step_and_the_launchers_put_back(monkeypatch):
+    """``launcher_host_ms`` times each launcher the step calls (through the module attribute,
+    as the registered kernel functions reach it), per step, and leaves the modules' own
+    functions in place afterwards, also when the step raises."""
+    import time
+
+    from depthrewrite.kernels import route_merge_triton
+
+    e2e = load_benchmark("e2e_throughput")
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.002)
+        return "x"
+
+    monkeypatch.setattr(route_merge_triton, "route_merge_forward", slow_forward)
+    results = []
+
+    def step():
+        results.append(route_merge_triton.route_merge_forward(1, k=2))
+        results.append(route_merge_triton.route_merge_forward(3))
+
+    found = e2e.launcher_host_ms(step, 3, synchronize=lambda: None)
+    assert results == ["x"] * 6
+    assert set(found) == {"route_merge_forward"} and found["route_merge_forward"]["calls"] == 2
+    assert found["route_merge_forward"]["ms"] >= 4.0
+    assert route_merge_triton.route_merge_forward is slow_forward
+
+    def failing():
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        e2e.launcher_host_ms(failing, 1, synchronize=lambda: None)
+    assert route_merge_triton.route_merge_forward is slow_forward

@@ -84,7 +84,7 @@
 #   OUT=... bash benchmarks/device_session.sh fullphase   # the per-token backward's variants at full AttnRes's corrected call shapes (session 32)
 #   OUT=... bash benchmarks/device_session.sh blockq   # the block phase's queries in per-token chunks of 4 or 2 (session 32)
 #   OUT=... bash benchmarks/device_session.sh launch47   # the two-phase launchers' host time: their parts, and inside DAR block's step (session 47)
-#   OUT=... bash benchmarks/device_session.sh asserts47  # Inductor's wrapper without its asserts: DAR block, its fused merge with "narrow" (session 47)
+#   OUT=... bash benchmarks/device_session.sh asserts47  # Inductor's wrapper without its asserts: DAR block, its fused merge with "narrow"; DAR block's combo kernels (session 47)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -1112,10 +1112,10 @@ launch47)
   grep "^launchers\|^host" "$OUT/e2e.txt"
   ;;
 asserts47)
-  # session 47: Inductor's wrapper without its size and alignment asserts (host time), DAR
-  # block and its fused merge with "narrow" each way beside the baseline each way, 5 trials,
-  # waves of 3 (~8 minutes)
-  E2E_TRIALS=5 e2e_run 560 3 8 baseline baseline_noasserts dar_block dar_block_noasserts dar_block_fm_narrow \
+  # session 47: Inductor's wrapper without its size and alignment asserts (host time): DAR
+  # block and its fused merge with "narrow" beside the baseline each way, and DAR block with
+  # Inductor's combo kernels (fewer launches), 3 trials, waves of 3 (~8 minutes)
+  e2e_run 560 3 8 baseline baseline_noasserts dar_block dar_block_noasserts dar_block_combo \
       dar_block_fm_narrow_noasserts
   grep "^launchers\|^host" "$OUT/e2e.txt"
   ;;

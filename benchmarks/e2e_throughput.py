@@ -153,13 +153,17 @@ BACKEND_VARIANTS = {
     # alignment; the tiny DAR block graphs carried 424 of them, 164 for our ops' outputs;
     # session 47): host time only; compared with "baseline_noasserts"
     "noasserts": {"size_asserts": False, "alignment_asserts": False},
+    # Inductor's combo kernels (experimental): independent kernels launched as one, only
+    # where its benchmark finds them faster; fewer launches for the host to issue (DAR
+    # block's step launched ~1,540 kernels against the baseline's ~680, session 47)
+    "combo": {"combo_kernels": True, "benchmark_combo_kernel": True},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mfs32", "mix0",
-                  "mk", "mfs64", "narrow", "noasserts"),
+                  "mk", "mfs64", "narrow", "noasserts", "combo"),
     "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16", "noasserts"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow", "noasserts"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow", "noasserts", "combo"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16"),
     "block_attnres": ("unfenced", "cg", "cdt", "mfs16", "mk"),
     "mhar_block": ("unfenced", "cg", "mfs16", "mk"),

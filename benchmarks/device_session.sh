@@ -85,6 +85,8 @@
 #   OUT=... bash benchmarks/device_session.sh blockq   # the block phase's queries in per-token chunks of 4 or 2 (session 32)
 #   OUT=... bash benchmarks/device_session.sh launch47   # the two-phase launchers' host time: their parts, and inside DAR block's step (session 47)
 #   OUT=... bash benchmarks/device_session.sh asserts47  # Inductor's wrapper without its asserts: DAR block, its fused merge with "narrow"; DAR block's combo kernels (session 47)
+#   OUT=... bash benchmarks/device_session.sh ops48a   # GPU kernel tests, then the op table's d = 2048 rows beside FLA at HEAD (session 48; carry .whl)
+#   OUT=... bash benchmarks/device_session.sh ops48b   # the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -1099,6 +1101,24 @@ memorycg45)
   # True and "narrow", DAR block's fused merge with "narrow" (run 1's pair again), waves
   # of 3 (~8 minutes)
   e2e_run 570 3 10 baseline_cg wav_cg wav_branch_cg wav_narrow_cg dar_block_cg dar_block_fm_narrow_cg
+  ;;
+ops48a)
+  # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD
+  # (~8 minutes; carry [".whl"], the fla-core 0.6.0 wheel as for "kernels")
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 200
+  timeout 340 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 320 --no-e2e --no-block-phase --widths 2048 \
+      > "$OUT/suite_log.txt" 2>&1
+  tail -10 "$OUT/suite_log.txt"
+  ;;
+ops48b)
+  # session 48: the op table's d = 4096 rows, every column, at HEAD (~9 minutes; carry [".whl"])
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 560 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 500 --no-e2e --no-block-phase --widths 4096 \
+      > "$OUT/suite_log.txt" 2>&1
+  tail -10 "$OUT/suite_log.txt"
   ;;
 launch47)
   # session 47: where the two-phase launchers' host time goes (launch_parts.py: the launcher

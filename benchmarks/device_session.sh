@@ -86,7 +86,7 @@
 #   OUT=... bash benchmarks/device_session.sh launch47   # the two-phase launchers' host time: their parts, and inside DAR block's step (session 47)
 #   OUT=... bash benchmarks/device_session.sh asserts47  # Inductor's wrapper without its asserts: DAR block, its fused merge with "narrow"; DAR block's combo kernels (session 47)
 #   OUT=... bash benchmarks/device_session.sh ops48a   # GPU kernel tests, then the op table's d = 2048 rows beside FLA at HEAD (session 48; carry .whl)
-#   OUT=... bash benchmarks/device_session.sh ops48b   # the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
+#   OUT=... bash benchmarks/device_session.sh ops48b   # the param_grads GPU tests, the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -1113,10 +1113,12 @@ ops48a)
   tail -10 "$OUT/suite_log.txt"
   ;;
 ops48b)
-  # session 48: the op table's d = 4096 rows, every column, at HEAD (~9 minutes; carry [".whl"])
+  # session 48: test_param_grads.py again (its tolerance mended after ops48a), then the op
+  # table's d = 4096 rows, every column, at HEAD (~9 minutes; carry [".whl"])
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 560 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 500 --no-e2e --no-block-phase --widths 4096 \
+  kernel_test_file 40 test_param_grads.py param_grads_tests.txt
+  timeout 520 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 470 --no-e2e --no-block-phase --widths 4096 \
       > "$OUT/suite_log.txt" 2>&1
   tail -10 "$OUT/suite_log.txt"
   ;;

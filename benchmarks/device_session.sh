@@ -109,6 +109,21 @@ forward_launch_ab() {
       > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -18
 }
+# the fla-core wheel carried in .whl/ (run's carry [".whl"]) installed into /tmp/site, which
+# goes first on PYTHONPATH, for the op table's FLA column
+with_fla() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+}
+# the op table (gpu_suite.py, every column) at the DESIGN.md shapes of the widths "${@:3}",
+# at most $1 s with its optional parts skipped past $2 s; its last 10 lines printed
+op_table() {
+  local seconds=$1 budget=$2
+  shift 2
+  timeout "$seconds" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s "$budget" --no-e2e --no-block-phase \
+      --widths "$@" > "$OUT/suite_log.txt" 2>&1
+  tail -10 "$OUT/suite_log.txt"
+}
 # the GPU kernel tests (at most $1 s), their last two lines printed and logged
 gpu_kernel_tests() {
   timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
@@ -184,8 +199,7 @@ kernels)
   # one device call (~7 minutes): the kernel tests and the op table side by side with FLA
   # (the wheel, pip download fla-core==0.6.0 --no-deps -d .whl, carried in .whl/: carry
   # [".whl"]); the table last
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  with_fla
   gpu_kernel_tests 150
   timeout "${SUITE_SECONDS:-330}" python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 250 --no-e2e --no-block-phase \
       > "$OUT/suite_log.txt" 2>&1
@@ -591,19 +605,15 @@ inductorcode)
 opwide)
   # the op table's d = 4096 rows beside FLA, both modes with every column (session 22, run 1;
   # ~3 minutes; session 21's session21 phase timed the d = 2048 rows): carry [".whl"]
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 560 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 500 --no-e2e --no-block-phase --widths 4096 \
-      > "$OUT/suite_log.txt" 2>&1
-  tail -14 "$OUT/suite_log.txt"
+  with_fla
+  op_table 560 500 4096
   ;;
 session21)
   # after fusedmerge's run (session 21): every kernel test on the GPU (route_merge's 48
   # did not finish in fusedmerge's 60 s), the DAR fused-merge check with gradients that are
   # exactly zero by symmetry measured against their kind's scale, the host's time per call
   # of the two-phase ops and where it goes, then the op table beside FLA (~9 minutes)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  with_fla
   timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel_tests.txt" | tail -12 | tee -a "$LOG"
   timeout 50 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes dar_fm > "$OUT/check.txt" 2>&1
@@ -1105,22 +1115,16 @@ memorycg45)
 ops48a)
   # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD
   # (~8 minutes; carry [".whl"], the fla-core 0.6.0 wheel as for "kernels")
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  with_fla
   gpu_kernel_tests 200
-  timeout 340 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 320 --no-e2e --no-block-phase --widths 2048 \
-      > "$OUT/suite_log.txt" 2>&1
-  tail -10 "$OUT/suite_log.txt"
+  op_table 340 320 2048
   ;;
 ops48b)
   # session 48: test_param_grads.py again (its tolerance mended after ops48a), then the op
   # table's d = 4096 rows, every column, at HEAD (~9 minutes; carry [".whl"])
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD TRITON_DEFAULT_FP_FUSION=1
+  with_fla
   kernel_test_file 40 test_param_grads.py param_grads_tests.txt
-  timeout 520 python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s 470 --no-e2e --no-block-phase --widths 4096 \
-      > "$OUT/suite_log.txt" 2>&1
-  tail -10 "$OUT/suite_log.txt"
+  op_table 520 470 4096
   ;;
 launch47)
   # session 47: where the two-phase launchers' host time goes (launch_parts.py: the launcher

@@ -155,7 +155,7 @@ BACKEND_VARIANTS = {
     "noasserts": {"size_asserts": False, "alignment_asserts": False},
     # Inductor's combo kernels (experimental): independent kernels launched as one, only
     # where its benchmark finds them faster; fewer launches for the host to issue (DAR
-    # block's step launched ~1,540 kernels against the baseline's ~680, session 47)
+    # block's step made ~1,540 Triton launches against the baseline's ~680, session 47)
     "combo": {"combo_kernels": True, "benchmark_combo_kernel": True},
 }
 #: the variants measured: base configuration -> suffixes

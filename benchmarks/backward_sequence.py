@@ -53,10 +53,11 @@ PASSES = 3  # timed passes of the sequence per variant and round (their median c
 
 
 class BackwardCalls(TorchDispatchMode):
-    """Records each ``depthrewrite::route_many_backward`` call: ``sources`` (an id per
-    distinct source tensor, numbered in order of first sight), ``queries``, ``heads``,
-    ``keys`` (whether it has separate keys) and ``running`` (the indices of its sources
-    that come with a running sum)."""
+    """Records each ``depthrewrite::route_many_backward`` call (or its in-place form,
+    ``route_many_backward_into_``, whose running sums are its outputs at ``values_acc_index``):
+    ``sources`` (an id per distinct source tensor, numbered in order of first sight),
+    ``queries``, ``heads``, ``keys`` (whether it has separate keys) and ``running`` (the
+    indices of its sources that come with a running sum)."""
 
     def __init__(self):
         super().__init__()
@@ -64,13 +65,16 @@ class BackwardCalls(TorchDispatchMode):
         self._ids: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name == "depthrewrite::route_many_backward":
+        if func._schema.name in ("depthrewrite::route_many_backward", "depthrewrite::route_many_backward_into_"):
             named = dict(zip((a.name for a in func._schema.arguments), args), **(kwargs or {}))
-            sums = named.get("grad_values_acc") or [None] * len(named["values"])
+            if "values_acc_index" in named:
+                running = sorted(named["values_acc_index"])
+            else:
+                sums = named.get("grad_values_acc") or [None] * len(named["values"])
+                running = [i for i, acc in enumerate(sums) if acc is not None]
             self.calls.append(dict(
                 sources=[self._ids.setdefault(t.data_ptr(), len(self._ids)) for t in named["values"]],
-                queries=named["queries"].shape[0], heads=named["heads"], keys=bool(named.get("keys")),
-                running=[i for i, acc in enumerate(sums) if acc is not None]))
+                queries=named["queries"].shape[0], heads=named["heads"], keys=bool(named.get("keys")), running=running))
         return func(*args, **(kwargs or {}))
 
 

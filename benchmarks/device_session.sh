@@ -87,6 +87,7 @@
 #   OUT=... bash benchmarks/device_session.sh asserts47  # Inductor's wrapper without its asserts: DAR block, its fused merge with "narrow"; DAR block's combo kernels (session 47)
 #   OUT=... bash benchmarks/device_session.sh ops48a   # GPU kernel tests, then the op table's d = 2048 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh ops48b   # the param_grads GPU tests, the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
+#   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
 : "${OUT:?OUT must name the output folder}"
@@ -1031,6 +1032,14 @@ rfw41)
   # one token and one warp (then mhar_rfw1; the default since, and mhar_rfw2 the launch
   # before) beside the default and the baseline, each model compiled alone (~6 minutes)
   e2e_run 420 1 6 baseline mhar mhar_rfw2
+  ;;
+inplace48)
+  # session 48: route_many_backward's running sums written in place (route_many_backward_into_):
+  # its GPU kernel tests with running sums, then full AttnRes with them and as new tensors
+  # beside the baseline, 3 trials, one wave (~6 minutes)
+  kernel_test_file 80 test_route_many_triton.py inplace_tests.txt -k "in_place or running_sums"
+  e2e_run 290 3 8 baseline attnres attnres_newsums
+  grep "^launchers" "$OUT/e2e.txt"
   ;;
 tests42)
   # session 42: every kernel test on the GPU (route's 16-head forward on one token and one warp)

@@ -122,8 +122,9 @@ BACKEND_VARIANTS = {
     # WAV's and DAR's partial sums kept for the backward, as before session 13 (the default
     # since: recomputed in it, depthrewrite.recompute)
     "keepsums": {"recompute_partial_sums": False},
-    # route_backward's running sums as new tensors, as before session 14 (the default since:
-    # written in place where safe, route_backward_into_)
+    # the routing backwards' running sums as new tensors, as before session 14 (the default
+    # since: written in place where safe, route_backward_into_; route_many_backward's since
+    # session 48, route_many_backward_into_)
     "newsums": {"accumulate_in_place": False},
     # the branch outputs that the partial sums are rebuilt from recomputed too (their matmuls
     # run again in the backward)
@@ -162,7 +163,7 @@ BACKEND_VARIANTS = {
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mfs32", "mix0",
                   "mk", "mfs64", "narrow", "noasserts", "combo"),
-    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16", "noasserts"),
+    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16", "noasserts", "newsums"),
     "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow", "noasserts", "combo"),
     "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16"),
     "block_attnres": ("unfenced", "cg", "cdt", "mfs16", "mk"),

@@ -50,7 +50,7 @@ def _rows(name: str, a: dict) -> int:
         return 2 + 2 * len(a["values"]) * per_source
     if name == "route_many":
         return len(a["values"]) * per_source + a["queries"].shape[0]
-    if name == "route_many_backward":
+    if name in ("route_many_backward", "route_many_backward_into_"):
         return 2 * len(a["grad_out"]) + 2 * len(a["values"]) * per_source
     if name == "route_merge":  # the results' phase-1 rows and the entries read, x written
         return len(a["outs"]) + _distinct(a["values"], a.get("keys")) + 1

@@ -28,10 +28,11 @@ figure is given (docs/benchmarks.md has the runs):
 - ``accumulate_max_heads`` (default None: no limit): only calls with at most that many
   heads get running sums (an A/B knob; 16-head MHAR is faster with them).
 - ``accumulate_in_place`` (default True): each call writes its new running sums into the
-  old ones (``depthrewrite::route_backward_into_``, :mod:`depthrewrite.ops.route_into`)
-  where no later reader can see the overwrite, so that old and new do not exist side by
-  side while it runs. Peak 1.185x -> 1.158x the plain model's for WAV, 1.259x -> 1.189x
-  for full MHAR, step time level (session 14); ``False`` keeps new tensors.
+  old ones (``depthrewrite::route_backward_into_`` and, since session 48,
+  ``depthrewrite::route_many_backward_into_``, :mod:`depthrewrite.ops.route_into`) where no
+  later reader can see the overwrite, so that old and new do not exist side by side while
+  it runs. Peak 1.185x -> 1.158x the plain model's for WAV, 1.259x -> 1.189x for full
+  MHAR, step time level (session 14); ``False`` keeps new tensors.
 - ``recompute_partial_sums`` (default True; :mod:`depthrewrite.recompute`): the partial
   sums that WAV and DAR make at every site are recomputed in the backward from the branch
   outputs instead of saved for it. Peak 1.27x -> 1.19x for WAV, 1.29x -> 1.24x for DAR

@@ -203,7 +203,7 @@ def _overwritable(running: list, call: fx.Node, position: dict) -> bool:
 
 
 def _gradient_users(call: fx.Node) -> dict[int, list[fx.Node]] | None:
-    """``{output: [getitem nodes]}`` of a route_backward call, None if any user is not an
+    """``{output: [getitem nodes]}`` of a routing backward call, None if any user is not an
     indexing of its outputs (and, for the two gradient lists, of their entries)."""
     users: dict[int, list[fx.Node]] = {}
     for user in call.users:
@@ -216,16 +216,33 @@ def _gradient_users(call: fx.Node) -> dict[int, list[fx.Node]] | None:
     return users
 
 
+#: the routing backwards whose running sums can be written in place, and their in-place forms
+#: (``route_many_backward``'s since session 48)
+IN_PLACE_FORMS = {"route_backward": "route_backward_into_", "route_many_backward": "route_many_backward_into_"}
+
+
+def _in_place_form(call: fx.Node):
+    """The in-place form of ``call``'s op (:data:`IN_PLACE_FORMS`), or None."""
+    if call.op != "call_function":
+        return None
+    for name, into in IN_PLACE_FORMS.items():
+        if call.target is getattr(torch.ops.depthrewrite, name).default:
+            return getattr(torch.ops.depthrewrite, into).default
+    return None
+
+
 def write_running_sums_in_place(graph: fx.Graph) -> int:
-    """Replace every ``route_backward`` call that has running sums (after
-    :func:`accumulate_into_route_backward`) by ``route_backward_into_`` where that is safe
-    (:func:`_overwritable`): the call writes each new sum into its running sum and every
-    other source's gradient into a buffer made for it (``empty_like`` the source), and the
-    readers of a gradient read that tensor, after the call. Returns how many calls."""
+    """Replace every ``route_backward`` or ``route_many_backward`` call that has running sums
+    (after :func:`accumulate_into_route_backward`) by its in-place form
+    (:data:`IN_PLACE_FORMS`) where that is safe (:func:`_overwritable`): the call writes
+    each new sum into its running sum and every other source's gradient into a buffer made
+    for it (``empty_like`` the source), and the readers of a gradient read that tensor,
+    after the call. Returns how many calls."""
     replaced = 0
     position = {node: k for k, node in enumerate(graph.nodes)}
     for call in list(graph.nodes):
-        if call.op != "call_function" or call.target is not torch.ops.depthrewrite.route_backward.default:
+        into_op = _in_place_form(call)
+        if into_op is None:
             continue
         running = {which: list(call.kwargs.get(arg) or []) for which, arg in _ACC_ARG.items()}
         if all(r is None for lst in running.values() for r in lst):
@@ -233,13 +250,13 @@ def write_running_sums_in_place(graph: fx.Graph) -> int:
         users = _gradient_users(call)
         if users is None or not _overwritable(running[0] + running[1], call, position):
             continue
-        _replace_in_place(graph, call, running, users)
+        _replace_in_place(graph, call, running, users, into_op)
         replaced += 1
         position = {node: k for k, node in enumerate(graph.nodes)}  # the nodes it added, in order
     return replaced
 
 
-def _replace_in_place(graph: fx.Graph, call: fx.Node, running: dict, users: dict) -> None:
+def _replace_in_place(graph: fx.Graph, call: fx.Node, running: dict, users: dict, into_op) -> None:
     bound = _arguments(call)
     sources = {0: bound["values"], 1: bound["keys"] or []}
     outputs, index = {}, {}
@@ -248,10 +265,9 @@ def _replace_in_place(graph: fx.Graph, call: fx.Node, running: dict, users: dict
             sums = running[which] or [None] * len(lst)
             index[which] = [i for i, r in enumerate(sums) if r is not None]
             outputs[which] = [r if r is not None else _empty_like(graph, source) for r, source in zip(sums, lst)]
-        # route_backward's own arguments, then the outputs in place of the running sums
+        # the backward's own arguments, then the outputs in place of the running sums
         bound.update(grad_values=outputs[0], values_acc_index=index[0], grad_keys=outputs[1],
                      keys_acc_index=index[1])
-        into_op = torch.ops.depthrewrite.route_backward_into_.default
         into = graph.call_function(into_op, tuple(bound[a.name] for a in into_op._schema.arguments))
     old = call.meta["val"]
     into.meta["val"] = tuple(old[2:])

@@ -4,7 +4,8 @@ Importing this package registers ``depthrewrite::route`` (returns ``(out, lse, n
 ``depthrewrite::route_backward`` (takes ``out`` and ``lse`` back), its in-place running-sum
 form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`),
 ``depthrewrite::route_many`` and ``depthrewrite::route_many_backward`` (several queries,
-:mod:`.route_many_triton`), ``depthrewrite::route_merge`` and its backward (the second
+:mod:`.route_many_triton`; its in-place form ``depthrewrite::route_many_backward_into_``),
+``depthrewrite::route_merge`` and its backward (the second
 phase, :mod:`.route_merge_triton`) for the "cuda" device with
 ``torch.library.register_kernel`` (or with the dispatcher directly: ``_register``); the CPU
 (and any other device) keeps the pure-PyTorch implementation of :mod:`depthrewrite.ops.route`.
@@ -27,7 +28,7 @@ import os
 import torch
 
 from ..ops.route import _route_backward_op, _route_op
-from ..ops.route_into import _route_backward_into_op, running_sums
+from ..ops.route_into import _route_backward_into_op, _route_many_backward_into_op, running_sums
 from ..ops.route_many import _route_many_backward_op, _route_many_op, stats_shape
 from ..ops.route_merge import _route_merge_backward_op, _route_merge_op
 
@@ -162,6 +163,24 @@ def _route_many_backward_cuda(grad_out, grad_lse, out, lse, stats, values, queri
                                grad_values_acc=grad_values_acc, grad_keys_acc=grad_keys_acc)
 
 
+def _route_many_backward_into_cuda(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads,
+                                   eps, keys, grad_values, values_acc_index, grad_keys, keys_acc_index):
+    if not _use_fused(values, keys, queries, key_norm_weights, None):
+        return _route_many_backward_into_op._init_fn(grad_out, grad_lse, out, lse, stats, values, queries,
+                                                     key_norm_weights, heads, eps, keys, grad_values,
+                                                     values_acc_index, grad_keys, keys_acc_index)
+    from .route_many_triton import route_many_backward
+
+    op = "route_many_backward_into_"
+    _, _, *rest = route_many_backward(
+        grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, config=_backward_config(),
+        keys=keys, stats=stats if stats.numel() else None,
+        grad_values_acc=running_sums(grad_values, values_acc_index, values, "grad_values", op),
+        grad_keys_acc=running_sums(grad_keys, keys_acc_index, keys, "grad_keys", op),
+        grad_values_out=grad_values, grad_keys_out=grad_keys if keys is not None else None)
+    return tuple(rest)
+
+
 def _route_merge_cuda(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight=None,
                       out_norm_eps=1e-6):
     args = (outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight, out_norm_eps)
@@ -193,6 +212,7 @@ def _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix, out_n
 CUDA_KERNELS = {
     "route": _route_cuda, "route_backward": _route_backward_cuda, "route_backward_into_": _route_backward_into_cuda,
     "route_many": _route_many_cuda, "route_many_backward": _route_many_backward_cuda,
+    "route_many_backward_into_": _route_many_backward_into_cuda,
     "route_merge": _route_merge_cuda, "route_merge_backward": _route_merge_backward_cuda,
 }
 

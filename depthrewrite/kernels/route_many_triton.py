@@ -997,6 +997,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
                         heads: int, eps: float, config: dict | None = None, keys: Sequence[Tensor] | None = None,
                         stats: Tensor | None = None, grad_values_acc: Sequence[Tensor | None] | None = None,
                         grad_keys_acc: Sequence[Tensor | None] | None = None,
+                        grad_values_out: Sequence[Tensor] | None = None, grad_keys_out: Sequence[Tensor] | None = None,
                         ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     """Fused backward; ``out``, ``lse`` and ``stats`` (None: not kept) are what
     :func:`route_many_forward` (or the reference op) returned for these inputs; the
@@ -1005,7 +1006,10 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     returns (the key gradients empty without keys). ``grad_values_acc`` /
     ``grad_keys_acc``: running sums (None, or None or a tensor shaped like its source per
     source) that each gradient is added to as it is stored, in float32, rounded once
-    (depthrewrite.grad_accumulation puts them there). ``config`` overrides ``backward``
+    (depthrewrite.grad_accumulation puts them there). ``grad_values_out`` /
+    ``grad_keys_out``: the tensors to write the source gradients into (one per source; a
+    running sum may be its own source's output: ``depthrewrite::route_many_backward_into_``),
+    by default new ones. ``config`` overrides ``backward``
     ("tiled" or "per_token"), ``param`` (the per-token backward's: "registers" or "table"),
     ``block_t``, ``block_q``, ``many_elems``, ``num_warps``, ``per_sm``, ``prefetch`` (False,
     True, or 2-4: that many sources ahead, per-token backward only; unset: ``_backward_prefetch``),
@@ -1044,6 +1048,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     allowed = PREFETCH_DEPTHS + PER_TOKEN_PREFETCH_DEPTHS if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
+    outputs = SourceGradients.of(flat_v, flat_k, grad_values_out, grad_keys_out)
     cfg["stages"] = _check_stages(cfg.get("stages"), _backward_stages(kernel, row, bool(flat_k), running.any, block_q),
                                   "route_many")
     if kernel == "tiled" and cfg["stages"] >= 2:
@@ -1051,7 +1056,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
                          "only; the tiled backward takes 0 or 1")
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats,
-                                 running)
+                                 running, outputs)
     grad_queries, grad_weights = finish(r, queries, key_norm_weights)
     return grad_v, grad_k, grad_queries, grad_weights
 
@@ -1111,7 +1116,8 @@ def _param_gradients(cfg: dict) -> str:
 
 
 def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                    stats, running: RunningSums) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+                    stats, running: RunningSums, outputs: SourceGradients
+                    ) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """Value gradients (and key gradients, with keys) from ``_route_many_bwd_tiled_kernel``,
     then the partial sums of ``r`` (the gradient of ``w_s * q_s``, (S, d)) from
     ``_route_many_param_kernel``. ``stats`` is not read: each tile forms its logits from the
@@ -1120,10 +1126,9 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
-    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
-    grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
+    grad_v, grad_k = outputs.values, outputs.keys
     if tokens == 0:
-        return running.no_tokens(grad_v, grad_k) + (_no_sums(s, d, device),)
+        return running.no_tokens(grad_v, grad_k, outputs.given) + (_no_sums(s, d, device),)
     n = len(flat_v)
     block_t = _check_block_t(cfg.get("block_t") or TILED_TOKENS, "route_many")
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
@@ -1175,21 +1180,21 @@ def _param_reduction(vtab, like, coef, s, d, heads, tokens, n, aligned, cfg) -> 
 
 
 def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg,
-                        stats, running: RunningSums) -> tuple[list[Tensor], list[Tensor], PartialSums]:
+                        stats, running: RunningSums, outputs: SourceGradients
+                        ) -> tuple[list[Tensor], list[Tensor], PartialSums]:
     """The one-pass backward of ``_route_many_bwd_kernel`` (one token at a time per program),
     reading the forward's logits and rstd from ``stats`` unless it is None."""
     s, d = queries.shape
     block_h, block_c = _row_blocks(d, heads, "route_many")
     tokens, device = _tokens(flat_v), flat_v[0].device
     dtype = flat_v[0].dtype
-    grad_v = [torch.empty_like(flat_v[0]) for _ in flat_v]
-    grad_k = [torch.empty_like(flat_v[0]) for _ in flat_k]
+    grad_v, grad_k = outputs.values, outputs.keys
     multi_head = heads > 1
     block_q = _per_token_block_q(s, heads, block_h * block_c, cfg)
     warps = cfg.get("num_warps") or (MULTI_HEAD_BACKWARD_WARPS if multi_head else NUM_WARPS)
     chunks = list(range(0, s, block_q))
     if tokens == 0:
-        return running.no_tokens(grad_v, grad_k) + (_no_sums(s, d, device),)
+        return running.no_tokens(grad_v, grad_k, outputs.given) + (_no_sums(s, d, device),)
     per_sm, cap = _per_token_launch(block_q, heads, block_h * block_c)
     cfg = {"per_sm": per_sm, "maxnreg": cap, **cfg}
     programs = _backward_programs(device, tokens, cfg["per_sm"])
@@ -1204,8 +1209,10 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
              sums((len(chunks), programs, block_q, d), dtype=torch.float32, device=device))
     qw = _per_query_rows(queries, key_norm_weights)
     # fp32 partial gradients between chunks of queries (the gradients themselves if fp32:
-    # then the gradients' tables are theirs, not uploaded twice)
-    one_pass = dtype == torch.float32 or len(chunks) == 1
+    # then the gradients' tables are theirs, not uploaded twice; not where the outputs were
+    # given, since a running sum among them is read by the last chunk only and must not
+    # hold an earlier chunk's part by then)
+    one_pass = len(chunks) == 1 or (dtype == torch.float32 and not outputs.given)
     partial_v = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
     partial_k = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_k]
     gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, runtab, kruntab = pointer_tables(
@@ -1271,12 +1278,44 @@ class RunningSums(NamedTuple):
             return [], []
         return self.values, (self.keys or [None] * len(flat_k)) if flat_k else []
 
-    def no_tokens(self, grad_v: list[Tensor], grad_k: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    def no_tokens(self, grad_v: list[Tensor], grad_k: list[Tensor], in_place: bool = False
+                  ) -> tuple[list[Tensor], list[Tensor]]:
         """The gradients of a call with no tokens: zeros, or the running sums (copied: outputs
-        may not alias inputs)."""
+        may not alias inputs); ``in_place``: written into ``grad_v`` and ``grad_k``, the
+        outputs given (a running sum among them is left as it is)."""
         def fill(grads, acc):
-            return [torch.zeros_like(t) if a is None else a.clone() for t, a in zip(grads, acc or [None] * len(grads))]
+            acc = acc or [None] * len(grads)
+            if in_place:
+                return [t.zero_() if a is None else t if t is a else t.copy_(a) for t, a in zip(grads, acc)]
+            return [torch.zeros_like(t) if a is None else a.clone() for t, a in zip(grads, acc)]
         return fill(grad_v, self.values), fill(grad_k, self.keys)
+
+
+class SourceGradients(NamedTuple):
+    """Where a backward call writes its source gradients: the tensors its caller gave
+    (``given``), or new ones."""
+
+    values: list[Tensor]
+    keys: list[Tensor]
+    given: bool
+
+    @classmethod
+    def of(cls, flat_v: Sequence[Tensor], flat_k: Sequence[Tensor], values_out: Sequence[Tensor] | None,
+           keys_out: Sequence[Tensor] | None) -> SourceGradients:
+        if (flat_k and (values_out is None) != (keys_out is None)) or (not flat_k and keys_out):
+            raise ValueError("route_many_backward (Triton): `grad_values_out` and `grad_keys_out` come together "
+                             f"where there are keys, the latter empty or None without; found {_given(values_out)} "
+                             f"and {_given(keys_out)} for {len(flat_k)} keys")
+        like, n, nk = flat_v[0], len(flat_v), len(flat_k)
+        values = route_triton._gradient_outputs(n, like.shape, like.dtype, like.device, torch.empty, values_out,
+                                                "grad_values_out", "route_many_backward")
+        keys = (route_triton._gradient_outputs(nk, like.shape, like.dtype, like.device, torch.empty, keys_out,
+                                               "grad_keys_out", "route_many_backward") if nk else [])
+        return cls(values, keys, values_out is not None)
+
+
+def _given(outputs) -> str:
+    return "none" if outputs is None else f"{len(outputs)} tensors"
 
 
 def _no_sums(s: int, d: int, device) -> PartialSums:

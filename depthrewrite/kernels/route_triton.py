@@ -975,14 +975,15 @@ def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int,
                          f"device {lse.device}")
 
 
-def _gradient_outputs(n: int, shape, dtype, device, new, given: Sequence[Tensor] | None, name: str) -> list[Tensor]:
+def _gradient_outputs(n: int, shape, dtype, device, new, given: Sequence[Tensor] | None, name: str,
+                      op: str = "route_backward") -> list[Tensor]:
     """Where the kernel writes each source's gradient: the tensors ``given`` (contiguous,
     one per source; a source's running sum may be among them, read and written element by
-    element in one thread), else new ones."""
+    element in one thread), else new ones. ``op``: the op named in the error."""
     if given is None:
         return [new(shape, dtype=dtype, device=device) for _ in range(n)]
     if len(given) != n or any(t.shape != shape or t.dtype != dtype or not t.is_contiguous() for t in given):
-        raise ValueError(f"route_backward (Triton): `{name}` must be {n} contiguous tensors shaped {tuple(shape)} "
+        raise ValueError(f"{op} (Triton): `{name}` must be {n} contiguous tensors shaped {tuple(shape)} "
                          f"of {dtype}; found {[(tuple(t.shape), t.dtype, t.is_contiguous()) for t in given]}")
     return list(given)
 

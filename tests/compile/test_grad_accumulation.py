@@ -4,8 +4,11 @@ what eager computes, and the rewrite happened."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import depthrewrite
 from depthrewrite import backend, sum_fences
@@ -140,6 +143,44 @@ def test_running_sums_written_in_place_give_the_same_gradients(scheme, scheme_op
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"options\['accumulate_in_place'\] must be True or False; found 1"):
         backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"accumulate_in_place": 1})
+
+
+class _RoutingBackwards(TorchDispatchMode):
+    """Counts the routing backward calls by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.startswith("depthrewrite::route") and "backward" in func._schema.name:
+            self.calls[func._schema.name.partition("::")[2]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_route_many_running_sums_written_in_place_give_the_same_gradients():
+    """``route_many_backward``'s running sums are written in place too (session 48): full
+    AttnRes's calls with running sums run as ``route_many_backward_into_``, and the float32
+    loss and every gradient are bit for bit those of the new-tensor form."""
+    model = _model("attnres", n_layer=3)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for in_place in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="depthrewrite", fullgraph=True,
+                                 options={"inner": "aot_eager", "accumulate_in_place": in_place})
+        model.zero_grad(set_to_none=True)
+        _, loss = compiled(idx, idx)
+        with _RoutingBackwards() as calls:
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[in_place] = loss.detach(), grads, calls.calls
+    (loss, grads, new_sums), (loss_i, grads_i, in_place) = results[False], results[True]
+    assert in_place["route_many_backward_into_"] > 0 and "route_many_backward_into_" not in new_sums
+    assert sum(in_place.values()) == sum(new_sums.values())
+    assert torch.equal(loss_i, loss) and grads_i.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads_i[name], grads[name]), name
 
 
 def test_accumulation_is_on_by_default_can_be_turned_off_and_is_checked():

@@ -713,6 +713,126 @@ def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, ke
     assert torch.equal(summed[2], plain[2]) and torch.equal(summed[3], plain[3])
 
 
+def _in_place_outputs(running, like, dtype):
+    """The tensors a ``route_many_backward_into_`` call writes into: each source's running sum
+    (a copy, on the device) where it has one, else a NaN-filled buffer (every element must be
+    written); and the running sums as the call takes them (the same tensors)."""
+    outputs = [torch.full(like.shape, float("nan"), dtype=dtype, device=DEVICE) if r is None else r.to(DEVICE).clone()
+               for r in running]
+    return outputs, [o if r is not None else None for o, r in zip(outputs, running)]
+
+
+@pytest.mark.parametrize("backward,keys,config,heads,dtype", [
+    ("per_token", False, None, 1, torch.bfloat16),
+    ("per_token", False, {"many_elems": 200}, 1, torch.float32),  # fp32 chunks: the partial sums kept apart
+    ("per_token", False, {"many_elems": 200}, 1, torch.bfloat16),
+    ("tiled", True, None, 1, torch.bfloat16),
+    ("tiled", False, None, 4, torch.float32),
+], ids=["per_token", "per_token_chunks_fp32", "per_token_chunks_bf16", "tiled_keys", "tiled_heads_fp32"])
+def test_running_sums_written_in_place_give_the_new_tensors_bits(backward, keys, config, heads, dtype):
+    """Given the tensors to write into, a running sum among them (``route_many_backward_into_``),
+    each source gradient lands in its own given tensor, bit for bit what the call writes into
+    new tensors, and so do the parameter gradients. In float32 with chunks of queries the
+    earlier chunks' parts go to separate buffers: in the running sum itself they would be
+    overwritten before the last chunk adds it."""
+    n, s = 9, 5
+    inp = _make(n, s, (7,), 100, heads, dtype, 81, keys)
+    gen = torch.Generator().manual_seed(82)
+    running_v = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
+    running_k = [torch.randn(7, 100, generator=gen).to(dtype) if i % 2 else None for i in range(n)] if keys else None
+    cfg = {"backward": backward, **(config or {})}
+    _, summed, _ = _backward_with_running_sums(inp, dtype, 81, cfg, (running_v, running_k))
+    values = [v.to(DEVICE) for v in inp["values"]]
+    keys_ = None if inp["keys"] is None else [k.to(DEVICE) for k in inp["keys"]]
+    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    stats = _stats_for(values, q, heads, keys_)
+    out, lse = route_many_triton.route_many_forward(values, q, w, heads, 1e-6, cfg, keys=keys_, stats=stats)
+    gen = torch.Generator().manual_seed(82)  # _backward_with_running_sums' output gradients
+    grad_out = [torch.randn(o.shape, generator=gen).to(dtype).to(DEVICE) for o in out]
+    grad_lse = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in lse]
+    out_v, acc_v = _in_place_outputs(running_v, values[0], dtype)
+    out_k, acc_k = _in_place_outputs(running_k, values[0], dtype) if keys else (None, None)
+    got = route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, heads, 1e-6, cfg,
+                                                keys=keys_, stats=stats, grad_values_acc=acc_v, grad_keys_acc=acc_k,
+                                                grad_values_out=out_v, grad_keys_out=out_k)
+    assert all(a is b for a, b in zip(got[0], out_v)) and all(a is b for a, b in zip(got[1], out_k or []))
+    for i in range(n):
+        assert torch.equal(got[0][i], summed[0][i]), f"values[{i}]"
+        if keys:
+            assert torch.equal(got[1][i], summed[1][i]), f"keys[{i}]"
+    assert torch.equal(got[2], summed[2]) and torch.equal(got[3], summed[3])
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["values", "keys"])
+def test_the_in_place_op_writes_what_the_op_returns(keys):
+    """``depthrewrite::route_many_backward_into_`` (the backend's ``accumulate_in_place``)
+    writes each source gradient into the tensor given for it (its running sum, added to, or
+    a buffer), bit for bit what ``route_many_backward`` returns with the same running sums,
+    and returns the same parameter gradients: the kernels on the GPU, the reference on the
+    CPU. Its bad outputs are refused with the op and the argument named."""
+    dtype, n, s = torch.bfloat16, 5, 3
+    inp = _make(n, s, (2, 3), 64, 1, dtype, 91, keys)
+    values = [v.to(DEVICE) for v in inp["values"]]
+    keys_ = [k.to(DEVICE) for k in inp["keys"]] if keys else None
+    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
+    out, lse, stats = torch.ops.depthrewrite.route_many(values, q, w, 1, 1e-6, keys_)
+    gen = torch.Generator().manual_seed(92)
+    grad_out = [torch.randn(o.shape, generator=gen).to(dtype).to(DEVICE) for o in out]
+    grad_lse = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in lse]
+    lists = {"values": values, "keys": keys_ or []}
+    index = {name: [i for i in range(len(like)) if i % 2 == odd] for odd, (name, like) in enumerate(lists.items())}
+    acc = {name: [torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE) if i in index[name] else None
+                  for i, t in enumerate(like)] for name, like in lists.items()}
+    expected = torch.ops.depthrewrite.route_many_backward(grad_out, grad_lse, out, lse, stats, values, q, w, 1, 1e-6,
+                                                          keys_, acc["values"], acc["keys"] if keys else None)
+    given = {name: [a.clone() if a is not None else torch.full_like(t, float("nan")) for a, t in zip(acc[name], like)]
+             for name, like in lists.items()}
+    pointers = {name: [t.data_ptr() for t in outs] for name, outs in given.items()}
+    into = torch.ops.depthrewrite.route_many_backward_into_
+    rest = into(grad_out, grad_lse, out, lse, stats, values, q, w, 1, 1e-6, keys_, given["values"], index["values"],
+                given["keys"], index["keys"])
+    for group, name in enumerate(("values", "keys")):
+        assert [t.data_ptr() for t in given[name]] == pointers[name]  # written where given
+        for got, want in zip(given[name], expected[group], strict=True):
+            assert torch.equal(got, want)
+    assert torch.equal(rest[0], expected[2]) and torch.equal(rest[1], expected[3])
+    buffers = [torch.zeros_like(v) for v in values]
+    with pytest.raises(ValueError, match=r"^route_many_backward_into_: `grad_values` must have one tensor per source "
+                                         r"\(5\); found 4"):
+        into(grad_out, grad_lse, out, lse, stats, values, q, w, 1, 1e-6, keys_, buffers[:4], [0], given["keys"], [])
+    with pytest.raises(ValueError, match=r"^route_many_backward_into_: `grad_values` running-sum indices must be "
+                                         r"distinct sources from 0 to 4; found \[1, 1\]"):
+        into(grad_out, grad_lse, out, lse, stats, values, q, w, 1, 1e-6, keys_, buffers, [1, 1], given["keys"], [])
+
+
+def test_in_place_outputs_with_no_tokens_and_bad_outputs():
+    """No tokens: a given output is zeroed, or left holding its running sum (the sum plus
+    nothing). Outputs of the wrong shape or count, or keys' outputs without keys, are refused
+    with the argument named."""
+    values = [torch.randn(0, 16, device=DEVICE) for _ in range(3)]
+    q, w = torch.randn(2, 16, device=DEVICE), torch.ones(2, 16, device=DEVICE)
+    out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6)
+    grads = [torch.empty(0, 16, device=DEVICE) for _ in out]
+    glse = [torch.empty(0, 1, device=DEVICE) for _ in lse]
+    outputs = [torch.empty(0, 16, device=DEVICE) for _ in values]
+    got = route_many_triton.route_many_backward(grads, glse, out, lse, values, q, w, 1, 1e-6,
+                                                grad_values_acc=[None, outputs[1], None], grad_values_out=outputs)
+    assert all(a is b for a, b in zip(got[0], outputs))
+    vals = [torch.randn(3, 16, device=DEVICE) for _ in range(3)]
+    out, lse = route_many_triton.route_many_forward(vals, q, w, 1, 1e-6)
+    grads = [torch.randn(3, 16, device=DEVICE) for _ in out]
+    glse = [torch.zeros(3, 1, device=DEVICE) for _ in lse]
+    with pytest.raises(ValueError, match=r"route_many_backward \(Triton\): `grad_values_out` must be 3 contiguous "
+                                         r"tensors shaped \(3, 16\)"):
+        route_many_triton.route_many_backward(grads, glse, out, lse, vals, q, w, 1, 1e-6,
+                                              grad_values_out=[torch.empty(3, 16, device=DEVICE)] * 2)
+    with pytest.raises(ValueError, match=r"`grad_values_out` and `grad_keys_out` come together where there are keys, "
+                                         r"the latter empty or None without; found 3 tensors and 1 tensors for 0 keys"):
+        route_many_triton.route_many_backward(grads, glse, out, lse, vals, q, w, 1, 1e-6,
+                                              grad_values_out=[torch.empty(3, 16, device=DEVICE) for _ in range(3)],
+                                              grad_keys_out=[torch.empty(3, 16, device=DEVICE)])
+
+
 def test_running_sums_take_the_pipeline_by_the_queries_a_program_holds(monkeypatch):
     stages = route_many_triton._backward_stages
     monkeypatch.setattr(route_many_triton, "RUNNING_PER_TOKEN_STAGES", {1: 3, 2: 0, 4: 5})

@@ -28,7 +28,7 @@ import os
 import torch
 
 from ..ops.route import _route_backward_op, _route_op
-from ..ops.route_into import _route_backward_into_op, _route_many_backward_into_op, running_sums
+from ..ops.route_into import _route_backward_into_op, _route_many_backward_into_op, running_sum_lists
 from ..ops.route_many import _route_many_backward_op, _route_many_op, stats_shape
 from ..ops.route_merge import _route_merge_backward_op, _route_merge_op
 
@@ -131,11 +131,11 @@ def _route_backward_into_cuda(grad_out, out, lse, values, keys, query, key_norm_
             grad_normed, out_norm_weight, out_norm_eps, grad_values, values_acc_index, grad_keys, keys_acc_index)
     from .route_triton import route_backward
 
+    acc_v, acc_k = running_sum_lists(grad_values, values_acc_index, values, grad_keys, keys_acc_index, keys,
+                                     "route_backward_into_")
     _, _, *rest = route_backward(
         grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, grad_normed,
-        out_norm_weight, out_norm_eps, config=_backward_config(),
-        grad_values_acc=running_sums(grad_values, values_acc_index, values, "grad_values"),
-        grad_keys_acc=running_sums(grad_keys, keys_acc_index, keys, "grad_keys"),
+        out_norm_weight, out_norm_eps, config=_backward_config(), grad_values_acc=acc_v, grad_keys_acc=acc_k,
         grad_values_out=grad_values, grad_keys_out=grad_keys if keys is not None else None)
     return tuple(rest)
 
@@ -171,12 +171,11 @@ def _route_many_backward_into_cuda(grad_out, grad_lse, out, lse, stats, values, 
                                                      values_acc_index, grad_keys, keys_acc_index)
     from .route_many_triton import route_many_backward
 
-    op = "route_many_backward_into_"
+    acc_v, acc_k = running_sum_lists(grad_values, values_acc_index, values, grad_keys, keys_acc_index, keys,
+                                     "route_many_backward_into_")
     _, _, *rest = route_many_backward(
         grad_out, grad_lse, out, lse, values, queries, key_norm_weights, heads, eps, config=_backward_config(),
-        keys=keys, stats=stats if stats.numel() else None,
-        grad_values_acc=running_sums(grad_values, values_acc_index, values, "grad_values", op),
-        grad_keys_acc=running_sums(grad_keys, keys_acc_index, keys, "grad_keys", op),
+        keys=keys, stats=stats if stats.numel() else None, grad_values_acc=acc_v, grad_keys_acc=acc_k,
         grad_values_out=grad_values, grad_keys_out=grad_keys if keys is not None else None)
     return tuple(rest)
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from .route import _route_backward_fake, _route_backward_op
 from .route_many import _route_many_backward_op
 
-__all__ = ["ROUTE_BACKWARD_INTO_SCHEMA", "ROUTE_MANY_BACKWARD_INTO_SCHEMA", "running_sums"]
+__all__ = ["ROUTE_BACKWARD_INTO_SCHEMA", "ROUTE_MANY_BACKWARD_INTO_SCHEMA", "running_sum_lists", "running_sums"]
 
 ROUTE_BACKWARD_INTO_SCHEMA = (
     "(Tensor grad_out, Tensor out, Tensor lse, Tensor[] values, Tensor[]? keys, Tensor query, "
@@ -66,20 +66,32 @@ def running_sums(outputs: Sequence[Tensor], index: Sequence[int], like: Sequence
     return [outputs[i] if i in taken else None for i in range(n)]
 
 
+def running_sum_lists(grad_values, values_acc_index, values, grad_keys, keys_acc_index, keys,
+                      op: str) -> tuple[list[Tensor | None] | None, list[Tensor | None] | None]:
+    """An in-place call's running sums, values' and keys' (:func:`running_sums`)."""
+    return (running_sums(grad_values, values_acc_index, values, "grad_values", op),
+            running_sums(grad_keys, keys_acc_index, keys, "grad_keys", op))
+
+
+def _copy_into(grad_values, grad_keys, new_values, new_keys) -> None:
+    """The reference's new gradient tensors copied into the outputs given."""
+    for outputs, new in ((grad_values, new_values), (grad_keys, new_keys)):
+        for o, t in zip(outputs, new):
+            o.copy_(t)
+
+
 @torch.library.custom_op("depthrewrite::route_backward_into_", mutates_args=("grad_values", "grad_keys"),
                          schema=ROUTE_BACKWARD_INTO_SCHEMA)
 def _route_backward_into_op(grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale,
                             heads, eps, grad_normed, out_norm_weight, out_norm_eps, grad_values, values_acc_index,
                             grad_keys, keys_acc_index):
     # the reference: route_backward's new tensors, copied into the outputs
-    acc_v = running_sums(grad_values, values_acc_index, values, "grad_values")
-    acc_k = running_sums(grad_keys, keys_acc_index, keys, "grad_keys")
+    acc_v, acc_k = running_sum_lists(grad_values, values_acc_index, values, grad_keys, keys_acc_index, keys,
+                                     "route_backward_into_")
     new_values, new_keys, *rest = _route_backward_op._init_fn(
         grad_out, out, lse, values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
         grad_normed, out_norm_weight, out_norm_eps, acc_v, acc_k)
-    for outputs, new in ((grad_values, new_values), (grad_keys, new_keys)):
-        for o, t in zip(outputs, new):
-            o.copy_(t)
+    _copy_into(grad_values, grad_keys, new_values, new_keys)
     return tuple(rest)
 
 
@@ -97,14 +109,11 @@ def _route_backward_into_fake(grad_out, out, lse, values, keys, query, key_norm_
 def _route_many_backward_into_op(grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps,
                                  keys, grad_values, values_acc_index, grad_keys, keys_acc_index):
     # the reference: route_many_backward's new tensors, copied into the outputs
-    op = "route_many_backward_into_"
-    acc_v = running_sums(grad_values, values_acc_index, values, "grad_values", op)
-    acc_k = running_sums(grad_keys, keys_acc_index, keys, "grad_keys", op)
+    acc_v, acc_k = running_sum_lists(grad_values, values_acc_index, values, grad_keys, keys_acc_index, keys,
+                                     "route_many_backward_into_")
     new_values, new_keys, *rest = _route_many_backward_op._init_fn(
         grad_out, grad_lse, out, lse, stats, values, queries, key_norm_weights, heads, eps, keys, acc_v, acc_k)
-    for outputs, new in ((grad_values, new_values), (grad_keys, new_keys)):
-        for o, t in zip(outputs, new):
-            o.copy_(t)
+    _copy_into(grad_values, grad_keys, new_values, new_keys)
     return tuple(rest)
 
 

@@ -645,9 +645,21 @@ def test_bad_stats_table_is_refused():
 # ------------------------------------------- running sums added as the gradients are stored
 
 
+def _running_sums_case(n, s, heads, dtype, seed, keys):
+    """``_make``'s inputs (7 tokens, d = 100) and running sums: values' for all sources but
+    every third, keys' (with keys) for the odd ones."""
+    inp = _make(n, s, (7,), 100, heads, dtype, seed, keys)
+    gen = torch.Generator().manual_seed(seed + 1)
+    running_v = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
+    running_k = [torch.randn(7, 100, generator=gen).to(dtype) if i % 2 else None for i in range(n)] if keys else None
+    return inp, running_v, running_k
+
+
 def _backward_with_running_sums(inp, dtype, seed, config, running):
     """The backward of ``_run``'s forward with the running sums ``running`` (per source None or
-    a tensor; values' and, with keys, keys' lists), and the same backward without them."""
+    a tensor; values' and, with keys, keys' lists), the same backward without them, the
+    float64 oracle's gradients, and the backward itself (running sums and outputs as
+    arguments)."""
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     values = [dev(v) for v in inp["values"]]
     keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
@@ -658,16 +670,16 @@ def _backward_with_running_sums(inp, dtype, seed, config, running):
     grad_out = [dev(torch.randn(o.shape, generator=gen).to(dtype)) for o in out]
     grad_lse = [dev(torch.randn(t.shape, generator=gen)) for t in lse]
 
-    def backward(acc_v=None, acc_k=None):
+    def backward(acc_v=None, acc_k=None, out_v=None, out_k=None):
         return route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, inp["heads"], 1e-6,
                                                      config, keys=keys, stats=stats, grad_values_acc=acc_v,
-                                                     grad_keys_acc=acc_k)
+                                                     grad_keys_acc=acc_k, grad_values_out=out_v, grad_keys_out=out_k)
 
     plain = backward()
     summed = backward(*[None if r is None else [None if t is None else dev(t) for t in r] for r in running])
     oracle = _oracle_f64(inp, [g.cpu() for g in grad_out], [g.cpu() for g in grad_lse],
                          saved_out=[o.cpu() for o in out])[2]
-    return plain, summed, oracle
+    return plain, summed, oracle, backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -691,12 +703,9 @@ def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, ke
     without one, and the parameter gradients, bit for bit as without running sums. 9
     sources, 5 queries (two chunks of queries with the config), odd tokens."""
     n, s = 9, 5
-    inp = _make(n, s, (7,), 100, heads, dtype, 71, keys)
-    gen = torch.Generator().manual_seed(72)
-    running_v = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
-    running_k = [torch.randn(7, 100, generator=gen).to(dtype) if i % 2 else None for i in range(n)] if keys else None
+    inp, running_v, running_k = _running_sums_case(n, s, heads, dtype, 71, keys)
     cfg = {"backward": backward, **(config or {})}
-    plain, summed, oracle = _backward_with_running_sums(inp, dtype, 71, cfg, (running_v, running_k))
+    plain, summed, oracle, _ = _backward_with_running_sums(inp, dtype, 71, cfg, (running_v, running_k))
     pairs = [(f"values[{i}]", plain[0][i], summed[0][i], oracle[i], running_v[i]) for i in range(n)]
     if keys:
         pairs += [(f"keys[{i}]", plain[1][i], summed[1][i], oracle[n + 2 + i], running_k[i]) for i in range(n)]
@@ -734,25 +743,12 @@ def test_running_sums_written_in_place_give_the_new_tensors_bits(backward, keys,
     earlier chunks' parts go to separate buffers: in the running sum itself they would be
     overwritten before the last chunk adds it."""
     n, s = 9, 5
-    inp = _make(n, s, (7,), 100, heads, dtype, 81, keys)
-    gen = torch.Generator().manual_seed(82)
-    running_v = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
-    running_k = [torch.randn(7, 100, generator=gen).to(dtype) if i % 2 else None for i in range(n)] if keys else None
+    inp, running_v, running_k = _running_sums_case(n, s, heads, dtype, 81, keys)
     cfg = {"backward": backward, **(config or {})}
-    _, summed, _ = _backward_with_running_sums(inp, dtype, 81, cfg, (running_v, running_k))
-    values = [v.to(DEVICE) for v in inp["values"]]
-    keys_ = None if inp["keys"] is None else [k.to(DEVICE) for k in inp["keys"]]
-    q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
-    stats = _stats_for(values, q, heads, keys_)
-    out, lse = route_many_triton.route_many_forward(values, q, w, heads, 1e-6, cfg, keys=keys_, stats=stats)
-    gen = torch.Generator().manual_seed(82)  # _backward_with_running_sums' output gradients
-    grad_out = [torch.randn(o.shape, generator=gen).to(dtype).to(DEVICE) for o in out]
-    grad_lse = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in lse]
-    out_v, acc_v = _in_place_outputs(running_v, values[0], dtype)
-    out_k, acc_k = _in_place_outputs(running_k, values[0], dtype) if keys else (None, None)
-    got = route_many_triton.route_many_backward(grad_out, grad_lse, out, lse, values, q, w, heads, 1e-6, cfg,
-                                                keys=keys_, stats=stats, grad_values_acc=acc_v, grad_keys_acc=acc_k,
-                                                grad_values_out=out_v, grad_keys_out=out_k)
+    _, summed, _, call = _backward_with_running_sums(inp, dtype, 81, cfg, (running_v, running_k))
+    out_v, acc_v = _in_place_outputs(running_v, summed[0][0], dtype)
+    out_k, acc_k = _in_place_outputs(running_k, summed[0][0], dtype) if keys else (None, None)
+    got = call(acc_v, acc_k, out_v, out_k)
     assert all(a is b for a, b in zip(got[0], out_v)) and all(a is b for a, b in zip(got[1], out_k or []))
     for i in range(n):
         assert torch.equal(got[0][i], summed[0][i]), f"values[{i}]"
@@ -851,10 +847,8 @@ def test_running_sums_at_full_attnres_query_counts_match_float64(s):
     float64 gradient plus that sum, each without one and the parameter gradients against
     the plain backward's (which takes the register prefetch)."""
     n, dtype = 9, torch.bfloat16
-    inp = _make(n, s, (7,), 100, 1, dtype, 73)
-    gen = torch.Generator().manual_seed(74)
-    running = [None if i % 3 == 1 else torch.randn(7, 100, generator=gen).to(dtype) for i in range(n)]
-    plain, summed, oracle = _backward_with_running_sums(inp, dtype, 73, {"backward": "per_token"}, (running, None))
+    inp, running, _ = _running_sums_case(n, s, 1, dtype, 73, False)
+    plain, summed, oracle, _ = _backward_with_running_sums(inp, dtype, 73, {"backward": "per_token"}, (running, None))
     for i, acc in enumerate(running):
         want = oracle[i] if acc is None else oracle[i] + acc.double()
         assert _rel(summed[0][i].cpu(), want) < TOL[dtype], i

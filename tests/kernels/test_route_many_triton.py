@@ -800,9 +800,9 @@ def test_the_in_place_op_writes_what_the_op_returns(keys):
 
 
 def test_in_place_outputs_with_no_tokens_and_bad_outputs():
-    """No tokens: a given output is zeroed, or left holding its running sum (the sum plus
-    nothing). Outputs of the wrong shape or count, or keys' outputs without keys, are refused
-    with the argument named."""
+    """No tokens: the outputs given are the outputs returned (a running sum among them).
+    Outputs of the wrong shape or count, or keys' outputs without keys, are refused with the
+    argument named."""
     values = [torch.randn(0, 16, device=DEVICE) for _ in range(3)]
     q, w = torch.randn(2, 16, device=DEVICE), torch.ones(2, 16, device=DEVICE)
     out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6)

@@ -160,8 +160,9 @@ BACKEND_OPTIONS = {"wav_recompute": {"recompute_partial_sums": True}, "dar_recom
                    "wav_branch": {"recompute_branch_outputs": True}, "dar_branch": {"recompute_branch_outputs": True},
                    "dar_fm_branch": {"recompute_branch_outputs": True},
                    "wav_narrow": {"recompute_branch_outputs": "narrow"}, "dar_narrow": {"recompute_branch_outputs": "narrow"}}
-#: configurations whose backward must have route_backward calls written in place (the default)
-IN_PLACE_EXPECTED = ("wav", "mhar")
+#: configurations whose backward must have routing backward calls written in place (the
+#: default): route_backward's, and route_many_backward's since session 48 (full AttnRes)
+IN_PLACE_EXPECTED = ("wav", "mhar", "attnres")
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 #: the routing queries' default std. The routing logits are ``query . RMSNorm(key)``, so
 #: their spread is the query's std times sqrt(d): 4 for the tiny GPT at 0.5. Sharp routing

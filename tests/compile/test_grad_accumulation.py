@@ -4,15 +4,13 @@ what eager computes, and the rewrite happened."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import depthrewrite
 from depthrewrite import backend, sum_fences
 from depthrewrite.models.gpt import gpt_from_preset
+from tests.benchmark_scripts import load_benchmark
 
 
 def _model(scheme: str, n_layer: int = 2, **options):
@@ -145,23 +143,11 @@ def test_running_sums_written_in_place_give_the_same_gradients(scheme, scheme_op
         backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"accumulate_in_place": 1})
 
 
-class _RoutingBackwards(TorchDispatchMode):
-    """Counts the routing backward calls by op name."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name.startswith("depthrewrite::route") and "backward" in func._schema.name:
-            self.calls[func._schema.name.partition("::")[2]] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_route_many_running_sums_written_in_place_give_the_same_gradients():
     """``route_many_backward``'s running sums are written in place too (session 48): full
     AttnRes's calls with running sums run as ``route_many_backward_into_``, and the float32
     loss and every gradient are bit for bit those of the new-tensor form."""
+    routing_calls = load_benchmark("routing_floor").RoutingCalls  # depthrewrite calls by op name
     model = _model("attnres", n_layer=3)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     results = {}
@@ -171,7 +157,7 @@ def test_route_many_running_sums_written_in_place_give_the_same_gradients():
                                  options={"inner": "aot_eager", "accumulate_in_place": in_place})
         model.zero_grad(set_to_none=True)
         _, loss = compiled(idx, idx)
-        with _RoutingBackwards() as calls:
+        with routing_calls() as calls:
             loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[in_place] = loss.detach(), grads, calls.calls

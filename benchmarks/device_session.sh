@@ -5,7 +5,6 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
-#   OUT=... bash benchmarks/device_session.sh reload49  # route_many's per-token backward reading g and qw per source (session 49)
 #   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
 #   OUT=... bash benchmarks/device_session.sh schemes350m  # the same at the 350M model, 2 x 1024 tokens (session 22; queries scaled, session 23)
 #   OUT=... bash benchmarks/device_session.sh accuracy  # fp32 gradients vs float64 at 350M: kernels, reference, Inductor, backend (session 23; queries at 0.0625 since its run 3)
@@ -1121,21 +1120,6 @@ memorycg45)
   # True and "narrow", DAR block's fused merge with "narrow" (run 1's pair again), waves
   # of 3 (~8 minutes)
   e2e_run 570 3 10 baseline_cg wav_cg wav_branch_cg wav_narrow_cg dar_block_cg dar_block_fm_narrow_cg
-  ;;
-reload49)
-  # session 49: route_many's per-token backward with the output gradients and query rows read
-  # again for each source (PER_TOKEN_RELOAD): its GPU tests, then full AttnRes's and Block
-  # AttnRes's backward calls of one step replayed with it and without (~5 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_route_many_triton.py \
-      -k "reload or no_bit or running_sums or variants" > "$OUT/reload_tests.txt" 2>&1
-  tail -2 "$OUT/reload_tests.txt"
-  for config in attnres block_attnres; do
-    mkdir -p "$OUT/$config"
-    timeout 200 python3 benchmarks/backward_sequence.py --config $config --rounds 5 --out "$OUT/$config" \
-        --variants default ${config}_reload ${config}_reloadpp > "$OUT/sequence_$config.txt" 2>&1
-    tail -8 "$OUT/sequence_$config.txt"
-  done
   ;;
 ops48a)
   # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD

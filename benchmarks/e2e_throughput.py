@@ -197,16 +197,6 @@ for _base in FUSED_MERGE_BASES:
 #: module's as ``module.CONSTANT``: ``route_many_triton``, ``route_merge_triton``,
 #: ``two_phase``, ``kernels``, ``param_grads``, ``dar``), an A/B of a module default in one run
 LAUNCH_VARIANTS = {
-    # session 49: route_many's per-token backward reading each token's output gradients and
-    # query rows again for every source (PER_TOKEN_RELOAD) at full AttnRes's 4 queries and
-    # Block AttnRes's 6-7 (padded to 8), at the default launch ("reload"), and with one more
-    # program an SM in the registers it frees ("reloadpp": sm_90 code of Triton 3.9, 4
-    # queries capped at 128 with 112 spill bytes against 244 without it; 8 at 168, 552
-    # against 1304)
-    "reload": (("attnres", "block_attnres"), {"route_many_triton.PER_TOKEN_RELOAD": {1: False, 4: True}}),
-    "reloadpp": (("attnres", "block_attnres"),
-                 {"route_many_triton.PER_TOKEN_RELOAD": {1: False, 4: True},
-                  "route_many_triton.PER_TOKEN_LAUNCH": {1: (6, None), 2: (4, None), 4: (4, 128), 8: (3, 168)}}),
     # route's backward at d = 1024 as before session 12: the compiler's registers, 4 programs
     # per SM for one head and for several (since: capped at 96 with 5, and 8 programs)
     "launch11": (("wav", "mhar_block", "mhar", "attnres"),

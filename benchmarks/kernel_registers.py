@@ -176,8 +176,7 @@ def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None 
 
 def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch: int | None = None,
                                     queries: int = 6, param_table: bool = False, stages: int = 0,
-                                    fused_sums: bool | None = None, saved_stats: bool | None = None,
-                                    reload: bool = False, cap: int | None = None):
+                                    fused_sums: bool | None = None, saved_stats: bool | None = None):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
     launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
     None: the default depth; the register cap of PER_TOKEN_LAUNCH); with ``param_table``, its
@@ -199,10 +198,9 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
                       STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums,
                       SAVED_STATS=(saves_stats(heads, True if has_keys else None, queries) if saved_stats is None
-                                   else saved_stats), RELOAD=reload)
+                                   else saved_stats))
     warps = MULTI_HEAD_BACKWARD_WARPS if multi else NUM_WARPS
-    if cap is None:
-        _, cap = _per_token_launch(block_q, heads, block_h * block_c)
+    _, cap = _per_token_launch(block_q, heads, block_h * block_c)
     return _compile(_route_many_bwd_kernel, MANY_TYPES, constexprs, warps, cap), warps
 
 

@@ -255,12 +255,6 @@ PER_TOKEN_PARAM = "registers"
 #: 0.727x, Block AttnRes's 0.890x against 0.885x. False reduces them one by one (the
 #: config's ``fused_sums``); the interpreter's default is False (route_triton.default_fused_sums)
 PER_TOKEN_FUSED_SUMS = True
-#: whether the per-token backward reads the token's output gradients and the ``w_s * g_s``
-#: rows again for each source (the kernel's RELOAD: from L1, the same rows every source)
-#: rather than holding the two ``(Q, H, C)`` fp32 tiles across its walk over the sources, by
-#: its padded queries a program (a block size not listed takes the entry of the largest
-#: listed one below it); the config's ``reload``
-PER_TOKEN_RELOAD = {1: False}
 PARAM_CHOICES = ("registers", "table")
 #: the per-token backward requests two or more sources ahead (PER_TOKEN_PREFETCH) for padded
 #: rows of at most this many elements, one ahead for wider rows (H200, bf16, 16384 tokens, S = 6, one
@@ -342,13 +336,8 @@ def _query_tiles(qw_ptr, D, C, H, S_CHUNK, BLOCK_Q: tl.constexpr, BLOCK_H: tl.co
     qmask = qq < S_CHUNK
     qmask3 = qmask[:, None, None] & cmask[None, :, :]
     hq = qmask[:, None] & (hh[None, :] < H)
-    return qq, hh, col, cmask, qmask, qmask3, hq, _query_rows(qw_ptr, qq, col, D, qmask3)
-
-
-@triton.jit
-def _query_rows(qw_ptr, qq, col, D, qmask3):
-    """The chunk's ``(Q, H, C)`` fp32 tile of ``w_s * g_s`` (rows of ``D`` at ``qw_ptr``)."""
-    return tl.load(qw_ptr + qq[:, None, None] * D + col[None, :, :], mask=qmask3, other=0.0)
+    qw = tl.load(qw_ptr + qq[:, None, None] * D + col[None, :, :], mask=qmask3, other=0.0)
+    return qq, hh, col, cmask, qmask, qmask3, hq, qw
 
 
 @triton.jit
@@ -486,7 +475,7 @@ def _route_many_bwd_kernel(
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
     EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False, SAVED_STATS: tl.constexpr = False,
-    RUNNING: tl.constexpr = False, RELOAD: tl.constexpr = False,
+    RUNNING: tl.constexpr = False,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
@@ -502,10 +491,7 @@ def _route_many_bwd_kernel(
     forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
     row sums (:func:`_per_token_sums`). RUNNING (the last chunk of queries): each gradient
     is stored plus its running sum (tables ``runtab``, ``kruntab``); a value's running sum is
-    requested one source ahead, as the source rows are, not at its store. RELOAD: each source
-    reads the token's output gradients and the ``w_s * g_s`` rows again where it uses them
-    (from L1: the same rows for every source) instead of holding both ``(Q, H, C)`` fp32
-    tiles across the walk over the sources (PER_TOKEN_RELOAD)."""
+    requested one source ahead, as the source rows are, not at its store."""
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -559,8 +545,7 @@ def _route_many_bwd_kernel(
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v,
-                    g_ptrs, qw_ptr, col, qmask3, RELOAD)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -595,8 +580,7 @@ def _route_many_bwd_kernel(
                 r_acc = _per_token_source_grads(
                     v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
                     gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v,
-                    g_ptrs, qw_ptr, col, qmask3, RELOAD)
+                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
@@ -651,18 +635,12 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
                             acctab, gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED: tl.constexpr,
                             ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
                             HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr, FUSED_SUMS: tl.constexpr, z_rows,
-                            r_row, SAVED_STATS: tl.constexpr, kruntab, RUNNING: tl.constexpr, run_v, g_ptrs, qw_ptr,
-                            col, qmask3, RELOAD: tl.constexpr):
+                            r_row, SAVED_STATS: tl.constexpr, kruntab, RUNNING: tl.constexpr, run_v):
     """Source ``i``'s part of the per-token backward for every query of the chunk: its value
     (and key) gradient stored, its ``dz * norm`` added to ``r_acc`` (returned) or, with
     PARAM_TABLE, ``dz * rstd`` stored to the parameter table. RUNNING: ``run_v`` is the
-    value's running sum row; a key's is loaded here (table ``kruntab``). RELOAD: ``g`` and
-    ``qw`` are read again here (at ``g_ptrs`` and ``qw_ptr``), ``qw`` only where it is used."""
+    value's running sum row; a key's is loaded here (table ``kruntab``)."""
     v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
-    if RELOAD:
-        g = tl.load(g_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
-        if not SAVED_STATS:  # the logits' sums read it too
-            qw = _query_rows(qw_ptr, qq, col, D, qmask3)
     a, zr, rstd, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
     if ONE_SOURCE:
         # weight exactly 1 and out = v: dz = a (<v, g> - <out, g> + d lse) is d lse
@@ -671,8 +649,6 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
         dz = g_lse
     else:
         dz = a * (da - s_ada)
-    # the value gradient first: with RELOAD the output gradients' tile is then no longer needed
-    d_value = tl.sum(a[:, :, None] * g, 0)
     mt = tl.sum(tl.sum(dz * zr, 1), 0) / D  # mean_c(d_norm * norm), all queries
     norm = k * rstd
     if PARAM_TABLE:
@@ -681,9 +657,8 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
         tl.store(param_ptr + rows, dz * rstd, mask=hq)
     else:
         r_acc += dz[:, :, None] * norm[None, :, :]
-    if RELOAD and SAVED_STATS:  # read at its one use
-        qw = _query_rows(qw_ptr, qq, col, D, qmask3)
     d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
+    d_value = tl.sum(a[:, :, None] * g, 0)
     if HAS_KEYS:
         _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, RUNNING, run_v)
         run_k = run_v
@@ -1043,8 +1018,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``param="table"``) ``param_stages`` and ``param_per_sm`` (unset: PARAM_STAGES, PARAM_PER_SM),
     ``maxnreg`` (a register cap for the backward kernel; unset: the per-token backward's
     PER_TOKEN_LAUNCH, none for the tiled one), ``fused_sums`` (the per-token backward's;
-    unset: PER_TOKEN_FUSED_SUMS), ``reload`` (the per-token backward's; unset or None:
-    PER_TOKEN_RELOAD) and
+    unset: PER_TOKEN_FUSED_SUMS) and
     ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
@@ -1055,8 +1029,6 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     cfg["exact_softmax_grad"] = check_flag(cfg.get("exact_softmax_grad", False), "exact_softmax_grad", "route_many")
     cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(PER_TOKEN_FUSED_SUMS)), "fused_sums",
                                    "route_many")
-    if cfg.get("reload") is not None:
-        cfg["reload"] = check_flag(cfg["reload"], "reload", "route_many")
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads)
     _check_stats(stats, _tokens(values), len(values), s, heads, values[0].device)
@@ -1225,8 +1197,6 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         return running.no_tokens(grad_v, grad_k, outputs.given) + (_no_sums(s, d, device),)
     per_sm, cap = _per_token_launch(block_q, heads, block_h * block_c)
     cfg = {"per_sm": per_sm, "maxnreg": cap, **cfg}
-    if cfg.get("reload") is None:
-        cfg["reload"] = _entry_by_queries(PER_TOKEN_RELOAD, block_q)
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     param_table = cfg["param"] == "table"
     n = len(flat_v)
@@ -1260,7 +1230,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             BLOCK_H=block_h, BLOCK_C=block_c, RUNNING=running.any and c == len(chunks) - 1,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
-            FUSED_SUMS=cfg["fused_sums"], SAVED_STATS=stats is not None, RELOAD=cfg["reload"], num_warps=warps,
+            FUSED_SUMS=cfg["fused_sums"], SAVED_STATS=stats is not None, num_warps=warps,
             **_register_cap(cfg, "route_many"),
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)

@@ -249,8 +249,6 @@ VARIANTS = [
     {"backward": "per_token", "fused_sums": True},
     {"backward": "per_token", "fused_sums": True, "many_elems": 256, "stages": 2},
     {"backward": "per_token", "stages": 3},  # the sources copied ahead by Triton's software pipeline
-    # the output gradients and query rows read again for each source (session 49)
-    {"backward": "per_token", "reload": True, "many_elems": 256},
     {"backward": "per_token", "stages": 2, "param": "table", "many_elems": 256},
     {"backward": "tiled", "block_t": 2, "num_warps": 4},
     {"backward": "tiled", "block_t": 4, "num_warps": 2, "prefetch": False},
@@ -424,11 +422,10 @@ def test_backward_is_deterministic():
 @pytest.mark.parametrize("n", [2, 3, 9])
 def test_per_token_prefetch_depth_changes_no_bit(n):
     """The per-token backward's prefetch depths 0 to 4 and its 3-stage pipeline move loads,
-    not arithmetic, and so does reading the output gradients and query rows again for each
-    source (``reload``): the same bits (n = 2, 3: the sources ahead run past the last)."""
+    not arithmetic: the same bits (n = 2, 3: the sources ahead run past the last)."""
     inp = _make(n, 6, (6,), 64, 1, torch.bfloat16, 3)
     loads = [{"prefetch": False}, {"prefetch": True}, {"prefetch": 2}, {"prefetch": 3}, {"prefetch": 4},
-             {"stages": 3}, {"reload": True}, {"reload": True, "stages": 3}]
+             {"stages": 3}]
     runs = [_run(inp, torch.bfloat16, 3, config={"backward": "per_token", **load}, fwd_config={}) for load in loads]
     for other in runs[1:]:
         assert len(other[2]) == len(runs[0][2]) == n + 2
@@ -464,7 +461,6 @@ def test_parameter_reduction_matches_float64_and_its_pipeline_changes_no_bit(hea
     ("per_sm", 0, "config per_sm must be a positive int; found 0"),
     ("per_sm", "2", "config per_sm must be a positive int; found '2'"),
     ("fused_sums", 1, "config fused_sums must be True or False; found 1"),
-    ("reload", "yes", "config reload must be True or False; found 'yes'"),
 ])
 def test_bad_backward_launch_config_is_refused(entry, value, message):
     inp = _make(2, 2, (3,), 16, 1, torch.float32, 1)
@@ -692,13 +688,12 @@ def _backward_with_running_sums(inp, dtype, seed, config, running):
     ("per_token", False, {"many_elems": 200}, 1),  # chunks of 2 queries: the sums added at the last chunk's store
     ("per_token", False, {"prefetch": 0}, 1),  # each source's sum loaded with it, not one ahead
     ("per_token", False, {"stages": 2}, 1),  # the sources and sums through Triton's pipeline
-    ("per_token", False, {"stages": 3, "reload": True}, 1),  # and the output gradients read per source
     ("per_token", True, None, 1),
     ("tiled", False, None, 1),
     ("tiled", True, None, 1),
     ("tiled", False, None, 4),  # grouped MHAR's calls (grad_accumulation.ROUTE_MANY_MULTI_HEAD)
-], ids=["per_token", "per_token_chunks", "per_token_pf0", "per_token_stages", "per_token_reload", "per_token_keys",
-        "tiled", "tiled_keys", "tiled_heads"])
+], ids=["per_token", "per_token_chunks", "per_token_pf0", "per_token_stages", "per_token_keys", "tiled",
+        "tiled_keys", "tiled_heads"])
 def test_running_sums_are_added_to_the_gradients_as_they_are_stored(backward, keys, config, heads, dtype):
     """With running sums (depthrewrite.grad_accumulation) each source gradient comes out as
     its running sum plus the gradient, added in float32 and rounded once: in float32 what

@@ -5,6 +5,7 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
+#   OUT=... bash benchmarks/device_session.sh ncu49  # where route_many's per-token backward stalls, per SASS instruction (session 49)
 #   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
 #   OUT=... bash benchmarks/device_session.sh schemes350m  # the same at the 350M model, 2 x 1024 tokens (session 22; queries scaled, session 23)
 #   OUT=... bash benchmarks/device_session.sh accuracy  # fp32 gradients vs float64 at 350M: kernels, reference, Inductor, backend (session 23; queries at 0.0625 since its run 3)
@@ -1120,6 +1121,31 @@ memorycg45)
   # True and "narrow", DAR block's fused merge with "narrow" (run 1's pair again), waves
   # of 3 (~8 minutes)
   e2e_run 570 3 10 baseline_cg wav_cg wav_branch_cg wav_narrow_cg dar_block_cg dar_block_fm_narrow_cg
+  ;;
+ncu49)
+  # session 49: where the per-token backward (_route_many_bwd_kernel) stalls at its two
+  # end-to-end uses, with the forward's statistics as the op keeps them: full AttnRes's
+  # group call (4 queries over 25 sources, running sums) and Block AttnRes's block phase (6
+  # queries over 4). Nsight Compute's warp states, scheduler, occupancy and memory sections,
+  # then the stall samples of each SASS instruction (~3 minutes): $OUT/ncu49_<case>.txt and
+  # $OUT/ncu49_<case>_sass.csv
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for spec in "q4n25 --queries 4 --sources 25 --stats --running" "q6n4 --queries 6 --sources 4 --stats"; do
+    set -- $spec
+    name=$1
+    shift
+    timeout 200 "$NCU" --clock-control none -k "regex:_route_many_bwd_kernel" --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+        -o "$OUT/ncu49_$name" python3 benchmarks/route_many_launches.py "$@" > "$OUT/ncu49_${name}_run.txt" 2>&1
+    "$NCU" -i "$OUT/ncu49_$name.ncu-rep" --print-details all > "$OUT/ncu49_$name.txt" 2>&1
+    "$NCU" -i "$OUT/ncu49_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu49_${name}_sass.csv" 2>&1
+    rm -f "$OUT/ncu49_$name.ncu-rep"
+    echo "== $name"; tail -2 "$OUT/ncu49_${name}_run.txt"
+    grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp Per|No Eligible|DRAM Throughput|Stall" \
+        "$OUT/ncu49_$name.txt" | head -16
+  done
   ;;
 ops48a)
   # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD

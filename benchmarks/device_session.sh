@@ -6,6 +6,7 @@
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh ncu49  # where route_many's per-token backward stalls, per SASS instruction (session 49)
+#   OUT=... bash benchmarks/device_session.sh ncu49fwd  # the same for route_many's forward (session 49)
 #   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
 #   OUT=... bash benchmarks/device_session.sh schemes350m  # the same at the 350M model, 2 x 1024 tokens (session 22; queries scaled, session 23)
 #   OUT=... bash benchmarks/device_session.sh accuracy  # fp32 gradients vs float64 at 350M: kernels, reference, Inductor, backend (session 23; queries at 0.0625 since its run 3)
@@ -145,6 +146,30 @@ block_phase_run() {
 }
 # the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
 # once, at most $1 s, E2E_TRIALS timed trials each (3 if unset); its last $3 table lines printed
+# Nsight Compute on one launch of kernel $1 (after 2) for each case "name args...": warp states,
+# scheduler, occupancy, memory and each SASS instruction's stall samples; $OUT/ncu49_<name>.txt,
+# $OUT/ncu49_<name>_sass.csv, $OUT/ncu49_<name>_run.txt (route_many_launches.py's output)
+ncu_per_instruction() {
+  local kernel=$1 spec name
+  shift
+  local NCU
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for spec in "$@"; do
+    set -- $spec
+    name=$1
+    shift
+    timeout 200 "$NCU" --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+        -o "$OUT/ncu49_$name" python3 benchmarks/route_many_launches.py "$@" > "$OUT/ncu49_${name}_run.txt" 2>&1
+    "$NCU" -i "$OUT/ncu49_$name.ncu-rep" --print-details all > "$OUT/ncu49_$name.txt" 2>&1
+    "$NCU" -i "$OUT/ncu49_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu49_${name}_sass.csv" 2>&1
+    rm -f "$OUT/ncu49_$name.ncu-rep"
+    echo "== $name"; tail -2 "$OUT/ncu49_${name}_run.txt"
+    grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp Per|No Eligible|DRAM Throughput|Stall" \
+        "$OUT/ncu49_$name.txt" | head -16
+  done
+}
 e2e_run() {
   local seconds=$1 wave=$2 lines=$3
   shift 3
@@ -1130,22 +1155,15 @@ ncu49)
   # then the stall samples of each SASS instruction (~3 minutes): $OUT/ncu49_<case>.txt and
   # $OUT/ncu49_<case>_sass.csv
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for spec in "q4n25 --queries 4 --sources 25 --stats --running" "q6n4 --queries 6 --sources 4 --stats"; do
-    set -- $spec
-    name=$1
-    shift
-    timeout 200 "$NCU" --clock-control none -k "regex:_route_many_bwd_kernel" --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
-        -o "$OUT/ncu49_$name" python3 benchmarks/route_many_launches.py "$@" > "$OUT/ncu49_${name}_run.txt" 2>&1
-    "$NCU" -i "$OUT/ncu49_$name.ncu-rep" --print-details all > "$OUT/ncu49_$name.txt" 2>&1
-    "$NCU" -i "$OUT/ncu49_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu49_${name}_sass.csv" 2>&1
-    rm -f "$OUT/ncu49_$name.ncu-rep"
-    echo "== $name"; tail -2 "$OUT/ncu49_${name}_run.txt"
-    grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issued Warp Per|No Eligible|DRAM Throughput|Stall" \
-        "$OUT/ncu49_$name.txt" | head -16
-  done
+  ncu_per_instruction _route_many_bwd_kernel "q4n25 --queries 4 --sources 25 --stats --running" \
+      "q6n4 --queries 6 --sources 4 --stats"
+  ;;
+ncu49fwd)
+  # session 49: the same for route_many's forward (_route_many_fwd_kernel) at those two calls'
+  # shapes (the running sums are the backward's: not passed); $OUT/ncu49_fwd_<case>*
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  ncu_per_instruction _route_many_fwd_kernel "fwd_q4n25 --queries 4 --sources 25 --stats" \
+      "fwd_q6n4 --queries 6 --sources 4 --stats"
   ;;
 ops48a)
   # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD

@@ -144,8 +144,6 @@ block_phase_run() {
   timeout "$1" python3 benchmarks/gpu_suite.py --block-phase-only --phase-shapes "$2" --variants "$3" "${@:5}" \
       --out "$OUT/$4" > "$OUT/$4.txt" 2>&1
 }
-# the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
-# once, at most $1 s, E2E_TRIALS timed trials each (3 if unset); its last $3 table lines printed
 # Nsight Compute on one launch of kernel $1 (after 2) for each case "name args...": warp states,
 # scheduler, occupancy, memory and each SASS instruction's stall samples; $OUT/ncu49_<name>.txt,
 # $OUT/ncu49_<name>_sass.csv, $OUT/ncu49_<name>_run.txt (route_many_launches.py's output)
@@ -170,6 +168,8 @@ ncu_per_instruction() {
         "$OUT/ncu49_$name.txt" | head -16
   done
 }
+# the e2e table of the schemes "${@:4}" with a 12-kernel profile each, $2 models compiled at
+# once, at most $1 s, E2E_TRIALS timed trials each (3 if unset); its last $3 table lines printed
 e2e_run() {
   local seconds=$1 wave=$2 lines=$3
   shift 3

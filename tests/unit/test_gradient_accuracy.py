@@ -18,14 +18,15 @@ def test_errors_are_summarised_by_kind_and_over_all():
 def test_the_shortcut_runs_change_the_routing_gradients_compiled_too_and_put_the_op_back():
     """The ``shortcut`` runs emulate the kernels' ``<out, g>``: eager and under Inductor the
     routing queries' gradients differ from the runs without it (a compile cache once brought
-    back a backward traced without it, silently), and the op is restored afterwards."""
+    back a backward traced without it, silently), and the op is restored afterwards. Block
+    AttnRes: its ``route_many`` calls compile under Inductor in 56 s here, DAR's in 96."""
     import importlib
 
     import torch
 
     accuracy = load_benchmark("gradient_accuracy")
     check = accuracy.check
-    model = check._model("dar", "cpu", check.Setup(batch=(2, 16)))
+    model = check._model("block_attnres", "cpu", check.Setup(batch=(2, 16)))
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     module = importlib.import_module("depthrewrite.ops.route_many")
     op = module._route_many_backward_op

@@ -109,7 +109,7 @@ def make_inputs(calls: list[dict], seed: int = 0) -> tuple[list[torch.Tensor], l
     """The sources (one per recorded id) and each call's own inputs, on the GPU (module
     docstring); the forward runs once per call for its outputs, log-sum-exps and table."""
     from depthrewrite.kernels import route_many_triton
-    from depthrewrite.ops.route_many import stats_shape
+    from depthrewrite.ops.route_many import stats_table
 
     if any(c["keys"] for c in calls):
         raise ValueError("backward_sequence: calls with separate keys are not replayed (DAR's); found some")
@@ -121,8 +121,7 @@ def make_inputs(calls: list[dict], seed: int = 0) -> tuple[list[torch.Tensor], l
         s, heads = c["queries"], c["heads"]
         q = torch.randn(s, E2E_WIDTH, device="cuda", generator=gen) / E2E_WIDTH**0.5
         w = torch.rand(s, E2E_WIDTH, device="cuda", generator=gen) + 0.5
-        shape = stats_shape(values, q, heads, None)
-        stats = torch.empty(shape, device="cuda") if len(shape) > 1 else None
+        stats = stats_table(values, q, heads, None)
         with torch.no_grad():
             out, lse = route_many_triton.route_many_forward(values, q, w, heads, 1e-6, stats=stats)
         grads = _rows(s, gen)

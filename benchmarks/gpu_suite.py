@@ -56,7 +56,7 @@ from triton.testing import do_bench  # noqa: E402
 import depthrewrite  # noqa: E402,F401
 from depthrewrite.kernels import route_triton  # noqa: E402
 from depthrewrite.ops.route import route_logits_reference, route_reference  # noqa: E402
-from depthrewrite.ops.route_many import stats_shape  # noqa: E402
+from depthrewrite.ops.route_many import stats_table  # noqa: E402
 
 HBM_BPS = 4.3e12  # measured device-to-device copy rate on this machine kind (KINDS.md)
 DESIGN_SHAPES = [(16384, 2048, 9), (16384, 2048, 33), (16384, 4096, 9), (8192, 4096, 65)]
@@ -563,8 +563,7 @@ def block_phase_timing(pattern: str | None = None, timer=bench, shapes=BLOCK_PHA
 
         # the forward's statistics table where the op keeps one (route_many.saves_stats); the
         # _nostats variants (config NO_STATS) run without it, as before session 34
-        shape = stats_shape(vals, q, heads, keys)
-        stats = torch.empty(shape, device="cuda") if len(shape) > 1 else None
+        stats = stats_table(vals, q, heads, keys)
         with torch.no_grad():
             saved = route_many_triton.route_many_forward(vals, q, w, heads, 1e-6, keys=keys, stats=stats)
 

@@ -8,7 +8,7 @@ profiler to read (Nsight Compute on the device machine: ``device_session.sh ncu`
 Random bf16 sources, queries and output gradients as ``gpu_suite.py``'s block phase makes
 them; ``--config`` is ``route_many_backward``'s launch config (JSON). ``--stats``: the
 forward keeps its statistics table for the backward, as the op does where it keeps one
-(``route_many.stats_shape``); ``--running``: a running sum for every source, as full
+(``route_many.stats_table``); ``--running``: a running sum for every source, as full
 AttnRes's calls take them (``depthrewrite.grad_accumulation``). Prints nothing but the shape:
 the profiler's report is the output.
 """
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from depthrewrite.kernels import route_many_triton  # noqa: E402
-from depthrewrite.ops.route_many import stats_shape  # noqa: E402
+from depthrewrite.ops.route_many import stats_table  # noqa: E402
 
 
 def main() -> int:
@@ -53,10 +53,7 @@ def main() -> int:
     weights = torch.rand(args.queries, args.width, device="cuda", generator=gen) + 0.5
     grads = rows(args.queries)
     grad_lse = [torch.randn(args.tokens, args.heads, device="cuda", generator=gen) for _ in range(args.queries)]
-    stats = None
-    if args.stats:
-        shape = stats_shape(values, queries, args.heads, keys)
-        stats = torch.empty(shape, device="cuda") if len(shape) > 1 else None
+    stats = stats_table(values, queries, args.heads, keys) if args.stats else None
     running = rows(args.sources) if args.running else None
     print(f"route_many tokens={args.tokens} d={args.width} N={args.sources} S={args.queries} "
           f"heads={args.heads} keys={args.keys} stats={stats is not None} running={args.running} "

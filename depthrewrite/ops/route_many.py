@@ -124,6 +124,14 @@ def stats_shape(values: Sequence[Tensor], queries: Tensor, heads: int, keys) -> 
     return (tokens, len(values), queries.shape[0] * heads + 1)
 
 
+def stats_table(values: Sequence[Tensor], queries: Tensor, heads: int, keys) -> Tensor | None:
+    """An uninitialized float32 ``stats`` table on the sources' device for a direct call of
+    the Triton launchers (``route_many_forward(..., stats=)`` fills it, ``route_many_backward``
+    reads it), or None where the op keeps none (:func:`stats_shape`)."""
+    shape = stats_shape(values, queries, heads, keys)
+    return torch.empty(shape, dtype=torch.float32, device=values[0].device) if len(shape) > 1 else None
+
+
 def _stats(logits: Tensor, rstd: Tensor, shape: tuple[int, ...]) -> Tensor:
     """The ``stats`` table from :func:`_forward_parts`' logits ``(S, N, *batch, H)`` and
     ``rstd (N, *batch, 1)``; empty unless ``shape`` has rows."""

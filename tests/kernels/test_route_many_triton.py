@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton")
 from depthrewrite.kernels import route_many_triton  # noqa: E402
 from depthrewrite.kernels.pointer_tables import pointer_tables  # noqa: E402
 from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
-from depthrewrite.ops.route_many import stats_shape  # noqa: E402
+from depthrewrite.ops.route_many import stats_table  # noqa: E402
 # relative L2 error, and the error allowed against float64 by returned dtype: as for route
 from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
 
@@ -78,12 +78,6 @@ def _oracle_f64(inp, grad_out, grad_lse, saved_out=None):
     return out.detach(), lse.detach(), list(grads)
 
 
-def _stats_for(values, queries, heads, keys):
-    """The stats table the op hands the kernels for these arguments (None where it keeps none)."""
-    shape = stats_shape(values, queries, heads, keys)
-    return torch.empty(shape, dtype=torch.float32, device=DEVICE) if len(shape) > 1 else None
-
-
 def _run(inp, dtype, seed, config=None, fwd_config=None, keep_stats=True):
     """Forward with ``fwd_config`` (default: ``config``), backward with ``config``; the
     forward's statistics kept for the backward where the op keeps them (``keep_stats``)."""
@@ -92,7 +86,7 @@ def _run(inp, dtype, seed, config=None, fwd_config=None, keep_stats=True):
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     values = [dev(v) for v in inp["values"]]
     keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
-    stats = _stats_for(values, inp["queries"], inp["heads"], keys) if keep_stats else None
+    stats = stats_table(values, inp["queries"], inp["heads"], keys) if keep_stats else None
     out, lse = route_many_triton.route_many_forward(values, dev(inp["queries"]), dev(inp["key_norm_weights"]),
                                                     inp["heads"], 1e-6, fwd_config, keys=keys, stats=stats)
     grad_out = [torch.randn(o.shape, generator=gen).to(dtype) for o in out]
@@ -336,7 +330,7 @@ def test_the_package_switch_reaches_the_registered_backward_kernels(exact):
 
     inp = _make(4, 3, (5,), 32, 1, torch.bfloat16, 2)
     values, q, w = [v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
-    stats = _stats_for(values, q, 1, None)
+    stats = stats_table(values, q, 1, None)
     out, lse = route_many_triton.route_many_forward(values, q, w, 1, 1e-6, stats=stats)
     gen = torch.Generator().manual_seed(3)
     grad_out = [torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE) for o in out]
@@ -608,7 +602,7 @@ def test_forward_keeps_the_reference_statistics(dtype, config):
     inp = _make(9, 3, (7,), 32, 1, dtype, 11)
     values = [v.to(DEVICE) for v in inp["values"]]
     q, w = inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
-    stats = _stats_for(values, q, 1, None)
+    stats = stats_table(values, q, 1, None)
     route_many_triton.route_many_forward(values, q, w, 1, 1e-6, config, stats=stats)
     _, _, want = _route_many_op._init_fn(inp["values"], inp["queries"], inp["key_norm_weights"], 1, 1e-6, None)
     assert stats.shape == want.shape == (7, 9, 4)
@@ -664,7 +658,7 @@ def _backward_with_running_sums(inp, dtype, seed, config, running):
     values = [dev(v) for v in inp["values"]]
     keys = None if inp["keys"] is None else [dev(k) for k in inp["keys"]]
     q, w = dev(inp["queries"]), dev(inp["key_norm_weights"])
-    stats = _stats_for(values, q, inp["heads"], keys)
+    stats = stats_table(values, q, inp["heads"], keys)
     out, lse = route_many_triton.route_many_forward(values, q, w, inp["heads"], 1e-6, config, keys=keys, stats=stats)
     gen = torch.Generator().manual_seed(seed + 1)
     grad_out = [dev(torch.randn(o.shape, generator=gen).to(dtype)) for o in out]

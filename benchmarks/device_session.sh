@@ -5,6 +5,7 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
+#   OUT=... bash benchmarks/device_session.sh dynamic50  # new sizes through the backend on the GPU; the step compiled with dynamic=True (session 50)
 #   OUT=... bash benchmarks/device_session.sh ncu49  # where route_many's per-token backward stalls, per SASS instruction (session 49)
 #   OUT=... bash benchmarks/device_session.sh ncu49fwd  # the same for route_many's forward (session 49)
 #   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
@@ -1164,6 +1165,16 @@ ncu49fwd)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   ncu_per_instruction _route_many_fwd_kernel "fwd_q4n25 --queries 4 --sources 25 --stats" \
       "fwd_q6n4 --queries 6 --sources 4 --stats"
+  ;;
+dynamic50)
+  # session 50: new sizes through the backend on the GPU (tests/compile/test_dynamic_shapes.py
+  # on the Triton kernels), then the 350M step compiled with dynamic=True beside the static
+  # compile, the baseline and Block AttnRes, one wave (~7 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/compile/test_dynamic_shapes.py \
+      > "$OUT/dynamic_tests.txt" 2>&1
+  tail -3 "$OUT/dynamic_tests.txt"
+  e2e_run 420 4 8 baseline baseline_dyn block_attnres block_attnres_dyn
   ;;
 ops48a)
   # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD

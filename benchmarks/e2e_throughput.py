@@ -39,7 +39,9 @@ CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` s
 compared with ``baseline_cg``, the baseline recorded the same way; their peak allocated
 memory misses the graphs' pool, so their memory is compared by reserved GiB. The ``_cdt``
 configurations have Inductor tune each generated kernel's launch by coordinate descent and
-are compared with ``baseline_cdt``, the baseline tuned the same way.
+are compared with ``baseline_cdt``, the baseline tuned the same way. The ``_dyn``
+configurations are compiled with ``dynamic=True`` (symbolic batch size and sequence length,
+the graphs Dynamo makes when a run's sizes change) and compared with ``baseline_dyn``.
 
 ``--profile``: after the timed trials, each process also records ``PROFILE_STEPS`` steps
 with ``torch.profiler`` and sums the GPU kernel time per category (``KERNEL_CATEGORIES``:
@@ -178,6 +180,12 @@ CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffix
 for suffix in ("cg", "cdt", "noasserts"):
     CONFIGS[f"baseline_{suffix}"] = (None, {}, None)
     BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
+#: compiled with ``torch.compile(..., dynamic=True)``: graphs with symbolic batch size and
+#: sequence length, as Dynamo makes them when a run's sizes change (session 50); compared
+#: with "baseline_dyn", the plain model compiled so
+DYNAMIC = "dyn"
+CONFIGS.update({f"{base}_{DYNAMIC}": CONFIGS[base][:2] + (None,)
+                for base in ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")})
 #: the second phase through depthrewrite::route_merge's fused kernels (the scheme option
 #: fused_merge; session 19; off by default, slower end to end in session 21: merge_partial's
 #: torch ops, compiled by Inductor), the branch norm fused into it by the backend
@@ -513,10 +521,12 @@ def _build(name: str):
     if scheme is not None:
         model = depthrewrite.rewrite(model, scheme, **options)
     model = model.cuda().to(torch.bfloat16).train()
+    dynamic = True if DYNAMIC in name.split("_") else None
     if scheme is None:
-        return model, torch.compile(model, backend="inductor", options=backend_options or None)
+        return model, torch.compile(model, backend="inductor", options=backend_options or None, dynamic=dynamic)
     # the callable: the device has no pip-installed entry point
-    return model, torch.compile(model, backend=functools.partial(depthrewrite_backend, options=backend_options))
+    return model, torch.compile(model, backend=functools.partial(depthrewrite_backend, options=backend_options),
+                                dynamic=dynamic)
 
 
 def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) -> None:
@@ -853,11 +863,11 @@ def trial_table(rows: list[dict]) -> str:
 
 
 def baseline_of(name: str) -> str:
-    """The configuration a row is compared with: the CUDA-graph, coordinate-descent and
-    assert-free variants with the baseline compiled the same way, the others with the plain
-    Inductor baseline. A launch variant of a CUDA-graph configuration
+    """The configuration a row is compared with: the CUDA-graph, coordinate-descent,
+    assert-free and dynamic variants with the baseline compiled the same way, the others
+    with the plain Inductor baseline. A launch variant of a CUDA-graph configuration
     (``mhar_block_fm_cg_tfin``) is recorded as CUDA graphs too."""
-    for part in ("cg", "cdt", "noasserts"):
+    for part in ("cg", "cdt", "noasserts", DYNAMIC):
         if part in name.split("_"):
             return f"baseline_{part}"
     return "baseline"

@@ -111,7 +111,11 @@ class LoweringReport:
     they also key the backend pass's caches), ``recompute_marked`` how many.
     ``saved_for_backward``: the tensors the backward graph takes besides the output
     gradients (what the forward keeps for it, the parameters it reads included),
-    ``{"tensors": n, "bytes": b}``, filled in when the backward graph is compiled.
+    ``{"tensors": n, "bytes": b}``, filled in when the backward graph is compiled (with
+    ``"bytes_formula"`` where sizes are symbolic: :func:`saved_for_backward`).
+    ``dynamic``: whether the graph's sizes are symbolic, so that one compilation serves
+    every batch size and sequence length (Dynamo makes a graph dynamic when a call brings
+    new sizes, or from the start with ``torch.compile(..., dynamic=True)``).
     """
 
     device: str
@@ -133,7 +137,8 @@ class LoweringReport:
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
     #: branch norms fused into route_merge calls (``fuse_output_norms``; None with it off)
     fused_norms: int | None = None
-    saved_for_backward: dict[str, int] = dataclasses.field(default_factory=dict)
+    saved_for_backward: dict[str, int | str] = dataclasses.field(default_factory=dict)
+    dynamic: bool = False
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
     @property
@@ -253,12 +258,28 @@ def _graph_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
                         yield from _graph_nodes(body.graph)
 
 
-def saved_for_backward(graph: fx.Graph) -> dict[str, int]:
-    """Count and bytes of a backward graph's tensor inputs other than the output gradients."""
+def saved_for_backward(graph: fx.Graph) -> dict[str, int | str]:
+    """Count and bytes of a backward graph's tensor inputs other than the output gradients.
+
+    ``bytes`` is an int at the sizes the graph was compiled for. Where sizes are symbolic
+    (Dynamo makes a graph dynamic when a call brings new sizes), ``bytes_formula`` gives
+    the same bytes in the graph's size symbols (``s70``, ...) as text."""
     tensors = [node.meta.get("val") for node in graph.nodes
                if node.op == "placeholder" and not node.name.startswith("tangents")]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if isinstance(total, torch.SymInt):
+        # the hint: the value at the example inputs this graph was traced with (None only
+        # for sizes that depend on data, which the routed models do not make)
+        hint = total.node.hint
+        return {"tensors": len(tensors), "bytes": None if hint is None else int(hint),
+                "bytes_formula": str(total.node.expr)}
+    return {"tensors": len(tensors), "bytes": total}
+
+
+def _has_symbolic_sizes(example_inputs) -> bool:
+    """Dynamo hands a dynamic graph its size symbols as inputs of their own (SymInts)."""
+    return any(isinstance(x, torch.SymInt) for x in example_inputs)
 
 
 def _graph_device(example_inputs) -> str:
@@ -386,16 +407,28 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
                             max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
                             accumulate_max_heads=max_heads, recomputed=recomputed, accumulate_in_place=in_place,
-                            fused_norms=fused_norms)
+                            fused_norms=fused_norms, dynamic=_has_symbolic_sizes(example_inputs))
     _REPORTS.append(report)
-    log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s",
-             report.num_routing_ops, ops, impls, inner)
+    log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s%s",
+             report.num_routing_ops, ops, impls, inner, ", symbolic sizes" if report.dynamic else "")
     if asked_to_recompute and report.recompute_marked == 0:
         # on by default: only a caller who asked for it is told that nothing was tagged
         log.warning("depthrewrite backend: recompute_partial_sums is on but no partial sums were tagged in this "
                     "graph (WAV and DAR tag theirs, inside blocks: WAV's blocks of 2 sites have none; the tags "
                     "need torch.fx.traceback.annotate)")
-    if inner == "aot_eager":
+    try:
+        return _compile(gm, example_inputs, report, patches)
+    except BaseException:
+        # a compilation that does not finish lowers nothing, so its report goes: either the
+        # error reaches the caller, or Dynamo traces the frame again and calls the backend
+        # anew (RestartAnalysis: under dynamic=True, AOTAutograd specializes a float such as
+        # WAV's rho and asks for a restart; lowered_ops() counted such graphs twice)
+        _REPORTS.remove(report)
+        raise
+
+
+def _compile(gm: fx.GraphModule, example_inputs, report: LoweringReport, patches: dict[str, Any]):
+    if report.inner == "aot_eager":
         return _aot_eager(gm, example_inputs, report)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

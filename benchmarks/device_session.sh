@@ -6,6 +6,7 @@
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh dynamic50  # new sizes through the backend on the GPU; the step compiled with dynamic=True (session 50)
+#   OUT=... bash benchmarks/device_session.sh dynamic50b  # the same step for WAV and full AttnRes (session 50)
 #   OUT=... bash benchmarks/device_session.sh ncu49  # where route_many's per-token backward stalls, per SASS instruction (session 49)
 #   OUT=... bash benchmarks/device_session.sh ncu49fwd  # the same for route_many's forward (session 49)
 #   OUT=... bash benchmarks/device_session.sh schemesinductor  # the routed schemes through Inductor and the backend vs Inductor alone (session 22)
@@ -1169,12 +1170,18 @@ ncu49fwd)
 dynamic50)
   # session 50: new sizes through the backend on the GPU (tests/compile/test_dynamic_shapes.py
   # on the Triton kernels), then the 350M step compiled with dynamic=True beside the static
-  # compile, the baseline and Block AttnRes, one wave (~7 minutes)
+  # compile, the baseline and Block AttnRes, one wave (~9 minutes; DYNAMIC_TESTS_ONLY=1: the
+  # tests alone, ~3 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/compile/test_dynamic_shapes.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/compile/test_dynamic_shapes.py \
       > "$OUT/dynamic_tests.txt" 2>&1
-  tail -3 "$OUT/dynamic_tests.txt"
-  e2e_run 420 4 8 baseline baseline_dyn block_attnres block_attnres_dyn
+  grep -E "^E |^FAILED|passed|failed" "$OUT/dynamic_tests.txt" | tail -12
+  [ -n "${DYNAMIC_TESTS_ONLY:-}" ] || e2e_run 420 4 8 baseline baseline_dyn block_attnres block_attnres_dyn
+  ;;
+dynamic50b)
+  # session 50: the same for the two host-heavy schemes, WAV and full AttnRes, one wave of 6
+  # (~9 minutes)
+  e2e_run 560 6 12 baseline baseline_dyn wav wav_dyn attnres attnres_dyn
   ;;
 ops48a)
   # session 48: the GPU kernel tests and the op table's d = 2048 rows, every column, at HEAD

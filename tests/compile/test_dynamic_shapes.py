@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import sympy
 import torch
+import torch.utils._sympy.functions as size_functions
 
 from depthrewrite import backend
 from tests.compile.test_backend import _loss_and_grads, _model
@@ -25,6 +26,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(2, 16), (2, 24), (3, 20)]
 #: what a report says the backend did to its graphs; it must not depend on the sizes
 REWRITES = ("ops", "implementation", "aot_graphs", "fences", "accumulated", "in_place", "recompute_marked")
+
+
+def _formula(text: str) -> sympy.Expr:
+    """A report's ``bytes_formula``, read back with torch's own size functions (on CUDA the
+    kernels' statistics tables hold ``CeilToInt(IntTrueDiv(s, 32))`` rows), so that
+    substituting sizes evaluates it."""
+    functions = {name: f for name, f in vars(size_functions).items()
+                 if isinstance(f, type) and issubclass(f, sympy.Function)}
+    return sympy.sympify(text, locals=functions)
 
 
 def _rewrites(report: backend.LoweringReport) -> dict:
@@ -68,11 +78,11 @@ def test_new_sizes_compile_a_symbolic_graph_rewritten_like_the_first(scheme):
     saved = [report.saved_for_backward for report in (first, *symbolic)]
     assert all(isinstance(s["bytes"], int) for s in saved)
     assert "bytes_formula" not in saved[0]
-    formula = sympy.sympify(saved[1]["bytes_formula"])
+    formula = _formula(saved[1]["bytes_formula"])
     (length,) = formula.free_symbols
     assert formula.subs(length, SHAPES[0][1]) == saved[0]["bytes"]
     assert formula.subs(length, SHAPES[1][1]) == saved[1]["bytes"]
-    assert len(sympy.sympify(saved[2]["bytes_formula"]).free_symbols) == 2
+    assert len(_formula(saved[2]["bytes_formula"]).free_symbols) == 2
 
 
 def test_dynamic_from_the_start_through_inductor():

@@ -23,9 +23,9 @@ ROUTE = "depthrewrite::route"
 ROUTE_MANY = "depthrewrite::route_many"
 
 
-def _model(scheme: str, seed: int = 0):
+def _model(scheme: str, seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
-    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme)
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=layers), scheme)
     # routing parameters start at zero queries (uniform weights): move them off that point
     # so that the gradients through the softmax are not trivially symmetric
     with torch.no_grad():

@@ -29,9 +29,9 @@ REWRITES = ("ops", "implementation", "aot_graphs", "fences", "accumulated", "in_
 
 
 def _formula(text: str) -> sympy.Expr:
-    """A report's ``bytes_formula``, read back with torch's own size functions (on CUDA the
-    kernels' statistics tables hold ``CeilToInt(IntTrueDiv(s, 32))`` rows), so that
-    substituting sizes evaluates it."""
+    """A report's ``bytes_formula``, read back with torch's own size functions, so that
+    substituting sizes evaluates it (on CUDA the attention's saved log-sum-exp is padded to
+    a multiple of 32 tokens: ``CeilToInt(IntTrueDiv(s70, 32))``)."""
     functions = {name: f for name, f in vars(size_functions).items()
                  if isinstance(f, type) and issubclass(f, sympy.Function)}
     return sympy.sympify(text, locals=functions)
@@ -41,7 +41,7 @@ def _rewrites(report: backend.LoweringReport) -> dict:
     return {name: getattr(report, name) for name in REWRITES}
 
 
-def _assert_matches_eager(model, compiled, shape, rtol: float, atol: float) -> None:
+def _assert_matches_eager(model, compiled, shape, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     idx = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(sum(shape)))
     idx = idx.to(DEVICE)
     eager_loss, eager_grads = _loss_and_grads(model, model, idx)
@@ -58,12 +58,15 @@ def _compile(model, dynamic: bool | None, options: dict):
     return torch.compile(model, backend="depthrewrite", fullgraph=True, dynamic=dynamic, options=options)
 
 
-@pytest.mark.parametrize("scheme", ["attnres", "block_attnres", "dar", "wav", "mhar"])
+# one scheme per kind of rewrite (CI's time): WAV's route calls with running sums written in
+# place, full AttnRes's grouped route_many calls with theirs, DAR's keyed route_many calls with
+# partial sums recomputed (Block AttnRes and MHAR run the same passes on the same ops)
+@pytest.mark.parametrize("scheme", ["attnres", "dar", "wav"])
 def test_new_sizes_compile_a_symbolic_graph_rewritten_like_the_first(scheme):
     model = _model(scheme).to(DEVICE)
     compiled = _compile(model, None, {"inner": "aot_eager"})
     for shape in SHAPES:
-        _assert_matches_eager(model, compiled, shape, rtol=1e-5, atol=1e-6)
+        _assert_matches_eager(model, compiled, shape)
 
     first, *symbolic = backend.reports()
     assert len(symbolic) == len(SHAPES) - 1, "each new size recompiles once: the length, then the batch"
@@ -90,15 +93,17 @@ def test_dynamic_from_the_start_through_inductor():
     serves every size, and the backend's post-grad pass rewrites it as the static graph's
     (WAV: route_backward's running sums, written in place). Dynamo compiles the frame
     twice here (AOTAutograd specializes WAV's float ``rho`` and restarts the analysis);
-    the report of the abandoned compilation is dropped, so one graph is reported."""
-    model = _model("wav").to(DEVICE)
-    _assert_matches_eager(model, _compile(model, False, {"inner": "aot_eager"}), SHAPES[0], rtol=1e-5, atol=1e-6)
+    the report of the abandoned compilation is dropped, so one graph is reported. One
+    layer (two sites and the readout: running sums in place all the same) keeps Inductor's
+    compilation short."""
+    model = _model("wav", layers=1).to(DEVICE)
+    _assert_matches_eager(model, _compile(model, False, {"inner": "aot_eager"}), SHAPES[0])
     (static,) = backend.reports()
 
     # no caches: a graph served from them is not compiled, so its rewrites are not recorded
     compiled = _compile(model, True, {"force_disable_caches": True})
     for shape in SHAPES:
-        _assert_matches_eager(model, compiled, shape, rtol=1e-5, atol=1e-6)
+        _assert_matches_eager(model, compiled, shape)
     (report,) = backend.reports()
     assert report.dynamic and report.inner == "inductor"
     assert report.accumulated["backward"] > 0 and report.in_place["backward"] > 0

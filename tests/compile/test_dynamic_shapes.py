@@ -58,10 +58,10 @@ def _compile(model, dynamic: bool | None, options: dict):
     return torch.compile(model, backend="depthrewrite", fullgraph=True, dynamic=dynamic, options=options)
 
 
-# two schemes for CI's time: WAV's route calls with running sums written in place, DAR's
-# keyed two-phase route_many calls with partial sums recomputed (session 50's GPU runs had
-# full AttnRes, Block AttnRes and MHAR too: the same passes on the same ops)
-@pytest.mark.parametrize("scheme", ["dar", "wav"])
+# DAR alone for CI's time (its keyed two-phase route_many calls, partial sums recomputed; WAV's
+# route calls with running sums in place: the Inductor test below). Session 50's GPU runs had
+# full AttnRes, Block AttnRes, MHAR and WAV here too, and the CPU passed them all.
+@pytest.mark.parametrize("scheme", ["dar"])
 def test_new_sizes_compile_a_symbolic_graph_rewritten_like_the_first(scheme):
     model = _model(scheme).to(DEVICE)
     compiled = _compile(model, None, {"inner": "aot_eager"})

@@ -137,7 +137,7 @@ class LoweringReport:
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
     #: branch norms fused into route_merge calls (``fuse_output_norms``; None with it off)
     fused_norms: int | None = None
-    saved_for_backward: dict[str, int | str] = dataclasses.field(default_factory=dict)
+    saved_for_backward: dict[str, int | str | None] = dataclasses.field(default_factory=dict)
     dynamic: bool = False
     compiling: str = ""  # the AOT graph being compiled now ('forward', 'backward', 'inference')
 
@@ -258,7 +258,7 @@ def _graph_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
                         yield from _graph_nodes(body.graph)
 
 
-def saved_for_backward(graph: fx.Graph) -> dict[str, int | str]:
+def saved_for_backward(graph: fx.Graph) -> dict[str, int | str | None]:
     """Count and bytes of a backward graph's tensor inputs other than the output gradients.
 
     ``bytes`` is an int at the sizes the graph was compiled for. Where sizes are symbolic

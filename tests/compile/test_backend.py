@@ -133,17 +133,27 @@ def test_fused_merge_compiles_fullgraph_and_is_reported(scheme, recompute, monke
 
 def test_dar_fused_merge_matches_eager_through_inductor(monkeypatch):
     """DAR's second phase through ``route_merge`` (``two_phase.FUSED_MERGE``) compiled as
-    training compiles it: Inductor, with ``recompute_partial_sums`` (the default), so the
-    merge and its mix weights are made again in the backward. With the weights made by
+    training compiles it: Inductor, with the backend's defaults (partial sums recomputed,
+    branch norms fused into the merges). With the mix weights made by
     ``torch.cat([s, 1 - s])`` (until session 22) Inductor overwrote the last site's ``mix``
-    gradient by reusing the cat's buffer (0.1x eager's, fp32); passes/dar.py says how."""
+    gradient by reusing the cat's buffer (0.1x eager's, fp32); passes/dar.py says how.
+    Also the fused norms through Inductor's lowering (tests/compile/test_norm_fusion.py has
+    the other schemes, through AOTAutograd): every merged site's branch norm is fused,
+    and the backward makes no merge again."""
     from depthrewrite.passes import two_phase
 
     monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
-    # (4, 64) tokens: the failure did not show at (2, 16)
-    _, reports = _compile_and_compare("dar", {}, rtol=1e-5, atol=1e-6, batch=(4, 64))
-    assert reports[-1].inner == "inductor"
-    assert "depthrewrite::route_merge" in reports[-1].ops
+    # (4, 64) tokens: the failure did not show at (2, 16). No cache: a graph served from
+    # Inductor's or AOTAutograd's caches is not compiled, so its graphs would not be reported
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        model, reports = _compile_and_compare("dar", {}, rtol=1e-5, atol=1e-6, batch=(4, 64))
+    report = reports[-1]
+    assert report.inner == "inductor"
+    merges = model.config.n_layer  # blocks of one layer: the second site of each merges, the readout none
+    assert report.fused_norms == merges
+    assert report.aot_graphs["forward"]["depthrewrite::route_merge"] == merges
+    assert "depthrewrite::route_merge" not in report.aot_graphs["backward"]
 
 
 @pytest.mark.parametrize("scheme", ["block_attnres", "dar", "wav", "mhar"])

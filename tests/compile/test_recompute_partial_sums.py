@@ -6,6 +6,7 @@ fewer tensors from the forward."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import pytest
@@ -113,6 +114,13 @@ def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_p
     assert recomputed.saved_for_backward["bytes"] < kept.saved_for_backward["bytes"]
 
 
+@functools.cache
+def _sums_recomputed(scheme: str, scheme_options: tuple):
+    """``_run`` with the defaults (partial sums recomputed, branch outputs saved): the
+    comparison of both options below, compiled once per scheme in a test process."""
+    return _run(scheme, dict(scheme_options), recompute=None)
+
+
 @pytest.mark.parametrize("option,recomputed_outputs", [(True, 3), ("narrow", 2)])
 @pytest.mark.parametrize("scheme,scheme_options", [("wav", {"block_size": 4}), ("dar", {"layers_per_block": 2}),
                                                    ("dar", {"layers_per_block": 2, "fused_merge": True})])
@@ -123,7 +131,7 @@ def test_branch_outputs_recomputed_same_gradients_fewer_saved(scheme, scheme_opt
     2.7 d -> d). Float32 loss and gradients bit for bit those without it, one tensor of
     one activation fewer saved per recomputed output. DAR's fused merge with "narrow" is
     README's form for a DAR run short of memory."""
-    loss, grads, sums = _run(scheme, scheme_options, recompute=None)
+    loss, grads, sums = _sums_recomputed(scheme, tuple(scheme_options.items()))
     loss_b, grads_b, branch = _run(scheme, scheme_options, recompute=None, recompute_branch_outputs=option)
     assert torch.equal(loss_b, loss) and grads_b.keys() == grads.keys()
     for name in grads:
@@ -216,11 +224,23 @@ def test_the_merge_saves_no_float32_copy_of_the_phase_one_output(monkeypatch):
     assert sum(t.nbytes for t in untagged) - sum(t.nbytes for t in tagged) == 4 * activation * 4
 
 
+def _partition_only(monkeypatch) -> None:
+    """Inductor up to its partition and no further: its decompositions, joint-graph passes
+    and min-cut partition make the forward and backward graphs (what the backward keeps is
+    decided there, and the report records it), which then run as they are, with no code
+    generated. On the CPU the C++ build of a graph's kernels takes most of a minute."""
+    from torch._inductor import compile_fx
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda gm, _inputs, *args, **kwargs: make_boxed_func(gm.forward))
+
+
 def test_dar_closing_transport_tagged_saves_no_float32_copy(monkeypatch):
     """Untagged, the transport at the site that closes the block led the partitioner to keep
     a float32 copy of that site's routed input (for the branch's norm): one (2, 32, 64)
     float32 tensor more than with it tagged, the rest the same."""
-    def dar_block_bf16(tag_closing: bool):  # through Inductor, whose partition training gets
+    _partition_only(monkeypatch)
+
+    def dar_block_bf16(tag_closing: bool):  # through Inductor's partition, the one training gets
         monkeypatch.setattr(dar, "TAG_CLOSING_TRANSPORT", tag_closing)
         loss, grads, report = _run("dar", {"layers_per_block": 2}, None, torch.bfloat16, inner="inductor")
         return loss, grads, report.saved_for_backward

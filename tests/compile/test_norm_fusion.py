@@ -176,11 +176,7 @@ def test_rewritten_gpt_fuses_every_merged_sites_norm(scheme, options, merges, mo
     expected = loss_and_grads(model)
     torch._dynamo.reset()
     backend.clear_reports()
-    # no cache: a graph served from Inductor's or AOTAutograd's caches is not compiled, so
-    # its forward and backward graphs would not be in the report
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        got = loss_and_grads(torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"}))
+    got = loss_and_grads(torch.compile(model, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"}))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     report = backend.last_report()

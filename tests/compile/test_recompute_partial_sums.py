@@ -231,7 +231,10 @@ def _partition_only(monkeypatch) -> None:
     generated. On the CPU the C++ build of a graph's kernels takes most of a minute."""
     from torch._inductor import compile_fx
 
-    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda gm, _inputs, *args, **kwargs: make_boxed_func(gm.forward))
+    def run_as_is(gm, _inputs, *args, **kwargs):
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", run_as_is)
 
 
 def test_dar_closing_transport_tagged_saves_no_float32_copy(monkeypatch):

@@ -143,11 +143,10 @@ def test_dar_fused_merge_matches_eager_through_inductor(monkeypatch):
     from depthrewrite.passes import two_phase
 
     monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
-    # (4, 64) tokens: the failure did not show at (2, 16). No cache: a graph served from
-    # Inductor's or AOTAutograd's caches is not compiled, so its graphs would not be reported
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        model, reports = _compile_and_compare("dar", {}, rtol=1e-5, atol=1e-6, batch=(4, 64))
+    # (4, 64) tokens: the failure did not show at (2, 16). No caches: a graph served from
+    # them is not compiled, so its graphs would not be reported
+    model, reports = _compile_and_compare("dar", {"force_disable_caches": True}, rtol=1e-5, atol=1e-6,
+                                          batch=(4, 64))
     report = reports[-1]
     assert report.inner == "inductor"
     merges = model.config.n_layer  # blocks of one layer: the second site of each merges, the readout none

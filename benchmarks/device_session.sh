@@ -91,6 +91,8 @@
 #   OUT=... bash benchmarks/device_session.sh asserts47  # Inductor's wrapper without its asserts: DAR block, its fused merge with "narrow"; DAR block's combo kernels (session 47)
 #   OUT=... bash benchmarks/device_session.sh ops48a   # GPU kernel tests, then the op table's d = 2048 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh ops48b   # the param_grads GPU tests, the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
+#   OUT=... bash benchmarks/device_session.sh eager52  # the ops through eager autograd: our autograd kernel and the registration A/B, then the GPU kernel tests (session 52)
+#   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
 set -u
@@ -1196,6 +1198,22 @@ ops48b)
   with_fla
   kernel_test_file 40 test_param_grads.py param_grads_tests.txt
   op_table 520 470 4096
+  ;;
+eager52)
+  # session 52: the routing ops through eager autograd for each autograd kernel ("flat", the
+  # new default, and custom_op's) and CUDA registration (eager_autograd.py, ~5 minutes), then
+  # the GPU kernel tests (the autograd kernel is theirs too)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 330 python3 benchmarks/eager_autograd.py --out "$OUT" > "$OUT/eager_autograd.txt" 2>&1
+  tail -12 "$OUT/eager_autograd.txt"
+  gpu_kernel_tests 220
+  ;;
+ops52)
+  # session 52: the op table's d = 2048 rows, every column, with the routing ops' flat
+  # autograd kernel (its "ours" column is the op through eager autograd; ~2.5 minutes; carry
+  # [".whl"])
+  with_fla
+  op_table 340 320 2048
   ;;
 launch47)
   # session 47: where the two-phase launchers' host time goes (launch_parts.py: the launcher

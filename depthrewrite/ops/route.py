@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .flat_autograd import register_autograd
+
 __all__ = ["route", "route_and_norm", "route_reference", "route_and_norm_reference", "route_logits_reference"]
 
 ROUTE_SCHEMA = (
@@ -344,7 +346,7 @@ def _backward(ctx, grad_out, _grad_lse, grad_normed):
     return grads[: len(ctx.needs_input_grad)]
 
 
-_route_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_route_op, _backward, _setup_context)
 
 
 # ---------------------------------------------------------------- input checks

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..recompute import recomputable
+from .flat_autograd import register_autograd
 from .route import _check_acc, _check_eps, _check_sources, _compute_dtype, _describe, _split_fresh
 
 __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
@@ -253,7 +254,7 @@ def _backward(ctx, grad_out, grad_lse, grad_stats):
     return grad_values, grad_queries, grad_weights, None, None, grad_keys if ctx.has_keys else None
 
 
-_route_many_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_route_many_op, _backward, _setup_context)
 
 
 # ---------------------------------------------------------------- input checks

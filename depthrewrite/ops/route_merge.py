@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .flat_autograd import register_autograd
 from .route import _check_eps, _check_param, _check_sources, _compute_dtype, _describe, _out_norm_backward
 
 __all__ = ["route_merge", "route_merge_reference"]
@@ -199,7 +200,7 @@ def _backward(ctx, grad):
     return grads[: len(ctx.needs_input_grad)]
 
 
-_route_merge_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_route_merge_op, _backward, _setup_context)
 
 
 # ---------------------------------------------------------------- input checks

@@ -4,7 +4,7 @@
 ``Tensor[]`` arguments in pytree flattening and unflattening of its arguments, results,
 gradients and ``needs_input_grad`` (``torch._library.autograd.supports_tensorlist``). In
 eager training that is much of the op's host time: a 9-source ``route`` forward and
-backward through ``torch.autograd.grad`` took 20-25 % less host time with this module's
+backward through ``torch.autograd.grad`` took 19-25 % less host time with this module's
 kernel on two H200 machines (docs/benchmarks.md, session 52; the CPU: 267 against 360 us).
 
 :func:`register_autograd` registers, in the op's place, an Autograd kernel that does the

@@ -32,11 +32,8 @@ Needs CUDA; prints the table last and writes ``eager_autograd.json`` under ``--o
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import subprocess
 import sys
@@ -81,7 +78,7 @@ def compile_ms(rep: int = 200) -> float:
 def _host_rows(calls: int, repeats: int, profile_top: int, profile_path: Path | None) -> dict:
     import torch
 
-    from host_overhead import per_call_us
+    from host_overhead import per_call_us, profile
 
     op = torch.ops.depthrewrite
     d, n = 2048, 9
@@ -102,15 +99,7 @@ def _host_rows(calls: int, repeats: int, profile_top: int, profile_path: Path | 
 
     rows = {"route us": per_call_us(route, calls, repeats), "route_many us": per_call_us(many, calls, repeats)}
     if profile_top > 0 and profile_path is not None:
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(calls):
-            route()
-        torch.cuda.synchronize()
-        profile.disable()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(profile_top)
-        profile_path.write_text(text.getvalue())
+        profile_path.write_text(profile(route, calls, profile_top))
     return rows
 
 

@@ -19,8 +19,8 @@ from depthrewrite.ops.flat_autograd import _splice, _spliced_grads, _unsplice
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _leaf(*shape, dtype=torch.float32, grad=True, scale=1.0):
-    return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_(grad)
+def _leaf(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).requires_grad_()
 
 
 def gradient_cases() -> dict[str, list[torch.Tensor]]:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 
+from ..environment import environment_choice
 from ..ops.route import _route_backward_op, _route_op
 from ..ops.route_into import _route_backward_into_op, _route_many_backward_into_op, running_sum_lists
 from ..ops.route_many import _route_many_backward_op, _route_many_op, stats_shape
@@ -224,10 +224,7 @@ _dispatcher_library: torch.library.Library | None = None
 
 
 def _registration() -> str:
-    value = os.environ.get(REGISTRATION_ENV) or "custom_op"
-    if value not in REGISTRATIONS:
-        raise ValueError(f"depthrewrite.kernels: {REGISTRATION_ENV} must be one of {REGISTRATIONS}; found {value!r}")
-    return value
+    return environment_choice(REGISTRATION_ENV, REGISTRATIONS, "depthrewrite.kernels")
 
 
 def _register() -> None:

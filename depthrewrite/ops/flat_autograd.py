@@ -26,12 +26,13 @@ keeps ``custom_op``'s own kernel, for A/B timing.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
 import torch
 from torch import _C
+
+from ..environment import environment_choice
 
 __all__ = ["register_autograd", "AUTOGRAD_ENV", "AUTOGRAD_CHOICES", "autograd_choice"]
 
@@ -45,10 +46,7 @@ _library: torch.library.Library | None = None
 
 
 def autograd_choice() -> str:
-    value = os.environ.get(AUTOGRAD_ENV) or "flat"
-    if value not in AUTOGRAD_CHOICES:
-        raise ValueError(f"depthrewrite.ops: {AUTOGRAD_ENV} must be one of {AUTOGRAD_CHOICES}; found {value!r}")
-    return value
+    return environment_choice(AUTOGRAD_ENV, AUTOGRAD_CHOICES, "depthrewrite.ops")
 
 
 def _is_list(schema_type) -> bool:
@@ -124,7 +122,7 @@ def register_autograd(op_def, backward: Callable, setup_context: Callable) -> No
     result_is_list = tuple(_is_list(r.type) for r in schema.returns)
     defaults = tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
     below = _C._after_autograd_keyset
-    single = len(schema.returns) == 1  # returned as itself, not in a tuple
+    single = len(schema.returns) == 1  # the op returns it as itself, not in a tuple
 
     def forward(ctx, call, *flat):
         passed = call.passed
@@ -135,8 +133,7 @@ def register_autograd(op_def, backward: Callable, setup_context: Callable) -> No
         setup_context(ctx, tuple(args) + defaults[passed:], result)
         flat_result, call.result_lengths = _splice((result,) if single else result, result_is_list)
         ctx.call = call
-        # one tensor returned as itself: apply then returns it alone, not in a tuple
-        return flat_result[0] if single and not result_is_list[0] else tuple(flat_result)
+        return tuple(flat_result)
 
     def backward_flat(ctx, *flat_grads):
         call = ctx.call
@@ -158,8 +155,6 @@ def register_autograd(op_def, backward: Callable, setup_context: Callable) -> No
             flat, lengths = _splice(args, arg_is_list)
             call = _Call(keyset, lengths, len(args))
             flat_result = Function.apply(call, *flat)
-            if single and not result_is_list[0]:
-                return flat_result
             result = _unsplice(flat_result, result_is_list, call.result_lengths)
             return result[0] if single else tuple(result)
         with _C._AutoDispatchBelowAutograd():

@@ -50,29 +50,29 @@ SCHEMES = ("block_attnres", "dar", "attnres")
 
 
 def _design_inputs():
+    """gpu_suite.py's inputs at SHAPE (bf16 sources, fp32 query and key-norm weight) as
+    leaves, and an output gradient."""
     import torch
+
+    from gpu_suite import make
 
     tokens, d, n = SHAPE
-    g = torch.Generator(device="cuda").manual_seed(tokens + d + n)
-    vals = [torch.randn(tokens, d, generator=g, device="cuda").to(torch.bfloat16).requires_grad_() for _ in range(n)]
-    q = (torch.randn(d, generator=g, device="cuda") * (2.0 / d**0.5)).requires_grad_()
-    w = (torch.rand(d, generator=g, device="cuda") + 0.5).requires_grad_()
-    grad = torch.randn(tokens, d, generator=g, device="cuda").to(torch.bfloat16)
-    return vals, q, w, grad
+    inp = make(n, tokens, d, torch.bfloat16, seed=tokens + d + n)
+    vals = [t.requires_grad_() for t in inp["values"]]
+    grad = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    return vals, inp["query"].requires_grad_(), inp["key_norm_weight"].requires_grad_(), grad
 
 
-def compile_ms(rep: int = 200) -> float:
+def compile_ms() -> float:
     """torch.compile of the reference at SHAPE, forward and backward (gpu_suite's "compile")."""
     import torch
-    from triton.testing import do_bench
 
     from depthrewrite.ops.route import route_reference
+    from gpu_suite import bench
 
     vals, q, w, grad = _design_inputs()
     compiled = torch.compile(route_reference, dynamic=False)
-    fn = lambda: torch.autograd.grad(compiled(vals, query=q, key_norm_weight=w), [*vals, q, w], grad)  # noqa: E731
-    fn()
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    return bench(lambda: torch.autograd.grad(compiled(vals, query=q, key_norm_weight=w), [*vals, q, w], grad))
 
 
 def _host_rows(calls: int, repeats: int, profile_top: int, profile_path: Path | None) -> dict:
@@ -105,9 +105,9 @@ def _host_rows(calls: int, repeats: int, profile_top: int, profile_path: Path | 
 
 def _design_rows() -> dict:
     import torch
-    from triton.testing import do_bench
 
     from depthrewrite.kernels import route_triton
+    from gpu_suite import bench
 
     vals, q, w, grad = _design_inputs()
     fwdbwd = lambda: torch.autograd.grad(  # noqa: E731
@@ -118,11 +118,7 @@ def _design_rows() -> dict:
             o, lse, _ = route_triton.route_forward(vals, None, q, w, None, None, 1, 1e-6)
             return route_triton.route_backward(grad, o, lse, vals, None, q, w, None, None, 1, 1e-6)
 
-    rows = {}
-    for name, fn in (("fwdbwd ms", fwdbwd), ("kern ms", kern)):
-        fn()
-        rows[name] = do_bench(fn, warmup=25, rep=200, return_mode="median")
-    return rows
+    return {"fwdbwd ms": bench(fwdbwd), "kern ms": bench(kern)}
 
 
 def _step_ms(scheme: str, steps: int) -> float:

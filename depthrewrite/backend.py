@@ -53,7 +53,8 @@ figure is given (docs/benchmarks.md has the runs):
   ``two_phase.FUSED_MERGE``), the branch's RMSNorm that alone reads a merge's result is
   fused into it, which then never writes the result.
 - Every other key is an Inductor config patch, applied to this compilation only
-  (``config_patches``, never a global assignment).
+  (``config_patches``, never a global assignment). A key that is neither is refused
+  before Inductor runs, naming the nearest option (``max_sum_term``: ``max_sum_terms``).
 - Where a scheme's graph calls for Inductor settings of its own (:mod:`depthrewrite.graph_hints`:
   DAR's gets ``max_fusion_size=16``, 1.4-1.9 % shorter steps at 350M), the backend adds
   them unless the caller set them; ``last_report().config_patches`` shows what applied.
@@ -70,6 +71,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import logging
 import operator
 from collections.abc import Iterator
@@ -349,7 +351,29 @@ def _aot_eager(gm, example_inputs, report: LoweringReport):
     return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
 
 
+#: the backend's own option keys (module docstring); every other key is an Inductor setting
+BACKEND_OPTIONS = ("inner", "max_sum_terms", "accumulate_grads", "accumulate_max_heads", "accumulate_in_place",
+                   "recompute_partial_sums", "recompute_branch_outputs", "fuse_output_norms")
+
+
+def _check_inductor_keys(options: dict[str, Any]) -> None:
+    """Refuse keys that are neither the backend's options nor Inductor settings. Inductor
+    would fail on them deep inside the compilation, naming only its own config; a typo of
+    one of ours (``max_sum_term``) deserves a pointer to the option meant."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(key for key in options if key not in known)
+    if not unknown:
+        return
+    hints = {key: difflib.get_close_matches(key, [*BACKEND_OPTIONS, *known], n=1) for key in unknown}
+    found = ", ".join(f"{key!r}" + (f" (did you mean {hints[key][0]!r}?)" if hints[key] else "") for key in unknown)
+    raise ValueError(f"depthrewrite_backend: options must be the backend's own {BACKEND_OPTIONS} or Inductor "
+                     f"settings (torch._inductor.config, e.g. 'triton.cudagraphs'); found {found}")
+
+
 def _config_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    _check_inductor_keys(options)
     patches: dict[str, Any] = {}
     if mode not in (None, "default"):
         from torch._inductor import list_mode_options

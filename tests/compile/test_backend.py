@@ -216,6 +216,21 @@ def test_bad_options_are_value_errors():
         backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"fuse_output_norms": "yes"})
 
 
+def test_unknown_option_names_the_one_meant_before_inductor_runs():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="found 'max_sum_term' \\(did you mean 'max_sum_terms'\\?\\)"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"max_sum_term": 4})
+    with pytest.raises(ValueError, match="found 'triton.cudagraph' \\(did you mean 'triton.cudagraphs'\\?\\)"):
+        backend.depthrewrite_backend(gm, [torch.randn(1, 2)], options={"triton.cudagraph": True})
+    # an Inductor setting passes the check and reaches the report's patches
+    backend.clear_reports()
+    x = torch.randn(3)
+    compiled = torch.compile(lambda t: t * 2, backend="depthrewrite",
+                             options={"inner": "aot_eager", "max_fusion_size": 8})
+    assert torch.equal(compiled(x), x * 2)
+    assert backend.last_report().config_patches["max_fusion_size"] == 8
+
+
 def test_report_reads_device_and_dtype_of_each_call():
     def f(a, b, q, w):
         return torch.ops.depthrewrite.route([a, b], None, q, w, None, None, 1, 1e-6)

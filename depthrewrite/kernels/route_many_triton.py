@@ -103,7 +103,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, running_sum_row,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, check_shaped, running_sum_row,
     default_fused_sums, online_softmax_update, three_row_sums,
 )
 from . import route_triton
@@ -881,6 +881,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
+    _check_queries(values, queries, key_norm_weights)
     cfg = {"prefetch": True, **(config or {})}
     prefetch = _check_prefetch(cfg["prefetch"], "route_many")
     s, d = queries.shape[0], values[0].shape[-1]
@@ -1022,6 +1023,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     ``exact_softmax_grad`` (False by default: the module docstring)."""
     _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
                      op="route_many")
+    _check_queries(values, queries, key_norm_weights)
     cfg = {"prefetch": None, "backward": BACKWARD, **(config or {})}
     if "per_sm" in cfg:
         _positive_int("route_many", "per_sm", cfg["per_sm"])
@@ -1030,7 +1032,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(PER_TOKEN_FUSED_SUMS)), "fused_sums",
                                    "route_many")
     s = queries.shape[0]
-    _check_saved_many(out, lse, values, s, heads)
+    _check_saved_many(out, lse, values, s, heads, grad_out, grad_lse)
     _check_stats(stats, _tokens(values), len(values), s, heads, values[0].device)
     _check_acc("grad_values_acc", grad_values_acc, values, "route_many_backward")
     _check_acc("grad_keys_acc", grad_keys_acc, keys, "route_many_backward")
@@ -1327,9 +1329,28 @@ def _tokens(sources: Sequence[Tensor]) -> int:
     return math.prod(sources[0].shape[:-1])
 
 
-def _check_saved_many(out, lse, values, s: int, heads: int) -> None:
-    if len(out) != s or len(lse) != s:
-        raise ValueError(f"route_many (Triton): `out` and `lse` must hold one tensor per query ({s}); "
-                         f"found {len(out)} and {len(lse)}")
+def _check_queries(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor) -> None:
+    """``queries`` and ``key_norm_weights`` both ``(S, d)``, ``d`` the sources' width."""
+    d = values[0].shape[-1]
+    if queries.dim() != 2:
+        raise ValueError(f"route_many (Triton): `queries` must be a (S, d={d}) tensor; found shape "
+                         f"{tuple(queries.shape)}")
+    shape = (queries.shape[0], d)
+    check_shaped("queries", queries, values[0], "route_many", shape=shape)
+    check_shaped("key_norm_weights", key_norm_weights, values[0], "route_many", shape=shape)
+
+
+def _check_saved_many(out, lse, values, s: int, heads: int, grad_out=None, grad_lse=None) -> None:
+    """``out`` and ``lse`` as the forward returned them for these values; ``grad_out`` and
+    ``grad_lse`` (None: not checked) their gradients, one per query too."""
+    lists = {"out": out, "lse": lse, "grad_out": grad_out, "grad_lse": grad_lse}
+    lengths = {name: len(entries) for name, entries in lists.items() if entries is not None}
+    if any(n != s for n in lengths.values()):
+        raise ValueError(f"route_many (Triton): {', '.join(f'`{name}`' for name in lengths)} must hold one tensor "
+                         f"per query ({s}); found {lengths}")
     for i, (o, t) in enumerate(zip(out, lse)):
         _check_saved(o, t, values, heads, op="route_many", which=f"[{i}]")
+        if grad_out is not None:
+            check_shaped(f"grad_out[{i}]", grad_out[i], o, "route_many")
+        if grad_lse is not None:
+            check_shaped(f"grad_lse[{i}]", grad_lse[i], t, "route_many")

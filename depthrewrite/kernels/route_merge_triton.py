@@ -35,8 +35,8 @@ from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 from .route_triton import (
-    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
-    _positive_int, _row_blocks, _src_ptr, _tokens_per_program,
+    NARROW_ROW, _aligned, _backward_programs, _check_alike, _check_block_t, _check_stages, _check_supported,
+    _contiguous, _positive_int, _row_blocks, _src_ptr, _tokens_per_program, check_heads, check_shaped,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -239,7 +239,7 @@ def _merge_grads(j, g, r_acc, m_acc, otab, ltab, vtab, ktab, gotab, gltab, gvtab
 
 
 def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, queries, key_norm_weights,
-                  mix, out_norm_weight=None) -> None:
+                  mix, heads: int, out_norm_weight=None) -> None:
     _check_supported(values, keys, ("outs", outs[0]), ("queries", queries), ("key_norm_weights", key_norm_weights),
                      ("mix", mix), ("out_norm_weight", out_norm_weight), op="route_merge")
     if len(outs) > MAX_RESULTS:
@@ -247,6 +247,15 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
     if any(t.dtype != torch.float32 for t in lses):
         raise ValueError(f"route_merge (Triton): `lses` must be float32 (route_many's for fp32/bf16/fp16 "
                          f"sources); found {[t.dtype for t in lses]}")
+    # the results and their new entries share the pointer tables' one dtype and row count
+    _check_alike(outs, values, "route_merge", first=values[0], names=("outs", "values"))
+    j, d, lse_shape = len(outs), values[0].shape[-1], values[0].shape[:-1] + (heads,)
+    check_heads(d, heads, "route_merge")
+    for i, t in enumerate(lses):
+        check_shaped(f"lses[{i}]", t, values[0], "route_merge", shape=lse_shape)
+    for name, t, shape in (("queries", queries, (j, d)), ("key_norm_weights", key_norm_weights, (j, d)),
+                           ("mix", mix, (j,))):
+        check_shaped(name, t, values[0], "route_merge", shape=shape)
 
 
 def _launch(config: dict | None, row: int, heads: int, results: int, normed: bool) -> dict:
@@ -276,13 +285,13 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``, or
     with ``out_norm_weight`` ``rms_norm(x) * out_norm_weight`` (``x`` is not written).
     ``config``: launch choices for tuning runs (:func:`_launch`)."""
-    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight)
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, heads, out_norm_weight)
     d, shape, device = outs[0].shape[-1], outs[0].shape, outs[0].device
+    block_h, block_c = _row_blocks(d, heads, "route_merge")
     x = torch.empty(shape, dtype=outs[0].dtype, device=device)
     tokens = math.prod(shape[:-1])
     if tokens == 0:
         return x
-    block_h, block_c = _row_blocks(d, heads, "route_merge")
     launch = _launch(config, block_h * block_c, heads, len(outs), out_norm_weight is not None)
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
@@ -305,7 +314,8 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     """Fused backward: what ``depthrewrite::route_merge_backward`` returns (``grad``: the
     gradient of the op's output, ``normed``'s with ``out_norm_weight``). ``config``: launch
     choices for tuning runs (:func:`_launch`)."""
-    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, out_norm_weight)
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, heads, out_norm_weight)
+    check_shaped("grad", grad, outs[0], "route_merge")
     j, d, shape, device = len(outs), outs[0].shape[-1], outs[0].shape, outs[0].device
     act = outs[0].dtype
     grad_outs = [torch.empty(shape, dtype=act, device=device) for _ in range(j)]

@@ -554,7 +554,14 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def check_heads(d: int, heads: int, op: str) -> None:
+    # the kernels index a row as heads x (d // heads): the rest would be left unwritten
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads:
+        raise ValueError(f"{op} (Triton): heads must be a positive int dividing the width d={d}; found {heads!r}")
+
+
 def _row_blocks(d: int, heads: int, op: str = "route") -> tuple[int, int]:
+    check_heads(d, heads, op)
     block_h, block_c = _next_pow2(heads), _next_pow2(d // heads)
     if block_h * block_c > MAX_ROW:
         raise ValueError(
@@ -848,9 +855,46 @@ def _aligned(*groups) -> bool:
 
 
 def _check_supported(values: Sequence[Tensor], keys, *params, op: str = "route") -> None:
+    """The launchers' own checks, made at every call: the kernels also run straight from
+    ``torch.ops.depthrewrite.*`` (compiled graphs, or a caller of the op), where no Python
+    wrapper has checked the inputs, and a mismatch here would be read out of bounds or
+    reinterpreted, not caught by the kernel. ``params``: ``(name, tensor or None)`` pairs."""
     for name, t in (("values", values[0]), ("keys", keys[0] if keys else None)) + params:
         if t is not None and t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{op} (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
+    _check_alike(values, keys, op)
+
+
+def _check_route_params(values: Sequence[Tensor], query, key_norm_weight, logit_bias, source_scale,
+                        out_norm_weight) -> None:
+    """``route``'s parameters shaped as its kernels read them (``depthrewrite.ops.route``'s shapes)."""
+    first, n = values[0], len(values)
+    d = first.shape[-1]
+    for name, t, shape in (("query", query, (d,)), ("key_norm_weight", key_norm_weight, (d,)),
+                           ("logit_bias", logit_bias, (n,)), ("source_scale", source_scale, (n, *first.shape[:-1])),
+                           ("out_norm_weight", out_norm_weight, (d,))):
+        if t is not None:
+            check_shaped(name, t, first, "route", shape=shape)
+
+
+def _check_alike(values: Sequence[Tensor], keys: Sequence[Tensor] | None, op: str, first: Tensor | None = None,
+                 names: tuple[str, str] = ("values", "keys")) -> None:
+    """Every tensor of ``values`` and ``keys`` shaped, typed and placed like ``first``
+    (default ``values[0]``): the pointer tables give the kernels one dtype and one row count
+    for all of them. ``keys`` (None: the values are the keys) has one entry per value."""
+    first = values[0] if first is None else first
+    shape, dtype, device = first.shape, first.dtype, first.get_device()
+    if keys is not None and len(keys) != len(values):
+        raise ValueError(f"{op} (Triton): `{names[1]}` must have one tensor per entry of `{names[0]}` "
+                         f"({len(values)}); found {len(keys)}")
+    for name, group in zip(names, (values, keys or ())):
+        # the quick test first (the host pays it at every call: ~0.2 us a tensor), then the culprit
+        if any(t.dtype is not dtype or t.shape != shape or t.get_device() != device for t in group):
+            i, t = next((i, t) for i, t in enumerate(group) if (t.shape, t.dtype, t.device) !=
+                        (shape, dtype, first.device))
+            raise ValueError(f"{op} (Triton): `{name}[{i}]` must be shaped, typed and placed like the first "
+                             f"source ({tuple(shape)}, {dtype}, {first.device}); found {tuple(t.shape)}, {t.dtype}, "
+                             f"{t.device}")
 
 
 def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -881,6 +925,7 @@ def route_forward(
     choice) for tuning runs."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
+    _check_route_params(values, query, key_norm_weight, logit_bias, source_scale, out_norm_weight)
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     flat_v = _contiguous(values)
@@ -966,13 +1011,24 @@ def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int,
     # out and lse must be what the forward returned for these values: a mismatch would be
     # read out of bounds by the kernel, not caught by it. ``which`` names an entry of a list.
     lse_shape = tuple(values[0].shape[:-1]) + (heads,)
-    if tuple(out.shape) != tuple(values[0].shape) or out.device != values[0].device:
-        raise ValueError(f"{op} (Triton): `out{which}` must be the forward output, shaped like values[0] "
-                         f"{tuple(values[0].shape)} on {values[0].device}; found {tuple(out.shape)} on {out.device}")
+    if out.shape != values[0].shape or out.dtype != values[0].dtype or out.device != values[0].device:
+        raise ValueError(f"{op} (Triton): `out{which}` must be the forward output, shaped, typed and placed like "
+                         f"values[0] ({tuple(values[0].shape)}, {values[0].dtype}, {values[0].device}); found "
+                         f"{tuple(out.shape)}, {out.dtype}, {out.device}")
     if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or lse.device != values[0].device:
         raise ValueError(f"{op} (Triton): `lse{which}` must be the forward's float32 log-sum-exp of shape "
                          f"{lse_shape} on {values[0].device}; found shape {tuple(lse.shape)}, dtype {lse.dtype}, "
                          f"device {lse.device}")
+
+
+def check_shaped(name: str, t: Tensor, like: Tensor, op: str, shape: tuple | None = None) -> None:
+    """``t`` shaped like ``like`` (or ``shape``) and on its device; its dtype is free (the
+    launchers convert gradients and parameters), but the kernels read it by that shape."""
+    shape = like.shape if shape is None else shape
+    if not isinstance(t, Tensor) or t.shape != shape or t.device != like.device:
+        found = f"{tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{op} (Triton): `{name}` must be a tensor of shape {tuple(shape)} on {like.device}; "
+                         f"found {found}")
 
 
 def _gradient_outputs(n: int, shape, dtype, device, new, given: Sequence[Tensor] | None, name: str,
@@ -1011,7 +1067,11 @@ def route_backward(
     over ``sum_j a_j``; :mod:`depthrewrite.kernels`' ``set_exact_softmax_grad``)."""
     _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
                      ("out_norm_weight", out_norm_weight))
+    _check_route_params(values, query, key_norm_weight, logit_bias, source_scale, out_norm_weight)
     _check_saved(out, lse, values, heads)
+    check_shaped("grad_out", grad_out, values[0], "route")
+    if grad_normed is not None:
+        check_shaped("grad_normed", grad_normed, values[0], "route")
     _check_acc("grad_values_acc", grad_values_acc, values)
     _check_acc("grad_keys_acc", grad_keys_acc, keys)
     n, d = len(values), values[0].shape[-1]

@@ -112,11 +112,13 @@ CASES = [
     # 1 and 8 (4 queries: full AttnRes's group calls, under a register cap on the GPU)
     (4, 2, (5,), 56, 1),
     (13, 4, (3,), 72, 1),
+    (2, 2, (3,), 32768, 1),  # the widest row the kernels take (MAX_ROW)
+    (3, 2, (2,), 32768, 16),
 ]
 
 
 #: with separate keys (DAR's phase 1): a few of the shapes above
-KEY_CASES = [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]]
+KEY_CASES = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[4], CASES[5], CASES[-1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

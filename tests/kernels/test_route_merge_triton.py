@@ -90,6 +90,8 @@ CASES = [
     (2, (3, 5), 1000, 1, True, True),  # DAR: two streams, each keyed by the other
     (2, (9,), 96, 1, True, False),
     (2, (2, 3), 48, 3, False, False),  # heads of 16 channels, 3 heads padded to 4
+    (1, (5,), 7186, 1, False, False),  # a padded row of 8192
+    (2, (3,), 32768, 16, True, True),  # the widest row the kernels take (MAX_ROW)
 ]
 
 

@@ -158,6 +158,8 @@ CASES = [
     (129, (3,), 8, 1, True, True, True),  # more sources than the DESIGN.md shapes
     (2, (3,), 7186, 1, False, True, True),  # the widest DESIGN-like width (a padded row of 8192)
     (3, (3,), 7186, 2, True, False, False),
+    (2, (3,), 32768, 1, True, True, True),  # the widest row the kernels take (MAX_ROW)
+    (3, (2,), 32768, 16, False, False, False),
     # 16 heads on a row of 1024 (full MHAR's sites at 350M): on the GPU the backward's sources
     # through the pipeline at 128 registers (route_triton.MULTI_HEAD_BACKWARD_MAXNREG); with
     # keys the launch before (KEYED_MULTI_HEAD_BACKWARD_PER_SM). ACC_CASES takes the last

@@ -92,6 +92,7 @@
 #   OUT=... bash benchmarks/device_session.sh ops48a   # GPU kernel tests, then the op table's d = 2048 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh ops48b   # the param_grads GPU tests, the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh eager52  # the ops through eager autograd: our autograd kernel and the registration A/B, then the GPU kernel tests (session 52)
+#   OUT=... bash benchmarks/device_session.sh checks53  # the kernels past 2**31 elements, the GPU kernel tests, eager_autograd.py once (session 53)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
@@ -133,8 +134,16 @@ op_table() {
 }
 # the GPU kernel tests (at most $1 s), their last two lines printed and logged
 gpu_kernel_tests() {
-  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels > "$OUT/kernel_tests.txt" 2>&1
+  # the offsets past 2**31 hold ~30 GiB a test: run alone (large_offset_tests), not 8 at once
+  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels \
+      --ignore tests/kernels/test_large_offsets.py > "$OUT/kernel_tests.txt" 2>&1
   tail -2 "$OUT/kernel_tests.txt" | tee -a "$LOG"
+}
+# the kernels on sources of more than 2**31 elements, one test at a time (at most $1 s)
+large_offset_tests() {
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_large_offsets.py \
+      > "$OUT/large_offsets.txt" 2>&1
+  tail -2 "$OUT/large_offsets.txt" | tee -a "$LOG"
 }
 # one kernel test file, tests/kernels/$2 (pytest's further arguments "${@:4}"), at most $1 s,
 # its summary in $OUT/$3 and printed
@@ -1207,6 +1216,16 @@ eager52)
   timeout 330 python3 benchmarks/eager_autograd.py --out "$OUT" --rounds 1 > "$OUT/eager_autograd.txt" 2>&1
   tail -12 "$OUT/eager_autograd.txt"
   gpu_kernel_tests 220
+  ;;
+checks53)
+  # session 53: the kernels past 2**31 elements (test_large_offsets.py) and the GPU kernel
+  # tests (the launchers' new checks, the widest rows d = 32768), then eager_autograd.py at
+  # dac7d4f's form (gpu_suite's make and bench), one round (~2.5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  large_offset_tests 150
+  gpu_kernel_tests 240
+  timeout 200 python3 benchmarks/eager_autograd.py --out "$OUT" --rounds 1 > "$OUT/eager_autograd.txt" 2>&1
+  tail -12 "$OUT/eager_autograd.txt"
   ;;
 ops52)
   # session 52: the op table's d = 2048 rows, every column, with the routing ops' flat

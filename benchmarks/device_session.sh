@@ -1098,7 +1098,7 @@ darcode43)
   ;;
 mix43)
   # session 43 (run 2, at 396493a, when "difference" was dar.MIX_FORM's default): DAR's gate
-  # and transport as differences (one sum over the tokens per scalar use) against the SPEC's
+  # and transport as differences (one sum over the tokens per scalar use) against the spec's
   # form (then dar_block_mixw; now the default, and the differences dar_block_mixd), each
   # model compiled alone (~8 minutes)
   e2e_run 570 1 6 baseline dar_block dar_block_mixd

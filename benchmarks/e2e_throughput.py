@@ -326,7 +326,7 @@ LAUNCH_VARIANTS = {
     "fq4": (("attnres", "block_attnres"),
             {"route_many_triton.FORWARD_QUERIES": 4, "route_many_triton.MANY_NARROW_FORWARD_WARPS": 4}),
     # DAR's gate and transport as differences, one sum over the tokens per scalar use
-    # (dar.MIX_FORM; the default is the SPEC's form)
+    # (dar.MIX_FORM; the default is the spec's form)
     "mixd": (("dar_block",), {"dar.MIX_FORM": "difference"}),
     # DAR's transport at a block's closing site untagged, as before session 43 (since, tagged
     # for recomputation like every other site's: dar.TAG_CLOSING_TRANSPORT)

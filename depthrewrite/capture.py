@@ -11,9 +11,9 @@ What is found here is found by watching tensors, not by reading class names:
   may call that module elsewhere too, as nanochat does on the embedding: only the call
   after the last block is the readout).
 
-Where the stream is not the one SPEC section 1 describes, the capture says what it found,
-with the error class that is true of it: blocks run several times per forward, a stream
-rescaled between blocks, several streams or a built-in depth routing before the head
+Where the stream is not the one docs/spec.md section 1 describes, the capture says what it
+found, with the error class that is true of it: blocks run several times per forward, a
+stream rescaled between blocks, several streams or a built-in depth routing before the head
 (``NotAdditiveStreamError``); blocks that return a norm's output with no final norm after
 them (post-LN, ``NotPreNormError``); a norm of the stream at the start of block 0 only
 (RWKV, ``UnsupportedStructureError``). Those refusals live in ``capture_refusals``.
@@ -329,5 +329,5 @@ def _find_final_reader(calls: list[ModuleCall], block_calls: list[ModuleCall], n
     refuse_without_final_reader(calls, block_calls, names)
     raise NoResidualStreamError(
         f"no module reads the output of the last block {names[last.module]!r}; depthrewrite "
-        "expects a final norm module (norm_final in SPEC section 1) before the head"
+        "expects a final norm module (norm_final in docs/spec.md section 1) before the head"
     )

@@ -29,7 +29,7 @@ def refuse_repeated_blocks(calls: list[ModuleCall], blocks: list[nn.Module], nam
         if repeats > 1:
             raise NotAdditiveStreamError(
                 f"block {names[b]!r} runs {repeats} times per forward (recurrent or looped depth); "
-                "SPEC section 1 numbers one source per sublayer, each branch run once, which a "
+                "docs/spec.md section 1 numbers one source per sublayer, each branch run once, which a "
                 "block that runs several times does not have"
             )
 
@@ -66,7 +66,7 @@ def refuse_broken_chain(model: nn.Module, stack_path: str, block_calls: list[Mod
     if torch.allclose(a, scale * b, rtol=1e-6, atol=0.0):
         raise NotAdditiveStreamError(
             f"the stream is rescaled {where}: the next block receives {scale:.4g} times what the "
-            "previous one returned; SPEC section 1 needs h_l = h_{l-1} + u_l from block to block"
+            "previous one returned; docs/spec.md section 1 needs h_l = h_{l-1} + u_l from block to block"
         )
     raise UnsupportedStructureError(
         f"the stream is changed {where}: the next block does not receive the tensor the previous "
@@ -116,7 +116,7 @@ def _refuse_post_ln(calls: list[ModuleCall], block_calls: list[ModuleCall], name
         raise NotPreNormError(
             f"{what}, and so does every block of the stack: the stream is post-LN, norm(h + f(h)), "
             "with no final norm after the last block; depthrewrite needs PreNorm h + f(norm(h)) "
-            "(SPEC section 1)"
+            "(docs/spec.md section 1)"
         )
     raise UnsupportedStructureError(
         f"{what}, and the other blocks do not: the final norm runs inside the last block; "
@@ -145,7 +145,7 @@ def _refuse_stream_mixing_reader(after: list[ModuleCall], stream_out: torch.Tens
                 f"the last block's output is read by {module} as its {where}, together with "
                 f"{', '.join(others)}: the model combines its stream with other tensors of its width "
                 "before the head (built-in depth routing such as block attention residuals, or "
-                "several streams), not the single h + u stream that a final norm reads (SPEC section 1)"
+                "several streams), not the single h + u stream that a final norm reads (docs/spec.md section 1)"
             )
         raise UnsupportedStructureError(
             f"the last block's output is read by {module} as its {where}; depthrewrite expects a "
@@ -173,7 +173,7 @@ def _refuse_sliced_stream(after: list[ModuleCall], stream_out: torch.Tensor, nam
                 f"the last block's output, of shape {list(stream_out.shape)}, is read in slices of "
                 f"shape {list(view.shape)} (first by {module}): the blocks carry {stream_out.shape[0]} "
                 "streams stacked on the first dimension (as AltUp does), not one h + u stream "
-                "(SPEC section 1)"
+                "(docs/spec.md section 1)"
             )
         raise UnsupportedStructureError(
             f"the last block's output, of shape {list(stream_out.shape)}, is read only through a view "

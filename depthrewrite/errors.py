@@ -9,11 +9,12 @@ class DepthRewriteError(Exception):
 
 
 class CaptureError(DepthRewriteError):
-    """The model could not be run or traced to find its residual stream."""
+    """The model could not be run or traced to find its residual stream, or the example
+    input cannot show what the analysis must see (a sequence of one token)."""
 
 
 class NotPreNormError(DepthRewriteError):
-    """A residual site was found but its shape is not PreNorm (SPEC section 1)."""
+    """A residual site was found but its shape is not PreNorm (docs/spec.md section 1)."""
 
 
 class NoResidualStreamError(DepthRewriteError):
@@ -29,7 +30,7 @@ class RuntimeOrderError(DepthRewriteError):
 
 
 class NotAdditiveStreamError(DepthRewriteError):
-    """The model has a residual stream, but its update is not ``h + u`` (SPEC section 1):
+    """The model has a residual stream, but its update is not ``h + u`` (docs/spec.md section 1):
     a rescaled stream (``a * h + u``), several parallel streams (hyper-connections), or a
     block that runs more than once per forward (recurrent depth)."""
 

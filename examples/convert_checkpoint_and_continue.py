@@ -4,7 +4,7 @@ keep training it, save it, and load it back.
     python examples/convert_checkpoint_and_continue.py                       # makes its own small checkpoint
     python examples/convert_checkpoint_and_continue.py --checkpoint path/to/model --scheme attnres --steps 50
 
-``preserve_identity=True`` (SPEC section 7) keeps the residual stream and adds the routed read
+``preserve_identity=True`` (docs/spec.md section 7) keeps the residual stream and adds the routed read
 through a gate that starts at 0, so the converted model's first loss is exactly the original's
 and training moves it away from there. Without ``--checkpoint`` the script first trains a tiny
 random Llama for a few steps and saves it with ``save_pretrained`` under ``--out``: the stand-in

@@ -1,6 +1,6 @@
 """A hand-written Attention Residuals GPT: the test oracle for the rewriter.
 
-Written from SPEC sections 2-3 alone, independently of depthrewrite: it walks the bundled
+Written from docs/spec.md sections 2-3 alone, independently of depthrewrite: it walks the bundled
 GPT's blocks and calls their norms and branches directly, keeping the list of sources by
 hand. Only plain torch is used (no depthrewrite op)."""
 

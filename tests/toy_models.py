@@ -1,4 +1,4 @@
-"""Tiny hand-written models, one per residual shape of SPEC section 1, for the analysis
+"""Tiny hand-written models, one per residual shape of docs/spec.md section 1, for the analysis
 tests. Each block's forward is the shape under test, written out literally."""
 
 from __future__ import annotations

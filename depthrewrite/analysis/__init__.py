@@ -24,9 +24,13 @@ log = logging.getLogger(__name__)
 __all__ = ["Site", "ResidualStream", "BlockPlan", "analyze", "analyze_block_call"]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 @dataclass(frozen=True)
 class Site:
-    """One point where a branch reads the residual stream (SPEC section 1)."""
+    """One point where a branch reads the residual stream (docs/spec.md section 1)."""
 
     index: int  # 1-based over the whole model: sources are numbered 0 (embedding) .. L
     block: int  # 0-based index of the block in the stack
@@ -65,8 +69,8 @@ class ResidualStream:
     def __str__(self) -> str:
         head = (
             f"{self.model}: residual stream of width {self.d_model} through "
-            f"{len(self.block_paths)} blocks of '{self.stack_path}' ({self.stream_argument}), "
-            f"{self.num_sites} sites, final norm '{self.final_norm_path}' ({self.final_norm_type})"
+            f"{_count(len(self.block_paths), 'block')} of '{self.stack_path}' ({self.stream_argument}), "
+            f"{_count(self.num_sites, 'site')}, final norm '{self.final_norm_path}' ({self.final_norm_type})"
         )
         rows = [("site", "block", "pos", "kind", "norm", "norm module(s)", "branch modules")]
         for s in self.sites:
@@ -128,13 +132,14 @@ def analyze_block_call(cap: Capture, index: int, block: nn.Module, forward, spec
         traced, finder = _trace(cap, index, block, forward, spec, norm_cache, hints)
         sites = finder.find()
     if probe_values is not None:
+        sized = _sized_arguments(cap, spec, forward, probe_values)
         try:
-            finder.classify_parts(probe_values, sites)
+            finder.classify_parts(probe_values, sites, sized)
         except DepthRewriteError:
             raise
         except Exception as exc:  # noqa: BLE001 - the graph does not replay the recorded call
             traced, finder, sites = _retrace_with_leaf_outputs(cap, index, block, forward, spec, norm_cache,
-                                                               probe_values, traced.hints, exc)
+                                                               probe_values, traced.hints, sized, exc)
     return BlockPlan(index=index, path=cap.block_paths[index], module=block, traced=traced,
                      stream_placeholder=finder.stream0, sites=sites, forward=forward, finder=finder)
 
@@ -148,8 +153,26 @@ def _trace(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec, 
     return traced, finder
 
 
+def _sized_arguments(cap: Capture, spec: CallSpec, forward, values: list) -> tuple[str, ...]:
+    """The block's arguments, other than the stream, that may be sized or valued for the
+    example's sequence: every other traced input (a tensor, a tuple of them, a mask, a
+    cache) and every number baked in as a constant (a length, a position). Without them the
+    token-mixing probe may run the block on a longer stream than the example's."""
+    params = forward_param_names(forward)
+    stream = spec.input_index(cap.stream_arg.position, cap.stream_arg.keyword)
+    found = [f"'{name}' ({type(value).__name__})"
+             for i, (name, value) in enumerate(zip(spec.input_names(params), values)) if i != stream]
+    constants = [(params[i] if i < len(params) else f"argument {i}", value)
+                 for i, (mode, value) in enumerate(spec.positional) if mode == "const"]
+    constants += [(name, value) for name, (mode, value) in spec.keywords if mode == "const"]
+    found += [f"'{name}' ({value!r})" for name, value in constants
+              if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    return tuple(found)
+
+
 def _retrace_with_leaf_outputs(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec,
-                               norm_cache: dict, probe_values: list, hints: TraceHints, error: Exception):
+                               norm_cache: dict, probe_values: list, hints: TraceHints, sized: tuple[str, ...],
+                               error: Exception):
     """The traced graph failed on the recorded inputs. A leaf child that returned ``None``
     in a tuple (read as a tensor by the trace) is the one cause fixed here; any other is
     reported with the recorded inputs that are objects (a KV cache the capture run filled
@@ -163,7 +186,7 @@ def _retrace_with_leaf_outputs(cap: Capture, index: int, block: nn.Module, forwa
         traced, finder = _trace(cap, index, block, forward, spec, norm_cache, hints)
         sites = finder.find()
         try:
-            finder.classify_parts(probe_values, sites)
+            finder.classify_parts(probe_values, sites, sized)
             log.info("block %r: traced again knowing which child outputs are None: %s",
                      cap.block_paths[index], [p for p, _ in patterns])
             return traced, finder, sites
@@ -221,7 +244,7 @@ def _discover_sites(cap: Capture, index: int, block: nn.Module, forward, spec: C
     reason = not_additive_reason(finder, probe_values)
     if reason is not None:
         raise NotAdditiveStreamError(
-            f"{finder.where()}: {reason}; depthrewrite needs one stream updated by h + u (SPEC section 1)"
+            f"{finder.where()}: {reason}; depthrewrite needs one stream updated by h + u (docs/spec.md section 1)"
         ) from error
     raise error
 

@@ -4,7 +4,9 @@
   is invariant to scaling its input (RMSNorm and LayerNorm both are, up to eps); LayerNorm
   is also invariant to adding a constant to every channel.
 - :func:`mixes_tokens` -- does a branch's output at one position depend on the input at
-  another? Attention and state-space mixers do; MLPs and MoE feed-forwards do not.
+  another? Attention and state-space mixers do; MLPs and MoE feed-forwards do not. Only a
+  sequence of at least :data:`MIN_PROBE_TOKENS` tokens can show it (:func:`shows_mixing`);
+  :func:`two_token_copy` makes one from a one-token stream.
 """
 
 from __future__ import annotations
@@ -94,14 +96,33 @@ def run_block_graph(gm: fx.GraphModule, inputs: list, perturb: fx.Node | None = 
     return interp.env
 
 
+#: the fewest tokens that can show token mixing: one to perturb, one to watch
+MIN_PROBE_TOKENS = 2
+
+
+def shows_mixing(stream: torch.Tensor) -> bool:
+    """Can the token-mixing probe run on this stream (sequence on dim -2, as in (B, T, d))?"""
+    return stream.dim() >= 2 and stream.shape[-2] >= MIN_PROBE_TOKENS
+
+
+def two_token_copy(stream: torch.Tensor) -> torch.Tensor:
+    """A one-token stream repeated to :data:`MIN_PROBE_TOKENS` tokens: values the block
+    has seen, at the shortest length that shows mixing (the least likely to outgrow a
+    position table inside the block)."""
+    if stream.dim() < 2 or stream.shape[-2] != 1:
+        raise ValueError(f"two_token_copy: expected a stream of one token on dim -2, found shape {tuple(stream.shape)}")
+    return stream.expand(*stream.shape[:-2], MIN_PROBE_TOKENS, stream.shape[-1]).clone()
+
+
 @torch.no_grad()
 def mixes_tokens(gm: fx.GraphModule, inputs: list, stream: fx.Node, outputs: list[fx.Node],
                  baseline: dict) -> list[bool]:
     """For each node in ``outputs``: does its value at positions 1.. change when the stream
     entering the site changes at position 0 only? (sequence on dim -2, as in (B, T, d))."""
     ref = baseline[stream]
-    if ref.dim() < 2 or ref.shape[-2] < 2:
-        return [False for _ in outputs]
+    if not shows_mixing(ref):  # no answer rather than a silent "no": the caller must probe longer
+        raise ValueError(f"mixes_tokens: the stream has shape {tuple(ref.shape)}; the probe needs at least "
+                         f"{MIN_PROBE_TOKENS} tokens on dim -2")
     delta = torch.zeros_like(ref)
     gen = torch.Generator().manual_seed(4321)
     noise = torch.randn(delta[..., :1, :].shape, generator=gen, dtype=torch.float32)

@@ -17,6 +17,7 @@ site records those chains so that the rewrite can replay them on the routed valu
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -26,8 +27,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import NotPreNormError, NoResidualStreamError, UnsupportedStructureError
-from .probes import mixes_tokens, norm_eps, norm_type, run_block_graph
+from ..capture import EXAMPLE_SEQ_LEN
+from ..errors import CaptureError, NotPreNormError, NoResidualStreamError, UnsupportedStructureError
+from .probes import MIN_PROBE_TOKENS, mixes_tokens, norm_eps, norm_type, run_block_graph, shows_mixing, two_token_copy
+
+log = logging.getLogger(__name__)
 
 _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 _ADD_METHODS = {"add", "add_", "__add__", "__iadd__", "__radd__"}
@@ -252,15 +256,32 @@ class BlockSiteFinder:
             f"the branch reads the raw stream through '{module_path(self.block_path, reader.target)}'"
             if reader.op == "call_module" else f"the branch reads the raw stream through '{reader.name}'"
         )
-        shape = "post-norm h + norm(f(h))" if any(self.norm_of(n) for n in path[1:]) else "h + f(h) with no norm"
+        post_ln = self._post_ln_norm(add)
+        if any(self.norm_of(n) for n in path[1:]):  # OLMo 2: the norm sits on the branch, after f
+            shape = "post-norm h + norm(f(h))"
+        elif post_ln is not None:  # the original Transformer, BERT: the norm's output is the next stream
+            norm_class = type(self.gm.get_submodule(post_ln.target)).__name__
+            found += f", and the sum goes into the norm '{module_path(self.block_path, post_ln.target)}' ({norm_class})"
+            shape = "post-LN norm(h + f(h))"
+        else:
+            shape = "h + f(h) with no norm"
         hint = ""
         if reader.op == "call_module" and self._is_identity_slot(reader):
             hint = (" (an nn.Identity in a norm slot is accepted only at the first site of the "
                     "first block, whose stream is the embedding output)")
         raise NotPreNormError(
             f"{self.where()}: the residual add '{add.name}' is not PreNorm: {found}{hint} "
-            f"(shape found: {shape}); depthrewrite needs h + f(norm(h)), see SPEC section 1"
+            f"(shape found: {shape}); depthrewrite needs h + f(norm(h)), see docs/spec.md section 1"
         )
+
+    def _post_ln_norm(self, add: fx.Node) -> fx.Node | None:
+        """The norm whose output replaces the sum as the stream (post-LN ``norm(h + f(h))``):
+        the only reader of the sum's values. A norm that reads the sum next to a raw add of
+        it is the next site's PreNorm, not a post-LN norm."""
+        carried = self.carried(add)
+        readers = {r for c in carried for r in self.nx.successors(c) if r not in carried}
+        norms = [r for r in readers if self.norm_of(r) is not None]
+        return norms[0] if len(norms) == 1 and len(readers) == 1 else None
 
     def _join_parallel_half(self, site: SiteGraph, earlier: list[SiteGraph]) -> None:
         """``(s + a) + m`` with ``m`` computed from ``s`` (not from ``s + a``): one parallel
@@ -301,12 +322,48 @@ class BlockSiteFinder:
         return len(site.parts) == 1 and is_add(u) and all(
             isinstance(t, fx.Node) and nx.has_path(self.nx, site.stream, t) for t in u.args[:2])
 
-    def classify_parts(self, inputs: list, sites: list[SiteGraph]) -> None:
-        """Label every part of every site as token-mixing or not (one probe run per site)."""
+    def classify_parts(self, inputs: list, sites: list[SiteGraph], sized_arguments: tuple[str, ...] = ()) -> None:
+        """Label every part of every site as token-mixing or not (one probe run per site).
+
+        ``sized_arguments`` describes the block's arguments, other than the stream, that
+        may be sized for the example's sequence (tensors, objects, numbers). A one-token
+        example cannot show mixing; without such arguments the probe runs on a two-token
+        copy of the stream instead, with them the example is refused."""
         baseline = run_block_graph(self.gm, inputs)
         for site in sites:
             self._require_stream_shape(site, baseline)
+        if not shows_mixing(baseline[self.stream0]):
+            inputs, baseline = self._two_token_probe(inputs, baseline[self.stream0], sized_arguments)
+        for site in sites:
             site.part_mixes = mixes_tokens(self.gm, inputs, site.stream, site.parts, baseline)
+
+    def _two_token_probe(self, inputs: list, stream: torch.Tensor, sized_arguments: tuple[str, ...]):
+        """The inputs and node values of a run on a two-token copy of a one-token stream."""
+        if sized_arguments or stream.dim() < 2 or stream.shape[-2] != 1:
+            why = (f"the block also receives {', '.join(sized_arguments)}, which may be sized for that "
+                   "sequence, so depthrewrite cannot make up a longer one") if sized_arguments else ""
+            raise CaptureError(self._too_short(stream, why))
+        index = [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(self.stream0)
+        longer = list(inputs)
+        longer[index] = two_token_copy(stream)
+        try:
+            baseline = run_block_graph(self.gm, longer)
+        except Exception as exc:  # noqa: BLE001 - the block's code does not take the longer copy
+            raise CaptureError(self._too_short(
+                stream, f"running the block on a two-token copy of its stream failed ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:200]})")) from exc
+        log.info("%s: the example's stream has one token; branch kinds probed on a two-token copy",
+                 self.where())
+        return longer, baseline
+
+    def _too_short(self, stream: torch.Tensor, why: str) -> str:
+        found = (f"a sequence of {stream.shape[-2]} token{'s' if stream.shape[-2] != 1 else ''} (dim -2)"
+                 if stream.dim() >= 2 else "no sequence dimension")
+        return (f"{self.where()}: the example input gives the block a stream of shape {tuple(stream.shape)}, "
+                f"{found}; whether a branch mixes tokens (attention) or not (mlp) shows only across at least "
+                f"{MIN_PROBE_TOKENS} tokens{'; ' + why if why else ''}. Pass example_inputs with a sequence of "
+                f"at least {MIN_PROBE_TOKENS} tokens (without example_inputs, a model with config.vocab_size "
+                f"is captured on {EXAMPLE_SEQ_LEN} tokens)")
 
     def _require_stream_shape(self, site: SiteGraph, values: dict) -> None:
         """Routing keeps every source in the shape the block received the stream in."""

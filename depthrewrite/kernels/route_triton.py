@@ -1,6 +1,6 @@
 """Fused Triton kernels for ``depthrewrite::route`` and ``depthrewrite::route_backward``.
 
-Same math as :mod:`depthrewrite.ops.route` (SPEC sections 2-4). The N sources are never
+Same math as :mod:`depthrewrite.ops.route` (docs/spec.md sections 2-4). The N sources are never
 stacked: their data pointers go to the kernel in a small int64 table and each program
 casts entry ``i`` back to a pointer, so any N works without a copy of the sources.
 

@@ -1,6 +1,6 @@
 """Depth routing (Attention Residuals, MHAR) as ``depthrewrite::`` custom ops.
 
-For N sources ``v_i`` of shape ``(*batch, d)`` (SPEC sections 2-4)::
+For N sources ``v_i`` of shape ``(*batch, d)`` (docs/spec.md sections 2-4)::
 
     k_i   = keys[i] if keys else v_i          (both times source_scale[i], if given)
     khat  = RMSNorm_g(k_i)                    statistic over the FULL width d
@@ -335,7 +335,7 @@ def _backward(ctx, grad_out, _grad_lse, grad_normed):
         grad_query,
         grad_weight,
         grad_bias if logit_bias is not None else None,
-        None,  # source_scale is a constant of the routing (SPEC 5: detached RMS matching)
+        None,  # source_scale is a constant of the routing (docs/spec.md section 5: detached RMS matching)
         None,
         None,
         grad_norm_weight if out_norm_weight is not None else None,

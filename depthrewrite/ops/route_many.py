@@ -1,6 +1,6 @@
 """Several queries routing over the same sources: ``depthrewrite::route_many``.
 
-The first phase of the two-phase Block AttnRes computation (SPEC section 3; the Attention
+The first phase of the two-phase Block AttnRes computation (docs/spec.md section 3; the Attention
 Residuals paper's inference/training trick): all S sites of a block read the same completed
 block summaries ``b_0 .. b_{n-1}``, so their softmaxes over those summaries are computed in
 ONE pass that reads each summary once, and each site later merges its block's partial sum
@@ -342,7 +342,7 @@ def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, k
 def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, query: Tensor, key_norm_weight: Tensor,
                  heads: int = 1, eps: float = 1e-6) -> Tensor:
     """One query's routing result over several groups of sources, from each group's result,
-    plus more sources routed directly: the general second phase (WAV's, SPEC 5).
+    plus more sources routed directly: the general second phase (WAV's, docs/spec.md section 5).
 
     ``results``: ``(out, lse, bias)`` per group, ``out`` and ``lse`` one query's
     :func:`route_many` result over that group, ``bias`` None or a scalar tensor added to

@@ -3,7 +3,7 @@
 For J finished routing results ``(out_j, lse_j)`` (each one query's :func:`route_many`
 result over some sources) and one more source per result, its value ``v_j`` with its key
 ``k_j`` (the value itself without ``keys``), the op returns the mix of the J merged
-results (SPEC section 3's online softmax; DAR's gate, SPEC section 6)::
+results (docs/spec.md section 3's online softmax; DAR's gate, docs/spec.md section 6)::
 
     khat_j  = RMSNorm(k_j)                              statistic over the full width d
     z_j[h]  = sum_{c in head h} q_j[c] g_j[c] khat_j[c]

@@ -1,7 +1,7 @@
 """The rewritten bundled GPT trains on real text: 50 AdamW steps lower the loss and every
 new routing parameter receives a non-zero gradient, except the pair of site 1: it routes
-over the single source ``e`` (SPEC 2: ``x_1 = e``), a softmax over one element is exactly 1,
-so its query and key-norm weight can never receive a gradient. SPEC counts them in the
+over the single source ``e`` (docs/spec.md section 2: ``x_1 = e``), a softmax over one element is exactly 1,
+so its query and key-norm weight can never receive a gradient. docs/spec.md counts them in the
 ``2 d (L + 1)`` new parameters, so they exist; the test asserts their gradient is exactly 0."""
 
 import pytest

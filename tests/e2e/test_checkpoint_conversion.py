@@ -1,4 +1,4 @@
-"""Identity-preserving conversion of a trained checkpoint (SPEC 7): a Hugging Face model is
+"""Identity-preserving conversion of a trained checkpoint (docs/spec.md section 7): a Hugging Face model is
 trained, saved with ``save_pretrained``, loaded back, converted with
 ``preserve_identity=True`` and trained on: its first loss equals the original model's
 exactly, and the converted model saves and loads back bit-identically."""

@@ -13,6 +13,11 @@ def test_inspect_bundled_preset(capsys):
     assert "blocks.2.norm_mlp" in out
 
 
+def test_inspect_counts_one_block_in_the_singular(capsys):
+    assert main(["inspect", "gpt:tiny", "--layers", "1"]) == 0
+    assert "through 1 block of 'blocks'" in capsys.readouterr().out
+
+
 def test_inspect_hf_config_path(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -23,7 +28,24 @@ def test_inspect_hf_config_path(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model, message", [("gpt:huge", "unknown gpt preset 'huge'"),
-                                            ("/no/such/folder", "no local config")])
+                                            ("/no/such/folder", "no such file or folder: '/no/such/folder'"),
+                                            ("./config.json", "no such file or folder: './config.json'")])
 def test_inspect_errors_are_clear(model, message, capsys):
     assert main(["inspect", model]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["/nonexistent", "no-such-owner/no-such-model"])
+def test_inspect_of_nothing_says_what_it_looked_for(name, capsys):
+    """Not a path, not a preset, not a cached model id: said in those words, not in those of
+    the Hugging Face lookup (a path is no valid repo id; an id is looked up offline)."""
+    pytest.importorskip("transformers")
+    assert main(["inspect", name]) == 2
+    err = capsys.readouterr().err
+    assert f"no such file or folder: {name!r}" in err and "gpt:tiny" in err and "model id" in err
+    assert "Repo id" not in err and "internet" not in err
+
+
+def test_inspect_of_a_folder_without_a_config(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "holds no config.json" in capsys.readouterr().err

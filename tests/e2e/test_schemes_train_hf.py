@@ -1,6 +1,6 @@
 """Every scheme trains on the HF Llama and Mixtral configs of the core issue: 50 AdamW
 steps on real text lower the loss, every new parameter receives a gradient (except the
-ones that structurally cannot: SPEC 2's ``x_1 = e``), and the model saves and loads back
+ones that structurally cannot: docs/spec.md section 2's ``x_1 = e``), and the model saves and loads back
 bit-identically."""
 
 import io

@@ -1,12 +1,12 @@
-"""Hand-written MHAR, WAV and DAR GPTs: test oracles for the rewriter (SPEC sections 4-7).
+"""Hand-written MHAR, WAV and DAR GPTs: test oracles for the rewriter (docs/spec.md sections 4-7).
 
-Written from SPEC alone, independently of ``depthrewrite.passes``: each oracle walks the
+Written from docs/spec.md alone, independently of ``depthrewrite.passes``: each oracle walks the
 bundled GPT's blocks, calls their norms, attention and MLP modules directly, and does the
 routing by hand with ``route_reference`` (plain torch). Routing parameters are looked up by
 the names the rewritten model gives them (``blocks.<b>.depth_route.site<p>.<field>`` and
 ``norm_final.depth_route.readout.<field>``), so a test copies them in by name.
 
-``delta=True`` is SPEC 7: the residual stream ``h`` is kept and each branch reads
+``delta=True`` is docs/spec.md section 7: the residual stream ``h`` is kept and each branch reads
 ``h + gate * route(...)`` (the routing parameters then sit under ``...inner.``).
 """
 
@@ -87,7 +87,7 @@ class Stream:
 
 # ----------------------------------------------------------------------------- MHAR
 def mhar_logits(gpt, params: Params, ids, heads: int, block_size: int | None = None, eps: float = 1e-6):
-    """SPEC 4 over the sources of SPEC 2 (``block_size=None``) or SPEC 3."""
+    """docs/spec.md section 4 over the sources of section 2 (``block_size=None``) or section 3."""
     e = embed(gpt, ids)
     stream = Stream(e, params)
     completed, partial, index = [e], None, 0
@@ -116,7 +116,7 @@ def _rms(t):
 
 def wav_logits(gpt, params: Params, ids, block_size: int, rho: float = 2.0, eps: float = 1e-6,
                phase_of_parts: bool = True):
-    """SPEC 5. A block is a dict of its bases ``C``, ``phase``, ``split``. With
+    """docs/spec.md section 5. A block is a dict of its bases ``C``, ``phase``, ``split``. With
     ``phase_of_parts=False`` a parallel site contributes 0 to the phase basis (a graph
     that does not expose its parts)."""
     e = embed(gpt, ids)
@@ -165,7 +165,7 @@ def wav_logits(gpt, params: Params, ids, block_size: int, rho: float = 2.0, eps:
 
 
 # ------------------------------------------------------------------------------ DAR
-#: SPEC 6: for target stream j, (stream the keys come from, stream the values come from)
+#: docs/spec.md section 6: for target stream j, (stream the keys come from, stream the values come from)
 DAR_ROLES = {
     "dar": lambda j: (1 - j, j),
     "selfkv": lambda j: (j, j),
@@ -176,7 +176,7 @@ DAR_ROLES = {
 
 def dar_logits(gpt, params: Params, ids, variant: str = "dar", layers_per_block: int = 1, eps: float = 1e-6,
                record: list | None = None):
-    """SPEC 6. ``record``, if given, receives the two streams' completed entries at the end."""
+    """docs/spec.md section 6. ``record``, if given, receives the two streams' completed entries at the end."""
     e = embed(gpt, ids)
     stream = Stream(e, params)
     history = [[e], [e]]

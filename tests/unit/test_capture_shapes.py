@@ -37,7 +37,7 @@ class EmbedNormLM(ToyLM):
 
 
 def depth_mix(sources, query, key_norm_weight, eps=1e-6):
-    """SPEC section 2 in the sources' own dtype: softmax over depth of w . RMSNorm_g(v_i)."""
+    """docs/spec.md section 2 in the sources' own dtype: softmax over depth of w . RMSNorm_g(v_i)."""
     v = torch.stack(sources)
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * key_norm_weight
     return ((keys * query).sum(-1).softmax(0).unsqueeze(-1) * v).sum(0)

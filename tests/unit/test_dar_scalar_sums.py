@@ -1,5 +1,5 @@
 """The two forms of DAR's gate and transport (``depthrewrite.passes.dar.MIX_FORM``): as
-differences, autograd forms one sum over the tokens per scalar use, the SPEC's form two
+differences, autograd forms one sum over the tokens per scalar use, the spec's form two
 (each such sum is a split reduction over every element in the compiled step, which reads
 its tensors again); both give the same gradients. Counted in the eager backward: the sums
 that reduce a ``(batch, tokens, d)`` tensor to one or two numbers."""
@@ -56,7 +56,7 @@ def test_one_sum_per_scalar_use_and_the_same_gradients(layers_per_block, two_pha
     gates = sites + 1  # every site's and the readout's mix
     # difference form: each write sums once for rho and once per beta, each gate once
     assert sums == later_sites * 3 + blocks * 2 + gates
-    # the SPEC's form: rho's two weights in two products each, and both weights of the gate
+    # the spec's form: rho's two weights in two products each, and both weights of the gate
     assert sums_w == later_sites * 6 + blocks * 2 + gates * 2
     # float32: the two forms differ by rounding only
     torch.testing.assert_close(loss, loss_w, rtol=1e-6, atol=1e-6)

@@ -1,5 +1,5 @@
 """depthrewrite::route_many, route_many_backward, merge_partial and merge_routes against
-route, the reference and autograd (the two-phase Block AttnRes computation, SPEC section 3,
+route, the reference and autograd (the two-phase Block AttnRes computation, docs/spec.md section 3,
 and WAV's, section 5)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""depthrewrite::route and route_backward against the reference and the SPEC (sections 2-4)."""
+"""depthrewrite::route and route_backward against the reference and docs/spec.md (sections 2-4)."""
 
 from __future__ import annotations
 
@@ -313,7 +313,7 @@ def test_bf16_matches_float64_reference(case, param_dtype):
             assert_rel(g, rg, 1e-5)  # fp32 parameter gradients carry only fp32 rounding
 
 
-# ------------------------------------------------------------- SPEC properties
+# ------------------------------------------------------------- spec's properties
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])

@@ -1,6 +1,6 @@
-"""The baselines of SPEC section 8 as rewrites: denseformer, rezero, layerscale, hyperconn,
+"""The baselines of docs/spec.md section 8 as rewrites: denseformer, rezero, layerscale, hyperconn,
 mhc. Each against a hand-written oracle (a loop over ``model.blocks`` calling the block's
-norms and branches directly, the scheme done by hand from SPEC), its init property, and a
+norms and branches directly, the scheme done by hand from docs/spec.md), its init property, and a
 short real training run."""
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_preserve_identity_gives_the_original_bit_for_bit(scheme, parallel):
     ref = logits(model)
     rewrite(model, scheme, preserve_identity=True)  # verify=True checks it too
     assert torch.equal(logits(model), ref)
-    assert not any("gate" in n for n in new_params(model))  # an initial value, not the SPEC 7 gate
+    assert not any("gate" in n for n in new_params(model))  # an initial value, not the docs/spec.md section 7 gate
 
 
 def test_rezero_default_init_is_zero():

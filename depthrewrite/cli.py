@@ -1,6 +1,7 @@
-"""The ``depthrewrite`` command: ``train`` and ``compare``. Parses and prints; the work is
-done by ``depthrewrite.train``.
+"""The ``depthrewrite`` command: ``inspect``, ``train`` and ``compare``. Parses and prints;
+the work is done by ``depthrewrite.inspect`` and ``depthrewrite.train``.
 
+    depthrewrite inspect gpt:small            # the residual-stream table of a preset or HF config
     depthrewrite compare                      # residual vs attnres vs block_attnres, tiny GPT, stdlib text, CPU
     depthrewrite train --model gpt:tiny --scheme attnres --steps 300 --out runs/attnres
     depthrewrite train --out runs/attnres --steps 300 --resume
@@ -12,17 +13,49 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import pathlib
+import re
 import sys
 
 from .errors import DepthRewriteError
 from .train.compare import DEFAULT_SCHEMES, CompareConfig, compare, default_compare_train_config
 from .train.distributed import MODES
-from .train.loop import COMPILE_MODES, PRECISIONS, TrainConfig, train
+from .train.loop import COMPILE_MODES, PRECISIONS, WARMUP_DIVISOR, TrainConfig, train
 from .train.model import preset_names
 
 
+#: how --option and --model-option read VALUE (in the help and in parse_value's docstring)
+VALUE_FORMS = ("VALUE: an int, a float, true/false, none, a tuple of those written a,b or (a,b) or [a,b] "
+               "(e.g. beta_init=1.0,0.5), else a string")
+_BRACKETS = {"(": ")", "[": "]"}
+
+
 def parse_value(text: str):
-    """``key=value`` values: int, then float, then true/false/none, else the string."""
+    """``key=value`` values: int, then float, then true/false/none, else the string; a
+    comma-separated list, bare or in ``()`` or ``[]``, is a tuple of such values
+    (``beta_init=1.0,0.5``; ``()`` is the empty tuple, ``(1,)`` a tuple of one)."""
+    text = text.strip()
+    if text[:1] in _BRACKETS and text[-1:] == _BRACKETS[text[0]]:
+        return _parse_tuple(text, text[1:-1])
+    if "," in text:
+        return _parse_tuple(text, text)
+    return _parse_scalar(text)
+
+
+def _parse_tuple(text: str, inner: str) -> tuple:
+    if not inner.strip():
+        return ()
+    items = [item.strip() for item in inner.split(",")]
+    if items[-1] == "" and len(items) > 1:  # a trailing comma, as in Python's (1,)
+        items.pop()
+    for item in items:
+        if not item or item[0] in _BRACKETS or item[-1] in _BRACKETS.values():
+            raise ValueError(f"a tuple value is comma-separated numbers, words or none (not nested, no empty "
+                             f"items), found {text!r}")
+    return tuple(_parse_scalar(item) for item in items)
+
+
+def _parse_scalar(text: str):
     for convert in (int, float):
         try:
             return convert(text)
@@ -37,50 +70,79 @@ def parse_options(items: list[str], flag: str) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{flag} expects key=value, found {item!r}")
-        out[key.strip()] = parse_value(value.strip())
+        try:
+            out[key.strip()] = parse_value(value)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {item!r}: {exc}") from exc
     return out
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model")
-    m.add_argument("--model", help=f"bundled preset: {', '.join(preset_names())}")
-    m.add_argument("--layers", type=int, help="number of layers (overrides the preset)")
-    m.add_argument("--d-model", type=int, help="model width (overrides the preset)")
+def _add_common(p: argparse.ArgumentParser, base: TrainConfig, out_default: str) -> None:
+    """The model, data and training flags of train and compare; ``base`` gives the defaults
+    the help shows (the two subcommands' differ)."""
+    _add_model_args(p.add_argument_group("model"), base)
+    _add_data_args(p.add_argument_group("data (byte-level tokens)"), base.data)
+    _add_training_args(p.add_argument_group("training"), base, out_default)
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="(default warning)")
+
+
+def _add_model_args(m, base: TrainConfig) -> None:
+    m.add_argument("--model", help=f"bundled preset: {', '.join(preset_names())} (default {base.model})")
+    m.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
+    m.add_argument("--d-model", type=int, help="model width (default: the preset's)")
     m.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other GPTConfig/MoEConfig field, e.g. dropout=0.1 (repeatable)")
     m.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="scheme option, e.g. block_size=4 (repeatable; compare: SCHEME:KEY=VALUE for one scheme)")
-    d = p.add_argument_group("data (byte-level tokens)")
-    d.add_argument("--data", help="'stdlib' (Python's own standard library sources), a text file or a directory")
-    d.add_argument("--max-bytes", type=int, help="cap on the corpus size in bytes")
-    d.add_argument("--doc-bytes", type=int, help="document size for splitting plain text files")
-    d.add_argument("--val-fraction", type=float, help="fraction of documents held out for validation")
+                   help="scheme option, e.g. block_size=4 (repeatable; compare: SCHEME:KEY=VALUE for one scheme). "
+                   + VALUE_FORMS)
+
+
+def _add_data_args(d, data) -> None:
+    d.add_argument("--data", help="'stdlib' (Python's own standard library sources), a text file or a directory "
+                   f"(default {data.source})")
+    d.add_argument("--max-bytes", type=int, help=f"cap on the corpus size in bytes (default {data.max_bytes:,})")
+    d.add_argument("--doc-bytes", type=int,
+                   help=f"document size for splitting plain text files (default {data.doc_bytes})")
+    d.add_argument("--val-fraction", type=float,
+                   help=f"fraction of documents held out for validation (default {data.val_fraction})")
     d.add_argument("--hf-dataset", help="Hugging Face dataset name or local data file (needs `datasets`)")
-    d.add_argument("--hf-split")
-    d.add_argument("--hf-text-field")
-    t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--stop-after", type=int, help="stop this invocation after this many steps (schedule unchanged)")
-    t.add_argument("--batch-size", type=int, help="global batch size (split across ranks)")
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--lr", type=float)
-    t.add_argument("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr")
-    t.add_argument("--warmup", type=int, dest="warmup_steps")
-    t.add_argument("--weight-decay", type=float)
-    t.add_argument("--grad-clip", type=float)
-    t.add_argument("--precision", choices=PRECISIONS)
-    t.add_argument("--compile", choices=("off", "on"))
-    t.add_argument("--backend", help="torch.compile backend (default inductor)")
+    d.add_argument("--hf-split", help=f"(default {data.hf_split})")
+    d.add_argument("--hf-text-field", help=f"(default {data.hf_text_field})")
+
+
+def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
+    t.add_argument("--steps", type=int, help=f"length of the run and of the LR schedule (default {base.steps})")
+    t.add_argument("--stop-after", type=int, help="stop this invocation after this many steps (schedule unchanged; "
+                   "default: run all --steps)")
+    t.add_argument("--batch-size", type=int,
+                   help=f"global batch size, split across ranks (default {base.batch_size})")
+    t.add_argument("--seq-len", type=int, help=f"tokens (bytes) per sequence (default {base.seq_len})")
+    t.add_argument("--lr", type=float, help=f"peak learning rate (default {base.lr})")
+    t.add_argument("--min-lr-ratio", type=float,
+                   help=f"cosine floor as a fraction of --lr (default {base.min_lr_ratio})")
+    t.add_argument("--warmup", type=int, dest="warmup_steps", help="linear warmup steps, fewer than --steps "
+                   f"(default: --steps // {WARMUP_DIVISOR}, {base.warmup()} of {base.steps})")
+    t.add_argument("--weight-decay", type=float, help=f"AdamW weight decay of matrices and embeddings (default "
+                   f"{base.weight_decay})")
+    t.add_argument("--grad-clip", type=float, help=f"gradient norm clip, 0: off (default {base.grad_clip})")
+    t.add_argument("--precision", choices=PRECISIONS, help=f"(default {base.precision})")
+    t.add_argument("--compile", choices=("off", "on"),
+                   help=f"torch.compile (default {'on' if base.compile else 'off'})")
+    t.add_argument("--backend", help=f"torch.compile backend (default {base.backend})")
     t.add_argument("--compile-mode", choices=COMPILE_MODES,
-                   help="torch.compile mode (default: default; reduce-overhead records CUDA graphs on a GPU)")
-    t.add_argument("--seed", type=int)
-    t.add_argument("--device")
-    t.add_argument("--threads", type=int, help="torch CPU threads (train default: torch's; compare default: 1)")
-    t.add_argument("--eval-every", type=int)
-    t.add_argument("--eval-batches", type=int)
-    t.add_argument("--out", help="output directory (metrics.jsonl, checkpoints/, plots)")
+                   help=f"torch.compile mode (default '{base.compile_mode}'; reduce-overhead records CUDA graphs "
+                   "on a GPU)")
+    t.add_argument("--seed", type=int, help=f"(default {base.seed})")
+    t.add_argument("--device", help=f"(default {base.device})")
+    t.add_argument("--threads", type=int, help="torch CPU threads (default "
+                   + ("torch's)" if base.threads is None else f"{base.threads})"))
+    t.add_argument("--eval-every", type=int, help=f"validation every N steps, 0: at the end only (default "
+                   f"{base.eval_every})")
+    t.add_argument("--eval-batches", type=int,
+                   help=f"validation batches per evaluation (default {base.eval_batches})")
+    t.add_argument("--out", help=f"output directory (metrics.jsonl, checkpoints/, plots; default {out_default})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
 _DATA_ARGS = {"data": "source", "max_bytes": "max_bytes", "doc_bytes": "doc_bytes", "val_fraction": "val_fraction",
@@ -131,12 +193,15 @@ def _split_compare_options(items: list[str], schemes: tuple[str, ...]) -> tuple[
             {s: parse_options(v, "--option") for s, v in per_scheme.items()})
 
 
+COMPARE_OUT = "runs/compare"
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip()) if args.schemes else DEFAULT_SCHEMES
     shared, per_scheme = _split_compare_options(args.option, schemes)
     base = default_compare_train_config()
     if args.out is None:
-        args.out = "runs/compare"
+        args.out = COMPARE_OUT
     config = CompareConfig(schemes=schemes, train=_train_config(args, base, shared), scheme_options=per_scheme,
                            out=args.out)
     result = compare(config)
@@ -159,16 +224,21 @@ def build_parser() -> argparse.ArgumentParser:
         "on a 2-core CPU)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train one model (optionally rewritten) on byte-level text")
-    p_train.add_argument("--scheme", help="depthrewrite scheme, or 'none' for no rewrite at all (default residual)")
-    _add_common(p_train)
-    p_train.add_argument("--save-every", type=int, help="checkpoint every N steps (also at the end, with --out)")
-    p_train.add_argument("--keep-checkpoints", type=int, help="newest checkpoints to keep (0: all)")
+    train_base = TrainConfig()
+    p_train.add_argument("--scheme", help="depthrewrite scheme, or 'none' for no rewrite at all "
+                         f"(default {train_base.scheme})")
+    _add_common(p_train, train_base, out_default="none: nothing written")
+    p_train.add_argument("--save-every", type=int, help="checkpoint every N steps, 0: at the end only, with --out "
+                         f"(default {train_base.save_every})")
+    p_train.add_argument("--keep-checkpoints", type=int, help="newest checkpoints to keep, 0: all "
+                         f"(default {train_base.keep_checkpoints})")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p_train.add_argument("--distributed", choices=MODES, help="ddp or fsdp2 under torchrun")
+    p_train.add_argument("--distributed", choices=MODES, help="ddp or fsdp2 under torchrun (default "
+                         f"{train_base.distributed}: one process)")
     p_train.set_defaults(func=_cmd_train)
     p_cmp = sub.add_parser("compare", help="train several schemes on the same data and budget; table and plots")
     p_cmp.add_argument("--schemes", help=f"comma-separated (default {','.join(DEFAULT_SCHEMES)})")
-    _add_common(p_cmp)
+    _add_common(p_cmp, default_compare_train_config(), out_default=COMPARE_OUT)
     p_cmp.set_defaults(func=_cmd_compare)
     p_ins = sub.add_parser("inspect", help="print the residual-stream table of a model")
     p_ins.add_argument("model", help="a bundled preset (gpt:tiny, moe:small, ...), a Hugging Face config.json, "
@@ -181,7 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_inspect(args) -> int:
     import depthrewrite
-    from depthrewrite.hf import model_from_config
     from depthrewrite.train.model import FAMILIES
 
     family, _, size = args.model.partition(":")
@@ -191,9 +260,35 @@ def _cmd_inspect(args) -> int:
             raise ValueError(f"unknown {family} preset {size!r}; presets: {', '.join(presets)}")
         model = factory(size, **({"n_layer": args.layers} if args.layers else {}))
     else:
-        model = model_from_config(args.model, args.layers)
+        model = _hf_model(args.model, args.layers)
     print(depthrewrite.inspect(model))
     return 0
+
+
+#: what a Hugging Face model id can look like: "name" or "owner/name" (huggingface_hub's rule)
+_MODEL_ID = re.compile(r"^(?![.-])[\w.-]{1,96}(?<![.-])(/(?![.-])[\w.-]{1,96}(?<![.-]))?$")
+
+
+def _hf_model(name: str, layers: int | None):
+    """``name`` as a config.json, a folder or a cached model id; one that is none of them (nor
+    a preset) is said to be so, not in the words of the Hugging Face lookup it would fail."""
+    from depthrewrite.hf import model_from_config
+
+    path = pathlib.Path(name)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the folder {name!r} holds no config.json")
+    if path.exists():
+        return model_from_config(name, layers)
+    nowhere = (f"no such file or folder: {name!r}; nor is it a bundled preset ({', '.join(preset_names())}) "
+               "or a model id in the local Hugging Face cache (inspect downloads nothing)")
+    if not _MODEL_ID.match(name) or name.endswith(".json"):
+        raise FileNotFoundError(nowhere)
+    try:
+        return model_from_config(name, layers)
+    except DepthRewriteError as exc:
+        if isinstance(exc.__cause__, OSError):  # the cache lookup failed
+            raise FileNotFoundError(nowhere) from exc
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,9 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     ``preserve_identity=True``, checks that its output equals the original's bit for bit.
     Other keyword arguments are the scheme's options (see ``depthrewrite.SCHEMES``).
     """
+    for name, value in (("inplace", inplace), ("verify", verify)):
+        if not isinstance(value, bool):  # inplace="no" is truthy: it would rewrite in place
+            raise ValueError(f"rewrite: {name} must be True or False, found {value!r}")
     cls = scheme_class(scheme)
     opts = scheme_options(cls, options)
     if not isinstance(model, nn.Module):

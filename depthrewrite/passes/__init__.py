@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .attnres import AttnResScheme, BlockAttnResScheme, ResidualScheme
-from .base import Scheme, SchemeOptions
+from .base import Scheme, SchemeOptions, finite_number
 from .baselines import DenseFormerScheme, LayerScaleScheme, ReZeroScheme
 from .hyperconn import HyperConnScheme, MHCScheme
 from .dar import DarScheme
@@ -46,9 +46,8 @@ def _check_types(scheme: str, opts: SchemeOptions) -> None:
         raise ValueError(f"{scheme}: preserve_identity must be True or False, found {opts.preserve_identity!r}")
     if opts.gate not in ("scalar", "channel"):
         raise ValueError(f"{scheme}: gate must be 'scalar' or 'channel', found {opts.gate!r}")
-    eps = getattr(opts, "eps", None)
-    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0):
-        raise ValueError(f"{scheme}: eps must be a positive number, found {eps!r}")
+    if hasattr(opts, "eps"):
+        finite_number(scheme, "eps", opts.eps, positive=True)
 
 
 __all__ = ["SCHEMES", "Scheme", "SchemeOptions", "scheme_class", "scheme_options"]

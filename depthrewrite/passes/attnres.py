@@ -1,6 +1,6 @@
-"""The identity rewrite and Attention Residuals, full and block (SPEC sections 2, 3, 8).
+"""The identity rewrite and Attention Residuals, full and block (docs/spec.md sections 2, 3, 8).
 
-Sources are numbered as in SPEC: source 0 is the embedding output ``e``, source ``l`` is
+Sources are numbered as in docs/spec.md: source 0 is the embedding output ``e``, source ``l`` is
 the update ``u_l`` of site ``l`` (the branch output, never the running sum).
 """
 
@@ -40,7 +40,7 @@ class ResidualScheme(Scheme):
 # --------------------------------------------------------------------------- AttnRes
 @dataclasses.dataclass(frozen=True)
 class AttnResOptions(SchemeOptions):
-    eps: float = 1e-6  # eps of the key RMSNorm (SPEC 2)
+    eps: float = 1e-6  # eps of the key RMSNorm (docs/spec.md section 2)
     # two-phase or grouped routing with ``recompute``: phase 1 of this many more groups, the
     # last ones before the last site's, keeps its outputs for the backward instead of
     # recomputing them: each group costs its sites' phase-1 outputs (sites x tokens x d) of
@@ -51,7 +51,8 @@ class AttnResOptions(SchemeOptions):
     # backend) instead of torch ops that Inductor compiles. Same function, less memory
     # (DAR block at 350M: 1.129x the plain model's peak against 1.175x; 1.062x with the
     # backend's recompute_branch_outputs), step time within 3 % either way (docs/benchmarks.md
-    # sessions 21 and 26). None: two_phase.FUSED_MERGE, off by default
+    # sessions 21 and 26). None: two_phase.FUSED_MERGE (off by default) when the model is
+    # rewritten, recorded as the True or False it gave (two_phase.resolve_fused_merge)
     fused_merge: bool | None = None
 
 
@@ -195,6 +196,7 @@ class AttnResScheme(Scheme):
         super().__init__(options, stream, dtype, device, hints)
         self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups,
                                       options.fused_merge)
+        self.options = two_phase.resolve_fused_merge(options, self.plan)
 
     def init_state(self, e):
         return full_initial_state(e, self.plan)
@@ -218,7 +220,7 @@ class BlockAttnResOptions(AttnResOptions):
 
 
 def default_block_size(num_sites: int, max_blocks: int = 8) -> int:
-    """The smallest even block size that gives at most ``max_blocks`` blocks (SPEC 3)."""
+    """The smallest even block size that gives at most ``max_blocks`` blocks (docs/spec.md section 3)."""
     size = max(2, math.ceil(num_sites / max_blocks))
     return size + (size % 2)
 
@@ -271,7 +273,7 @@ class BlockReadout(BlockRouter):
 
 
 def block_place(index: int, block_size: int) -> tuple[int, int]:
-    """(block, position in it) of site ``index`` (1-based, SPEC numbering); the readout is
+    """(block, position in it) of site ``index`` (1-based, docs/spec.md's numbering); the readout is
     ``index = num_sites + 1``."""
     return (index - 1) // block_size, (index - 1) % block_size
 
@@ -289,11 +291,12 @@ class BlockAttnResScheme(Scheme):
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints)
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")
         self.block_size = size
         self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
                                    options.fused_merge)
+        self.options = two_phase.resolve_fused_merge(options, self.plan)
 
     def init_state(self, e):
         return initial_block_state(e, self.plan)

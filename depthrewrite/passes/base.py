@@ -16,13 +16,14 @@ State is functional: routers return new tuples and never mutate the old ones, so
 is a pure function of (inputs, state) and gradient checkpointing can replay it.
 
 With ``preserve_identity=True`` every router is wrapped in :class:`DeltaSite` /
-:class:`DeltaReadout` (SPEC section 7): the residual stream is kept and the branch reads
+:class:`DeltaReadout` (docs/spec.md section 7): the residual stream is kept and the branch reads
 ``h + g * route(state)`` with a gate ``g`` initialised to zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -42,13 +43,32 @@ class SchemeOptions:
     gate: str = "scalar"  # preserve_identity gate: 'scalar' or 'channel' (per-channel)
 
 
+def is_number(value: object) -> bool:
+    """An int or float, not a bool (``True`` is an int to Python, never a size or a scale here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite_number(scheme: str, name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a float, checked here: a nan or inf option would otherwise surface only as
+    non-finite output at verification, or in the words of an internal op."""
+    if not (is_number(value) and math.isfinite(value)) or (positive and not value > 0):
+        raise ValueError(f"{scheme}: {name} must be a {'positive ' if positive else ''}finite number, "
+                         f"found {value!r}")
+    return float(value)
+
+
+def check_bool(scheme: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{scheme}: {name} must be True or False, found {value!r}")
+
+
 class Scheme:
     """Base class of the rewrite passes. Subclasses set ``name``, ``Options`` and
     ``delta_applies`` and implement the three factory methods."""
 
     name: ClassVar[str]
     Options: ClassVar[type] = SchemeOptions
-    #: whether SPEC section 7's identity-preserving form applies (it does not for the
+    #: whether docs/spec.md section 7's identity-preserving form applies (it does not for the
     #: identity rewrite itself)
     delta_applies: ClassVar[bool] = True
 
@@ -117,7 +137,7 @@ class PassThrough(nn.Module):
 
 
 class DeltaReadout(nn.Module):
-    """``x = h + gate * route(state)``; the residual stream itself is kept (SPEC 7)."""
+    """``x = h + gate * route(state)``; the residual stream itself is kept (docs/spec.md section 7)."""
 
     def __init__(self, inner: nn.Module, gate: nn.Parameter):
         super().__init__()

@@ -1,6 +1,6 @@
-"""Single-stream baselines of SPEC section 8: DenseFormer, ReZero and LayerScale.
+"""Single-stream baselines of docs/spec.md section 8: DenseFormer, ReZero and LayerScale.
 
-All three are, by construction, what SPEC section 7 asks of ``preserve_identity``, or one
+All three are, by construction, what docs/spec.md section 7 asks of ``preserve_identity``, or one
 initial value away from it, so they do not wrap their routers in the gated delta form
 (wrapping would be a no-op for DenseFormer and would drop the update scaling of ReZero and
 LayerScale). ``preserve_identity=True`` instead picks the initial values that make the
@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from ..analysis import Site
-from .base import PassThrough, Scheme, SchemeOptions, State
+from .base import PassThrough, Scheme, SchemeOptions, State, finite_number
 
 #: CaiT's LayerScale rule (Touvron et al. 2021): 0.1 up to this many layers, small beyond
 LAYERSCALE_SHALLOW_LAYERS = 18
 
 
 class _IdentityPreservingByInit(Scheme):
-    """Schemes whose ``preserve_identity`` is an initial value, not the SPEC 7 gate."""
+    """Schemes whose ``preserve_identity`` is an initial value, not the docs/spec.md section 7 gate."""
 
     def make_site_router(self, site: Site) -> nn.Module:
         return self.site_router(site)
@@ -127,8 +127,8 @@ class _ScaleScheme(_IdentityPreservingByInit):
 
     def _initial_value(self, options: ScaleOptions) -> float:
         init = options.init
-        if init is not None and (isinstance(init, bool) or not isinstance(init, (int, float))):
-            raise ValueError(f"{self.name}: init must be a number or None, found {init!r}")
+        if init is not None:
+            finite_number(self.name, "init", init)
         if options.preserve_identity:
             # the scale that keeps the original update: 1 * u is u exactly
             if init is not None and init != 1.0:

@@ -1,4 +1,4 @@
-"""Dual Attention Residuals (SPEC section 6).
+"""Dual Attention Residuals (docs/spec.md section 6).
 
 Two depth streams j = 0, 1, each a history of completed entries ``H^j`` (``H^j_0 = e``) and
 a partial entry ``P^j``. A site routes each stream (keys and values taken from the streams
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from ..recompute import recomputable
 from .attnres import AttnResOptions
 from . import two_phase
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
-from .base import Scheme, State
+from .base import Scheme, State, finite_number, is_number
 
 #: for each variant and target stream j: (stream giving the values, stream giving the keys)
 VARIANTS = {
@@ -41,7 +42,7 @@ VARIANTS = {
 
 
 #: How the gate ``s r^0 + (1 - s) r^1`` and the transport ``rho q^0 + (1 - rho) q^1`` are
-#: written as torch ops. "weights" (the SPEC's form, the default): both weights applied.
+#: written as torch ops. "weights" (the spec's form, the default): both weights applied.
 #: "difference": ``r^1 + s (r^0 - r^1)`` and ``q^1 + rho (q^0 - q^1)``, so that autograd
 #: forms one sum over the tokens per scalar use (the gate 1, not 2; a write with its betas
 #: 3, not 6), since those sums are Inductor's split reductions that read their tensors
@@ -88,7 +89,7 @@ class DarOptions(AttnResOptions):
     variant: str = "dar"  # 'dar', 'selfkv', 'crossv' or 'fixedkv' (see VARIANTS)
     layers_per_block: int = 1  # K: layers per DAR block; 1 is full DAR
     # beta^j starts at beta_init[0] where (site index + j) is even, else beta_init[1]: the
-    # streams must start different or they stay identical (SPEC 6, our choice)
+    # streams must start different or they stay identical (docs/spec.md section 6, our choice)
     beta_init: tuple[float, float] = (1.0, 0.5)
     transport_init: float = 2.0  # c; rho = sigmoid(c) is the share a stream keeps of itself
     # the two-phase computation of Block AttnRes (two_phase.TwoPhasePlan), one list per stream
@@ -244,14 +245,14 @@ class DarScheme(Scheme):
             raise ValueError(f"dar: layers_per_block must be a positive int, found {k!r}")
         beta = options.beta_init
         if not (isinstance(beta, (tuple, list)) and len(beta) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in beta)):
-            raise ValueError(f"dar: beta_init must be a pair of numbers, found {beta!r}")
-        if isinstance(options.transport_init, bool) or not isinstance(options.transport_init, (int, float)):
-            raise ValueError(f"dar: transport_init must be a number, found {options.transport_init!r}")
+                and all(is_number(b) and math.isfinite(b) for b in beta)):
+            raise ValueError(f"dar: beta_init must be a pair of finite numbers, found {beta!r}")
+        finite_number("dar", "transport_init", options.transport_init)
         self.layers_per_block = k
         self._sites_per_layer = stream.sites_per_block()
         self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
                                    options.fused_merge)
+        self.options = two_phase.resolve_fused_merge(options, self.plan)
 
     def init_state(self, e):
         history = ((e,), (e,))

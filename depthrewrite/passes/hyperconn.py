@@ -1,4 +1,4 @@
-"""Multi-stream baselines of SPEC section 8: Hyper-Connections and manifold-constrained
+"""Multi-stream baselines of docs/spec.md section 8: Hyper-Connections and manifold-constrained
 Hyper-Connections (mHC).
 
 The depth state is the tuple of the ``n`` streams ``(H_0, ..., H_{n-1})``, each shaped

@@ -1,4 +1,4 @@
-"""Multi-Head Attention Residuals (SPEC section 4).
+"""Multi-Head Attention Residuals (docs/spec.md section 4).
 
 AttnRes (full or block) with the pseudo-query split into H heads, each with its own
 softmax over depth. The key RMS statistic stays over the full width (normalise, then
@@ -15,8 +15,8 @@ from .attnres import (
     AttnResOptions, BlockRouter, FullRouter, block_place, full_initial_state, full_router, full_routing_plan,
     initial_block_state,
 )
-from .base import Scheme
-from .two_phase import two_phase_plan
+from .base import Scheme, check_bool
+from .two_phase import resolve_fused_merge, two_phase_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,7 @@ class MharScheme(Scheme):
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints=hints)
         self.heads = self._resolve_heads(options.heads)
+        check_bool(self.name, "two_phase", options.two_phase)  # the full form does not read it, but takes it
         size = options.block_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
@@ -103,6 +104,7 @@ class MharScheme(Scheme):
         else:
             self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
                                        options.fused_merge)
+        self.options = resolve_fused_merge(options, self.plan)
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:

@@ -110,6 +110,16 @@ class RoutedBlock:
         self._depth_out_len = None
         return (out, *new_leaves)
 
+    #: the pytree specs of the last call's depth state: kept between the forward and the
+    #: backward (gradient checkpointing runs ``forward`` again), meaningless to a copy
+    _DEPTH_CALL_SPECS = ("_depth_state_spec", "_depth_out_spec")
+
+    def __getstate__(self):
+        # left out of copies and pickles: deep-copying a TreeSpec makes torch (2.13) build
+        # a new LeafSpec, whose deprecation warning copy.deepcopy(model) would then show
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k not in self._DEPTH_CALL_SPECS}
+
     def _depth_unpack(self, result):
         n = self._depth_out_len
         if n is None:

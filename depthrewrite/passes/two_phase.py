@@ -1,4 +1,4 @@
-"""The two-phase computation of depth routing (the Attention Residuals paper's; SPEC 3),
+"""The two-phase computation of depth routing (the Attention Residuals paper's; docs/spec.md section 3),
 shared by the schemes whose sites read a common set of earlier entries: Block AttnRes and
 block MHAR (the completed blocks), WAV (summaries and detail bases), DAR (one list per
 stream) and grouped full routing (the entries made before a group of sites).
@@ -9,6 +9,7 @@ router's phase 2, in its scheme's module, adds what its group made since.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -37,7 +38,8 @@ KEEP_LAST_PHASE_ONE = True
 #: device phase ``fusedmerge``) it made Block AttnRes slower (0.851x of the baseline against
 #: 0.878x) and DAR block no faster (0.680x against 0.675x); docs/design.md "The second phase
 #: in one op" says why. A scheme's ``fused_merge`` option overrides it per model
-#: (:func:`merges_fused`)
+#: (:func:`merges_fused`). Read when a model is rewritten (:func:`resolve_fused_merge`):
+#: changing it later leaves rewritten models as they are
 FUSED_MERGE = False
 
 #: phase 2 of grouped full routing (``group_size``): a site whose group has made 2 to this
@@ -55,13 +57,21 @@ DIRECT_MERGE_ENTRIES = 1
 
 def merges_fused(choice: bool | None) -> bool:
     """Whether a router's phase 2 goes through ``route_merge``: its scheme's ``fused_merge``
-    option, or :data:`FUSED_MERGE` (read when the forward runs or is traced) where that is
-    None."""
+    option, or :data:`FUSED_MERGE` where that is None."""
     return FUSED_MERGE if choice is None else choice
 
 
+def resolve_fused_merge(options, plan: "TwoPhasePlan | None"):
+    """``options`` with ``fused_merge`` as the rewrite uses it: the option, or
+    :data:`FUSED_MERGE` now where it is None; False without a second phase to merge in. The
+    routers read this, and ``save_pretrained`` and checkpoints record it, so that a model
+    rebuilt from the record computes as it did whatever the flag is then."""
+    used = merges_fused(options.fused_merge) if plan is not None else False
+    return dataclasses.replace(options, fused_merge=used)
+
+
 class TwoPhasePlan:
-    """The two-phase Block AttnRes computation (the Attention Residuals paper's; SPEC 3).
+    """The two-phase Block AttnRes computation (the Attention Residuals paper's; docs/spec.md section 3).
 
     Every site of a block reads the same completed block summaries plus its own block's
     partial sum. Phase 1 routes the summaries for ALL sites of the block at once, when the

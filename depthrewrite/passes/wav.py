@@ -1,4 +1,4 @@
-"""WAV v1: multiresolution Block AttnRes (SPEC section 5).
+"""WAV v1: multiresolution Block AttnRes (docs/spec.md section 5).
 
 Every block of S sites carries, next to its summary ``C = sum u_i``, two zero-sum detail
 bases accumulated online:
@@ -40,15 +40,15 @@ from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
     initial_block_state,
 )
-from .base import Scheme, State
-from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
+from .base import Scheme, State, finite_number, is_number
+from .two_phase import TwoPhasePlan, join_plan, resolve_fused_merge, two_phase_plan
 
 
 @dataclasses.dataclass(frozen=True)
 class WavOptions(AttnResOptions):
     block_size: int | None = None  # sites per block; None: as block_attnres (even S, at most 8 blocks)
-    rho: float = 2.0  # cap of the detail RMS-matching factor (SPEC 5, our choice)
-    detail_bias_init: float = -2.0  # initial logit bias of every detail source
+    rho: float = 2.0  # cap of the detail RMS-matching factor (docs/spec.md section 5, our choice)
+    detail_bias_init: float = -2.0  # initial logit bias of every detail source; -inf: block_attnres
     details: bool = True  # False: exactly block_attnres (same routers, same parameters)
     # the two-phase computation of Block AttnRes (two_phase.TwoPhasePlan), per source list;
     # off by default: measured slower for WAV (its merge weighs six terms per site)
@@ -195,7 +195,7 @@ def first_phase(plan: TwoPhasePlan, group: int, e: torch.Tensor, completed: tupl
 
 
 class WavReadout(_PlanMember):
-    """Conservative readout: ``{e, C_0, .., P}`` only, no details (SPEC 5)."""
+    """Conservative readout: ``{e, C_0, .., P}`` only, no details (docs/spec.md section 5)."""
 
     reads_details = False
 
@@ -230,16 +230,17 @@ class WavScheme(Scheme):
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"wav: block_size must be a positive int, found {size!r}")
-        if isinstance(options.rho, bool) or not isinstance(options.rho, (int, float)) or not options.rho > 0:
-            raise ValueError(f"wav: rho must be a positive number, found {options.rho!r}")
+        finite_number("wav", "rho", options.rho, positive=True)
         bias = options.detail_bias_init
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-            raise ValueError(f"wav: detail_bias_init must be a number, found {bias!r}")
+        if bias != -math.inf and not (is_number(bias) and math.isfinite(bias)):  # -inf: the details weigh 0
+            raise ValueError(f"wav: detail_bias_init must be a finite number or -inf (the details weighed 0: "
+                             f"block_attnres exactly), found {bias!r}")
         if not isinstance(options.details, bool):
             raise ValueError(f"wav: details must be True or False, found {options.details!r}")
         self.block_size = size
         self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
                                    options.fused_merge)
+        self.options = resolve_fused_merge(options, self.plan)
 
     def init_state(self, e):
         if not self.options.details:

@@ -1,7 +1,7 @@
 """``compare(config) -> CompareResult``: train several schemes on the same data, seed and
 budget, and write ``results.md`` (the table), ``loss_curves.png`` and, per routed scheme,
 ``routing_<scheme>.png`` (token-averaged depth-routing weights on a validation batch) and,
-per DAR scheme, ``streams_<scheme>.png`` (cross-stream CKA of its two histories, SPEC 6).
+per DAR scheme, ``streams_<scheme>.png`` (cross-stream CKA of its two histories, docs/spec.md section 6).
 
 Every scheme starts from the same base weights (the model is seeded before the rewrite)
 and sees the same batches (batches are a function of ``(seed, step)``).
@@ -37,7 +37,7 @@ def default_compare_train_config() -> TrainConfig:
     from .data import DataConfig
 
     return TrainConfig(model="gpt:tiny", data=DataConfig(max_bytes=2_000_000), steps=250, batch_size=16,
-                       seq_len=128, lr=3e-3, warmup_steps=25, eval_every=50, eval_batches=8, threads=1)
+                       seq_len=128, lr=3e-3, eval_every=50, eval_batches=8, threads=1)  # warmup: 25 steps
 
 
 @dataclass
@@ -119,7 +119,7 @@ def _heatmap(result: TrainResult, path: pathlib.Path) -> pathlib.Path | None:
 
 
 def _stream_similarity(result: TrainResult, path: pathlib.Path) -> tuple[pathlib.Path | None, float | None]:
-    """DAR's cross-stream CKA per history entry (SPEC 6) on the validation batch, drawn to
+    """DAR's cross-stream CKA per history entry (docs/spec.md section 6) on the validation batch, drawn to
     ``path``, and its mean over the written entries; ``(None, None)`` for other schemes."""
     similarity = stream_similarity(result.model, _val_batch(result), result.config.scheme)
     if similarity is None:
@@ -142,7 +142,7 @@ def _results_markdown(config: CompareConfig, table: str, rows: list[CompareRow])
     lines = [
         "# depthrewrite compare", "",
         f"Model `{t.model}`, data `{data}` (byte-level, up to {t.data.max_bytes:,} bytes), seed {t.seed}, "
-        f"{t.steps} steps of {t.batch_size} x {t.seq_len} tokens, lr {t.lr} (warmup {t.warmup_steps}, cosine), "
+        f"{t.steps} steps of {t.batch_size} x {t.seq_len} tokens, lr {t.lr} (warmup {t.warmup()}, cosine), "
         f"{t.precision}, device {t.device}.", "",
         "Final train loss: mean of the last 10 steps. Val loss: mean over "
         f"{t.eval_batches} fixed validation batches (documents held out by a seeded split). "

@@ -1,7 +1,8 @@
 """``train(config) -> TrainResult``: the training loop the CLI and ``compare`` run.
 
 AdamW (weight decay on matrices and embeddings only: norms and routing vectors keep their
-init scale), linear warmup then cosine decay to ``min_lr_ratio * lr``, gradient clipping,
+init scale), linear warmup (a tenth of the steps unless given) then cosine decay to
+``min_lr_ratio * lr``, gradient clipping,
 optional bf16 autocast and torch.compile, periodic evaluation on the validation split,
 a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
 
@@ -44,6 +45,9 @@ METRICS_FILE = "metrics.jsonl"
 #: config fields that must match a checkpoint for ``resume`` (steps may grow)
 _RESUME_MUST_MATCH = ("model", "layers", "d_model", "model_options", "scheme", "options", "batch_size",
                       "seq_len", "seed", "data")
+#: warmup steps, when not given, are steps // WARMUP_DIVISOR (a tenth of the run, rounded
+#: down): a fixed count would be the whole of a short run (no decay at all)
+WARMUP_DIVISOR = 10
 
 
 @dataclass
@@ -61,7 +65,7 @@ class TrainConfig:
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
+    warmup_steps: int | None = None  # None: steps // WARMUP_DIVISOR (20 of the default 200)
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables
     precision: str = "fp32"
@@ -83,10 +87,15 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
             _positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "eval_every", "save_every", "keep_checkpoints"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, found {value!r}")
+        for name in ("eval_every", "save_every", "keep_checkpoints"):
+            _non_negative_int(name, getattr(self, name))
+        if self.warmup_steps is not None:
+            _non_negative_int("warmup_steps", self.warmup_steps)
+            if self.warmup_steps >= self.steps:
+                raise ValueError(
+                    f"warmup_steps must be less than steps={self.steps} (else the learning rate is still "
+                    f"rising when the run ends and never decays), found {self.warmup_steps}; left unset, "
+                    f"it is steps // {WARMUP_DIVISOR}")
         if self.stop_after is not None and not (isinstance(self.stop_after, int) and 0 < self.stop_after <= self.steps):
             raise ValueError(f"stop_after must be an int in [1, steps={self.steps}], found {self.stop_after!r}")
         if self.threads is not None:
@@ -109,10 +118,19 @@ class TrainConfig:
             raise ValueError("resume needs out: the directory whose checkpoints to continue from")
         self.data.validate()
 
+    def warmup(self) -> int:
+        """The warmup steps this run uses: ``warmup_steps``, or a tenth of ``steps``."""
+        return self.steps // WARMUP_DIVISOR if self.warmup_steps is None else self.warmup_steps
+
 
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, found {value!r}")
+
+
+def _non_negative_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, found {value!r}")
 
 
 @dataclass
@@ -143,9 +161,10 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
 
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Multiplier of ``lr`` for 0-based ``step``: linear warmup, then cosine to ``min_lr_ratio``."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    warmup = config.warmup()
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
 
@@ -221,13 +240,36 @@ def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | Non
             raise ValueError(
                 f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}"
             )
+    _warn_if_warmup_differs(saved, config)
     if resolved:
-        _check_scheme_options(payload["scheme_options"] or {}, scheme_options or {})
+        _check_scheme_options(_resolve_recorded(payload["scheme_options"] or {}, scheme_options or {}),
+                              scheme_options or {})
     elif scheme_options is not None:
         log.warning("resume: the checkpoint does not record its scheme options with their defaults (written "
                     "before they were recorded): defaults changed since then apply (see the scheme's docstring) "
                     "and the continuation may differ by rounding; pass the options the run started with "
                     "explicitly to keep them")
+
+
+def _warn_if_warmup_differs(saved: dict, config: TrainConfig) -> None:
+    """The schedule is the invocation's (``steps`` may grow, and an unset warmup with them),
+    but a fixed warmup the resumed run no longer has (given then, or the old default of 20
+    steps, and unset now) is said, with the value that keeps it."""
+    before = saved.get("warmup_steps")
+    if config.warmup_steps is None and before is not None and before != config.warmup():
+        log.warning("resume: the learning-rate warmup is %d steps now, %d in the checkpoint's run; the rest of "
+                    "the schedule follows %d (pass --warmup %d to keep the checkpoint's)", config.warmup(), before,
+                    config.warmup(), before)
+
+
+#: options that checkpoints written before they were resolved record as None, meaning "the
+#: module default when the run ran" (``fused_merge``: two_phase.FUSED_MERGE), which is what
+#: the same options resolve to now
+_RECORDED_UNRESOLVED = ("fused_merge",)
+
+
+def _resolve_recorded(before: dict, now: dict) -> dict:
+    return {k: now.get(k) if k in _RECORDED_UNRESOLVED and v is None else v for k, v in before.items()}
 
 
 def _check_scheme_options(before: dict, now: dict) -> None:
@@ -318,6 +360,8 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
     DDP wrapper and torch.compile (after loading, so that the state is the unwrapped model's)."""
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+    log.info("schedule: %d steps, %d of linear warmup to lr %g, then cosine to %g", config.steps, config.warmup(),
+             config.lr, config.lr * config.min_lr_ratio)
     step = 0
     if config.resume:
         path = checkpoint.latest_checkpoint(config.out)

@@ -1,6 +1,6 @@
 """How distinct DAR's two depth streams are: linear CKA between them, entry by entry.
 
-DAR (SPEC 6, ``passes/dar.py``) keeps two histories ``H^0``, ``H^1`` of completed entries
+DAR (docs/spec.md section 6, ``passes/dar.py``) keeps two histories ``H^0``, ``H^1`` of completed entries
 (``H^j_0 = e``); its reciprocal keys only help if the streams carry different features.
 The ``selfkv`` variant with symmetric ``beta`` keeps them identical (CKA 1 everywhere).
 

@@ -267,3 +267,99 @@ def test_cli_values_and_errors(capsys):
     assert "gpt:tiny" in capsys.readouterr().err
     assert main(["train", "--option", "block_size", "--no-progress"]) == 2
     assert "key=value" in capsys.readouterr().err
+
+
+def test_resume_accepts_a_checkpoint_recording_fused_merge_unresolved(tmp_path, shakespeare):
+    """Checkpoints written before ``fused_merge`` was resolved record None (the module
+    default): they resume; this version records the False it resolves to."""
+    common = dict(scheme="block_attnres", options={"block_size": 2}, data=DataConfig(source=str(shakespeare)),
+                  steps=4, out=str(tmp_path))
+    train(_tiny(**common, stop_after=2))
+    recorded = torch.load(checkpoint.latest_checkpoint(tmp_path), map_location="cpu", weights_only=False)
+    assert recorded["scheme_options"]["fused_merge"] is False
+    _rewrite_checkpoint(tmp_path, lambda p: p["scheme_options"].update(fused_merge=None))
+    assert train(_tiny(**common, resume=True)).steps == [3, 4]
+
+
+# ------------------------------------------------------------------- schedule
+def test_warmup_defaults_to_a_tenth_of_the_run_and_the_defaults_are_unchanged():
+    """Unset, warmup is steps // 10: the README's runs keep their schedules (20 of the
+    default 200 steps, 25 of compare's 250, as when these were fixed counts), and a short
+    run warms up briefly and then decays."""
+    from depthrewrite.train.compare import default_compare_train_config
+    from depthrewrite.train.loop import lr_factor
+
+    assert TrainConfig().warmup() == 20 and default_compare_train_config().warmup() == 25
+    short = TrainConfig(steps=10)
+    factors = [lr_factor(step, short) for step in range(short.steps)]
+    assert short.warmup() == 1 and factors[0] == 1.0
+    assert factors == sorted(factors, reverse=True) and factors[-1] < 0.2  # decays to near min_lr_ratio
+    longer = TrainConfig(steps=20)  # resuming the short run with more steps: warmup 2, then decay
+    assert [lr_factor(s, longer) for s in (0, 1)] == [0.5, 1.0] and lr_factor(19, longer) < 0.2
+
+
+@pytest.mark.parametrize("warmup", [10, 25])
+def test_warmup_of_the_whole_run_is_refused(warmup):
+    with pytest.raises(ValueError, match=rf"^warmup_steps must be less than steps=10 .*found {warmup}"):
+        TrainConfig(steps=10, warmup_steps=warmup).validate()
+    TrainConfig(steps=10, warmup_steps=9).validate()
+
+
+# ------------------------------------------------------------------------ CLI
+@pytest.mark.parametrize("text, value", [
+    ("1.0,0.5", (1.0, 0.5)), ("(1.0,0.5)", (1.0, 0.5)), ("[1.0, 0.5]", (1.0, 0.5)), ("(2,)", (2,)), ("()", ()),
+    ("1,true,none,x", (1, True, None, "x")), ("[3]", (3,)),
+])
+def test_cli_values_may_be_tuples(text, value):
+    assert parse_value(text) == value and type(parse_value(text)) is tuple
+
+
+@pytest.mark.parametrize("text", ["1,,2", "(1,(2,3))", "[1,2", ","])
+def test_cli_malformed_tuples_are_refused(text, capsys):
+    assert main(["train", "--option", f"beta_init={text}", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--option 'beta_init={text}'" in err and "tuple value" in err
+
+
+def test_cli_sets_dar_beta_init(tmp_path, shakespeare, capsys):
+    """The walkthrough's case: ``--option beta_init=...`` reached DAR as the string."""
+    args = ["train", "--scheme", "dar", "--option", "beta_init=(1.0,0.25)", "--layers", "1", "--data",
+            str(shakespeare), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
+            "--eval-batches", "1", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0, capsys.readouterr().err
+    recorded = torch.load(checkpoint.latest_checkpoint(tmp_path), map_location="cpu", weights_only=False)
+    assert tuple(recorded["scheme_options"]["beta_init"]) == (1.0, 0.25)
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_cli_help_shows_every_default(command):
+    """Each value flag of train and compare says its default, as the subcommand applies it
+    (train: 200 steps, compare: 250)."""
+    from depthrewrite.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    unsaid = [a.option_strings[0] for a in sub._actions if a.option_strings and a.nargs != 0
+              and a.dest not in ("model_option", "option", "hf_dataset") and "default" not in (a.help or "")]
+    assert unsaid == []
+    steps = next(a for a in sub._actions if a.dest == "steps")
+    assert f"default {200 if command == 'train' else 250}" in steps.help
+
+
+def test_resume_says_when_the_warmup_differs_from_the_checkpoints(tmp_path, shakespeare, caplog):
+    """A run started with a fixed warmup (an explicit one, or the old default of 20 steps)
+    and resumed without it follows a tenth of its steps: said, with the flag that keeps the
+    old. Resumed with it, or started without one, nothing is said."""
+    common = dict(scheme="residual", data=DataConfig(source=str(shakespeare)), steps=8, out=str(tmp_path))
+    train(_tiny(**common, warmup_steps=3, stop_after=2))
+    with caplog.at_level("WARNING", logger="depthrewrite.train.loop"):
+        assert train(_tiny(**common, warmup_steps=None, stop_after=4, resume=True)).steps == [3, 4]
+    assert "warmup is 0 steps now, 3 in the checkpoint's run" in caplog.text and "--warmup 3" in caplog.text
+    caplog.clear()
+    same = {**common, "out": str(tmp_path / "same")}
+    train(_tiny(**same, warmup_steps=3, stop_after=2))
+    unset = {**common, "out": str(tmp_path / "unset"), "warmup_steps": None}
+    train(_tiny(**unset, stop_after=2))
+    with caplog.at_level("WARNING", logger="depthrewrite.train.loop"):
+        train(_tiny(**same, warmup_steps=3, resume=True))
+        train(_tiny(**{**unset, "steps": 20}, resume=True))  # more steps: a longer warmup, as asked
+    assert "warmup" not in caplog.text

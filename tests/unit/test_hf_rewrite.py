@@ -95,6 +95,45 @@ def test_saved_recipe_holds_every_option_so_other_defaults_do_not_change_the_mod
     assert torch.equal(logits(loaded), ref)
 
 
+def _saved_recipe(path) -> dict:
+    return json.loads((path / "config.json").read_text())["depthrewrite"]
+
+
+def test_fused_merge_is_recorded_as_used_and_loads_back_bit_identical(tmp_path, monkeypatch):
+    """``fused_merge=None`` takes ``two_phase.FUSED_MERGE`` when the model is rewritten; the
+    recipe records the True or False it gave, so the model loads back with the same second
+    phase (bit-identical logits) whatever the flag is at load time."""
+    from depthrewrite.passes import two_phase
+
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    model = depthrewrite.rewrite(hf_model("llama", seed=3), "block_attnres", block_size=2)
+    perturb_routing(model)
+    ref = logits(model)
+    model.save_pretrained(tmp_path)
+    assert _saved_recipe(tmp_path)["options"]["fused_merge"] is True
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", False)
+    assert torch.equal(logits(model), ref)  # the flag is read at rewrite time only
+    loaded = depthrewrite.from_pretrained(tmp_path).eval()
+    assert find_runtime(loaded).scheme.options.fused_merge is True
+    assert torch.equal(logits(loaded), ref)
+
+
+def test_a_checkpoint_recording_fused_merge_null_still_loads(tmp_path):
+    """Checkpoints saved before the value was resolved record ``"fused_merge": null``: the
+    module default, which they load with again."""
+    model = depthrewrite.rewrite(hf_model("llama", seed=3), "dar", layers_per_block=2)
+    perturb_routing(model)
+    ref = logits(model)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["depthrewrite"]["options"]["fused_merge"] is False
+    config["depthrewrite"]["options"]["fused_merge"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = depthrewrite.from_pretrained(tmp_path).eval()
+    assert find_runtime(loaded).scheme.options.fused_merge is False
+    assert torch.equal(logits(loaded), ref)
+
+
 def test_state_dict_round_trip_is_bit_identical():
     model = depthrewrite.rewrite(hf_model("qwen3", seed=3), "attnres")
     perturb_routing(model)

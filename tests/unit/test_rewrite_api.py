@@ -1,6 +1,9 @@
 """The public rewrite() API: options, errors, in-place semantics, parameter counts."""
 
 import copy
+import math
+import types
+import typing
 
 import pytest
 import torch
@@ -150,3 +153,137 @@ def test_resolved_options_rebuild_the_same_rewrite(scheme):
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(again(ids), first(ids))
+
+
+# ------------------------------------------------------------------ option types
+#: options a scheme needs to get as far as checking the others on ToyLM (no config: no head count)
+_NEEDED = {"mhar": {"heads": 2}}
+
+
+def _options_of_type(kind: type) -> list[tuple[str, str]]:
+    """(scheme, option) for every option annotated ``kind`` (or ``kind | None``)."""
+    found = []
+    for name, cls in sorted(depthrewrite.SCHEMES.items()):
+        for option, annotation in typing.get_type_hints(cls.Options).items():
+            union = typing.get_origin(annotation) is types.UnionType
+            given = {a for a in typing.get_args(annotation) if a is not type(None)} if union else {annotation}
+            if given == {kind}:
+                found.append((name, option))
+    return found
+
+
+def _rejected(scheme: str, option: str, value) -> str:
+    with pytest.raises(ValueError) as err:
+        rewrite(ToyLM(n_layer=2), scheme, **{**_NEEDED.get(scheme, {}), option: value})
+    return str(err.value)
+
+
+@pytest.mark.parametrize("scheme, option", _options_of_type(int))
+def test_int_options_refuse_bools(scheme, option):
+    """``True`` is an int to Python; as a block size or a head count it is a mistake."""
+    assert _rejected(scheme, option, True).startswith(f"{scheme}: {option} must be ")
+
+
+#: WAV's detail biases at -inf weigh the details 0: block_attnres exactly (test_schemes_routed)
+_MEANINGFUL_NON_FINITE = {("wav", "detail_bias_init", -math.inf)}
+
+
+@pytest.mark.parametrize("scheme, option, value", [
+    (s, o, v) for s, o in _options_of_type(float) for v in (math.nan, math.inf, -math.inf)
+    if (s, o, v) not in _MEANINGFUL_NON_FINITE])
+def test_float_options_refuse_non_finite_values_by_name(scheme, option, value):
+    """Checked where they are set: not as a non-finite output at verification, nor in the
+    words of an internal op."""
+    message = _rejected(scheme, option, value)
+    assert message.startswith(f"{scheme}: {option} must be ")
+    assert "finite" in message or "strictly between" in message  # mhc's pre_init: a bounded range
+
+
+@pytest.mark.parametrize("scheme, option", _options_of_type(bool))
+@pytest.mark.parametrize("value", [1, "no"])
+def test_bool_options_refuse_other_truthy_values(scheme, option, value):
+    assert _rejected(scheme, option, value).startswith(f"{scheme}: {option} must be True")  # ", False (or None)"
+
+
+def test_option_types_cover_every_scheme():
+    """The three tests above see every scheme's numeric and boolean options (a field
+    annotated otherwise would escape them)."""
+    seen = {(s, o) for kind in (int, float, bool) for s, o in _options_of_type(kind)}
+    for name, cls in depthrewrite.SCHEMES.items():
+        for option, annotation in typing.get_type_hints(cls.Options).items():
+            if option not in ("gate", "variant", "readout", "beta_init"):
+                assert (name, option) in seen, (name, option, annotation)
+
+
+@pytest.mark.parametrize("beta", [(math.nan, 0.5), (1.0, math.inf)])
+def test_dar_beta_init_must_be_finite(beta):
+    message = _rejected("dar", "beta_init", beta)
+    assert message.startswith("dar: beta_init must be a pair of finite numbers")
+
+
+def test_block_size_true_is_not_recorded_as_a_block_size():
+    """The walkthrough's case: accepted, it was saved as ``"block_size": true``."""
+    assert "found True" in _rejected("block_attnres", "block_size", True)
+
+
+@pytest.mark.parametrize("argument", ["inplace", "verify"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_inplace_and_verify_must_be_bools(argument, value):
+    """``inplace="no"`` is truthy: it rewrote in place. Refused before anything is touched."""
+    model = ToyLM()
+    with pytest.raises(ValueError, match=rf"^rewrite: {argument} must be True or False, found {value!r}"):
+        depthrewrite.rewrite(model, "attnres", example_inputs=(IDS,), **{argument: value})
+    assert depthrewrite.rewrite(model, "attnres", example_inputs=(IDS,)) is model  # untouched, still rewritable
+
+
+def test_residual_takes_the_common_options_and_stays_the_identity():
+    """Every scheme takes ``preserve_identity`` and ``gate`` (``SchemeOptions``), so that one
+    set of options can go to several schemes (``depthrewrite compare --option``); the identity
+    rewrite satisfies ``preserve_identity`` as it is, makes no gate, and records what it was
+    given. Other options are refused."""
+    from depthrewrite.rewrite import find_runtime
+
+    model = ToyLM()
+    with torch.no_grad():
+        reference = model(IDS)
+    rewrite(model, "residual", preserve_identity=True, gate="channel")
+    with torch.no_grad():
+        assert torch.equal(model(IDS), reference)
+    assert sum(p.numel() for n, p in model.named_parameters() if "depth_route" in n) == 0
+    assert find_runtime(model).scheme.resolved_options() == {"preserve_identity": True, "gate": "channel"}
+    with pytest.raises(ValueError, match="valid options: gate, preserve_identity"):
+        rewrite(ToyLM(), "residual", eps=1e-6)
+
+
+def test_deepcopy_of_a_rewritten_model_warns_nothing_and_computes_the_same():
+    """The blocks keep the pytree specs of their last call (for gradient checkpointing's
+    replay); deep-copying those made torch warn that ``LeafSpec`` is deprecated. Copies
+    leave them out: they are made again by the copy's first forward."""
+    import warnings
+
+    model = rewrite(ToyLM(), "dar")  # verification ran a forward: the specs are set
+    assert hasattr(model.blocks[0], "_depth_state_spec")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(copied(IDS), model(IDS))
+
+
+def test_readme_scheme_table_names_each_schemes_options():
+    """The README's scheme table names each scheme's own options, and says that the common
+    ones (``SchemeOptions``: ``preserve_identity``, ``gate``) go with every scheme, the
+    identity rewrite included."""
+    import dataclasses
+    import pathlib
+
+    from depthrewrite.passes import SchemeOptions
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text().split("\n## Schemes\n")[1]
+    assert "Every scheme takes `preserve_identity=True`" in readme
+    common = {f.name for f in dataclasses.fields(SchemeOptions)}
+    for name, cls in depthrewrite.SCHEMES.items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
+        options_column = row.split(" | ")[2]
+        own = {f.name for f in dataclasses.fields(cls.Options)} - common
+        assert all(f"`{option}`" in options_column for option in own), (name, own)

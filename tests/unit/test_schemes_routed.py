@@ -1,4 +1,4 @@
-"""The routed schemes of SPEC sections 4-6 (mhar, wav, dar): their equivalences, identity
+"""The routed schemes of docs/spec.md sections 4-6 (mhar, wav, dar): their equivalences, identity
 mode, hand-written oracles, and training."""
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def test_mhar_without_a_config_asks_for_heads():
 @pytest.mark.parametrize("scheme, options, message", [
     ("mhar", {"heads": 0}, "heads must be a positive int"),
     ("mhar", {"heads": 2, "block_size": 0}, "block_size"),
-    ("wav", {"rho": 0.0}, "rho must be a positive number"),
+    ("wav", {"rho": 0.0}, "rho must be a positive finite number"),
     ("wav", {"details": 1}, "details must be True or False"),
     ("dar", {"variant": "dual"}, "variant must be one of dar, selfkv, crossv, fixedkv, found 'dual'"),
     ("dar", {"layers_per_block": 0}, "layers_per_block must be a positive int"),

@@ -98,6 +98,9 @@ OVERRIDES: dict[str, dict] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # the MoE block always builds a shared expert, sized by n_shared_experts (default None)
     "dots1": {"n_shared_experts": 1},
+    # the sparse-attention indexer scores keys with index_num_heads (default 12) of the query
+    # heads that share key head 0, at most num_attention_heads // num_key_value_heads (2 here)
+    "kolibri1_1": {"index_num_heads": 2},
     # MLA: a sliding layer's head_dim must equal qk_nope + qk_rope (16 = 8 + 8); the vision and
     # audio adapters must map their width to the text width
     "dots3_note": {"text_config": {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8},
@@ -192,6 +195,8 @@ REVIEWED_NOT_PRENORM: dict[str, str] = {
                "and the next stream is post_attention_layernorm(residual * alpha + attn * beta)",
 }
 REVIEWED_NOT_ADDITIVE: dict[str, str] = {
+    "ergo": "rescaled stream: ErgoResidualGate returns sigmoid(w) * branch + sqrt(1 + sigmoid(w)) * "
+            "exp(-softplus(w) / 2) * residual (a learned per-channel scale of h)",
     "doge": "rescaled stream: DogeDecoderLayer computes input_residual * residual + attn (a learned "
             "per-channel scale of h)",
     "minimax": "rescaled stream: residual * attn_alpha_factor + hidden_states * attn_beta_factor",

@@ -362,11 +362,13 @@ def _check_inductor_keys(options: dict[str, Any]) -> None:
     one of ours (``max_sum_term``) deserves a pointer to the option meant."""
     from torch._inductor import config as inductor_config
 
-    known = inductor_config.get_config_copy()
-    unknown = sorted(key for key in options if key not in known)
+    # hasattr: the config module answers dotted names ('triton.cudagraphs') and settings that
+    # its copy leaves out ('force_disable_caches')
+    unknown = sorted(key for key in options if not hasattr(inductor_config, key))
     if not unknown:
         return
-    hints = {key: difflib.get_close_matches(key, [*BACKEND_OPTIONS, *known], n=1) for key in unknown}
+    known = [*BACKEND_OPTIONS, *inductor_config.get_config_copy()]
+    hints = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
     found = ", ".join(f"{key!r}" + (f" (did you mean {hints[key][0]!r}?)" if hints[key] else "") for key in unknown)
     raise ValueError(f"depthrewrite_backend: options must be the backend's own {BACKEND_OPTIONS} or Inductor "
                      f"settings (torch._inductor.config, e.g. 'triton.cudagraphs'); found {found}")

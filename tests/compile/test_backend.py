@@ -226,9 +226,10 @@ def test_unknown_option_names_the_one_meant_before_inductor_runs():
     backend.clear_reports()
     x = torch.randn(3)
     compiled = torch.compile(lambda t: t * 2, backend="depthrewrite",
-                             options={"inner": "aot_eager", "max_fusion_size": 8})
+                             options={"inner": "aot_eager", "max_fusion_size": 8, "force_disable_caches": True})
     assert torch.equal(compiled(x), x * 2)
-    assert backend.last_report().config_patches["max_fusion_size"] == 8
+    patches = backend.last_report().config_patches
+    assert patches["max_fusion_size"] == 8 and patches["force_disable_caches"] is True  # one the config's copy omits
 
 
 def test_report_reads_device_and_dtype_of_each_call():

@@ -260,9 +260,21 @@ def _cmd_inspect(args) -> int:
             raise ValueError(f"unknown {family} preset {size!r}; presets: {', '.join(presets)}")
         model = factory(size, **({"n_layer": args.layers} if args.layers else {}))
     else:
-        model = _hf_model(args.model, args.layers)
+        model = _with_recorded_rewrite(_hf_model(args.model, args.layers))
     print(depthrewrite.inspect(model))
     return 0
+
+
+def _with_recorded_rewrite(model):
+    """``model`` rewritten as its config records (a ``save_pretrained`` of a rewritten model),
+    so that inspect shows the scheme and options it was saved with; else as it is."""
+    import depthrewrite
+    from depthrewrite.hf import CONFIG_KEY
+
+    recipe = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if not recipe:
+        return model
+    return depthrewrite.rewrite(model, recipe["scheme"], **recipe["options"])
 
 
 #: what a Hugging Face model id can look like: "name" or "owner/name" (huggingface_hub's rule)

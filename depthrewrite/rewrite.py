@@ -9,6 +9,7 @@ Pass ``inplace=False`` to rewrite a deep copy and leave the original untouched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -37,10 +38,12 @@ def find_runtime(model: nn.Module) -> DepthRuntime | None:
 
 def inspect(model: nn.Module, example_inputs: Any = None) -> ResidualStream:
     """The residual stream of ``model`` as data (print it for a table). For a rewritten
-    model, the analysis the rewrite was made from."""
+    model, the analysis the rewrite was made from, with the scheme and its options as used
+    (``rewritten_with``)."""
     runtime = find_runtime(model)
     if runtime is not None:
-        return runtime.analysis
+        return dataclasses.replace(runtime.analysis,
+                                   rewritten_with=(runtime.scheme.name, runtime.scheme.resolved_options()))
     return analyze(model, example_inputs).stream
 
 

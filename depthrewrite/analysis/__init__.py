@@ -55,6 +55,8 @@ class ResidualStream:
     final_norm_path: str
     final_norm_type: str
     d_model: int
+    #: for a rewritten model (``inspect`` of it): the scheme and every option as used
+    rewritten_with: tuple[str, dict] | None = None
 
     @property
     def num_sites(self) -> int:
@@ -72,6 +74,10 @@ class ResidualStream:
             f"{_count(len(self.block_paths), 'block')} of '{self.stack_path}' ({self.stream_argument}), "
             f"{_count(self.num_sites, 'site')}, final norm '{self.final_norm_path}' ({self.final_norm_type})"
         )
+        if self.rewritten_with is not None:
+            scheme, options = self.rewritten_with
+            listed = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+            head += f"\nrewritten with {scheme!r}" + (f" ({listed})" if listed else "")
         rows = [("site", "block", "pos", "kind", "norm", "norm module(s)", "branch modules")]
         for s in self.sites:
             kind = s.kind + (f" ({'+'.join(s.parts)})" if s.parts else "")

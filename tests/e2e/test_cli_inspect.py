@@ -27,6 +27,19 @@ def test_inspect_hf_config_path(tmp_path, capsys):
     assert "GPTNeoXForCausalLM" in out and "2 sites" in out and "parallel" in out
 
 
+def test_inspect_of_a_rewritten_checkpoint_names_its_scheme(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import depthrewrite
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = depthrewrite.rewrite(transformers.LlamaForCausalLM(config), "dar", layers_per_block=1)
+    model.save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rewritten with 'dar' (" in out and "layers_per_block=1" in out and "4 sites" in out
+
+
 @pytest.mark.parametrize("model, message", [("gpt:huge", "unknown gpt preset 'huge'"),
                                             ("/no/such/folder", "no such file or folder: '/no/such/folder'"),
                                             ("./config.json", "no such file or folder: './config.json'")])

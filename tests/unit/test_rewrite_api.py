@@ -85,6 +85,17 @@ def test_new_parameter_count_is_2d_times_L_plus_1(scheme, shape, sites_per_layer
     assert depthrewrite.inspect(model).num_sites == L
 
 
+def test_inspect_of_a_rewritten_model_names_its_scheme_and_options():
+    plain = depthrewrite.inspect(ToyLM(n_layer=2), example_inputs=(IDS,))
+    assert plain.rewritten_with is None and "rewritten with" not in str(plain)
+    model = rewrite(ToyLM(n_layer=2), "block_attnres", block_size=2)
+    stream = depthrewrite.inspect(model)
+    scheme, options = stream.rewritten_with
+    assert scheme == "block_attnres" and options["block_size"] == 2 and options["fused_merge"] is False
+    assert "rewritten with 'block_attnres' (" in str(stream) and "block_size=2" in str(stream)
+    assert stream.sites == plain.sites
+
+
 def test_preserve_identity_adds_one_gate_per_site():
     d = 16
     model = ToyLM(d=d, n_layer=2)

@@ -170,6 +170,10 @@ def _route_op(
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    # checked here too: a caller of torch.ops.depthrewrite.route skips route()'s checks
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    if out_norm_weight is not None:
+        _check_out_norm(values, out_norm_weight, out_norm_eps)
     out_dtype = values[0].dtype
     if len(values) == 1:
         # bit-identical to the single source: no stack, no reduction, just one multiply

@@ -149,6 +149,8 @@ def _stats(logits: Tensor, rstd: Tensor, shape: tuple[int, ...]) -> Tensor:
 @torch.library.custom_op("depthrewrite::route_many", mutates_args=(), schema=ROUTE_MANY_SCHEMA)
 def _route_many_op(values: list[Tensor], queries: Tensor, key_norm_weights: Tensor, heads: int,
                    eps: float, keys: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    # checked here too: a caller of torch.ops.depthrewrite.route_many skips route_many()'s checks
+    _check_inputs(values, queries, key_norm_weights, heads, eps, keys)
     dtype = _compute_dtype(values[0], queries, key_norm_weights)
     src, _, rstd, logits = _forward_parts(values, keys, queries, key_norm_weights, heads, eps, dtype)
     out, lse = _routed(src, logits, heads, values[0].dtype)

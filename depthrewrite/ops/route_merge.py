@@ -109,6 +109,8 @@ def _merge_statistics(j, outs, lses, values, keys, queries, key_norm_weights, he
 def _route_merge_op(outs: list[Tensor], lses: list[Tensor], values: list[Tensor], keys: list[Tensor] | None,
                     queries: Tensor, key_norm_weights: Tensor, mix: Tensor, heads: int, eps: float,
                     out_norm_weight: Tensor | None = None, out_norm_eps: float = 1e-6) -> Tensor:
+    # checked here too: a caller of torch.ops.depthrewrite.route_merge skips route_merge()'s checks
+    _check_inputs(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight, out_norm_eps)
     return _reference(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight,
                       out_norm_eps)
 

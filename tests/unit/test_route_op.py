@@ -488,3 +488,19 @@ def test_wrapper_traces_under_torch_compile_fullgraph():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g, rg, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op, call", [
+    ("route", lambda v: torch.ops.depthrewrite.route(v, None, torch.randn(10), torch.ones(10), None, None, 3, 1e-6)),
+    ("route_many", lambda v: torch.ops.depthrewrite.route_many(v, torch.randn(2, 10), torch.ones(2, 10), 3, 1e-6,
+                                                               None)),
+    ("route_merge", lambda v: torch.ops.depthrewrite.route_merge(v[:1], [torch.randn(4, 3)], v[1:2], None,
+                                                                 torch.randn(1, 10), torch.ones(1, 10),
+                                                                 torch.ones(1), 3, 1e-6)),
+])
+def test_the_ops_called_directly_check_their_inputs(op, call):
+    """A caller of ``torch.ops.depthrewrite.*`` skips the Python wrappers: the ops check the
+    same things (on the CPU they failed in a reshape, naming nothing)."""
+    values = [torch.randn(4, 10) for _ in range(3)]
+    with pytest.raises(ValueError, match=rf"^{op}: `heads` must be a positive int dividing the width d=10; found 3"):
+        call(values)

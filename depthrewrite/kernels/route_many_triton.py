@@ -103,7 +103,7 @@ from torch import Tensor
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
-    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, check_shaped, running_sum_row,
+    _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, check_gradient, running_sum_row,
     default_fused_sums, online_softmax_update, three_row_sums,
 )
 from . import route_triton
@@ -111,6 +111,7 @@ from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
 from ..ops.route import _check_acc
+from ..ops.route_many import _check_inputs as check_route_many_inputs
 
 __all__ = ["route_many_forward", "route_many_backward", "MANY_ELEMS"]
 
@@ -879,9 +880,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     for :func:`route_many_backward` (``depthrewrite::route_many``'s ``stats``), or None.
     One token per program: several (the layout of ``route``'s forward) was slower at every
     measured shape, up to 4x with 16 heads (docs/benchmarks.md, session 9)."""
-    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
-                     op="route_many")
-    _check_queries(values, queries, key_norm_weights)
+    _check_route_many_call(values, queries, key_norm_weights, heads, eps, keys)
     cfg = {"prefetch": True, **(config or {})}
     prefetch = _check_prefetch(cfg["prefetch"], "route_many")
     s, d = queries.shape[0], values[0].shape[-1]
@@ -1021,9 +1020,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     PER_TOKEN_LAUNCH, none for the tiled one), ``fused_sums`` (the per-token backward's;
     unset: PER_TOKEN_FUSED_SUMS) and
     ``exact_softmax_grad`` (False by default: the module docstring)."""
-    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights),
-                     op="route_many")
-    _check_queries(values, queries, key_norm_weights)
+    _check_route_many_call(values, queries, key_norm_weights, heads, eps, keys)
     cfg = {"prefetch": None, "backward": BACKWARD, **(config or {})}
     if "per_sm" in cfg:
         _positive_int("route_many", "per_sm", cfg["per_sm"])
@@ -1329,15 +1326,12 @@ def _tokens(sources: Sequence[Tensor]) -> int:
     return math.prod(sources[0].shape[:-1])
 
 
-def _check_queries(values: Sequence[Tensor], queries: Tensor, key_norm_weights: Tensor) -> None:
-    """``queries`` and ``key_norm_weights`` both ``(S, d)``, ``d`` the sources' width."""
-    d = values[0].shape[-1]
-    if queries.dim() != 2:
-        raise ValueError(f"route_many (Triton): `queries` must be a (S, d={d}) tensor; found shape "
-                         f"{tuple(queries.shape)}")
-    shape = (queries.shape[0], d)
-    check_shaped("queries", queries, values[0], "route_many", shape=shape)
-    check_shaped("key_norm_weights", key_norm_weights, values[0], "route_many", shape=shape)
+def _check_route_many_call(values, queries, key_norm_weights, heads, eps, keys) -> None:
+    """``depthrewrite.ops.route_many``'s checks, made again at every launch (a compiled graph
+    or a caller of ``torch.ops.depthrewrite.route_many`` reaches the launchers unchecked:
+    route_triton's ``_check_route_call``), then the dtypes the kernels take."""
+    check_route_many_inputs(values, queries, key_norm_weights, heads, eps, keys)
+    _check_supported(values, keys, ("queries", queries), ("key_norm_weights", key_norm_weights), op="route_many")
 
 
 def _check_saved_many(out, lse, values, s: int, heads: int, grad_out=None, grad_lse=None) -> None:
@@ -1351,6 +1345,6 @@ def _check_saved_many(out, lse, values, s: int, heads: int, grad_out=None, grad_
     for i, (o, t) in enumerate(zip(out, lse)):
         _check_saved(o, t, values, heads, op="route_many", which=f"[{i}]")
         if grad_out is not None:
-            check_shaped(f"grad_out[{i}]", grad_out[i], o, "route_many")
+            check_gradient(f"grad_out[{i}]", grad_out[i], o, "route_many")
         if grad_lse is not None:
-            check_shaped(f"grad_lse[{i}]", grad_lse[i], t, "route_many")
+            check_gradient(f"grad_lse[{i}]", grad_lse[i], t, "route_many")

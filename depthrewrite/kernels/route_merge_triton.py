@@ -34,9 +34,10 @@ from torch import Tensor
 from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
+from ..ops.route_merge import _check_inputs as check_route_merge_inputs
 from .route_triton import (
-    NARROW_ROW, _aligned, _backward_programs, _check_alike, _check_block_t, _check_stages, _check_supported,
-    _contiguous, _positive_int, _row_blocks, _src_ptr, _tokens_per_program, check_heads, check_shaped,
+    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
+    _positive_int, _row_blocks, _src_ptr, _tokens_per_program, check_gradient,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -239,7 +240,12 @@ def _merge_grads(j, g, r_acc, m_acc, otab, ltab, vtab, ktab, gotab, gltab, gvtab
 
 
 def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, queries, key_norm_weights,
-                  mix, heads: int, out_norm_weight=None) -> None:
+                  mix, heads: int, eps: float, out_norm_weight=None, out_norm_eps: float = 1e-6) -> None:
+    # depthrewrite.ops.route_merge's checks, made again at every launch (a compiled graph or
+    # a caller of torch.ops.depthrewrite.route_merge reaches the launchers unchecked), then
+    # what the kernels take of what the op takes
+    check_route_merge_inputs(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight,
+                             out_norm_eps)
     _check_supported(values, keys, ("outs", outs[0]), ("queries", queries), ("key_norm_weights", key_norm_weights),
                      ("mix", mix), ("out_norm_weight", out_norm_weight), op="route_merge")
     if len(outs) > MAX_RESULTS:
@@ -247,15 +253,6 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
     if any(t.dtype != torch.float32 for t in lses):
         raise ValueError(f"route_merge (Triton): `lses` must be float32 (route_many's for fp32/bf16/fp16 "
                          f"sources); found {[t.dtype for t in lses]}")
-    # the results and their new entries share the pointer tables' one dtype and row count
-    _check_alike(outs, values, "route_merge", first=values[0], names=("outs", "values"))
-    j, d, lse_shape = len(outs), values[0].shape[-1], values[0].shape[:-1] + (heads,)
-    check_heads(d, heads, "route_merge")
-    for i, t in enumerate(lses):
-        check_shaped(f"lses[{i}]", t, values[0], "route_merge", shape=lse_shape)
-    for name, t, shape in (("queries", queries, (j, d)), ("key_norm_weights", key_norm_weights, (j, d)),
-                           ("mix", mix, (j,))):
-        check_shaped(name, t, values[0], "route_merge", shape=shape)
 
 
 def _launch(config: dict | None, row: int, heads: int, results: int, normed: bool) -> dict:
@@ -285,7 +282,7 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     """Fused forward; inputs as checked by ``depthrewrite.ops.route_merge``. Returns ``x``, or
     with ``out_norm_weight`` ``rms_norm(x) * out_norm_weight`` (``x`` is not written).
     ``config``: launch choices for tuning runs (:func:`_launch`)."""
-    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, heads, out_norm_weight)
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight, out_norm_eps)
     d, shape, device = outs[0].shape[-1], outs[0].shape, outs[0].device
     block_h, block_c = _row_blocks(d, heads, "route_merge")
     x = torch.empty(shape, dtype=outs[0].dtype, device=device)
@@ -314,8 +311,8 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     """Fused backward: what ``depthrewrite::route_merge_backward`` returns (``grad``: the
     gradient of the op's output, ``normed``'s with ``out_norm_weight``). ``config``: launch
     choices for tuning runs (:func:`_launch`)."""
-    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, heads, out_norm_weight)
-    check_shaped("grad", grad, outs[0], "route_merge")
+    _check_launch(outs, lses, values, keys, queries, key_norm_weights, mix, heads, eps, out_norm_weight, out_norm_eps)
+    check_gradient("grad", grad, outs[0], "route_merge")
     j, d, shape, device = len(outs), outs[0].shape[-1], outs[0].shape, outs[0].device
     act = outs[0].dtype
     grad_outs = [torch.empty(shape, dtype=act, device=device) for _ in range(j)]

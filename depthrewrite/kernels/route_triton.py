@@ -91,7 +91,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..ops.route import _check_acc
+from ..ops.route import _check_acc, _check_out_norm, _check_param
+from ..ops.route import _check_inputs as check_route_inputs
 from .grid import cdiv
 from .param_grads import PartialSums, query_and_weight_grads
 from .pointer_tables import pointer_tables
@@ -554,14 +555,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def check_heads(d: int, heads: int, op: str) -> None:
-    # the kernels index a row as heads x (d // heads): the rest would be left unwritten
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads:
-        raise ValueError(f"{op} (Triton): heads must be a positive int dividing the width d={d}; found {heads!r}")
-
-
 def _row_blocks(d: int, heads: int, op: str = "route") -> tuple[int, int]:
-    check_heads(d, heads, op)
     block_h, block_c = _next_pow2(heads), _next_pow2(d // heads)
     if block_h * block_c > MAX_ROW:
         raise ValueError(
@@ -855,46 +849,24 @@ def _aligned(*groups) -> bool:
 
 
 def _check_supported(values: Sequence[Tensor], keys, *params, op: str = "route") -> None:
-    """The launchers' own checks, made at every call: the kernels also run straight from
-    ``torch.ops.depthrewrite.*`` (compiled graphs, or a caller of the op), where no Python
-    wrapper has checked the inputs, and a mismatch here would be read out of bounds or
-    reinterpreted, not caught by the kernel. ``params``: ``(name, tensor or None)`` pairs."""
+    """The dtypes the kernels take, of the sources and of ``params`` (``(name, tensor or
+    None)`` pairs); the op's own checks come first (:func:`_check_route_call`)."""
     for name, t in (("values", values[0]), ("keys", keys[0] if keys else None)) + params:
         if t is not None and t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{op} (Triton): `{name}` must be one of {SUPPORTED_DTYPES}; found {t.dtype}")
-    _check_alike(values, keys, op)
 
 
-def _check_route_params(values: Sequence[Tensor], query, key_norm_weight, logit_bias, source_scale,
-                        out_norm_weight) -> None:
-    """``route``'s parameters shaped as its kernels read them (``depthrewrite.ops.route``'s shapes)."""
-    first, n = values[0], len(values)
-    d = first.shape[-1]
-    for name, t, shape in (("query", query, (d,)), ("key_norm_weight", key_norm_weight, (d,)),
-                           ("logit_bias", logit_bias, (n,)), ("source_scale", source_scale, (n, *first.shape[:-1])),
-                           ("out_norm_weight", out_norm_weight, (d,))):
-        if t is not None:
-            check_shaped(name, t, first, "route", shape=shape)
-
-
-def _check_alike(values: Sequence[Tensor], keys: Sequence[Tensor] | None, op: str, first: Tensor | None = None,
-                 names: tuple[str, str] = ("values", "keys")) -> None:
-    """Every tensor of ``values`` and ``keys`` shaped, typed and placed like ``first``
-    (default ``values[0]``): the pointer tables give the kernels one dtype and one row count
-    for all of them. ``keys`` (None: the values are the keys) has one entry per value."""
-    first = values[0] if first is None else first
-    shape, dtype, device = first.shape, first.dtype, first.get_device()
-    if keys is not None and len(keys) != len(values):
-        raise ValueError(f"{op} (Triton): `{names[1]}` must have one tensor per entry of `{names[0]}` "
-                         f"({len(values)}); found {len(keys)}")
-    for name, group in zip(names, (values, keys or ())):
-        # the quick test first (the host pays it at every call: ~0.2 us a tensor), then the culprit
-        if any(t.dtype is not dtype or t.shape != shape or t.get_device() != device for t in group):
-            i, t = next((i, t) for i, t in enumerate(group) if (t.shape, t.dtype, t.device) !=
-                        (shape, dtype, first.device))
-            raise ValueError(f"{op} (Triton): `{name}[{i}]` must be shaped, typed and placed like the first "
-                             f"source ({tuple(shape)}, {dtype}, {first.device}); found {tuple(t.shape)}, {t.dtype}, "
-                             f"{t.device}")
+def _check_route_call(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps,
+                      out_norm_weight, out_norm_eps) -> None:
+    """``depthrewrite.ops.route``'s checks, made again at every launch: the kernels also run
+    straight from ``torch.ops.depthrewrite.route`` (a compiled graph, or a caller of the op),
+    where no wrapper has checked, and a source of another dtype or shape, or a ``heads``
+    that does not divide ``d``, would be misread by the kernel, not caught by it."""
+    check_route_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
+    if out_norm_weight is not None:
+        _check_out_norm(values, out_norm_weight, out_norm_eps)
+    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
+                     ("out_norm_weight", out_norm_weight))
 
 
 def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -923,9 +895,8 @@ def route_forward(
     in session 13's runs; ``stages``: the sources through Triton's software pipeline, 0 for
     the register prefetch; unset: ``_route_forward_stages``; ``lazy_rescale``: LAZY_RESCALE's
     choice) for tuning runs."""
-    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
-                     ("out_norm_weight", out_norm_weight))
-    _check_route_params(values, query, key_norm_weight, logit_bias, source_scale, out_norm_weight)
+    _check_route_call(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, out_norm_weight,
+                      out_norm_eps)
     n, d = len(values), values[0].shape[-1]
     block_h, block_c = _row_blocks(d, heads)
     flat_v = _contiguous(values)
@@ -1021,14 +992,10 @@ def _check_saved(out: Tensor, lse: Tensor, values: Sequence[Tensor], heads: int,
                          f"device {lse.device}")
 
 
-def check_shaped(name: str, t: Tensor, like: Tensor, op: str, shape: tuple | None = None) -> None:
-    """``t`` shaped like ``like`` (or ``shape``) and on its device; its dtype is free (the
-    launchers convert gradients and parameters), but the kernels read it by that shape."""
-    shape = like.shape if shape is None else shape
-    if not isinstance(t, Tensor) or t.shape != shape or t.device != like.device:
-        found = f"{tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"{op} (Triton): `{name}` must be a tensor of shape {tuple(shape)} on {like.device}; "
-                         f"found {found}")
+def check_gradient(name: str, grad: Tensor, like: Tensor, op: str) -> None:
+    """``grad`` shaped like ``like`` and on its device (any floating dtype: the launchers
+    convert it); the kernel reads it with ``like``'s row count."""
+    _check_param(name, grad, tuple(like.shape), like.device, optional=False, op=f"{op} (Triton)")
 
 
 def _gradient_outputs(n: int, shape, dtype, device, new, given: Sequence[Tensor] | None, name: str,
@@ -1065,13 +1032,12 @@ def route_backward(
     ``exact_softmax_grad`` (False by default: the softmax backward's ``sum_j a_j <v_j, g>``
     taken as ``<out, g>`` from the saved output; True: formed from the sources, read twice,
     over ``sum_j a_j``; :mod:`depthrewrite.kernels`' ``set_exact_softmax_grad``)."""
-    _check_supported(values, keys, ("query", query), ("key_norm_weight", key_norm_weight), ("logit_bias", logit_bias),
-                     ("out_norm_weight", out_norm_weight))
-    _check_route_params(values, query, key_norm_weight, logit_bias, source_scale, out_norm_weight)
+    _check_route_call(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps, out_norm_weight,
+                      out_norm_eps)
     _check_saved(out, lse, values, heads)
-    check_shaped("grad_out", grad_out, values[0], "route")
+    check_gradient("grad_out", grad_out, values[0], "route")
     if grad_normed is not None:
-        check_shaped("grad_normed", grad_normed, values[0], "route")
+        check_gradient("grad_normed", grad_normed, values[0], "route")
     _check_acc("grad_values_acc", grad_values_acc, values)
     _check_acc("grad_keys_acc", grad_keys_acc, keys)
     n, d = len(values), values[0].shape[-1]

@@ -375,6 +375,13 @@ def _check_sources(arg: str, tensors: object, count: int | None, like: Tensor | 
     if not tensors:
         raise _fail(arg, "a non-empty list of tensors", "an empty sequence", op)
     first = tensors[0] if like is None else like
+    if isinstance(first, Tensor) and first.is_floating_point() and first.dim() > 0:
+        # every call of every routing op and launcher pays this: one pass of quick tests
+        # (half the time of the loop below, which then only looks for the culprit)
+        shape, dtype, device = first.shape, first.dtype, first.device
+        if all(isinstance(t, Tensor) and t.dtype is dtype and t.shape == shape and t.device == device
+               for t in tensors):
+            return list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
             raise _fail(f"{arg}[{i}]", "a tensor", type(t).__name__, op)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .attnres import AttnResScheme, BlockAttnResScheme, ResidualScheme
-from .base import Scheme, SchemeOptions, finite_number
+from .base import Scheme, SchemeOptions, check_bool, finite_number
 from .baselines import DenseFormerScheme, LayerScaleScheme, ReZeroScheme
 from .hyperconn import HyperConnScheme, MHCScheme
 from .dar import DarScheme
@@ -42,8 +42,7 @@ def scheme_options(cls: type[Scheme], options: dict) -> SchemeOptions:
 
 
 def _check_types(scheme: str, opts: SchemeOptions) -> None:
-    if not isinstance(opts.preserve_identity, bool):
-        raise ValueError(f"{scheme}: preserve_identity must be True or False, found {opts.preserve_identity!r}")
+    check_bool(scheme, "preserve_identity", opts.preserve_identity)
     if opts.gate not in ("scalar", "channel"):
         raise ValueError(f"{scheme}: gate must be 'scalar' or 'channel', found {opts.gate!r}")
     if hasattr(opts, "eps"):

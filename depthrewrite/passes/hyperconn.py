@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..analysis import Site
-from .base import Scheme, SchemeOptions, State
+from .base import Scheme, SchemeOptions, State, check_bool, finite_number
 
 READOUTS = ("learned", "sum")
 
@@ -107,8 +107,7 @@ def _check_options(name: str, opts: HyperConnOptions, min_streams: int) -> None:
     n = opts.streams
     if isinstance(n, bool) or not isinstance(n, int) or n < min_streams:
         raise ValueError(f"{name}: streams must be an integer >= {min_streams}, found {n!r}")
-    if not isinstance(opts.dynamic, bool):
-        raise ValueError(f"{name}: dynamic must be True or False, found {opts.dynamic!r}")
+    check_bool(name, "dynamic", opts.dynamic)
     if opts.readout not in READOUTS:
         raise ValueError(f"{name}: readout must be one of {READOUTS}, found {opts.readout!r}")
 
@@ -284,9 +283,7 @@ class MHCScheme(_StreamScheme):
         iters = options.sinkhorn_iters
         if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
             raise ValueError(f"mhc: sinkhorn_iters must be a positive integer, found {iters!r}")
-        off = options.res_offdiag
-        if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
-            raise ValueError(f"mhc: res_offdiag must be a finite number, found {off!r}")
+        finite_number("mhc", "res_offdiag", options.res_offdiag)
         own = options.pre_init
         if isinstance(own, bool) or not isinstance(own, (int, float)) or not 0.0 < own < 1.0:
             raise ValueError(f"mhc: pre_init must be a number strictly between 0 and 1, found {own!r}")

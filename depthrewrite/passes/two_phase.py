@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import route_many
+from .base import check_bool
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +201,8 @@ def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_group
     if fused_merge and not two_phase:
         raise ValueError(f"{scheme}: fused_merge=True applies only to two-phase or grouped routing (the second "
                          f"phase's merges through route_merge); found no two-phase or grouped routing")
-    for name, value in (("two_phase", two_phase), ("recompute", recompute)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{scheme}: {name} must be True or False, found {value!r}")
+    check_bool(scheme, "two_phase", two_phase)
+    check_bool(scheme, "recompute", recompute)
     if isinstance(keep_groups, bool) or not isinstance(keep_groups, int) or keep_groups < 0:
         raise ValueError(f"{scheme}: keep_groups must be an int >= 0, found {keep_groups!r}")
     if keep_groups and not (two_phase and recompute):

@@ -40,7 +40,7 @@ from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
     initial_block_state,
 )
-from .base import Scheme, State, finite_number, is_number
+from .base import Scheme, State, check_bool, finite_number, is_number
 from .two_phase import TwoPhasePlan, join_plan, resolve_fused_merge, two_phase_plan
 
 
@@ -235,8 +235,7 @@ class WavScheme(Scheme):
         if bias != -math.inf and not (is_number(bias) and math.isfinite(bias)):  # -inf: the details weigh 0
             raise ValueError(f"wav: detail_bias_init must be a finite number or -inf (the details weighed 0: "
                              f"block_attnres exactly), found {bias!r}")
-        if not isinstance(options.details, bool):
-            raise ValueError(f"wav: details must be True or False, found {options.details!r}")
+        check_bool("wav", "details", options.details)
         self.block_size = size
         self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
                                    options.fused_merge)

@@ -107,7 +107,8 @@ class LoweringReport:
     filled in as each is compiled (the backward at the first backward call); a graph
     served from Inductor's caches without recompiling does not appear here.
     ``fences``: fences the long-sum pass put in each graph compiled here, ``accumulated``:
-    source gradients moved into ``route_backward`` calls (same caveat).
+    source gradients moved into ``route_backward`` and ``route_many_backward`` calls (same
+    caveat).
     ``recomputed``: the names of the operations marked for recomputation in the backward
     (``recompute_partial_sums``; None with the option off, empty where nothing was tagged;
     they also key the backend pass's caches), ``recompute_marked`` how many.
@@ -132,8 +133,8 @@ class LoweringReport:
     accumulate_grads: bool = True
     accumulate_max_heads: int | None = MAX_HEADS
     accumulated: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: the ``accumulate_in_place`` option; ``in_place``: graph kind -> route_backward calls
-    #: that write their running sums in place
+    #: the ``accumulate_in_place`` option; ``in_place``: graph kind -> route_backward and
+    #: route_many_backward calls that write their running sums in place
     accumulate_in_place: bool = True
     in_place: dict[str, int] = dataclasses.field(default_factory=dict)
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)

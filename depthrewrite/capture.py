@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from .capture_refusals import (
-    refuse_block0_stream_norm, refuse_broken_chain, refuse_repeated_blocks, refuse_without_final_reader,
+    refuse_block0_stream_norm, refuse_broken_chain, refuse_repeated_blocks, refuse_unregistered_blocks,
+    refuse_without_final_reader,
 )
 # re-exported: ModuleCall and StreamArg are the types of Capture's fields, and the rewrite
 # and the benchmarks import first_tensor from here
@@ -238,6 +239,7 @@ def find_block_stack(model: nn.Module, calls: list[ModuleCall]) -> tuple[str, li
         if best is None or length > best[0]:
             best = (length, path, children[:length])
     if best is None:
+        refuse_unregistered_blocks(model)
         raise NoResidualStreamError(
             f"{type(model).__name__} has no stack of blocks carrying a residual stream: no "
             "ModuleList/ModuleDict/Sequential was found whose children are called one after "

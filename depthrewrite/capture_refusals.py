@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .capture_types import ModuleCall, StreamArg, calls_after_stack, children_in_call_order, first_tensor
-from .errors import NotAdditiveStreamError, NotPreNormError, UnsupportedStructureError
+from .errors import NoResidualStreamError, NotAdditiveStreamError, NotPreNormError, UnsupportedStructureError
 
 
 def refuse_repeated_blocks(calls: list[ModuleCall], blocks: list[nn.Module], names: dict) -> None:
@@ -214,3 +214,22 @@ def _renormed_stream_norm(calls: list[ModuleCall], block_call: ModuleCall, strea
         if readers and any(_is_norm(r, d_model) for r in readers) and _is_norm(c.module, d_model):
             return c
     return None
+
+
+def refuse_unregistered_blocks(model: nn.Module) -> None:
+    """Blocks held in a plain Python list or tuple: nn.Module registers neither them nor
+    their parameters, so the capture never sees them called (a common slip for
+    ``nn.ModuleList``). Called where no block stack was found, to say why."""
+    for path, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if not (isinstance(value, (list, tuple)) and len(value) > 1
+                    and all(isinstance(v, nn.Module) for v in value)):
+                continue
+            owner = type(model).__name__ + (f".{path}" if path else "")
+            kinds = sorted({type(v).__name__ for v in value})
+            raise NoResidualStreamError(
+                f"{owner}.{attr} is a Python {type(value).__name__} of {len(value)} {', '.join(kinds)} "
+                "modules, which PyTorch does not register as submodules (their parameters are not "
+                "in model.parameters() either); depthrewrite looks for the block stack among "
+                "registered containers: hold the blocks in an nn.ModuleList"
+            )

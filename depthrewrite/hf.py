@@ -111,7 +111,7 @@ def from_pretrained(path: str | pathlib.Path, auto_class: Any = None, **kwargs) 
     """Load a model saved with ``save_pretrained`` after a rewrite.
 
     ``auto_class`` defaults to ``transformers.AutoModelForCausalLM``; ``kwargs`` go to its
-    ``from_pretrained`` (``torch_dtype``, ...). The saved recipe is applied again and every
+    ``from_pretrained`` (``dtype``, ...). The saved recipe is applied again and every
     routing parameter must be found in the checkpoint.
     """
     from .rewrite import rewrite

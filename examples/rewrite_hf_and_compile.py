@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         x, y = batch_at(tokens, seed=args.seed, step=step, batch_size=args.batch_size, seq_len=args.seq_len)
         t0 = time.perf_counter()
-        # no KV cache in training: the rewritten blocks are prepared for train/eval calls without it
+        # no KV cache in training: a training step has no use for one
         logits = runner(input_ids=x, use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()

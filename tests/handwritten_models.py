@@ -188,3 +188,60 @@ class TitanLlama(nn.Module):
             h = layer(h, self.freqs_cis)
         h = self.norm(h)
         return self.output(h)
+
+
+# ------------------------------------------------ blocks checkpointed from the model's loop
+class ArgsBlock(nn.Module):
+    """A block called with an attention mask and a cache slot (None here), returning a tuple."""
+
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.mlp = FeedForward(dim, 2 * dim)
+        self.n_heads = n_heads
+
+    def attn(self, x, attn_mask):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def forward(self, x, attn_mask, cache=None):
+        x = x + self.attn(self.norm1(x), attn_mask)
+        x = x + self.mlp(self.norm2(x))
+        return x, cache
+
+
+class CheckpointedLM(nn.Module):
+    """Activation checkpointing as hand-written training code does it: the model's loop
+    wraps each block's call in ``torch.utils.checkpoint.checkpoint`` in training mode."""
+
+    def __init__(self, vocab_size=128, dim=32, n_layers=3, n_heads=4, use_reentrant=None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList([ArgsBlock(dim, n_heads) for _ in range(n_layers)])
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.use_reentrant = use_reentrant  # None: no checkpointing
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        x, cache = self.embed(ids), None
+        for block in self.blocks:
+            if self.training and self.use_reentrant is not None:
+                x, cache = torch.utils.checkpoint.checkpoint(block, x, mask, cache, use_reentrant=self.use_reentrant)
+            else:
+                x, cache = block(x, mask, cache)
+        return self.head(self.norm(x))
+
+
+class PythonListLM(CheckpointedLM):
+    """A common slip: the blocks held in a plain Python list, which nn.Module does not register."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        blocks = list(self.blocks)
+        del self.blocks
+        self.blocks = blocks

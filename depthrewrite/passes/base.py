@@ -163,6 +163,15 @@ class DeltaSite(DeltaReadout):
         return self.inner.write(state, u, x, h, **kw)
 
 
+def zero_from(*params: nn.Parameter) -> torch.Tensor:
+    """A scalar 0 computed from ``params``, to add where the math leaves them out: a DAR
+    site that opens its block has no partial entry to transport, WAV's first site no
+    details. Each then still takes part in the backward, with a zero gradient, which
+    ``DistributedDataParallel`` requires of every parameter that needs one (without it, its
+    second step fails with "Expected to have finished reduction in the prior iteration")."""
+    return sum(p.sum() for p in params) * 0.0
+
+
 def _state_dtype(state: State) -> torch.dtype | None:
     leaf = next((t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)), None)
     return leaf.dtype if leaf is not None else None

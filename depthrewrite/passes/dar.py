@@ -30,7 +30,7 @@ from ..recompute import recomputable
 from .attnres import AttnResOptions
 from . import two_phase
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
-from .base import Scheme, State, finite_number, is_number
+from .base import Scheme, State, finite_number, is_number, zero_from
 
 #: for each variant and target stream j: (stream giving the values, stream giving the keys)
 VARIANTS = {
@@ -185,8 +185,9 @@ class DarRouter(DualRoute):
         # two new entries per site, recomputable from u in the backward (recompute.py); the
         # hint gives the graph Inductor settings that suit the transport chain (graph_hints.py)
         with recomputable(partial=not self.closes_block), hinted("dar_transport"):
-            if partial is None:  # a fresh block: nothing to transport yet
-                p0, p1 = self.beta[0] * u, self.beta[1] * u
+            if partial is None:  # a fresh block: nothing to transport yet (a zero from it, for DDP)
+                beta = self.beta + zero_from(self.transport)
+                p0, p1 = beta[0] * u, beta[1] * u
             else:
                 rho = torch.sigmoid(self.transport)
                 q0, q1 = partial

@@ -14,13 +14,15 @@ and of the final norm for a subclass made here:
 - :class:`RoutedReadout` routes the final norm's input.
 
 One rewritten graph is kept per call spec (constants and train/eval mode, see
-``analysis.trace``); a new spec (a KV cache appears during ``generate()``) is traced and
-rewritten on first use.
+``analysis.trace``). The specs a block is likely to meet (:func:`prepare_programs`: train
+and eval mode, ``None`` keywords passed as objects such as a KV cache, boolean keywords
+flipped) are built at rewrite time; any other spec is traced and rewritten on first use.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,14 +56,17 @@ class DepthRuntime:
     report: dict = field(default_factory=dict)
 
     def begin(self, e: torch.Tensor) -> None:
+        self.state = self.initial_state(e)
+        self.next_block = 0
+
+    def initial_state(self, e: torch.Tensor) -> Any:
         # Under autocast the embedding stays float32 while every branch returns the autocast
         # dtype: store the sources in that dtype, so that routing reads one dtype (and moves
         # half the bytes). The original model's float32 stream is kept by preserve_identity.
         device_type = e.device.type
         if torch.is_autocast_enabled(device_type) and e.is_floating_point():
             e = e.to(torch.get_autocast_dtype(device_type))
-        self.state = self.scheme.init_state(e)
-        self.next_block = 0
+        return self.scheme.init_state(e)
 
 
 @dataclass
@@ -81,6 +86,15 @@ class RoutedBlock:
 
     def __call__(self, *args, **kwargs):
         rt = self._depth_runtime
+        if _in_backward():
+            return self._depth_replay(args, kwargs)
+        if not torch.is_grad_enabled() and _requires_grad(rt.capture.stream_arg.get(args, kwargs)):
+            raise DepthRewriteError(
+                f"block {self._depth_path!r} is called with gradients off on a stream that needs them "
+                "(torch.utils.checkpoint(block, ..., use_reentrant=True) around the block's call): the "
+                "depth state it passes to later blocks would get no gradient; use use_reentrant=False, "
+                "or checkpoint the block's forward"
+            )
         if self._depth_index == 0:
             rt.begin(rt.capture.stream_arg.get(args, kwargs))
         elif rt.next_block != self._depth_index:
@@ -90,11 +104,52 @@ class RoutedBlock:
                 "once per forward, in order (layer dropping or reordering is not supported)"
             )
         leaves, self._depth_state_spec = pytree.tree_flatten(rt.state)
+        self._depth_keep_for_replay(args, kwargs, leaves)
         result = super().__call__(*args, *leaves, _depth_nstate=len(leaves), **kwargs)
         out, new_leaves = self._depth_unpack(result)
         rt.state = pytree.tree_unflatten(new_leaves, self._depth_out_spec)
         rt.next_block = self._depth_index + 1
         return out
+
+    def _depth_keep_for_replay(self, args: tuple, kwargs: dict, leaves: list) -> None:
+        """Keep the depth state this call receives where a checkpoint around the block's
+        call (``torch.utils.checkpoint(block, x, ...)``, torchtitan's ``checkpoint_wrapper``)
+        will run the call again in the backward: the state comes from the runtime, not
+        from the call's arguments, and the runtime has moved on by then. Only under
+        saved-tensor hooks (those checkpoints install them), so plain training keeps no
+        state past its own use."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() \
+                or torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            return
+        stream = self._depth_runtime.capture.stream_arg.get(args, kwargs)
+        if not isinstance(stream, torch.Tensor):
+            return
+        # the stream itself stands as a marker: a reference to it from the kept state would
+        # keep it alive, and with it the entry that its finaliser removes. Block 0 made its
+        # state inside the checkpointed call: the replay makes it again, as the checkpoint
+        # expects every op of the call to run again
+        kept = None if self._depth_index == 0 else [_STREAM if leaf is stream else leaf for leaf in leaves]
+        pending = self.__dict__.setdefault("_depth_pending", {})
+        pending[id(stream)] = (kept, self._depth_state_spec)
+        weakref.finalize(stream, pending.pop, id(stream), None)
+
+    def _depth_replay(self, args: tuple, kwargs: dict):
+        """The block's call run again by a checkpoint in the backward: with the depth state
+        its first run received, the runtime left as it is."""
+        stream = self._depth_runtime.capture.stream_arg.get(args, kwargs)
+        kept = self.__dict__.get("_depth_pending", {}).pop(id(stream), _MISSING)
+        if kept is _MISSING:
+            raise RuntimeOrderError(
+                f"block {self._depth_path!r} is called again during the backward (a checkpoint "
+                "recomputing it), but depthrewrite kept no depth state for that call; checkpoint it "
+                "with torch.utils.checkpoint(..., use_reentrant=False) around the block or its forward"
+            )
+        leaves, self._depth_state_spec = kept
+        if leaves is None:
+            leaves = pytree.tree_leaves(self._depth_runtime.initial_state(stream))
+        leaves = [stream if leaf is _STREAM else leaf for leaf in leaves]
+        result = super().__call__(*args, *leaves, _depth_nstate=len(leaves), **kwargs)
+        return self._depth_unpack(result)[0]
 
     def forward(self, *args, _depth_nstate: int, **kwargs):
         split = len(args) - _depth_nstate
@@ -112,7 +167,7 @@ class RoutedBlock:
 
     #: the pytree specs of the last call's depth state: kept between the forward and the
     #: backward (gradient checkpointing runs ``forward`` again), meaningless to a copy
-    _DEPTH_CALL_SPECS = ("_depth_state_spec", "_depth_out_spec")
+    _DEPTH_CALL_SPECS = ("_depth_state_spec", "_depth_out_spec", "_depth_pending")
 
     def __getstate__(self):
         # left out of copies and pickles: deep-copying a TreeSpec makes torch (2.13) build
@@ -160,6 +215,20 @@ class RoutedReadout:
         x = getattr(self, ROUTER_ATTR)["readout"].read(rt.state, hidden_states)
         rt.state, rt.next_block = None, 0  # release the sources as soon as they are read
         return super().__call__(x, *args, **kwargs)
+
+
+#: stands for the block's stream argument in a depth state kept for a replay
+_STREAM = object()
+_MISSING = object()
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward: a block called now is a checkpoint's recomputation."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _requires_grad(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 _ROUTED_CLASSES: dict[tuple[type, type], type] = {}

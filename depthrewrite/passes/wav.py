@@ -40,7 +40,7 @@ from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
     initial_block_state,
 )
-from .base import Scheme, State, check_bool, finite_number, is_number
+from .base import Scheme, State, check_bool, finite_number, is_number, zero_from
 from .two_phase import TwoPhasePlan, join_plan, resolve_fused_merge, two_phase_plan
 
 
@@ -49,7 +49,7 @@ class WavOptions(AttnResOptions):
     block_size: int | None = None  # sites per block; None: as block_attnres (even S, at most 8 blocks)
     rho: float = 2.0  # cap of the detail RMS-matching factor (docs/spec.md section 5, our choice)
     detail_bias_init: float = -2.0  # initial logit bias of every detail source; -inf: block_attnres
-    details: bool = True  # False: exactly block_attnres (same routers, same parameters)
+    details: bool = True  # False: exactly block_attnres with the same two_phase (same routers, same parameters)
     # the two-phase computation of Block AttnRes (two_phase.TwoPhasePlan), per source list;
     # off by default: measured slower for WAV (its merge weighs six terms per site)
     two_phase: bool = False
@@ -112,7 +112,9 @@ class WavRouter(_PlanMember):
     def _route(self, e, completed, partial) -> torch.Tensor:
         """Site by site: one route over every source."""
         if not completed and partial is None:  # only e: one source, nothing to weigh
-            return self.route([e])
+            # e's logit, 0, made from the detail biases: they take part in the backward (zero_from)
+            bias = zero_from(self.detail_bias).reshape(1)
+            return route([e], query=self.query, key_norm_weight=self.key_norm_weight, logit_bias=bias, eps=self.eps)
         values = [e] + [t for block in completed for t in block]
         scale = None
         if partial is not None:
@@ -140,8 +142,8 @@ class WavRouter(_PlanMember):
             P, Pphase, Psplit = partial
             sources = [(P, None, None), (Pphase, phase_bias, self._match(P, Pphase)),
                        (Psplit, split_bias, self._match(P, Psplit))]
-        if len(results) == 1 and not sources:
-            return results[0][0]
+        if len(results) == 1 and not sources:  # only e (the first site): the detail biases add 0 (zero_from)
+            return results[0][0] + zero_from(self.detail_bias).to(results[0][0].dtype)
         return merge_routes(results, sources, query=self.query, key_norm_weight=self.key_norm_weight, eps=self.eps)
 
     def write(self, state: State, u, x, h, parts: tuple | None = None) -> State:
@@ -215,8 +217,8 @@ class WavScheme(Scheme):
 
     Options: ``block_size`` (sites per block; default as block_attnres), ``rho`` (cap of
     the detached RMS-matching factor, 2.0), ``detail_bias_init`` (-2.0), ``details``
-    (False: exactly block_attnres), ``eps`` (key RMSNorm and matching, 1e-6),
-    ``two_phase`` (False: measured slower for WAV, see the module docstring),
+    (False: exactly block_attnres with the same ``two_phase``), ``eps`` (key RMSNorm and
+    matching, 1e-6), ``two_phase`` (False: measured slower for WAV, see the module docstring),
     ``recompute`` (True), ``keep_groups`` (0) and ``fused_merge`` (None; the readout's
     merge only) as for block_attnres. New parameters: ``2 d (L + 1) + 2 L``
     (``2 d (L + 1)`` with ``details=False``).

@@ -1,11 +1,14 @@
 """Models nobody here wrote (nanoGPT- and torchtitan-style) are captured, rewritten with
 every scheme, identical at initialisation with preserve_identity, and they train."""
 
+import gc
+
 import pytest
 import torch
 
 import depthrewrite
-from tests.handwritten_models import GPTConfig, NanoGPT, TitanLlama
+from depthrewrite.errors import DepthRewriteError, NoResidualStreamError
+from tests.handwritten_models import CheckpointedLM, GPTConfig, NanoGPT, PythonListLM, TitanLlama
 
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
 IDENTITY = [s for s, cls in depthrewrite.SCHEMES.items() if cls.delta_applies]
@@ -64,3 +67,52 @@ def test_rewritten_handwritten_models_train(kind, scheme):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def _gradients(model, scheme):
+    depthrewrite.rewrite(model, scheme, example_inputs=(IDS,), **({"heads": 4} if scheme == "mhar" else {}))
+    model.train()
+    targets = torch.roll(IDS, -1, dims=1)
+    for _ in range(2):  # the second step must not see the first one's depth state
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(IDS).flatten(0, 1), targets.flatten()).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("scheme", ["residual", "attnres", "block_attnres", "dar", "wav", "mhc"])
+def test_checkpoint_around_the_block_call_gives_the_plain_gradients(scheme):
+    """``checkpoint(block, x, ...)`` in the model's loop runs the block's call again in the
+    backward, after the depth runtime has moved on: the replay must see the depth state the
+    first run saw (it raised RuntimeOrderError 'ran as block 0')."""
+    torch.manual_seed(0)
+    plain = _gradients(CheckpointedLM(), scheme)
+    torch.manual_seed(0)
+    checkpointed = _gradients(CheckpointedLM(use_reentrant=False), scheme)
+    assert plain.keys() == checkpointed.keys()
+    assert scheme == "residual" or any("depth_route" in n for n in plain)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_checkpointed_forward_without_backward_keeps_no_state():
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(CheckpointedLM(use_reentrant=False), "attnres", example_inputs=(IDS,)).train()
+    out = model(IDS)
+    assert any(block.__dict__.get("_depth_pending") for block in model.blocks)
+    del out
+    gc.collect()
+    assert not any(block.__dict__.get("_depth_pending") for block in model.blocks)
+
+
+def test_reentrant_checkpoint_around_the_block_call_is_refused():
+    """With use_reentrant=True the block's call runs with gradients off: the depth state it
+    passes on would silently get no gradient."""
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(CheckpointedLM(use_reentrant=True), "attnres", example_inputs=(IDS,)).train()
+    with pytest.raises(DepthRewriteError, match=r"block 'blocks.0' .*use_reentrant=False"):
+        model(IDS)
+
+
+def test_blocks_in_a_python_list_are_named():
+    with pytest.raises(NoResidualStreamError, match=r"PythonListLM.blocks is a Python list of 3 ArgsBlock .*nn.ModuleList"):
+        depthrewrite.inspect(PythonListLM(), example_inputs=(IDS,))

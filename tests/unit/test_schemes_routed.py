@@ -439,8 +439,8 @@ def new_parameter_count(model):
 
 def structurally_dead(scheme, options):
     """Parameters whose gradient is exactly zero by construction: site 1 routes over the
-    single source ``e`` (softmax over one source; DAR mixes e with e), and a DAR site that
-    opens a block has no partial entry to transport."""
+    single source ``e`` (softmax over one source, no WAV details; DAR mixes e with e), and a
+    DAR site that opens a block has no partial entry to transport."""
     dead = {"blocks.0.depth_route.site1.query", "blocks.0.depth_route.site1.key_norm_weight"}
     if scheme == "wav":
         dead.add("blocks.0.depth_route.site1.detail_bias")
@@ -449,6 +449,24 @@ def structurally_dead(scheme, options):
         k = options.get("layers_per_block", 1)
         dead |= {f"blocks.{b}.depth_route.site1.transport" for b in range(0, 3, k)}
     return dead
+
+
+@pytest.mark.parametrize("scheme, options", [
+    ("dar", {}), ("dar", {"layers_per_block": 2, "two_phase": False}), ("dar", {"fused_merge": True}),
+    ("wav", {}), ("wav", {"two_phase": True, "block_size": 2}), ("attnres", {}), ("block_attnres", {}),
+    ("mhar", {"heads": 2}), ("hyperconn", {"dynamic": True}), ("mhc", {}), ("denseformer", {}),
+])
+def test_every_parameter_takes_part_in_the_backward(scheme, options):
+    """DistributedDataParallel needs a gradient, zero or not, for every parameter that
+    requires one; a parameter the graph never reads fails its second step. The structurally
+    dead ones (above) are read and get exact zeros."""
+    model = rewrite(tiny(), scheme, **options).train()
+    ids = ids_for()
+    model(ids, ids)[1].backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+    zero = {n for n, p in model.named_parameters() if "depth_route" in n and not p.grad.abs().sum() > 0}
+    assert {n for n in structurally_dead(scheme, options) if "query" not in n and "key_norm" not in n} <= zero
 
 
 @pytest.mark.parametrize("scheme, options, count", [

@@ -15,12 +15,13 @@ import dataclasses
 import logging
 import pathlib
 import re
+import signal
 import sys
 
 from .errors import DepthRewriteError
 from .train.compare import DEFAULT_SCHEMES, CompareConfig, compare, default_compare_train_config
 from .train.distributed import MODES
-from .train.loop import COMPILE_MODES, PRECISIONS, WARMUP_DIVISOR, TrainConfig, train
+from .train.loop import COMPILE_MODES, PRECISIONS, WARMUP_DIVISOR, TrainConfig, TrainingInterrupted, train
 from .train.model import preset_names
 
 
@@ -158,8 +159,9 @@ def _train_config(args: argparse.Namespace, base: TrainConfig, options: dict) ->
                                              if getattr(args, a) is not None})
     if args.compile is not None:
         given["compile"] = args.compile == "on"
-    if getattr(args, "resume", False):
-        given["resume"] = True
+    for flag in ("resume", "overwrite"):
+        if getattr(args, flag, False):
+            given[flag] = True
     model_options = {**base.model_options, **parse_options(args.model_option, "--model-option")}
     return dataclasses.replace(base, **given, data=data, options=options, model_options=model_options,
                                progress=not args.no_progress)
@@ -220,7 +222,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="depthrewrite", description="Inspect residual streams; train and compare depth-routing rewrites of "
-        "the bundled GPT/MoE on byte-level text.", epilog="example: depthrewrite compare   (residual vs attnres vs block_attnres, ~2-3 min "
+        "the bundled GPT/MoE on byte-level text.", epilog="example: depthrewrite compare   (residual vs attnres vs block_attnres, ~2 min "
         "on a 2-core CPU)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train one model (optionally rewritten) on byte-level text")
@@ -233,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--keep-checkpoints", type=int, help="newest checkpoints to keep, 0: all "
                          f"(default {train_base.keep_checkpoints})")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p_train.add_argument("--overwrite", action="store_true", help="delete the checkpoints already in --out and start "
+                         "over (without it, or --resume, such an --out is refused)")
     p_train.add_argument("--distributed", choices=MODES, help="ddp or fsdp2 under torchrun (default "
                          f"{train_base.distributed}: one process)")
     p_train.set_defaults(func=_cmd_train)
@@ -308,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError, DepthRewriteError) as exc:
+    except TrainingInterrupted as exc:  # a checkpoint was saved: not an error, but not a finished run
+        print(f"depthrewrite {args.command}: {exc}", file=sys.stderr)
+        return 128 + (signal.SIGINT if exc.signal_name == "SIGINT" else signal.SIGTERM)
+    except (ValueError, FileNotFoundError, ImportError, DepthRewriteError, FloatingPointError) as exc:
         print(f"depthrewrite {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

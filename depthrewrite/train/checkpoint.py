@@ -1,8 +1,11 @@
 """Checkpoints that resume bit-exactly: model, optimizer, LR scheduler, RNG state and the
 step (the data position: batches are a function of ``(seed, step)``, see ``data.batch_at``).
 
-Files are ``<out>/checkpoints/step_XXXXXXXX.pt``, written by rank 0 to a temporary name
-and renamed, so a run killed while saving leaves the previous checkpoint intact. Under
+Files are ``<out>/checkpoints/step_XXXXXXXX.pt``, written by rank 0 to a temporary name,
+flushed to the disk and renamed, so a run killed while saving leaves the previous
+checkpoint intact. A newest checkpoint that cannot be read all the same (a node lost before
+the file reached the disk) is passed over on resume for the next older one, with a
+warning (:func:`load_latest`). Under
 FSDP2 every rank takes part in gathering the full (unsharded) state, and every rank reads
 the full state back on resume.
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import pickle
 import re
 from collections.abc import Callable
 
@@ -81,9 +85,7 @@ def save(out: str | os.PathLike, step: int, model: nn.Module, optimizer, schedul
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"step": step, "model": model_state, "optimizer": optim_state,
                    "scheduler": scheduler.state_dict(), "rng": _rng_state(), **extra}
-        tmp = path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        _write(payload, path)
         if keep > 0:
             for old in list_checkpoints(out)[:-keep]:
                 old.unlink()
@@ -92,11 +94,75 @@ def save(out: str | os.PathLike, step: int, model: nn.Module, optimizer, schedul
     return path
 
 
+def _write(payload: dict, path: pathlib.Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        # on the disk before the rename makes it the newest: else a crash can leave the new
+        # name on a file whose data never arrived
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_all(out: str | os.PathLike, info: DistInfo) -> None:
+    """Delete the checkpoints under ``out`` (a run started over there)."""
+    if info.is_main:
+        for path in list_checkpoints(out):
+            path.unlink()
+            log.warning("removed %s: this run starts over in %s", path, out)
+    barrier(info)
+
+
+#: what torch.load raises for a file that is not a whole checkpoint: cut short (RuntimeError
+#: from the zip reader), empty (EOFError), zeros or garbage (KeyError, UnpicklingError)
+_UNREADABLE = (RuntimeError, EOFError, KeyError, pickle.UnpicklingError)
+_PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "rng")
+
+
+def _read(path: pathlib.Path) -> dict | None:
+    """The payload at ``path``, or None (said) when the file is not a whole checkpoint."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except _UNREADABLE as exc:
+        log.warning("resume: cannot read %s (%s: %s); trying the next older checkpoint", path,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    if not isinstance(payload, dict) or any(key not in payload for key in _PAYLOAD_KEYS):
+        log.warning("resume: cannot read %s (not a checkpoint of depthrewrite train: no %s); trying the next "
+                    "older checkpoint", path, ", ".join(_PAYLOAD_KEYS))
+        return None
+    return payload
+
+
+def load_latest(out: str | os.PathLike, model: nn.Module, optimizer, scheduler, info: DistInfo,
+                check: Callable[[dict], None] | None = None) -> dict:
+    """:func:`load` the newest checkpoint under ``out`` that can be read; one that cannot
+    is passed over with a warning naming it."""
+    found = list_checkpoints(out)
+    if not found:
+        raise ValueError(f"resume: no checkpoint under {checkpoint_dir(out)}")
+    for path in reversed(found):
+        payload = _read(path)
+        if payload is None:
+            continue
+        if path != found[-1]:
+            log.warning("resume: continuing from %s, the newest checkpoint that can be read", path)
+        return _restore(path, payload, model, optimizer, scheduler, info, check)
+    raise ValueError(f"resume: no readable checkpoint under {checkpoint_dir(out)}: "
+                     f"{', '.join(p.name for p in found)} cannot be read (see the warnings)")
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, info: DistInfo,
          check: Callable[[dict], None] | None = None) -> dict:
     """Restore everything :func:`save` wrote; returns the payload (``step``, ``config``, ...).
     ``check(payload)`` runs before anything is restored (to refuse a mismatched run)."""
     payload = torch.load(path, map_location="cpu", weights_only=False)
+    return _restore(path, payload, model, optimizer, scheduler, info, check)
+
+
+def _restore(path: str | os.PathLike, payload: dict, model: nn.Module, optimizer, scheduler, info: DistInfo,
+             check: Callable[[dict], None] | None) -> dict:
     if check is not None:
         check(payload)
     if info.mode == "fsdp2":

@@ -89,8 +89,9 @@ def compare(config: CompareConfig) -> CompareResult:
     rows = []
     for scheme in config.schemes:
         options = {**config.train.options, **config.scheme_options.get(scheme, {})}
+        # a comparison starts over: a rerun into the same out replaces its runs
         run_config = dataclasses.replace(config.train, scheme=scheme, options=options, out=str(out / scheme),
-                                         resume=False)
+                                         resume=False, overwrite=True)
         log.info("compare: training %s", scheme)
         result = train(run_config, splits=splits)
         runs[scheme] = result

@@ -80,7 +80,7 @@ def wrap(model: nn.Module, info: DistInfo, device: torch.device) -> nn.Module:
 
 
 def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """The mean of a scalar over ranks (each rank holds the mean over its equal share)."""
+    """The mean over ranks, elementwise (each rank holds the mean over its equal share)."""
     if info.mode == "none":
         return value
     value = value.detach().clone()

@@ -5,6 +5,14 @@ init scale), linear warmup (a tenth of the steps unless given) then cosine decay
 ``min_lr_ratio * lr``, gradient clipping,
 optional bf16 autocast and torch.compile, periodic evaluation on the validation split,
 a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
+A non-finite training loss or gradient norm stops the run (``FloatingPointError``) before
+anything is saved, so that the checkpoints keep the last finite state. With ``out`` set, a
+SIGTERM or SIGINT stops it after the current step, with a checkpoint
+(:class:`TrainingInterrupted`, ``stop_signals.py``).
+
+Resume: the model, data and seed must match the checkpoint's (``_RESUME_MUST_MATCH``);
+``steps`` may grow, and the optimisation settings (``_RESUME_MAY_CHANGE``) given now apply
+from the resumed step on, each change said with the checkpoint's value.
 
 Reported numbers: ``final_train_loss`` is the mean training loss of the last
 ``min(10, steps run)`` steps (one step's loss is noisy); ``final_val_loss`` is measured at
@@ -17,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import os
 import pathlib
 import time
 from dataclasses import dataclass, field
@@ -31,6 +41,7 @@ from tqdm.auto import tqdm
 
 from ..rewrite import find_runtime
 from . import checkpoint, distributed
+from .stop_signals import StopRequests
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
 from .model import build_model, parse_model_name
 
@@ -45,6 +56,10 @@ METRICS_FILE = "metrics.jsonl"
 #: config fields that must match a checkpoint for ``resume`` (steps may grow)
 _RESUME_MUST_MATCH = ("model", "layers", "d_model", "model_options", "scheme", "options", "batch_size",
                       "seq_len", "seed", "data")
+#: settings a resumed run may change (to lower the learning rate after a spike, say): the
+#: values given apply from the resumed step on and a change is logged (the warmup has its own
+#: message, :func:`_warn_if_warmup_differs`)
+_RESUME_MAY_CHANGE = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "precision")
 #: warmup steps, when not given, are steps // WARMUP_DIVISOR (a tenth of the run, rounded
 #: down): a fixed count would be the whole of a short run (no decay at all)
 WARMUP_DIVISOR = 10
@@ -81,8 +96,12 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end of the run (when out is set)
     keep_checkpoints: int = 2  # 0 keeps all
     resume: bool = False
+    overwrite: bool = False  # not resuming: delete the checkpoints already under out (else refused)
     distributed: str = "none"
     progress: bool = True
+    #: with out set, SIGTERM or SIGINT stops the run after its step with a checkpoint (a second
+    #: one at once); False leaves the signals to the process
+    stop_on_signal: bool = True
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -116,6 +135,11 @@ class TrainConfig:
             raise ValueError(f"distributed must be one of {distributed.MODES}, found {self.distributed!r}")
         if self.resume and self.out is None:
             raise ValueError("resume needs out: the directory whose checkpoints to continue from")
+        if not isinstance(self.stop_on_signal, bool):
+            raise ValueError(f"stop_on_signal must be True or False, found {self.stop_on_signal!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: continue the run in out, or delete its "
+                             "checkpoints and start over")
         self.data.validate()
 
     def warmup(self) -> int:
@@ -131,6 +155,16 @@ def _positive_int(name: str, value: Any) -> None:
 def _non_negative_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, found {value!r}")
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGTERM or SIGINT after step ``step``, its state saved at
+    ``checkpoint`` (``resume=True`` continues it bit-exactly). A ``KeyboardInterrupt``, so
+    that an ``except Exception`` does not carry on past it."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: pathlib.Path):
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint} (resume to continue)")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
 @dataclass
@@ -155,8 +189,25 @@ class TrainResult:
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    groups = [{"params": params, "weight_decay": wd} for params, wd in zip((decay, other), _weight_decays(config))]
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def _weight_decays(config: TrainConfig) -> tuple[float, float]:
+    """Of the two parameter groups: matrices and embeddings, then the rest."""
+    return config.weight_decay, 0.0
+
+
+def _apply_settings(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig, step: int) -> None:
+    """After a resume: the optimizer and scheduler state restore the learning rate and weight
+    decay the checkpoint's run had (its ``lr``, and its schedule's value at ``step``); the
+    config's apply instead. The same config gives the same floats (LambdaLR multiplies as
+    here), so a resume with unchanged settings stays bit-exact."""
+    scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+    for group, decay in zip(optimizer.param_groups, _weight_decays(config), strict=True):
+        group["initial_lr"] = config.lr
+        group["lr"] = config.lr * lr_factor(step, config)
+        group["weight_decay"] = decay
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -182,6 +233,7 @@ class Metrics:
     def __init__(self, out: str | None, enabled: bool, resume_step: int | None):
         self.path = pathlib.Path(out) / METRICS_FILE if out is not None else None
         self.enabled = enabled and self.path is not None
+        self._val_steps: set[int] = set()  # steps whose validation loss the file holds
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,14 +241,38 @@ class Metrics:
             self.path.write_text("")
         elif self.path.exists():
             # drop what a killed run logged after its last checkpoint: those steps run again
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [(line, r) for line, r in self._read_resumed() if r["step"] <= resume_step]
+            self._val_steps = {r["step"] for _, r in kept if "val_loss" in r}
+            # the whole history or none of it: a kill while rewriting must not cut it short
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line, _ in kept))
+            os.replace(tmp, self.path)
+
+    def _read_resumed(self) -> list[tuple[str, dict]]:
+        """The lines of the file with their records; a last line cut short (the run killed
+        while writing it) is dropped, said."""
+        lines = [line for line in self.path.read_text().splitlines() if line]
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append((line, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                if number < len(lines):
+                    raise ValueError(f"resume: {self.path} line {number} is not JSON ({exc}): {line[:80]!r}") from exc
+                log.warning("resume: the last line of %s was cut short (the run was killed while writing it); "
+                            "dropped: %r", self.path, line[:80])
+        return records
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def write_val(self, step: int, loss: float) -> None:
+        """The validation loss of ``step``, unless the file has it (a finished run resumed)."""
+        if step not in self._val_steps:
+            self._val_steps.add(step)
+            self.write({"step": step, "val_loss": loss})
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
@@ -228,7 +304,17 @@ def _scheme_options(model: nn.Module) -> dict | None:
     return None if runtime is None else runtime.scheme.resolved_options()
 
 
-def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | None) -> None:
+def data_digest(splits: Splits) -> str:
+    """SHA-256 of the training and validation tokens: what ``config.data`` names (a path, a
+    dataset) can change between a stop and a resume."""
+    digest = hashlib.sha256()
+    for tokens in (splits.train, splits.val):
+        digest.update(len(tokens).to_bytes(8, "little"))
+        digest.update(memoryview(tokens.contiguous().numpy()))
+    return digest.hexdigest()
+
+
+def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | None, digest: str) -> None:
     """Refuse to resume a different run. The scheme's options are compared with their
     defaults filled in where the checkpoint records them (:func:`_check_scheme_options`)."""
     saved, now = payload["config"], dataclasses.asdict(config)
@@ -240,7 +326,10 @@ def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | Non
             raise ValueError(
                 f"resume: {name} differs from the checkpoint's: checkpoint {saved[name]!r}, now {now[name]!r}"
             )
+    _check_data(payload.get("data_digest"), digest, config)
+    _check_not_past_the_end(payload["step"], config)
     _warn_if_warmup_differs(saved, config)
+    _warn_if_settings_differ(saved, now, payload["step"])
     if resolved:
         _check_scheme_options(_resolve_recorded(payload["scheme_options"] or {}, scheme_options or {}),
                               scheme_options or {})
@@ -249,6 +338,32 @@ def _check_resume(payload: dict, config: TrainConfig, scheme_options: dict | Non
                     "before they were recorded): defaults changed since then apply (see the scheme's docstring) "
                     "and the continuation may differ by rounding; pass the options the run started with "
                     "explicitly to keep them")
+
+
+def _check_data(saved: str | None, digest: str, config: TrainConfig) -> None:
+    if saved is None:
+        log.info("resume: the checkpoint does not record a digest of its data (written before it was recorded)")
+    elif saved != digest:
+        raise ValueError(f"resume: the training and validation text differs from the checkpoint's (sha256 "
+                         f"{digest[:12]} now, {saved[:12]} then): {config.data.hf_dataset or config.data.source!r} "
+                         "changed since, or reads otherwise (the stdlib corpus on another Python); resume "
+                         "with the text the run started on")
+
+
+def _check_not_past_the_end(step: int, config: TrainConfig) -> None:
+    """A checkpoint beyond where this invocation ends would train nothing (a run is not
+    shortened by rewinding it)."""
+    name, end = ("stop_after", config.stop_after) if config.stop_after is not None else ("steps", config.steps)
+    if step > end:
+        raise ValueError(f"resume: the checkpoint is at step {step}, past {name}={end}; pass {name} >= {step} "
+                         "to continue the run")
+
+
+def _warn_if_settings_differ(saved: dict, now: dict, step: int) -> None:
+    for name in _RESUME_MAY_CHANGE:
+        if name in saved and saved[name] != now[name]:
+            log.warning("resume: %s is %r now, %r in the checkpoint's run; the value given applies from step %d on",
+                        name, now[name], saved[name], step + 1)
 
 
 def _warn_if_warmup_differs(saved: dict, config: TrainConfig) -> None:
@@ -315,6 +430,7 @@ class _Run:
     scheduler: Any
     metrics: Metrics
     step: int  # steps completed so far, this invocation and earlier ones
+    data_digest: str  # data_digest(splits), recorded in each checkpoint
 
 
 def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInfo) -> TrainResult:
@@ -324,12 +440,16 @@ def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInf
         splits = load_splits(config.data, config.seed)
     built = _build(config, info, device)
     run = _prepare(config, info, device, splits, built.model)
-    steps, losses, val, tokens_per_s = _run_steps(run)
+    with StopRequests(enabled=config.stop_on_signal and config.out is not None) as stop:
+        steps, losses, val, tokens_per_s = _run_steps(run, stop)
+    if stop.requested is not None and run.step < _end(config):
+        # no final evaluation: a preempted job has seconds to save before it is killed
+        raise TrainingInterrupted(stop.requested, run.step, _save(run))
     final_val = evaluate(run.runner, splits.val, config, info, device)
     if not val or val[-1][0] != run.step:
         val.append((run.step, final_val))
-        run.metrics.write({"step": run.step, "val_loss": final_val})
-    if config.out is not None:
+        run.metrics.write_val(run.step, final_val)
+    if config.out is not None and steps:  # no steps: the checkpoint resumed from is this state
         _save(run)
     tail = losses[-10:]
     result = TrainResult(
@@ -363,27 +483,48 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
     log.info("schedule: %d steps, %d of linear warmup to lr %g, then cosine to %g", config.steps, config.warmup(),
              config.lr, config.lr * config.min_lr_ratio)
     step = 0
+    digest = data_digest(splits)
     if config.resume:
-        path = checkpoint.latest_checkpoint(config.out)
-        if path is None:
-            raise ValueError(f"resume: no checkpoint under {checkpoint.checkpoint_dir(config.out)}")
-        payload = checkpoint.load(path, model, optimizer, scheduler, info,
-                                  check=lambda p: _check_resume(p, config, _scheme_options(model)))
+        payload = checkpoint.load_latest(config.out, model, optimizer, scheduler, info,
+                                         check=lambda p: _check_resume(p, config, _scheme_options(model), digest))
         step = payload["step"]
+        _apply_settings(optimizer, scheduler, config, step)
+    elif config.out is not None:
+        _claim_out(config, info)
     metrics = Metrics(config.out, info.is_main, step if config.resume else None)
     runner = distributed.wrap(model, info, device) if info.mode == "ddp" else model
     if config.compile:
         mode = None if config.compile_mode == "default" else config.compile_mode
         runner = torch.compile(runner, backend=config.backend, mode=mode)
-    return _Run(config, info, device, splits, model, runner, optimizer, scheduler, metrics, step)
+    return _Run(config, info, device, splits, model, runner, optimizer, scheduler, metrics, step, digest)
 
 
-def _run_steps(run: _Run) -> tuple[list[int], list[float], list[tuple[int, float]], float]:
-    """Train until ``stop_after`` or ``steps``; returns the steps, their losses, the periodic
-    validation losses and the throughput (the invocation's first step left out as warm-up,
-    unless it is the only one)."""
+def _claim_out(config: TrainConfig, info: distributed.DistInfo) -> None:
+    """A new run in ``out``: checkpoints of an earlier run there would be mixed with its own
+    (``keep_checkpoints`` deleting the new, lower steps first; ``resume`` later continuing
+    the earlier run), so they are refused, or deleted with ``overwrite``."""
+    newest = checkpoint.latest_checkpoint(config.out)
+    if newest is None:
+        return
+    if not config.overwrite:
+        raise ValueError(f"out {config.out} holds checkpoints of an earlier run (newest {newest.name}): pass "
+                         "--resume to continue it or --overwrite to delete them and start over (TrainConfig "
+                         "resume=True or overwrite=True), or another --out")
+    checkpoint.remove_all(config.out, info)
+
+
+def _end(config: TrainConfig) -> int:
+    """The step this invocation ends at."""
+    return config.stop_after if config.stop_after is not None else config.steps
+
+
+def _run_steps(run: _Run, stop: StopRequests) -> tuple[list[int], list[float], list[tuple[int, float]], float]:
+    """Train until ``stop_after`` or ``steps``, or until a rank is asked to stop
+    (``stop.requested``); returns the steps, their losses, the periodic validation losses and
+    the throughput (the invocation's first step left out as warm-up, unless it is the only
+    one)."""
     config, info = run.config, run.info
-    end = config.stop_after if config.stop_after is not None else config.steps
+    end = _end(config)
     tokens_per_step = config.batch_size * config.seq_len
     steps, losses, val = [], [], []
     train_time, timed_steps = 0.0, 0
@@ -391,21 +532,26 @@ def _run_steps(run: _Run) -> tuple[list[int], list[float], list[tuple[int, float
                desc=config.scheme, unit="step", dynamic_ncols=True)
     while run.step < end:
         t0 = time.perf_counter()
-        loss = _train_step(run.runner, run.optimizer, run.scheduler, run.splits.train, run.step, config, info,
-                           run.device)
+        lr = run.optimizer.param_groups[0]["lr"]  # this step's: the scheduler steps inside
+        loss, grad_norm, stopping = _train_step(run.runner, run.optimizer, run.scheduler, run.splits.train, run.step,
+                                                config, info, run.device, stop)
         dt = time.perf_counter() - t0
         run.step += 1
+        _check_finite(run, loss, grad_norm)
         if steps or run.step == end:
             train_time, timed_steps = train_time + dt, timed_steps + 1
         steps.append(run.step)
         losses.append(loss)
-        run.metrics.write({"step": run.step, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
+        run.metrics.write({"step": run.step, "loss": loss, "lr": lr,
                            "tokens_per_s": tokens_per_step / dt})
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if stopping:  # agreed by every rank in the step's loss reduction: they all stop here
+            stop.requested = stop.requested or "a stop signal to another rank"
+            break
         if run.step < end and _every(config.eval_every, run.step):
             val.append((run.step, evaluate(run.runner, run.splits.val, config, info, run.device)))
-            run.metrics.write({"step": run.step, "val_loss": val[-1][1]})
+            run.metrics.write_val(run.step, val[-1][1])
         if run.step < end and config.out is not None and _every(config.save_every, run.step):
             _save(run)
     bar.close()
@@ -413,12 +559,55 @@ def _run_steps(run: _Run) -> tuple[list[int], list[float], list[tuple[int, float
     return steps, losses, val, tokens_per_s
 
 
+def _check_finite(run: _Run, loss: float, grad_norm: float | None) -> None:
+    """Stop a diverged run before it saves: AdamW carries a NaN into every parameter, and
+    ``keep_checkpoints`` would replace the finite checkpoints with such ones. The values are
+    the same on every rank (the loss is averaged, the norm is of the whole gradient)."""
+    if math.isfinite(loss):
+        if grad_norm is None or math.isfinite(grad_norm):
+            return
+        what = f"the gradient norm is {grad_norm}"
+    else:
+        what = f"training loss is {loss}"
+    raise FloatingPointError(f"{what} at step {run.step}; {_last_finite(run)}")
+
+
+def _last_finite(run: _Run) -> str:
+    newest = checkpoint.latest_checkpoint(run.config.out) if run.config.out is not None else None
+    if newest is None:
+        return "no checkpoint was written"
+    return f"the newest checkpoint, {newest}, holds the last finite state: resume from it (with a lower --lr, say)"
+
+
+def _check_parameters_finite(run: _Run) -> None:
+    """Before a save: an update can overflow while its step's loss (and, unclipped, nothing
+    else looked at) was finite. Every rank looks at its own parameters (shards under FSDP2)
+    and all learn whether any found one."""
+    names, params = zip(*run.model.named_parameters())
+    finite = torch.stack([torch.isfinite(_local(p)).all() for p in params]).tolist()  # one sync, not one each
+    bad = [name for name, ok in zip(names, finite) if not ok]
+    found = distributed.mean_across_ranks(torch.tensor(float(len(bad)), device=run.device), run.info).item()
+    if found > 0:
+        named = f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""
+        raise FloatingPointError(f"parameters are not finite after step {run.step}{named}, not saved; "
+                                 + _last_finite(run))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _every(period: int, step: int) -> bool:
     return period > 0 and step % period == 0
 
 
 def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, step: int, config: TrainConfig,
-                info: distributed.DistInfo, device: torch.device) -> float:
+                info: distributed.DistInfo, device: torch.device, stop: StopRequests | None = None
+                ) -> tuple[float, float | None, bool]:
+    """One optimizer step; the mean loss over the ranks, the gradient norm before clipping
+    (None without clipping), and whether any rank was asked to stop (``stop.requested``, up
+    to the end of the step)."""
     x, y = batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size, seq_len=config.seq_len,
                     rank=info.rank, world_size=info.world_size, stream=TRAIN_STREAM)
     if config.compile and config.compile_mode in _CUDAGRAPH_MODES:
@@ -427,15 +616,24 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
     with _autocast(config, device):
         _, loss = runner(x.to(device), y.to(device))
     loss.backward()
+    norm = None
     if config.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(runner.parameters(), config.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(runner.parameters(), config.grad_clip)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return distributed.mean_across_ranks(loss.detach().float(), info).item()
+    # one reduction for both: the ranks agree to stop in the same step
+    mean = loss.detach().float()
+    both = torch.stack([mean, mean.new_full((), float(stop is not None and stop.requested is not None))])
+    mean_loss, stopping = distributed.mean_across_ranks(both, info).tolist()
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, each rank holding its shards' part
+        norm = norm.full_tensor()
+    return mean_loss, None if norm is None else norm.item(), stopping > 0
 
 
-def _save(run: _Run) -> None:
-    checkpoint.save(run.config.out, run.step, run.model, run.optimizer, run.scheduler, run.info,
-                    extra={"config": dataclasses.asdict(run.config), "scheme_options": _scheme_options(run.model)},
+def _save(run: _Run) -> pathlib.Path:
+    _check_parameters_finite(run)
+    return checkpoint.save(run.config.out, run.step, run.model, run.optimizer, run.scheduler, run.info,
+                    extra={"config": dataclasses.asdict(run.config), "scheme_options": _scheme_options(run.model),
+                           "data_digest": run.data_digest},
                     keep=run.config.keep_checkpoints)

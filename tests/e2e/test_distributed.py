@@ -14,6 +14,7 @@ the losses by 1e-3 or more after the first update.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from depthrewrite.train import DataConfig, TrainConfig, read_metrics, train
+from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
 from tests.conftest import corpus_bytes
 
 WORLD = 2
@@ -44,9 +45,15 @@ def _free_port() -> int:
 #: what each spawned rank runs, in order (output folder, mode, changes): DDP straight through;
 #: FSDP2 stopped halfway and resumed from its checkpoint (the sharded save/load path); FSDP2
 #: with Block AttnRes, whose two-phase computation falls back to routing site by site where
-#: the next block's routing parameters are shards (the one-process run uses two-phase)
+#: the next block's routing parameters are shards (the one-process run uses two-phase); DDP
+#: with DAR and WAV, whose sites that open a block (DAR's transport) or read e alone (WAV's
+#: detail biases) take part in the backward with a zero gradient, as DDP requires
 RUNS = (("ddp", "ddp", {}), ("fsdp2", "fsdp2", {"stop_after": 3}), ("fsdp2", "fsdp2", {"resume": True}),
-        ("fsdp2_block", "fsdp2", {"scheme": "block_attnres"}))
+        ("fsdp2_block", "fsdp2", {"scheme": "block_attnres"}), ("ddp_dar", "ddp", {"scheme": "dar"}),
+        ("ddp_wav", "ddp", {"scheme": "wav"}))
+#: the one-process run each distributed run is compared with, and its scheme
+REFERENCES = {"ddp": "none", "fsdp2": "none", "fsdp2_block": "none_block", "ddp_dar": "none_dar",
+              "ddp_wav": "none_wav"}
 
 
 def _worker(rank: int, data: str, root: str, ports: list) -> None:
@@ -70,14 +77,15 @@ def test_ddp_and_fsdp2_with_resume_match_one_process(tmp_path):
     data = tmp_path / "text.txt"
     data.write_bytes(corpus_bytes("tinyshakespeare.txt", 200_000))
     single = train(_config("none", str(data), str(tmp_path / "none")))
-    block = _config("none", str(data), str(tmp_path / "none_block"))
-    block.scheme = "block_attnres"
-    train(block)
+    for name, scheme in (("none_block", "block_attnres"), ("none_dar", "dar"), ("none_wav", "wav")):
+        config = _config("none", str(data), str(tmp_path / name))
+        config.scheme = scheme
+        train(config)
     ports = [_free_port() for _ in RUNS]
     mp.spawn(_worker, args=(str(data), str(tmp_path), ports), nprocs=WORLD, join=True)
     want_loss, want_val = _logged(tmp_path / "none" / "metrics.jsonl")
     assert want_loss == single.losses and len(want_val) == 2
-    for mode, reference in (("ddp", "none"), ("fsdp2", "none"), ("fsdp2_block", "none_block")):
+    for mode, reference in REFERENCES.items():
         want_loss, want_val = _logged(tmp_path / reference / "metrics.jsonl")
         loss, val = _logged(tmp_path / mode / "metrics.jsonl")
         assert len(loss) == len(want_loss) and len(val) == len(want_val), mode
@@ -106,3 +114,33 @@ def test_torchrun_cli_ddp_prints_once_and_matches_one_process(tmp_path):
                             eval_batches=1, threads=1, progress=False))
     got, _ = _logged(tmp_path / "ddp" / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(one.losses), rtol=RTOL, atol=0)
+
+
+def _stopped_worker(rank: int, data: str, out: str, port: int) -> None:
+    """Rank 0 alone gets a SIGTERM, during step 2; every rank must stop after that step."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    real = loop._train_step
+
+    def step(runner, optimizer, scheduler, tokens, index, *args, **kwargs):
+        if rank == 0 and index == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return real(runner, optimizer, scheduler, tokens, index, *args, **kwargs)
+
+    loop._train_step = step
+    try:
+        train(_config("ddp", data, out))
+    except TrainingInterrupted as stopped:
+        assert stopped.step == 2, (rank, stopped.step)
+        return
+    raise AssertionError(f"rank {rank} ran to the end")
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_bytes(corpus_bytes("tinyshakespeare.txt", 100_000))
+    mp.spawn(_stopped_worker, args=(str(data), str(tmp_path / "ddp"), _free_port()), nprocs=WORLD, join=True)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ddp")] == ["step_00000002.pt"]
+    loss, _ = _logged(tmp_path / "ddp" / "metrics.jsonl")
+    assert len(loss) == 2

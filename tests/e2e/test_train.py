@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import math
 import pathlib
+import signal
 import struct
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from depthrewrite.cli import main, parse_value
 from depthrewrite.models import gpt_from_preset
 from depthrewrite.train import DataConfig, TrainConfig, batch_at, load_documents, read_metrics, split_documents, train
-from depthrewrite.train import checkpoint
+from depthrewrite.train import checkpoint, loop
 from depthrewrite.train.data import EOT_MARKER, split_text, stdlib_documents, stdlib_files, to_tokens
 from depthrewrite.train.routing_weights import record_routing_weights, softmax_weights, token_weights
 from tests.conftest import corpus_bytes
@@ -363,3 +364,266 @@ def test_resume_says_when_the_warmup_differs_from_the_checkpoints(tmp_path, shak
         train(_tiny(**same, warmup_steps=3, resume=True))
         train(_tiny(**{**unset, "steps": 20}, resume=True))  # more steps: a longer warmup, as asked
     assert "warmup" not in caplog.text
+
+
+# ------------------------------------------------------------- long runs: resume, divergence
+def test_the_logged_lr_is_the_one_each_step_used(tmp_path, shakespeare):
+    """Record ``step`` s (1-based) says the learning rate step s trained with, ``lr *
+    lr_factor(s - 1)``: the first warmup value included, not the next step's."""
+    from depthrewrite.train.loop import lr_factor
+
+    config = _tiny(data=DataConfig(source=str(shakespeare)), steps=6, warmup_steps=2, out=str(tmp_path))
+    train(config)
+    logged = [(r["step"], r["lr"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert logged == [(s, config.lr * lr_factor(s - 1, config)) for s in range(1, 7)]
+
+
+def test_resume_applies_the_given_optimizer_settings_and_says_which_changed(tmp_path, shakespeare, caplog):
+    """``lr`` and ``weight_decay`` given on resume used to be overwritten by the
+    checkpoint's (its optimizer and scheduler state), while ``min_lr_ratio``, ``grad_clip``
+    and ``steps`` took effect: a silent mix. The given values apply from the resumed step on,
+    the first resumed step included, and each change is named with the checkpoint's value."""
+    from depthrewrite.train.loop import lr_factor
+
+    common = dict(scheme="block_attnres", options={"block_size": 2}, data=DataConfig(source=str(shakespeare)),
+                  steps=8, out=str(tmp_path))
+    train(_tiny(**common, stop_after=4))
+    changed = _tiny(**{**common, "steps": 16}, lr=1e-3, weight_decay=0.0, resume=True, stop_after=6)
+    with caplog.at_level("WARNING", logger="depthrewrite.train.loop"):
+        assert train(changed).steps == [5, 6]
+    assert "lr is 0.001 now, 0.003 in the checkpoint's run" in caplog.text
+    assert "weight_decay is 0.0 now, 0.1 in the checkpoint's run" in caplog.text
+    logged = [(r["step"], r["lr"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r][4:]
+    assert logged == [(5, 1e-3 * lr_factor(4, changed)), (6, 1e-3 * lr_factor(5, changed))]
+    saved = torch.load(checkpoint.latest_checkpoint(tmp_path), map_location="cpu", weights_only=False)
+    assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.0, 0.0]
+    assert saved["scheduler"]["base_lrs"] == [1e-3, 1e-3]
+
+
+@pytest.mark.parametrize("save_every, stopped, saved", [
+    (3, r"^training loss is nan at step 3; no checkpoint was written$", []),  # not a save step: the next loss
+    # step 2's update overflows (its loss is finite, unclipped no gradient norm is looked at)
+    (1, r"^parameters are not finite after step 2 \(.*\), not saved; .*step_00000001\.pt", ["step_00000001.pt"]),
+], ids=["at_the_next_loss", "at_a_save"])
+def test_a_nonfinite_loss_stops_the_run_before_a_checkpoint_holds_it(tmp_path, shakespeare, save_every, stopped,
+                                                                     saved):
+    """A diverged run used to train on in NaN and save NaN checkpoints over the good ones."""
+    config = _tiny(data=DataConfig(source=str(shakespeare)), lr=1e9, grad_clip=0.0, steps=8, save_every=save_every,
+                   keep_checkpoints=0, out=str(tmp_path))
+    with pytest.raises(FloatingPointError, match=stopped):
+        train(config)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == saved
+    for path in checkpoint.list_checkpoints(tmp_path):
+        state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path.name
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r)
+
+
+def test_a_nonfinite_gradient_norm_stops_the_run(tmp_path, shakespeare, monkeypatch):
+    """Clipping an infinite gradient norm makes the parameters NaN while the step's loss is
+    still finite: the run stops there, not one step (and maybe one checkpoint) later."""
+    real = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def infinite_on_third(parameters, max_norm, *args, **kwargs):
+        calls.append(real(parameters, max_norm, *args, **kwargs))
+        return torch.tensor(float("inf")) if len(calls) == 3 else calls[-1]
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", infinite_on_third)
+    config = _tiny(data=DataConfig(source=str(shakespeare)), steps=6, save_every=1, out=str(tmp_path))
+    with pytest.raises(FloatingPointError, match=r"^the gradient norm is inf at step 3; .*step_00000002\.pt"):
+        train(config)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001.pt", "step_00000002.pt"]
+
+
+def test_a_fresh_run_refuses_an_out_holding_another_runs_checkpoints(tmp_path, shakespeare, capsys):
+    """Without ``resume``, an out whose checkpoints were another run's used to be mixed in:
+    metrics.jsonl restarted, the new run's first checkpoint (a lower step) deleted at once by
+    ``keep_checkpoints``, and a later ``--resume`` continuing the other run. ``overwrite``
+    (``--overwrite``) starts over, removing them; compare starts its runs over."""
+    data = DataConfig(source=str(shakespeare))
+    train(_tiny(scheme="block_attnres", data=data, steps=6, save_every=3, out=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(newest step_00000006\.pt\)"):
+        train(_tiny(scheme="dar", data=data, steps=4, out=str(tmp_path)))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000003.pt", "step_00000006.pt"]
+    train(_tiny(scheme="dar", data=data, steps=4, out=str(tmp_path), overwrite=True))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000004.pt"]
+    assert train(_tiny(scheme="dar", data=data, steps=6, out=str(tmp_path), resume=True)).steps == [5, 6]
+    args = ["train", "--layers", "2", "--data", str(shakespeare), "--steps", "2", "--batch-size", "4", "--seq-len",
+            "32", "--eval-batches", "1", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 2 and "--resume to continue it or --overwrite" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0
+
+
+def test_compare_reruns_into_the_same_out(tmp_path, shakespeare):
+    from depthrewrite.train import CompareConfig, compare
+
+    config = CompareConfig(schemes=("residual",), train=_tiny(data=DataConfig(source=str(shakespeare)), steps=2,
+                                                                    warmup_steps=1),
+                           out=str(tmp_path))
+    compare(config)
+    assert compare(config).rows[0].scheme == "residual"
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"", lambda b: b"\0" * 1000],
+                         ids=["truncated", "empty", "zeros"])
+def test_resume_passes_over_an_unreadable_newest_checkpoint(tmp_path, shakespeare, caplog, damage):
+    """A checkpoint cut short (a node lost before the file reached the disk) used to stop the
+    resume with torch.load's error (RuntimeError, EOFError or KeyError, naming no file): the
+    next older one is taken, said with the file named, and the run still ends bit-exactly."""
+    common = dict(scheme="wav", data=DataConfig(source=str(shakespeare)), steps=6, save_every=2, out=str(tmp_path))
+    straight = train(_tiny(**{**common, "out": str(tmp_path / "straight")}))
+    train(_tiny(**common, stop_after=4))
+    newest = checkpoint.latest_checkpoint(tmp_path)
+    newest.write_bytes(damage(newest.read_bytes()))
+    with caplog.at_level("WARNING", logger="depthrewrite.train.checkpoint"):
+        resumed = train(_tiny(**common, resume=True))
+    assert f"cannot read {newest}" in caplog.text and "step_00000002.pt" in caplog.text
+    assert resumed.steps == [3, 4, 5, 6] and resumed.losses == straight.losses[2:]
+    for path in checkpoint.list_checkpoints(tmp_path):
+        path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"resume: no readable checkpoint under .*step_00000006\.pt"):
+        train(_tiny(**common, resume=True))
+
+
+def test_resume_drops_a_metrics_line_cut_short(tmp_path, shakespeare, caplog):
+    """A run killed while writing metrics.jsonl leaves half a line: the resume used to stop
+    on a JSONDecodeError naming no file."""
+    common = dict(data=DataConfig(source=str(shakespeare)), steps=4, out=str(tmp_path))
+    train(_tiny(**common, stop_after=2))
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 4.1')
+    with caplog.at_level("WARNING", logger="depthrewrite.train.loop"):
+        assert train(_tiny(**common, resume=True)).steps == [3, 4]
+    assert "metrics.jsonl" in caplog.text and "cut short" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.1\n{"step": 2, "loss": 4.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not JSON"):
+        train(_tiny(**common, resume=True))
+
+
+def test_resume_past_the_end_is_refused_and_a_finished_run_is_left_as_it_is(tmp_path, shakespeare):
+    """A checkpoint beyond ``steps`` (or ``stop_after``) used to resume into zero steps and a
+    NaN train loss, and resuming a finished run logged its final validation loss twice."""
+    common = dict(data=DataConfig(source=str(shakespeare)), steps=4, out=str(tmp_path))
+    train(_tiny(**common))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    again = train(_tiny(**common, resume=True))
+    assert again.steps == [] and (tmp_path / "metrics.jsonl").read_text() == before
+    with pytest.raises(ValueError, match=r"resume: the checkpoint is at step 4, past steps=3"):
+        train(_tiny(**{**common, "steps": 3}, resume=True))
+    with pytest.raises(ValueError, match=r"resume: the checkpoint is at step 4, past stop_after=3"):
+        train(_tiny(**{**common, "steps": 8}, stop_after=3, resume=True))
+
+
+def test_resume_refuses_training_text_that_changed(tmp_path, shakespeare):
+    """The config names the data (a path), not what is in it: a corpus file edited or a
+    folder given more files between stop and resume used to continue silently on other
+    windows and another train/validation split."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(shakespeare.read_bytes()[:200_000])
+    common = dict(data=DataConfig(source=str(text)), steps=4, out=str(tmp_path / "run"))
+    train(_tiny(**common, stop_after=2))
+    with text.open("ab") as f:
+        f.write(b"\n\nA new scene, appended while the run was stopped.\n")
+    with pytest.raises(ValueError, match=r"resume: the training and validation text differs from the checkpoint's"):
+        train(_tiny(**common, resume=True))
+    text.write_bytes(shakespeare.read_bytes()[:200_000])
+    assert train(_tiny(**common, resume=True)).steps == [3, 4]
+
+
+def test_an_interrupted_resume_leaves_metrics_jsonl_whole(tmp_path, shakespeare, monkeypatch):
+    """The resume rewrites metrics.jsonl without the steps it will run again; a kill during
+    that rewrite used to leave the file cut short: weeks of history lost."""
+    common = dict(data=DataConfig(source=str(shakespeare)), steps=4, out=str(tmp_path))
+    train(_tiny(**common, stop_after=2))
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def killed_halfway(path, text, *args, **kwargs):
+        with open(path, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train(_tiny(**common, resume=True))
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+# ----------------------------------------------------------------------- stop signals
+_TRAIN_STEP = loop._train_step
+
+
+def _signal_during_step(monkeypatch, at_step: int, signum: int, times: int = 1) -> None:
+    """Deliver ``signum`` (``times`` times) to this process in the middle of 0-based step
+    ``at_step``, between the backward and the optimizer's update, as a cluster's SIGTERM
+    arrives at any moment. Replaces an earlier call's patch."""
+    real = _TRAIN_STEP
+
+    def step(runner, optimizer, *args, **kwargs):
+        if args[2] != at_step:  # (scheduler, tokens, step, ...)
+            return real(runner, optimizer, *args, **kwargs)
+        update = optimizer.step
+
+        def signalled_update(*a, **k):
+            for _ in range(times):
+                signal.raise_signal(signum)
+            return update(*a, **k)
+
+        optimizer.step = signalled_update
+        try:
+            return real(runner, optimizer, *args, **kwargs)
+        finally:
+            optimizer.step = update
+
+    monkeypatch.setattr(loop, "_train_step", step)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_step_saves_and_resumes_bit_exactly(tmp_path, shakespeare, monkeypatch, signum):
+    common = dict(scheme="block_attnres", model_options={"dropout": 0.1}, data=DataConfig(source=str(shakespeare)),
+                  steps=6, eval_every=2)
+    straight = train(_tiny(**common, out=str(tmp_path / "a")))
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    _signal_during_step(monkeypatch, at_step=2, signum=signum)
+    with pytest.raises(loop.TrainingInterrupted) as stopped:
+        train(_tiny(**common, out=str(tmp_path / "b")))
+    monkeypatch.undo()
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
+    name = signal.Signals(signum).name
+    assert (stopped.value.signal_name, stopped.value.step) == (name, 3)  # the step it arrived in was finished
+    assert stopped.value.checkpoint == checkpoint.checkpoint_path(tmp_path / "b", 3)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "b")] == ["step_00000003.pt"]
+    resumed = train(_tiny(**common, out=str(tmp_path / "b"), resume=True))
+    assert resumed.steps == [4, 5, 6]
+    logged = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r]
+    assert torch.equal(torch.tensor(logged), torch.tensor(straight.losses))
+    for (key, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(p, q), key
+
+
+def test_a_second_sigint_stops_at_once_and_the_cli_exits_with_the_signals_status(tmp_path, shakespeare,
+                                                                                 monkeypatch, capsys):
+    config = _tiny(scheme="attnres", data=DataConfig(source=str(shakespeare)), steps=4, out=str(tmp_path / "a"))
+    _signal_during_step(monkeypatch, at_step=1, signum=signal.SIGINT, times=2)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        train(config)
+    assert not isinstance(stopped.value, loop.TrainingInterrupted)
+    assert checkpoint.list_checkpoints(tmp_path / "a") == []  # stopped at once: nothing saved
+    _signal_during_step(monkeypatch, at_step=1, signum=signal.SIGTERM)
+    args = ["train", "--scheme", "attnres", "--layers", "2", "--data", str(shakespeare), "--steps", "4",
+            "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1",
+            "--out", str(tmp_path / "b"), "--no-progress"]
+    assert main(args) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after step 2" in capsys.readouterr().err
+
+
+def test_without_out_or_with_stop_on_signal_off_the_signals_are_left_alone(shakespeare, monkeypatch):
+    common = dict(scheme="attnres", data=DataConfig(source=str(shakespeare)), steps=3)
+    for config in (_tiny(**common), _tiny(**common, out=None, stop_on_signal=False)):
+        _signal_during_step(monkeypatch, at_step=1, signum=signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            train(config)
+        assert not isinstance(stopped.value, loop.TrainingInterrupted)
+    with pytest.raises(ValueError, match="stop_on_signal must be True or False, found 'no'"):
+        train(_tiny(**common, stop_on_signal="no"))

@@ -240,6 +240,7 @@ def find_block_stack(model: nn.Module, calls: list[ModuleCall]) -> tuple[str, li
             best = (length, path, children[:length])
     if best is None:
         refuse_unregistered_blocks(model)
+        _refuse_unchained_stack(model, calls, first_call)
         raise NoResidualStreamError(
             f"{type(model).__name__} has no stack of blocks carrying a residual stream: no "
             "ModuleList/ModuleDict/Sequential was found whose children are called one after "
@@ -249,6 +250,27 @@ def find_block_stack(model: nn.Module, calls: list[ModuleCall]) -> tuple[str, li
     if len(children) == 1:
         _warn_single_block(type(model).__name__, path)
     return path, children
+
+
+def _refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
+                            first_call: dict[nn.Module, ModuleCall]) -> None:
+    """Where no chain was found: a container of blocks of one class, called in order, whose
+    first link is broken (``block(x + a * x0)`` in the model's loop) is named, with what
+    passes between its first two blocks, as where a chain breaks later (refuse_broken_chain)."""
+    names = {m: n for n, m in model.named_modules()}
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        children = children_in_call_order(module, first_call)
+        if len(children) < 2 or len({type(c) for _, c in children}) > 1:
+            continue
+        first, second = (first_call[c] for _, c in children[:2])
+        first_arg, stream_arg = _first_tensor_arg(first), _first_tensor_arg(second)
+        if first_arg is None or stream_arg is None:
+            continue
+        # both given the same tensor: applied side by side (experts, heads), not one after the other
+        if stream_arg.get(second.args, second.kwargs) is not first_arg.get(first.args, first.kwargs):
+            refuse_broken_chain(model, path, [first], calls, stream_arg, names)
 
 
 @functools.lru_cache(maxsize=None)

@@ -245,3 +245,93 @@ class PythonListLM(CheckpointedLM):
         blocks = list(self.blocks)
         del self.blocks
         self.blocks = blocks
+
+
+class FirstLayerSkipLM(CheckpointedLM):
+    """A skip from the embedding into every block's input (modded-nanogpt's x0 mix, written in
+    the model's loop): the blocks do not pass the stream on, so it is not a residual stream."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.skip = nn.Parameter(torch.full((len(self.blocks),), 0.5))
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        x = x0 = self.embed(ids)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x + self.skip[i] * x0, mask)
+        return self.head(self.norm(x))
+
+
+class CachedAttention(nn.Module):
+    """Meta Llama's reference attention: a KV cache in buffers, written at the int
+    ``start_pos`` the model passes down while decoding."""
+
+    def __init__(self, dim, n_heads, max_batch=2, max_len=64):
+        super().__init__()
+        self.n_heads = n_heads
+        self.wqkv, self.wo = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        shape = (max_batch, max_len, n_heads, dim // n_heads)
+        self.register_buffer("cache_k", torch.zeros(shape), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, start_pos, mask):
+        B, T, C = x.shape
+        q, k, v = self.wqkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).unbind(2)
+        self.cache_k[:B, start_pos:start_pos + T] = k
+        self.cache_v[:B, start_pos:start_pos + T] = v
+        keys, values = (c[:B, :start_pos + T].transpose(1, 2) for c in (self.cache_k, self.cache_v))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
+class StartPosBlock(nn.Module):
+    """``forward(x, start_pos, mask)`` with ``start_pos`` an int. ``branch_on_start=True``:
+    the block's own code branches on it too (it then cannot be a traced input)."""
+
+    def __init__(self, dim, n_heads, branch_on_start=False):
+        super().__init__()
+        self.attention, self.feed_forward = CachedAttention(dim, n_heads), FeedForward(dim, 2 * dim)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.branch_on_start = branch_on_start
+
+    def forward(self, x, start_pos, mask):
+        h = x + self.attention(self.attention_norm(x), start_pos, mask)
+        if self.branch_on_start and start_pos == 0:  # the prompt: the same computation, another branch
+            return h + self.feed_forward(self.ffn_norm(h)) * 1.0
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class StartPosLM(nn.Module):
+    """Meta Llama's reference model: ``forward(tokens, start_pos)``, a causal mask for the
+    prompt and none for one decoded token, and greedy decoding with the int position."""
+
+    def __init__(self, vocab_size=128, dim=32, n_layers=3, n_heads=4, branch_on_start=False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList([StartPosBlock(dim, n_heads, branch_on_start) for _ in range(n_layers)])
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens, start_pos: int = 0):
+        T = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        mask = None
+        if T > 1:
+            mask = torch.full((T, T), float("-inf"), device=tokens.device).triu(1)
+            mask = torch.hstack([torch.zeros(T, start_pos, device=tokens.device), mask])
+        for layer in self.layers:
+            h = layer(h, start_pos, mask)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def generate(self, prompt, steps):
+        """The logits of every step of greedy decoding."""
+        logits, tokens, pos = [], prompt, 0
+        for _ in range(steps):
+            out = self(tokens, pos)
+            logits.append(out)
+            pos += tokens.shape[1]
+            tokens = out[:, -1:].argmax(-1)
+        return logits

@@ -94,18 +94,46 @@ class CallSpec:
 INPUT = ("input", "any")
 
 
-def _classify(value: Any) -> tuple:
+#: an int traced as an input (a placeholder) rather than baked in: see :func:`call_spec`
+INT_INPUT = ("input", "int")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _classify(value: Any, traced_int: bool = False) -> tuple:
+    if traced_int and _is_int(value):
+        return INT_INPUT
     if isinstance(value, _CONSTANT_TYPES):
         return ("const", value)
     return INPUT
 
 
-def call_spec(args: tuple, kwargs: dict, training: bool) -> CallSpec:
+def call_spec(args: tuple, kwargs: dict, training: bool, int_inputs: frozenset = frozenset()) -> CallSpec:
+    """The spec of a call. ``int_inputs`` names the arguments (positions, keywords) whose int
+    values are traced inputs instead of constants: a position that changes at every call
+    (Meta Llama's ``start_pos`` while decoding) would otherwise need one graph per value."""
     return CallSpec(
-        positional=tuple(_classify(a) for a in args),
-        keywords=tuple(sorted((k, _classify(v)) for k, v in kwargs.items())),
+        positional=tuple(_classify(a, i in int_inputs) for i, a in enumerate(args)),
+        keywords=tuple(sorted((k, _classify(v, k in int_inputs)) for k, v in kwargs.items())),
         training=training,
     )
+
+
+def varying_ints(spec: CallSpec, seen: list[CallSpec]) -> frozenset:
+    """The arguments (positions, keywords) of ``spec`` holding an int that differs from the
+    one of a spec in ``seen`` that is otherwise the same; empty if there is none."""
+    for other in seen:
+        if other.training != spec.training or len(other.positional) != len(spec.positional) \
+                or [k for k, _ in other.keywords] != [k for k, _ in spec.keywords]:
+            continue
+        pairs = list(enumerate(zip(spec.positional, other.positional)))
+        pairs += [(k, (a, b)) for (k, a), (_, b) in zip(spec.keywords, other.keywords)]
+        differ = [(name, a, b) for name, (a, b) in pairs if a != b]
+        if differ and all(a[0] == b[0] == "const" and _is_int(a[1]) and _is_int(b[1]) for _, a, b in differ):
+            return frozenset(name for name, _, _ in differ)
+    return frozenset()
 
 
 def _identifier(name: str) -> str:

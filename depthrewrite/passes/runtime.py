@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..analysis import BlockPlan, analyze_block_call
-from ..analysis.trace import call_spec
+from ..analysis.trace import call_spec, varying_ints
 from ..capture import Capture
 from ..errors import DepthRewriteError, RuntimeOrderError
 from .base import Scheme
@@ -182,8 +182,11 @@ class RoutedBlock:
         return tuple(result[:n]), list(result[n:])
 
     def _depth_program(self, args: tuple, kwargs: dict) -> BlockProgram:
-        spec = call_spec(args, kwargs, self.training)
+        spec = call_spec(args, kwargs, self.training, self._depth_int_inputs)
         program = self._depth_programs.get(spec.key)
+        if program is None and self._depth_int_inputs:
+            # a value traced before its argument became an input (the prompt's start_pos 0)
+            program = self._depth_programs.get(call_spec(args, kwargs, self.training).key)
         if program is None:
             if torch.compiler.is_compiling():
                 raise DepthRewriteError(
@@ -191,8 +194,29 @@ class RoutedBlock:
                     f"not prepared for ({_describe_spec(spec)}); run the model once eagerly with the "
                     "same arguments before compiling"
                 )
-            program = build_program(self, spec)
-            self._depth_programs[spec.key] = program
+            program = self._depth_int_program(spec, args, kwargs) or build_program(self, spec)
+            self._depth_programs[program.spec.key] = program
+        return program
+
+    def _depth_int_program(self, spec, args: tuple, kwargs: dict) -> BlockProgram | None:
+        """Where ``spec`` differs from a traced one only in int arguments (a decoding
+        position), one graph with those ints as inputs, traced now and used for every later
+        value; None where there is no such difference, or the block's own code needs the
+        value (it branches on it: then each value keeps a graph of its own)."""
+        varying = varying_ints(spec, [p.spec for p in self._depth_programs.values()]) - self._depth_int_constants
+        if not varying:
+            return None
+        int_inputs = self._depth_int_inputs | varying
+        try:
+            program = build_program(self, call_spec(args, kwargs, self.training, int_inputs))
+        except DepthRewriteError as exc:
+            self._depth_int_constants |= varying
+            log.info("block %r: int arguments %s change between calls but cannot be traced as inputs (%s); "
+                     "each value is traced on its own", self._depth_path, sorted(map(str, varying)), exc)
+            return None
+        self._depth_int_inputs = int_inputs
+        log.info("block %r: int arguments %s change between calls; traced once as inputs", self._depth_path,
+                 sorted(map(str, varying)))
         return program
 
 
@@ -314,6 +338,8 @@ def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, rout
     block._depth_forward = plan.forward
     block._depth_hints = plan.traced.hints  # children traced through..., the same for every call spec
     block._depth_programs = {}
+    block._depth_int_inputs = frozenset()  # int arguments traced as inputs (_depth_int_program)
+    block._depth_int_constants = frozenset()  # those that could not be
     block._depth_state_spec = None
     block._depth_out_spec = None
     block._depth_out_len = None

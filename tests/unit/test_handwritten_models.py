@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import depthrewrite
-from depthrewrite.errors import DepthRewriteError, NoResidualStreamError
-from tests.handwritten_models import CheckpointedLM, GPTConfig, NanoGPT, PythonListLM, TitanLlama
+from depthrewrite.errors import DepthRewriteError, NoResidualStreamError, UnsupportedStructureError
+from tests.handwritten_models import (
+    CheckpointedLM, FirstLayerSkipLM, GPTConfig, NanoGPT, PythonListLM, StartPosLM, TitanLlama,
+)
 
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
 IDENTITY = [s for s, cls in depthrewrite.SCHEMES.items() if cls.delta_applies]
@@ -116,3 +118,58 @@ def test_reentrant_checkpoint_around_the_block_call_is_refused():
 def test_blocks_in_a_python_list_are_named():
     with pytest.raises(NoResidualStreamError, match=r"PythonListLM.blocks is a Python list of 3 ArgsBlock .*nn.ModuleList"):
         depthrewrite.inspect(PythonListLM(), example_inputs=(IDS,))
+
+
+def test_a_skip_into_every_block_is_named_between_the_first_two_blocks():
+    """The chain breaks at its first link: the error names the stack's blocks, as it does
+    where it breaks later (it said only "no stack of blocks")."""
+    with pytest.raises(UnsupportedStructureError, match=r"the stream is changed between blocks 'blocks.0' and "
+                       r"'blocks.1'"):
+        depthrewrite.inspect(FirstLayerSkipLM(), example_inputs=(IDS,))
+
+
+def _decode(branch_on_start=False, steps=10):
+    """Greedy decoding of the original and of its rewrite (identical at initialisation)."""
+    torch.manual_seed(0)
+    original = StartPosLM(branch_on_start=branch_on_start).eval()
+    prompt = IDS[:1, :5]
+    routed = depthrewrite.rewrite(original, "block_attnres", example_inputs=(prompt,), inplace=False,
+                                  preserve_identity=True).eval()
+    return original, routed, prompt
+
+
+@pytest.mark.parametrize("branch_on_start", [False, True])
+def test_an_int_decoding_position_is_traced_once_as_an_input(branch_on_start):
+    """Meta Llama's ``layer(h, start_pos, mask)`` with an int ``start_pos``: traced as an
+    input from its second value on, one graph serves every position (it was one graph per
+    position, traced at each new one). A block that branches on it keeps a graph per value."""
+    original, routed, prompt = _decode(branch_on_start)
+    want, got = original.generate(prompt, 10), routed.generate(prompt, 10)
+    for step, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), step
+    block = routed.layers[1]
+    if branch_on_start:
+        assert block._depth_int_inputs == frozenset() and block._depth_int_constants == {1}
+        assert sum(p.spec.positional[1][0] == "const" for p in block._depth_programs.values()) >= 10
+    else:
+        assert block._depth_int_inputs == {1}
+        # in eval mode, the prompt's position 0 and the first decoded one were traced as constants
+        consts = [p.spec.positional[1] for p in block._depth_programs.values() if not p.spec.training]
+        assert sorted(c for c in consts if c[0] == "const") == [("const", 0), ("const", 5)]
+        programs = len(block._depth_programs)
+        routed.generate(prompt, 20)  # 10 positions more
+        assert len(block._depth_programs) == programs
+
+
+def test_a_compiled_decoder_reads_each_position_through_the_traced_int():
+    original, routed, prompt = _decode()
+    routed.generate(prompt, 3)  # eager first: the graphs a compiled call may use are made outside it
+    compiled = torch.compile(routed, backend="depthrewrite", options={"inner": "aot_eager"}, fullgraph=True)
+    want = original.generate(prompt, 8)
+    with torch.no_grad():
+        tokens, pos = prompt, 0
+        for step in range(8):
+            out = compiled(tokens, pos)
+            assert torch.equal(out, want[step]), step
+            pos += tokens.shape[1]
+            tokens = out[:, -1:].argmax(-1)

@@ -256,7 +256,9 @@ def _refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
                             first_call: dict[nn.Module, ModuleCall]) -> None:
     """Where no chain was found: a container of blocks of one class, called in order, whose
     first link is broken (``block(x + a * x0)`` in the model's loop) is named, with what
-    passes between its first two blocks, as where a chain breaks later (refuse_broken_chain)."""
+    passes between its first two blocks, as where a chain breaks later (refuse_broken_chain).
+    Not where other modules run between the two (XLM's ``attentions`` list, its norms and
+    MLPs in other lists): those children are parts of blocks, not blocks."""
     names = {m: n for n, m in model.named_modules()}
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
@@ -265,6 +267,9 @@ def _refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
         if len(children) < 2 or len({type(c) for _, c in children}) > 1:
             continue
         first, second = (first_call[c] for _, c in children[:2])
+        inside_first = set(children[0][1].modules())
+        if any(first.order < c.order < second.order and c.module not in inside_first for c in calls):
+            continue
         first_arg, stream_arg = _first_tensor_arg(first), _first_tensor_arg(second)
         if first_arg is None or stream_arg is None:
             continue

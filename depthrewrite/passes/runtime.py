@@ -118,8 +118,7 @@ class RoutedBlock:
         from the call's arguments, and the runtime has moved on by then. Only under
         saved-tensor hooks (those checkpoints install them), so plain training keeps no
         state past its own use."""
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled() \
-                or torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not _saved_tensor_hooks_active():
             return
         stream = self._depth_runtime.capture.stream_arg.get(args, kwargs)
         if not isinstance(stream, torch.Tensor):
@@ -249,6 +248,16 @@ _MISSING = object()
 def _in_backward() -> bool:
     """Inside autograd's backward: a block called now is a checkpoint's recomputation."""
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (a non-re-entrant checkpoint's) are installed. The query
+    is torch's private one (``torch.utils.checkpoint`` uses it too); it raises while Dynamo
+    traces such hooks, which counts as none here."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except RuntimeError:
+        return False
 
 
 def _requires_grad(value) -> bool:

@@ -376,7 +376,6 @@ def _check_inductor_keys(options: dict[str, Any]) -> None:
 
 
 def _config_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    _check_inductor_keys(options)
     patches: dict[str, Any] = {}
     if mode not in (None, "default"):
         from torch._inductor import list_mode_options
@@ -394,12 +393,27 @@ def _pop_flag(options: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
-                         options: dict[str, Any] | None = None, **kwargs):
-    """torch.compile backend: report the routing ops, then compile with Inductor."""
-    if kwargs:
-        raise ValueError(f"depthrewrite_backend: unexpected arguments {sorted(kwargs)}; "
-                         "pass settings as torch.compile(..., options={...})")
+@dataclasses.dataclass(frozen=True)
+class BackendSettings:
+    """The backend's options as checked by :func:`check_options`; ``inductor``: the other
+    keys, Inductor settings."""
+
+    inner: str
+    max_sum_terms: int | None
+    accumulate_grads: bool
+    accumulate_max_heads: int | None
+    accumulate_in_place: bool
+    recompute_partial_sums: bool
+    asked_to_recompute: bool  # recompute_partial_sums given (it is on by default)
+    recompute_branch_outputs: bool | str
+    fuse_output_norms: bool
+    inductor: dict[str, Any]
+
+
+def check_options(options: dict[str, Any] | None) -> BackendSettings:
+    """``torch.compile(..., backend="depthrewrite", options=...)``'s options, checked as the
+    backend checks them on its first call (a ``ValueError`` naming the option), so that a
+    caller such as ``depthrewrite train`` can refuse a typo before it trains."""
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
     if inner not in _INNER:
@@ -424,21 +438,35 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
                          "(the branch outputs are saved for the partial sums' recomputation); found "
                          "recompute_partial_sums=False")
     fuse_norms = _pop_flag(options, "fuse_output_norms", True)
-    fused_norms = fuse_output_norms(gm.graph) if fuse_norms else None
+    _check_inductor_keys(options)
+    return BackendSettings(inner, max_sum_terms, accumulate_grads, max_heads, in_place, recompute,
+                           asked_to_recompute, branch_outputs, fuse_norms, options)
+
+
+def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None = None,
+                         options: dict[str, Any] | None = None, **kwargs):
+    """torch.compile backend: report the routing ops, then compile with Inductor."""
+    if kwargs:
+        raise ValueError(f"depthrewrite_backend: unexpected arguments {sorted(kwargs)}; "
+                         "pass settings as torch.compile(..., options={...})")
+    settings = check_options(options)
+    fused_norms = fuse_output_norms(gm.graph) if settings.fuse_output_norms else None
     if fused_norms:
         gm.recompile()
     ops, impls = count_routing_ops(gm.graph)
-    patches = _config_patches(mode, options)
+    patches = _config_patches(mode, settings.inductor)
     patches.update(inductor_defaults(_graph_nodes(gm.graph), patches))
-    recomputed = mark_recomputable(gm.graph, branch_outputs) if recompute else None
-    report = LoweringReport(_graph_device(example_inputs), inner, ops, impls, config_patches=patches,
-                            max_sum_terms=max_sum_terms, accumulate_grads=accumulate_grads,
-                            accumulate_max_heads=max_heads, recomputed=recomputed, accumulate_in_place=in_place,
-                            fused_norms=fused_norms, dynamic=_has_symbolic_sizes(example_inputs))
+    recomputed = (mark_recomputable(gm.graph, settings.recompute_branch_outputs)
+                  if settings.recompute_partial_sums else None)
+    report = LoweringReport(_graph_device(example_inputs), settings.inner, ops, impls, config_patches=patches,
+                            max_sum_terms=settings.max_sum_terms, accumulate_grads=settings.accumulate_grads,
+                            accumulate_max_heads=settings.accumulate_max_heads, recomputed=recomputed,
+                            accumulate_in_place=settings.accumulate_in_place, fused_norms=fused_norms,
+                            dynamic=_has_symbolic_sizes(example_inputs))
     _REPORTS.append(report)
     log.info("depthrewrite backend: %s routing ops %s, implementations %s, inner compiler %s%s",
-             report.num_routing_ops, ops, impls, inner, ", symbolic sizes" if report.dynamic else "")
-    if asked_to_recompute and report.recompute_marked == 0:
+             report.num_routing_ops, ops, impls, settings.inner, ", symbolic sizes" if report.dynamic else "")
+    if settings.asked_to_recompute and report.recompute_marked == 0:
         # on by default: only a caller who asked for it is told that nothing was tagged
         log.warning("depthrewrite backend: recompute_partial_sums is on but no partial sums were tagged in this "
                     "graph (WAV and DAR tag theirs, inside blocks: WAV's blocks of 2 sites have none; the tags "

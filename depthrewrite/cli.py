@@ -134,6 +134,9 @@ def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
     t.add_argument("--compile-mode", choices=COMPILE_MODES,
                    help=f"torch.compile mode (default '{base.compile_mode}'; reduce-overhead records CUDA graphs "
                    "on a GPU)")
+    t.add_argument("--compile-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="torch.compile option, repeatable: the depthrewrite backend's (recompute_branch_outputs=narrow, "
+                   "max_sum_terms=4, ...) or an Inductor setting; not with --compile-mode (default: none)")
     t.add_argument("--seed", type=int, help=f"(default {base.seed})")
     t.add_argument("--device", help=f"(default {base.device})")
     t.add_argument("--threads", type=int, help="torch CPU threads (default "
@@ -163,8 +166,9 @@ def _train_config(args: argparse.Namespace, base: TrainConfig, options: dict) ->
         if getattr(args, flag, False):
             given[flag] = True
     model_options = {**base.model_options, **parse_options(args.model_option, "--model-option")}
+    compile_options = {**base.compile_options, **parse_options(args.compile_option, "--compile-option")}
     return dataclasses.replace(base, **given, data=data, options=options, model_options=model_options,
-                               progress=not args.no_progress)
+                               compile_options=compile_options, progress=not args.no_progress)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -313,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except TrainingInterrupted as exc:  # a checkpoint was saved: not an error, but not a finished run
-        print(f"depthrewrite {args.command}: {exc}", file=sys.stderr)
+        resume = " (--resume continues the run)" if args.command == "train" else ""
+        print(f"depthrewrite {args.command}: {exc}{resume}", file=sys.stderr)
         return 128 + (signal.SIGINT if exc.signal_name == "SIGINT" else signal.SIGTERM)
     except (ValueError, FileNotFoundError, ImportError, DepthRewriteError, FloatingPointError) as exc:
         print(f"depthrewrite {args.command}: error: {exc}", file=sys.stderr)

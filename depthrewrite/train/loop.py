@@ -87,6 +87,9 @@ class TrainConfig:
     compile: bool = False
     backend: str = "inductor"
     compile_mode: str = "default"  # one of COMPILE_MODES
+    #: torch.compile's ``options``: the depthrewrite backend's (``recompute_branch_outputs``,
+    #: ...) or Inductor settings; torch.compile takes them only with the default mode
+    compile_options: dict = field(default_factory=dict)
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None  # torch intra-op CPU threads for this run (None: leave torch's setting)
@@ -128,6 +131,16 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, found {self.compile_mode!r}")
+        if not isinstance(self.compile_options, dict):
+            raise ValueError(f"compile_options must be a dict, found {self.compile_options!r}")
+        if self.compile_options and self.backend == "depthrewrite":
+            from ..backend import check_options
+
+            check_options(self.compile_options)  # a typo refused now, not after the model is built
+        if self.compile_options and self.compile_mode != "default":
+            raise ValueError(
+                f"compile_options and compile_mode={self.compile_mode!r} exclude each other (torch.compile takes "
+                "a mode or options): ask for CUDA graphs among the options, 'triton.cudagraphs': True")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, found {self.precision!r}")
         parse_model_name(self.model)
@@ -163,7 +176,7 @@ class TrainingInterrupted(KeyboardInterrupt):
     that an ``except Exception`` does not carry on past it."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: pathlib.Path):
-        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint} (resume to continue)")
+        super().__init__(f"stopped by {signal_name} after step {step}; its state is saved in {checkpoint}")
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
@@ -251,16 +264,10 @@ class Metrics:
     def _read_resumed(self) -> list[tuple[str, dict]]:
         """The lines of the file with their records; a last line cut short (the run killed
         while writing it) is dropped, said."""
-        lines = [line for line in self.path.read_text().splitlines() if line]
-        records = []
-        for number, line in enumerate(lines, 1):
-            try:
-                records.append((line, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                if number < len(lines):
-                    raise ValueError(f"resume: {self.path} line {number} is not JSON ({exc}): {line[:80]!r}") from exc
-                log.warning("resume: the last line of %s was cut short (the run was killed while writing it); "
-                            "dropped: %r", self.path, line[:80])
+        records, cut = _metric_records(self.path)
+        if cut is not None:
+            log.warning("resume: the last line of %s was cut short (the run was killed while writing it); "
+                        "dropped: %r", self.path, cut[:80])
         return records
 
     def write(self, record: dict) -> None:
@@ -276,7 +283,24 @@ class Metrics:
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line]
+    """The records of a metrics file; a last line cut short (a run killed, or one still
+    writing it: this may read a live run) is left out."""
+    return [record for _, record in _metric_records(pathlib.Path(path))[0]]
+
+
+def _metric_records(path: pathlib.Path) -> tuple[list[tuple[str, dict]], str | None]:
+    """The ``(line, record)`` pairs of a metrics file, and its last line where that is cut
+    short; a line elsewhere that is not JSON is a ValueError naming the file and line."""
+    lines = [line for line in path.read_text().splitlines() if line]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append((line, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                return records, line
+            raise ValueError(f"{path} line {number} is not JSON ({exc}): {line[:80]!r}") from exc
+    return records, None
 
 
 # --------------------------------------------------------------------------- loop
@@ -495,7 +519,7 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
     runner = distributed.wrap(model, info, device) if info.mode == "ddp" else model
     if config.compile:
         mode = None if config.compile_mode == "default" else config.compile_mode
-        runner = torch.compile(runner, backend=config.backend, mode=mode)
+        runner = torch.compile(runner, backend=config.backend, mode=mode, options=config.compile_options or None)
     return _Run(config, info, device, splits, model, runner, optimizer, scheduler, metrics, step, digest)
 
 

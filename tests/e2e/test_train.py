@@ -502,6 +502,16 @@ def test_resume_drops_a_metrics_line_cut_short(tmp_path, shakespeare, caplog):
         train(_tiny(**common, resume=True))
 
 
+def test_read_metrics_reads_a_file_still_being_written(tmp_path):
+    """A live run's last line may be half written when a monitor reads the file."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 4.1}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 4.1}]
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 4.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not JSON"):
+        read_metrics(path)
+
+
 def test_resume_past_the_end_is_refused_and_a_finished_run_is_left_as_it_is(tmp_path, shakespeare):
     """A checkpoint beyond ``steps`` (or ``stop_after``) used to resume into zero steps and a
     NaN train loss, and resuming a finished run logged its final validation loss twice."""
@@ -615,7 +625,8 @@ def test_a_second_sigint_stops_at_once_and_the_cli_exits_with_the_signals_status
             "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1",
             "--out", str(tmp_path / "b"), "--no-progress"]
     assert main(args) == 128 + signal.SIGTERM
-    assert "stopped by SIGTERM after step 2" in capsys.readouterr().err
+    assert "stopped by SIGTERM after step 2; its state is saved in" in (err := capsys.readouterr().err)
+    assert "(--resume continues the run)" in err
 
 
 def test_without_out_or_with_stop_on_signal_off_the_signals_are_left_alone(shakespeare, monkeypatch):

@@ -1,5 +1,6 @@
-"""The training harness's ``compile_mode`` (``--compile-mode``): checked, passed to
-torch.compile, and a CUDA-graph mode marks each training step as a new iteration."""
+"""The training harness's ``compile_mode`` (``--compile-mode``) and ``compile_options``
+(``--compile-option``): checked, passed to torch.compile, and a CUDA-graph mode marks each
+training step as a new iteration."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_step(monk
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: stepped.append(1))
     train(_tiny(compile=True, backend="depthrewrite", compile_mode=mode, scheme="attnres"))
-    assert calls == [dict(backend="depthrewrite", mode=expected_mode)]
+    assert calls == [dict(backend="depthrewrite", mode=expected_mode, options=None)]
     assert len(stepped) == marks
 
 
@@ -44,3 +45,38 @@ def test_the_cli_takes_the_mode():
     config = _train_config(args, TrainConfig(), {})
     assert config.compile and config.compile_mode == "reduce-overhead"
     assert _train_config(build_parser().parse_args(["train"]), TrainConfig(), {}).compile_mode == "default"
+
+
+def test_compile_options_reach_the_backend():
+    """--compile-option: the backend's own options through the trainer (DAR block's
+    lowest-memory form needs recompute_branch_outputs="narrow"), on the CPU through the
+    backend's aot_eager inner compiler."""
+    from depthrewrite import backend
+
+    args = ["train", "--compile", "on", "--backend", "depthrewrite", "--compile-option", "inner=aot_eager",
+            "--compile-option", "recompute_branch_outputs=narrow", "--compile-option", "max_sum_terms=none"]
+    config = _train_config(build_parser().parse_args(args), TrainConfig(), {})
+    assert config.compile_options == {"inner": "aot_eager", "recompute_branch_outputs": "narrow", "max_sum_terms": None}
+    backend.clear_reports()
+    train(_tiny(compile=True, backend="depthrewrite", scheme="dar", options={"layers_per_block": 1},
+                compile_options=config.compile_options))
+    report = backend.last_report()
+    assert report.inner == "aot_eager" and report.max_sum_terms is None and report.num_routing_ops > 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_sum_term": 4}, r"'max_sum_term' \(did you mean 'max_sum_terms'\?\)"),
+    ({"recompute_branch_outputs": "wide"}, r"options\['recompute_branch_outputs'\] must be True, False or 'narrow'; "
+                                           r"found 'wide'"),
+])
+def test_a_bad_compile_option_is_refused_before_training(options, message):
+    with pytest.raises(ValueError, match=message):
+        _tiny(compile=True, backend="depthrewrite", compile_options=options).validate()
+
+
+def test_compile_options_and_a_mode_exclude_each_other(capsys):
+    with pytest.raises(ValueError, match=r"compile_options and compile_mode='reduce-overhead' exclude each other"):
+        _tiny(compile=True, compile_mode="reduce-overhead", compile_options={"max_autotune": True}).validate()
+    assert main(["train", "--compile", "on", "--compile-mode", "reduce-overhead", "--compile-option",
+                 "max_autotune=true"]) == 2
+    assert "exclude each other" in capsys.readouterr().err

@@ -118,6 +118,8 @@ def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
                    "default: run all --steps)")
     t.add_argument("--batch-size", type=int,
                    help=f"global batch size, split across ranks (default {base.batch_size})")
+    t.add_argument("--grad-accum", type=int, help="micro-batches each rank's share of a step is run in, the "
+                   f"gradients summed: the same step in less memory (default {base.grad_accum})")
     t.add_argument("--seq-len", type=int, help=f"tokens (bytes) per sequence (default {base.seq_len})")
     t.add_argument("--lr", type=float, help=f"peak learning rate (default {base.lr})")
     t.add_argument("--min-lr-ratio", type=float,
@@ -151,7 +153,8 @@ def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
 
 _DATA_ARGS = {"data": "source", "max_bytes": "max_bytes", "doc_bytes": "doc_bytes", "val_fraction": "val_fraction",
               "hf_dataset": "hf_dataset", "hf_split": "hf_split", "hf_text_field": "hf_text_field"}
-_TRAIN_ARGS = ("model", "layers", "d_model", "steps", "stop_after", "batch_size", "seq_len", "lr", "min_lr_ratio",
+_TRAIN_ARGS = ("model", "layers", "d_model", "steps", "stop_after", "batch_size", "grad_accum", "seq_len", "lr",
+               "min_lr_ratio",
                "warmup_steps", "weight_decay", "grad_clip", "precision", "backend", "compile_mode", "seed", "device",
                "threads", "eval_every", "eval_batches", "out", "save_every", "keep_checkpoints", "distributed", "scheme")
 

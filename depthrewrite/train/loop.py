@@ -59,7 +59,7 @@ _RESUME_MUST_MATCH = ("model", "layers", "d_model", "model_options", "scheme", "
 #: settings a resumed run may change (to lower the learning rate after a spike, say): the
 #: values given apply from the resumed step on and a change is logged (the warmup has its own
 #: message, :func:`_warn_if_warmup_differs`)
-_RESUME_MAY_CHANGE = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "precision")
+_RESUME_MAY_CHANGE = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "precision", "grad_accum")
 #: warmup steps, when not given, are steps // WARMUP_DIVISOR (a tenth of the run, rounded
 #: down): a fixed count would be the whole of a short run (no decay at all)
 WARMUP_DIVISOR = 10
@@ -77,6 +77,9 @@ class TrainConfig:
     steps: int = 200  # length of the LR schedule and of the run
     stop_after: int | None = None  # end this invocation after this many total steps (schedule unchanged)
     batch_size: int = 16  # global: split across ranks
+    #: micro-batches each rank's rows are split into, one forward and backward each, the
+    #: gradients summed before the update: the same step in less activation memory
+    grad_accum: int = 1
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -107,7 +110,7 @@ class TrainConfig:
     stop_on_signal: bool = True
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_batches"):
+        for name in ("steps", "batch_size", "seq_len", "eval_batches", "grad_accum"):
             _positive_int(name, getattr(self, name))
         for name in ("eval_every", "save_every", "keep_checkpoints"):
             _non_negative_int(name, getattr(self, name))
@@ -502,6 +505,10 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
              model: nn.Module) -> _Run:
     """Optimizer and schedule, restored from the newest checkpoint with ``resume``; then the
     DDP wrapper and torch.compile (after loading, so that the state is the unwrapped model's)."""
+    rows = config.batch_size // info.world_size
+    if rows % config.grad_accum:
+        raise ValueError(f"grad_accum={config.grad_accum} must divide each rank's rows (batch_size "
+                         f"{config.batch_size} over {info.world_size} ranks: {rows}) into equal micro-batches")
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     log.info("schedule: %d steps, %d of linear warmup to lr %g, then cosine to %g", config.steps, config.warmup(),
@@ -634,12 +641,18 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
     to the end of the step)."""
     x, y = batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size, seq_len=config.seq_len,
                     rank=info.rank, world_size=info.world_size, stream=TRAIN_STREAM)
-    if config.compile and config.compile_mode in _CUDAGRAPH_MODES:
-        # a new iteration for the CUDA-graph trees: the last step's graph outputs may be reused
-        torch.compiler.cudagraph_mark_step_begin()
-    with _autocast(config, device):
-        _, loss = runner(x.to(device), y.to(device))
-    loss.backward()
+    losses = []
+    for i, (xm, ym) in enumerate(zip(x.chunk(config.grad_accum), y.chunk(config.grad_accum))):
+        if config.compile and config.compile_mode in _CUDAGRAPH_MODES:
+            # a new iteration for the CUDA-graph trees: the last call's graph outputs may be reused
+            torch.compiler.cudagraph_mark_step_begin()
+        with _gradient_sync(runner, info, i == config.grad_accum - 1):
+            with _autocast(config, device):
+                _, micro_loss = runner(xm.to(device), ym.to(device))
+            # equal micro-batches: the mean of their means is the batch's mean
+            (micro_loss / config.grad_accum if config.grad_accum > 1 else micro_loss).backward()
+        losses.append(micro_loss.detach())
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     norm = None
     if config.grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(runner.parameters(), config.grad_clip)
@@ -653,6 +666,15 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, each rank holding its shards' part
         norm = norm.full_tensor()
     return mean_loss, None if norm is None else norm.item(), stopping > 0
+
+
+def _gradient_sync(runner: nn.Module, info: distributed.DistInfo, last: bool):
+    """DDP averages the gradients over the ranks at the last micro-batch's backward only
+    (``no_sync`` before); one process and FSDP2 (which reduces every backward, correct if
+    not cheapest) need nothing."""
+    if info.mode != "ddp" or last:
+        return contextlib.nullcontext()
+    return getattr(runner, "_orig_mod", runner).no_sync()  # under torch.compile, DDP is the wrapped module
 
 
 def _save(run: _Run) -> pathlib.Path:

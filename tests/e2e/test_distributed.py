@@ -48,12 +48,13 @@ def _free_port() -> int:
 #: the next block's routing parameters are shards (the one-process run uses two-phase); DDP
 #: with DAR and WAV, whose sites that open a block (DAR's transport) or read e alone (WAV's
 #: detail biases) take part in the backward with a zero gradient, as DDP requires
+#: and DDP with gradient accumulation (its all-reduce at the last micro-batch only)
 RUNS = (("ddp", "ddp", {}), ("fsdp2", "fsdp2", {"stop_after": 3}), ("fsdp2", "fsdp2", {"resume": True}),
         ("fsdp2_block", "fsdp2", {"scheme": "block_attnres"}), ("ddp_dar", "ddp", {"scheme": "dar"}),
-        ("ddp_wav", "ddp", {"scheme": "wav"}))
+        ("ddp_wav", "ddp", {"scheme": "wav"}), ("ddp_accum", "ddp", {"grad_accum": 2}))
 #: the one-process run each distributed run is compared with, and its scheme
 REFERENCES = {"ddp": "none", "fsdp2": "none", "fsdp2_block": "none_block", "ddp_dar": "none_dar",
-              "ddp_wav": "none_wav"}
+              "ddp_wav": "none_wav", "ddp_accum": "none"}
 
 
 def _worker(rank: int, data: str, root: str, ports: list) -> None:

@@ -154,9 +154,9 @@ def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
 _DATA_ARGS = {"data": "source", "max_bytes": "max_bytes", "doc_bytes": "doc_bytes", "val_fraction": "val_fraction",
               "hf_dataset": "hf_dataset", "hf_split": "hf_split", "hf_text_field": "hf_text_field"}
 _TRAIN_ARGS = ("model", "layers", "d_model", "steps", "stop_after", "batch_size", "grad_accum", "seq_len", "lr",
-               "min_lr_ratio",
-               "warmup_steps", "weight_decay", "grad_clip", "precision", "backend", "compile_mode", "seed", "device",
-               "threads", "eval_every", "eval_batches", "out", "save_every", "keep_checkpoints", "distributed", "scheme")
+               "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "precision", "backend", "compile_mode",
+               "seed", "device", "threads", "eval_every", "eval_batches", "out", "save_every", "keep_checkpoints",
+               "distributed", "scheme")
 
 
 def _train_config(args: argparse.Namespace, base: TrainConfig, options: dict) -> TrainConfig:

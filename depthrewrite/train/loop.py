@@ -641,18 +641,7 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
     to the end of the step)."""
     x, y = batch_at(tokens, seed=config.seed, step=step, batch_size=config.batch_size, seq_len=config.seq_len,
                     rank=info.rank, world_size=info.world_size, stream=TRAIN_STREAM)
-    losses = []
-    for i, (xm, ym) in enumerate(zip(x.chunk(config.grad_accum), y.chunk(config.grad_accum))):
-        if config.compile and config.compile_mode in _CUDAGRAPH_MODES:
-            # a new iteration for the CUDA-graph trees: the last call's graph outputs may be reused
-            torch.compiler.cudagraph_mark_step_begin()
-        with _gradient_sync(runner, info, i == config.grad_accum - 1):
-            with _autocast(config, device):
-                _, micro_loss = runner(xm.to(device), ym.to(device))
-            # equal micro-batches: the mean of their means is the batch's mean
-            (micro_loss / config.grad_accum if config.grad_accum > 1 else micro_loss).backward()
-        losses.append(micro_loss.detach())
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    loss = _forward_backward(runner, x, y, config, info, device)
     norm = None
     if config.grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(runner.parameters(), config.grad_clip)
@@ -666,6 +655,23 @@ def _train_step(runner: nn.Module, optimizer, scheduler, tokens: torch.Tensor, s
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, each rank holding its shards' part
         norm = norm.full_tensor()
     return mean_loss, None if norm is None else norm.item(), stopping > 0
+
+
+def _forward_backward(runner: nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
+                      info: distributed.DistInfo, device: torch.device) -> torch.Tensor:
+    """The gradients of this rank's rows, in ``grad_accum`` micro-batches; their mean loss."""
+    losses = []
+    for i, (xm, ym) in enumerate(zip(x.chunk(config.grad_accum), y.chunk(config.grad_accum))):
+        if config.compile and config.compile_mode in _CUDAGRAPH_MODES:
+            # a new iteration for the CUDA-graph trees: the last call's graph outputs may be reused
+            torch.compiler.cudagraph_mark_step_begin()
+        with _gradient_sync(runner, info, i == config.grad_accum - 1):
+            with _autocast(config, device):
+                _, loss = runner(xm.to(device), ym.to(device))
+            # equal micro-batches: the mean of their means is the batch's mean
+            (loss / config.grad_accum if config.grad_accum > 1 else loss).backward()
+        losses.append(loss.detach())
+    return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
 
 def _gradient_sync(runner: nn.Module, info: distributed.DistInfo, last: bool):

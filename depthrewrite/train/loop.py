@@ -670,7 +670,8 @@ def _forward_backward(runner: nn.Module, x: torch.Tensor, y: torch.Tensor, confi
                 _, loss = runner(xm.to(device), ym.to(device))
             # equal micro-batches: the mean of their means is the batch's mean
             (loss / config.grad_accum if config.grad_accum > 1 else loss).backward()
-        losses.append(loss.detach())
+        # a copy: under CUDA graphs the next micro-batch's replay writes over the graph's outputs
+        losses.append(loss.detach().clone())
     return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
 

@@ -80,3 +80,15 @@ def test_compile_options_and_a_mode_exclude_each_other(capsys):
     assert main(["train", "--compile", "on", "--compile-mode", "reduce-overhead", "--compile-option",
                  "max_autotune=true"]) == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+def test_each_micro_batch_is_a_new_cuda_graph_iteration(monkeypatch):
+    """With --grad-accum, each micro-batch's forward replays the graphs again: each is
+    marked as a new iteration (the step's first only, and the second replay would find the
+    first's outputs still in use by its backward)."""
+    stepped = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: module)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: stepped.append(1))
+    train(_tiny(compile=True, backend="depthrewrite", compile_mode="reduce-overhead", scheme="attnres",
+                grad_accum=2))
+    assert len(stepped) == 3 * 2

@@ -83,9 +83,8 @@ def test_compile_options_and_a_mode_exclude_each_other(capsys):
 
 
 def test_each_micro_batch_is_a_new_cuda_graph_iteration(monkeypatch):
-    """With --grad-accum, each micro-batch's forward replays the graphs again: each is
-    marked as a new iteration (the step's first only, and the second replay would find the
-    first's outputs still in use by its backward)."""
+    """With --grad-accum, each micro-batch's forward and backward replay the recorded graphs
+    once more: each is marked as a new CUDA-graph iteration, as a step without accumulation is."""
     stepped = []
     monkeypatch.setattr(torch, "compile", lambda module, **kwargs: module)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: stepped.append(1))

@@ -34,12 +34,14 @@ import torch
 from torch import nn
 
 from .capture_refusals import (
-    refuse_block0_stream_norm, refuse_broken_chain, refuse_repeated_blocks, refuse_unregistered_blocks,
-    refuse_without_final_reader,
+    refuse_block0_stream_norm, refuse_broken_chain, refuse_repeated_blocks, refuse_unchained_stack,
+    refuse_unregistered_blocks, refuse_without_final_reader,
 )
 # re-exported: ModuleCall and StreamArg are the types of Capture's fields, and the rewrite
 # and the benchmarks import first_tensor from here
-from .capture_types import ModuleCall, StreamArg, calls_after_stack, children_in_call_order, first_tensor
+from .capture_types import (
+    ModuleCall, StreamArg, calls_after_stack, children_in_call_order, first_tensor, first_tensor_arg,
+)
 from .errors import CaptureError, NoResidualStreamError
 
 log = logging.getLogger(__name__)
@@ -186,16 +188,6 @@ def find_stream_arg(call: ModuleCall, stream: torch.Tensor) -> StreamArg | None:
     return None
 
 
-def _first_tensor_arg(call: ModuleCall) -> StreamArg | None:
-    for i, a in enumerate(call.args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return StreamArg(position=i)
-    for k, v in call.kwargs.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return StreamArg(keyword=k)
-    return None
-
-
 def _chain_length(children: list[tuple[str, nn.Module]], first_call: dict[nn.Module, ModuleCall]) -> int:
     """How many consecutive children pass the stream on: child i+1 receives, as one of its
     arguments, the very tensor child i returned first."""
@@ -240,7 +232,7 @@ def find_block_stack(model: nn.Module, calls: list[ModuleCall]) -> tuple[str, li
             best = (length, path, children[:length])
     if best is None:
         refuse_unregistered_blocks(model)
-        _refuse_unchained_stack(model, calls, first_call)
+        refuse_unchained_stack(model, calls, first_call)
         raise NoResidualStreamError(
             f"{type(model).__name__} has no stack of blocks carrying a residual stream: no "
             "ModuleList/ModuleDict/Sequential was found whose children are called one after "
@@ -250,32 +242,6 @@ def find_block_stack(model: nn.Module, calls: list[ModuleCall]) -> tuple[str, li
     if len(children) == 1:
         _warn_single_block(type(model).__name__, path)
     return path, children
-
-
-def _refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
-                            first_call: dict[nn.Module, ModuleCall]) -> None:
-    """Where no chain was found: a container of blocks of one class, called in order, whose
-    first link is broken (``block(x + a * x0)`` in the model's loop) is named, with what
-    passes between its first two blocks, as where a chain breaks later (refuse_broken_chain).
-    Not where other modules run between the two (XLM's ``attentions`` list, its norms and
-    MLPs in other lists): those children are parts of blocks, not blocks."""
-    names = {m: n for n, m in model.named_modules()}
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            continue
-        children = children_in_call_order(module, first_call)
-        if len(children) < 2 or len({type(c) for _, c in children}) > 1:
-            continue
-        first, second = (first_call[c] for _, c in children[:2])
-        inside_first = set(children[0][1].modules())
-        if any(first.order < c.order < second.order and c.module not in inside_first for c in calls):
-            continue
-        first_arg, stream_arg = _first_tensor_arg(first), _first_tensor_arg(second)
-        if first_arg is None or stream_arg is None:
-            continue
-        # both given the same tensor: applied side by side (experts, heads), not one after the other
-        if stream_arg.get(second.args, second.kwargs) is not first_arg.get(first.args, first.kwargs):
-            refuse_broken_chain(model, path, [first], calls, stream_arg, names)
 
 
 @functools.lru_cache(maxsize=None)
@@ -329,7 +295,7 @@ def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
 
 def _stream_arg_of_stack(block_calls: list[ModuleCall], names: dict) -> StreamArg:
     if len(block_calls) == 1:
-        arg = _first_tensor_arg(block_calls[0])
+        arg = first_tensor_arg(block_calls[0])
         if arg is None:
             raise NoResidualStreamError(f"block {names[block_calls[0].module]!r} takes no tensor argument")
         return arg

@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .capture_types import ModuleCall, StreamArg, calls_after_stack, children_in_call_order, first_tensor
+from .capture_types import (
+    ModuleCall, StreamArg, calls_after_stack, children_in_call_order, first_tensor, first_tensor_arg,
+)
 from .errors import NoResidualStreamError, NotAdditiveStreamError, NotPreNormError, UnsupportedStructureError
 
 
@@ -233,3 +235,29 @@ def refuse_unregistered_blocks(model: nn.Module) -> None:
                 "in model.parameters() either); depthrewrite looks for the block stack among "
                 "registered containers: hold the blocks in an nn.ModuleList"
             )
+
+
+def refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
+                           first_call: dict[nn.Module, ModuleCall]) -> None:
+    """Where no chain was found: a container of blocks of one class, called in order, whose
+    first link is broken (``block(x + a * x0)`` in the model's loop) is named, with what
+    passes between its first two blocks, as where a chain breaks later (refuse_broken_chain).
+    Not where other modules run between the two (XLM's ``attentions`` list, its norms and
+    MLPs in other lists): those children are parts of blocks, not blocks."""
+    names = {m: n for n, m in model.named_modules()}
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        children = children_in_call_order(module, first_call)
+        if len(children) < 2 or len({type(c) for _, c in children}) > 1:
+            continue
+        first, second = (first_call[c] for _, c in children[:2])
+        inside_first = set(children[0][1].modules())
+        if any(first.order < c.order < second.order and c.module not in inside_first for c in calls):
+            continue
+        first_arg, stream_arg = first_tensor_arg(first), first_tensor_arg(second)
+        if first_arg is None or stream_arg is None:
+            continue
+        # both given the same tensor: applied side by side (experts, heads), not one after the other
+        if stream_arg.get(second.args, second.kwargs) is not first_arg.get(first.args, first.kwargs):
+            refuse_broken_chain(model, path, [first], calls, stream_arg, names)

@@ -46,6 +46,17 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     return next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)
 
 
+def first_tensor_arg(call: ModuleCall) -> StreamArg | None:
+    """Where ``call`` received its first floating-point tensor argument (positional first)."""
+    for i, a in enumerate(call.args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return StreamArg(position=i)
+    for k, v in call.kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return StreamArg(keyword=k)
+    return None
+
+
 def children_in_call_order(container: nn.Module, first_call: dict[nn.Module, ModuleCall]) -> list[tuple[str, nn.Module]]:
     called = [(name, child) for name, child in container.named_children() if child in first_call]
     return sorted(called, key=lambda nc: first_call[nc[1]].order)

@@ -22,6 +22,7 @@ from .capture import eval_mode, first_tensor
 from .errors import AlreadyRewrittenError, DepthRewriteError
 from .hf import record_recipe
 from .passes import scheme_class, scheme_options
+from .passes.base import check_bool
 from .passes.runtime import (
     ROUTER_ATTR, DepthRuntime, install_block, install_readout, is_routed, prepare_programs,
 )
@@ -58,9 +59,8 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     ``preserve_identity=True``, checks that its output equals the original's bit for bit.
     Other keyword arguments are the scheme's options (see ``depthrewrite.SCHEMES``).
     """
-    for name, value in (("inplace", inplace), ("verify", verify)):
-        if not isinstance(value, bool):  # inplace="no" is truthy: it would rewrite in place
-            raise ValueError(f"rewrite: {name} must be True or False, found {value!r}")
+    check_bool("rewrite", "inplace", inplace)  # inplace="no" is truthy: it would rewrite in place
+    check_bool("rewrite", "verify", verify)
     cls = scheme_class(scheme)
     opts = scheme_options(cls, options)
     if not isinstance(model, nn.Module):

@@ -137,8 +137,8 @@ def _read(path: pathlib.Path) -> dict | None:
 
 def load_latest(out: str | os.PathLike, model: nn.Module, optimizer, scheduler, info: DistInfo,
                 check: Callable[[dict], None] | None = None) -> dict:
-    """:func:`load` the newest checkpoint under ``out`` that can be read; one that cannot
-    is passed over with a warning naming it."""
+    """Restore the newest checkpoint under ``out`` that can be read (:func:`_restore`); one
+    that cannot is passed over with a warning naming it."""
     found = list_checkpoints(out)
     if not found:
         raise ValueError(f"resume: no checkpoint under {checkpoint_dir(out)}")
@@ -153,16 +153,10 @@ def load_latest(out: str | os.PathLike, model: nn.Module, optimizer, scheduler, 
                      f"{', '.join(p.name for p in found)} cannot be read (see the warnings)")
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer, scheduler, info: DistInfo,
-         check: Callable[[dict], None] | None = None) -> dict:
-    """Restore everything :func:`save` wrote; returns the payload (``step``, ``config``, ...).
-    ``check(payload)`` runs before anything is restored (to refuse a mismatched run)."""
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    return _restore(path, payload, model, optimizer, scheduler, info, check)
-
-
 def _restore(path: str | os.PathLike, payload: dict, model: nn.Module, optimizer, scheduler, info: DistInfo,
              check: Callable[[dict], None] | None) -> dict:
+    """Restore everything :func:`save` wrote; returns the payload (``step``, ``config``, ...).
+    ``check(payload)`` runs before anything is restored (to refuse a mismatched run)."""
     if check is not None:
         check(payload)
     if info.mode == "fsdp2":

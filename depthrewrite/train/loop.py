@@ -687,6 +687,6 @@ def _gradient_sync(runner: nn.Module, info: distributed.DistInfo, last: bool):
 def _save(run: _Run) -> pathlib.Path:
     _check_parameters_finite(run)
     return checkpoint.save(run.config.out, run.step, run.model, run.optimizer, run.scheduler, run.info,
-                    extra={"config": dataclasses.asdict(run.config), "scheme_options": _scheme_options(run.model),
-                           "data_digest": run.data_digest},
-                    keep=run.config.keep_checkpoints)
+                           extra={"config": dataclasses.asdict(run.config),
+                                  "scheme_options": _scheme_options(run.model), "data_digest": run.data_digest},
+                           keep=run.config.keep_checkpoints)

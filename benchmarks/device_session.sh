@@ -93,6 +93,7 @@
 #   OUT=... bash benchmarks/device_session.sh ops48b   # the param_grads GPU tests, the op table's d = 4096 rows beside FLA at HEAD (session 48; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh eager52  # the ops through eager autograd: our autograd kernel and the registration A/B, then the GPU kernel tests (session 52)
 #   OUT=... bash benchmarks/device_session.sh checks53  # the kernels past 2**31 elements, the GPU kernel tests, eager_autograd.py once (session 53)
+#   OUT=... bash benchmarks/device_session.sh checks55  # the GPU kernel tests, pipelines fitted to shared memory (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
@@ -1226,6 +1227,13 @@ checks53)
   gpu_kernel_tests 240
   timeout 200 python3 benchmarks/eager_autograd.py --out "$OUT" --rounds 1 > "$OUT/eager_autograd.txt" 2>&1
   tail -12 "$OUT/eager_autograd.txt"
+  ;;
+checks55)
+  # session 55: the GPU kernel tests after fit_stages (kernels/shared_memory.py): checks53's
+  # run failed 12 of them at d = 32768 with Triton's OutOfResources (shared memory)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 400
+  grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.txt" | head -20
   ;;
 ops52)
   # session 52: the op table's d = 2048 rows, every column, with the routing ops' flat

@@ -102,7 +102,7 @@ from torch import Tensor
 
 from .route_triton import (
     NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
-    _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
+    _configured, _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
     _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, check_gradient, running_sum_row,
     default_fused_sums, online_softmax_update, three_row_sums,
 )
@@ -110,6 +110,7 @@ from . import route_triton
 from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
+from .shared_memory import fit_stages
 from ..ops.route import _check_acc
 from ..ops.route_many import _check_inputs as check_route_many_inputs
 
@@ -910,12 +911,16 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     runs = cdiv(tokens, per_program)
     _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
                               f"of {block_q} queries")
+    # per pipeline stage: one token's source row (and key row), which the program's queries share
+    stage_bytes = row * (1 + bool(flat_k)) * flat_v[0].dtype.itemsize
+    stages = fit_stages("route_many", _check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
+                        stage_bytes, flat_v[0].device, _configured(config, "stages"))
     _route_many_fwd_kernel[(runs * chunks,)](
         flat_v[0], vtab, ktab, otab, ltab, qw, tokens, len(values), s, d, d // heads, heads,
         float(eps), per_program, qw if stats is None else stats, BLOCK_Q=block_q, BLOCK_H=block_h,
         BLOCK_C=block_c, PREFETCH=prefetch, SAVE_STATS=stats is not None,
         ALIGNED=aligned, HAS_KEYS=bool(flat_k), TOKEN_MAJOR=order == "token_major",
-        STAGES=_check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
+        STAGES=stages,
         LAZY=check_flag(cfg.get("lazy_rescale", _many_forward_lazy(heads)), "lazy_rescale", "route_many"),
         num_warps=cfg.get("num_warps") or _many_forward_warps(heads, row),
         **_register_cap({"maxnreg": _many_forward_cap(heads, row, bool(flat_k)), **cfg}, "route_many"))
@@ -1053,6 +1058,13 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     if kernel == "tiled" and cfg["stages"] >= 2:
         raise ValueError(f"route_many (Triton): config stages={cfg['stages']} pipelines the per_token backward "
                          "only; the tiled backward takes 0 or 1")
+    # per pipeline stage: one token's source row (and key row) and, past the first chunk of
+    # queries, those rows' float32 partial gradients, and with running sums (typed like the
+    # sources) theirs
+    per_row = dtype.itemsize * (1 + running.any) + 4 * (cdiv(s, block_q) > 1)
+    stage_bytes = row * (1 + bool(flat_k)) * per_row
+    cfg["stages"] = fit_stages("route_many", cfg["stages"], stage_bytes, flat_v[0].device,
+                               _configured(config, "stages"))
     backward = _per_token_backward if kernel == "per_token" else _tiled_backward
     grad_v, grad_k, r = backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, heads, eps, cfg, stats,
                                  running, outputs)

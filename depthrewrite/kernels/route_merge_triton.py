@@ -34,10 +34,11 @@ from torch import Tensor
 from .grid import cdiv
 from .param_grads import PartialSums, finish
 from .pointer_tables import pointer_tables
+from .shared_memory import fit_stages
 from ..ops.route_merge import _check_inputs as check_route_merge_inputs
 from .route_triton import (
-    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _contiguous,
-    _positive_int, _row_blocks, _src_ptr, _tokens_per_program, check_gradient,
+    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_stages, _check_supported, _configured,
+    _contiguous, _positive_int, _row_blocks, _src_ptr, _tokens_per_program, check_gradient,
 )
 
 #: results a launch merges (one per DAR stream); more run the reference
@@ -255,6 +256,19 @@ def _check_launch(outs: Sequence[Tensor], lses: Sequence[Tensor], values, keys, 
                          f"sources); found {[t.dtype for t in lses]}")
 
 
+def _backward_stage_bytes(block_t: int, row: int, results: int, has_keys: bool, itemsize: int,
+                          out_norm_weight: Tensor | None) -> int:
+    """Shared memory a stage of the backward's pipeline may take: its loop body loads, per
+    token block, the gradient's tile and per result the tiles of its output, value and key,
+    and the result's query and key-norm weight rows (counted as float32); with the output
+    norm, ``x`` is made again first, loading each result's rows once more, and the norm's
+    weight. An upper bound: the compiler may load a row once for both."""
+    passes = 2 if out_norm_weight is not None else 1
+    tiles = (1 + results * (2 + has_keys) * passes) * block_t * row * itemsize
+    weights = (2 * results * passes * 4 + (out_norm_weight.itemsize if out_norm_weight is not None else 0)) * row
+    return tiles + weights
+
+
 def _launch(config: dict | None, row: int, heads: int, results: int, normed: bool) -> dict:
     """Launch choices: ``config``'s entries (``block_t``, ``num_warps``, ``per_sm``, ``stages``:
     the backward's software pipeline; tuning runs, ``benchmarks/route_merge_speed.py``),
@@ -323,6 +337,10 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     block_h, block_c = _row_blocks(d, heads, "route_merge")
     launch = _launch(config, block_h * block_c, heads, len(outs), out_norm_weight is not None)
     block_t = launch["block_t"]
+    launch["stages"] = fit_stages("route_merge", launch["stages"],
+                                  _backward_stage_bytes(block_t, block_h * block_c, j, keys is not None, act.itemsize,
+                                                        out_norm_weight),
+                                  device, _configured(config, "stages"))
     num_blocks = cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, launch["per_sm"])
     # every entry written by its program (no tokens: no launch, the sums stay zero)

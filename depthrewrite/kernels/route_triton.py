@@ -96,6 +96,7 @@ from ..ops.route import _check_inputs as check_route_inputs
 from .grid import cdiv
 from .param_grads import PartialSums, query_and_weight_grads
 from .pointer_tables import pointer_tables
+from .shared_memory import fit_stages
 
 __all__ = ["route_forward", "route_backward", "MAX_ROW", "SUPPORTED_DTYPES"]
 
@@ -811,6 +812,11 @@ def _check_stages(stages, default: int, op: str, name: str = "stages") -> int:
     return stages
 
 
+def _configured(config: dict | None, name: str) -> bool:
+    """Whether a launch config sets ``name`` (to anything but None, which means the default)."""
+    return config is not None and config.get(name) is not None
+
+
 def _positive_int(op: str, name: str, value) -> int:
     """The launch config's entry ``name``, if it is a positive int."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -914,6 +920,9 @@ def route_forward(
         ktab = vtab
     scale = _scale_table(source_scale, n, tokens)
     launch = _forward_launch(config, heads, block_h * block_c, flat_k is not None, has_norm)
+    # per pipeline stage: a tile of each source row (and key row) the loop loads
+    stage_bytes = launch["block_t"] * block_h * block_c * (1 + (flat_k is not None)) * values[0].dtype.itemsize
+    launch["stages"] = fit_stages("route", launch["stages"], stage_bytes, device, _configured(config, "stages"))
     fused_norm = has_norm and launch["fuse_norm"]
     grid = (cdiv(tokens, launch["block_t"]),)
     _route_fwd_kernel[grid](
@@ -1058,6 +1067,10 @@ def route_backward(
     has_acc = grad_values_acc is not None or (grad_keys_acc is not None and n > 1)
     launch = _backward_launch(config, heads, block_h * block_c, flat_k is not None, has_acc)
     block_t = launch["block_t"]
+    # per pipeline stage: a tile of each source row (and key row) and, with running sums
+    # (typed like the sources), of theirs
+    stage_bytes = block_t * block_h * block_c * (1 + (flat_k is not None)) * dtype.itemsize * (1 + has_acc)
+    launch["stages"] = fit_stages("route", launch["stages"], stage_bytes, device, _configured(config, "stages"))
     num_blocks = cdiv(tokens, block_t)
     programs = _backward_programs(device, num_blocks, launch["per_sm"])
     # the kernel writes every entry of these partial sums (one row per program, one entry

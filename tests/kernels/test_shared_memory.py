@@ -1,0 +1,106 @@
+"""The routing kernels' shared memory, compiled for sm_90 on a machine without a GPU.
+
+Triton's software pipeline keeps copies of a loop's rows in shared memory; at wide rows they
+outgrew an H200's 227 KiB and the launches failed (``OutOfResources``: route's, route_many's
+and route_merge's backwards at d = 32768, found by the GPU kernel tests in session 55).
+``depthrewrite.kernels.shared_memory.fit_stages`` now fits the stages to the device.
+``shared_memory_probe.py`` records the launchers' launches (an H200's limit assumed) and
+compiles each for sm_90 with the installed Triton: its ``metadata.shared`` is what the GPU
+would be asked for.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from depthrewrite.kernels import shared_memory  # noqa: E402
+
+PROBE = pathlib.Path(__file__).with_name("shared_memory_probe.py")
+H200_SHARED = 232448
+
+#: the widest row the kernels take (MAX_ROW = 32768), float32 with every extra row a loop loads
+WIDEST = ["route:32768:1:fp32:keys,acc:default", "route:32768:1:bf16:keys:default", "route:32768:16:fp32:keys:default",
+          "route_many:32768:1:fp32:keys,acc:default", "route_many:32768:1:bf16::default",
+          "route_many:32768:16:fp32:keys:default", "route_merge:32768:16:fp32:keys,norm:default",
+          "route_merge:32768:16:bf16:keys:default"]
+#: pipelines asked for by the launch config at rows where they fit: the bound against the compiler
+PIPELINED = ["route:1024:1:fp32:keys,acc:3", "route:2048:16:bf16:keys:3", "route_many:1024:1:fp32:keys,acc:3",
+             "route_many:1024:16:bf16:keys,acc:3", "route_merge:1024:16:fp32:keys,norm:2",
+             "route_merge:1024:16:bf16::3", "route_merge:2048:1:bf16:keys:3"]
+#: the launches whose pipelines were timed on the H200 (route_triton's and route_many_triton's
+#: comments, route_merge_triton.MULTI_HEAD_BACKWARD_STAGES): the fit must leave them as they were
+TIMED = ["route:4096:1:bf16::default", "route:1024:1:bf16:acc:default", "route_many:1024:1:bf16::default",
+         "route_many:1024:1:bf16:keys:default", "route_merge:1024:16:bf16::default"]
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[str, list[dict]]:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, str(PROBE), *WIDEST, *PIPELINED, *TIMED], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows: dict[str, list[dict]] = {}
+    for line in done.stdout.splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["case"], []).append(row)
+    return rows
+
+
+@pytest.mark.parametrize("case", WIDEST)
+def test_every_launch_at_the_widest_row_fits_an_h200(launches, case):
+    assert launches[case], case
+    for row in launches[case]:
+        assert row["shared"] <= H200_SHARED, row
+
+
+@pytest.mark.parametrize("case", PIPELINED)
+def test_the_stage_bound_holds_and_is_close(launches, case):
+    pipelined = [row for row in launches[case] if (row.get("stages") or 0) >= 2 and "fit" in row]
+    assert pipelined, f"{case}: no pipelined launch"
+    stages = int(case.rsplit(":", 1)[1])
+    for row in pipelined:
+        fit = row["fit"]
+        assert row["stages"] == fit["stages"] == stages, row
+        assert row["shared"] <= shared_memory.pipeline_bytes(stages, fit["stage_bytes"]), row
+        # the bound's copies at most twice what the compiler takes: stages are not given up
+        # for nothing
+        assert (stages - 1) * fit["stage_bytes"] <= 2 * row["shared"], row
+
+
+@pytest.mark.parametrize("case", TIMED)
+def test_the_timed_pipelines_keep_their_stages(launches, case):
+    fits = [row["fit"] for row in launches[case] if row.get("fit", {}).get("requested", 0) >= 2]
+    assert fits, f"{case}: no pipelined launch"
+    for fit in fits:
+        assert fit["stages"] == fit["requested"], (case, fit)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(shared_memory, "device_limit", lambda device: H200_SHARED)
+    return torch.device("cuda", 0)
+
+
+def test_fit_takes_the_most_stages_that_fit(h200):
+    assert shared_memory.fit_stages("route", 4, 60_000, h200, configured=False) == 4
+    assert shared_memory.fit_stages("route", 4, 90_000, h200, configured=False) == 3
+    assert shared_memory.fit_stages("route", 4, 150_000, h200, configured=False) == 2
+    assert shared_memory.fit_stages("route", 3, 250_000, h200, configured=False) == 0
+    assert shared_memory.fit_stages("route", 1, 10**9, h200, configured=False) == 1
+
+
+def test_a_configured_stage_count_that_does_not_fit_is_refused(h200):
+    with pytest.raises(ValueError, match=r"route_many \(Triton\): config stages=3 .*232448 bytes.*at most 2 stages"):
+        shared_memory.fit_stages("route_many", 3, 150_000, h200, configured=True)
+
+
+def test_no_limit_off_cuda():
+    assert shared_memory.device_limit(torch.device("cpu")) is None
+    assert shared_memory.fit_stages("route", 3, 10**9, torch.device("cpu"), configured=True) == 3

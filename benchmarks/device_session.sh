@@ -94,6 +94,7 @@
 #   OUT=... bash benchmarks/device_session.sh eager52  # the ops through eager autograd: our autograd kernel and the registration A/B, then the GPU kernel tests (session 52)
 #   OUT=... bash benchmarks/device_session.sh checks53  # the kernels past 2**31 elements, the GPU kernel tests, eager_autograd.py once (session 53)
 #   OUT=... bash benchmarks/device_session.sh checks55  # the GPU kernel tests, pipelines fitted to shared memory (session 55)
+#   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
 #   OUT=... bash benchmarks/device_session.sh fsdp2    # 2 GPUs: FSDP2 scaling runs
@@ -1234,6 +1235,16 @@ checks55)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   gpu_kernel_tests 400
   grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.txt" | head -20
+  ;;
+session55)
+  # session 55 in one call: checks55, then DAR block and WAV end to end beside the Inductor
+  # baseline (session 54's zero-tie scalar ops, against sessions 48/50's 0.694x and 0.724x)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  gpu_kernel_tests 250
+  grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.txt" | head -20
+  timeout 300 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline,dar_block,wav \
+      > "$OUT/e2e_log.txt" 2>&1
+  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -14
   ;;
 ops52)
   # session 52: the op table's d = 2048 rows, every column, with the routing ops' flat

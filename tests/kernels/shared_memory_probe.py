@@ -33,6 +33,10 @@ from depthrewrite.kernels import route_many_triton, route_merge_triton, route_tr
 
 #: shared memory a program may take on an H200 (``shared_memory_per_block_optin``: 227 KiB)
 H200_SHARED = 232448
+#: the compute capability compiled for and its shared memory a program (environment
+#: ``PROBE_ARCH`` / ``PROBE_SHARED``; an H200's by default)
+ARCH = int(os.environ.get("PROBE_ARCH", "90"))
+SHARED = int(os.environ.get("PROBE_SHARED", str(H200_SHARED)))
 PIPELINED = {"_route_fwd_kernel", "_route_bwd_kernel", "_route_many_fwd_kernel", "_route_many_bwd_kernel",
              "_route_merge_bwd_kernel"}
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
@@ -88,7 +92,7 @@ def compiled_shared(entry: dict) -> int:
     signature, constexprs, attrs = _signature(kernel, entry["args"], entry["kwargs"])
     options = {k: entry["kwargs"][k] for k in OPTIONS if entry["kwargs"].get(k) is not None}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+                              target=GPUTarget("cuda", ARCH, 32), options=options)
     return compiled.metadata.shared
 
 
@@ -161,7 +165,7 @@ def run_case(case: str) -> list[dict]:
 
 
 def main(cases: list[str]) -> None:
-    shared_memory.device_limit = lambda device: H200_SHARED
+    shared_memory.device_limit = lambda device: SHARED
     for module in (route_triton, route_many_triton, route_merge_triton):
         _record_fits(module)
     JITFunction.__getitem__ = _record_launch

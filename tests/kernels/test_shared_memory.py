@@ -40,11 +40,18 @@ TIMED = ["route:4096:1:bf16::default", "route:1024:1:bf16:acc:default", "route_m
          "route_many:1024:1:bf16:keys:default", "route_merge:1024:16:bf16::default"]
 
 
-@pytest.fixture(scope="module")
-def launches() -> dict[str, list[dict]]:
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run([sys.executable, str(PROBE), *WIDEST, *PIPELINED, *TIMED], capture_output=True, text=True,
-                          env=env, timeout=900)
+#: GPUs with less shared memory a program (``shared_memory_per_block_optin``): compute
+#: capability and bytes. A100 (sm_80) 163 KiB; RTX 3090 / 4090, L4, L40 (sm_86 / sm_89) 99 KiB
+SMALLER_GPUS = {80: 166912, 89: 101376}
+#: where those fit fewer stages than an H200: route's d = 4096 wide launch in fp32 with keys
+#: and running sums
+SMALLER_CASES = WIDEST + ["route:4096:1:fp32:keys,acc:default", "route_many:2048:1:fp32:keys:default"]
+
+
+def _probe(cases: list[str], arch: int = 90, shared: int = H200_SHARED) -> dict[str, list[dict]]:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "PROBE_ARCH": str(arch),
+           "PROBE_SHARED": str(shared)}
+    done = subprocess.run([sys.executable, str(PROBE), *cases], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows: dict[str, list[dict]] = {}
     for line in done.stdout.splitlines():
@@ -53,11 +60,26 @@ def launches() -> dict[str, list[dict]]:
     return rows
 
 
+@pytest.fixture(scope="module")
+def launches() -> dict[str, list[dict]]:
+    return _probe(WIDEST + PIPELINED + TIMED)
+
+
 @pytest.mark.parametrize("case", WIDEST)
 def test_every_launch_at_the_widest_row_fits_an_h200(launches, case):
     assert launches[case], case
     for row in launches[case]:
         assert row["shared"] <= H200_SHARED, row
+
+
+@pytest.mark.parametrize("arch", sorted(SMALLER_GPUS))
+def test_every_launch_fits_gpus_with_less_shared_memory(arch):
+    limit = SMALLER_GPUS[arch]
+    launches = _probe(SMALLER_CASES, arch, limit)
+    for case in SMALLER_CASES:
+        assert launches[case], case
+        for row in launches[case]:
+            assert row["shared"] <= limit, row
 
 
 @pytest.mark.parametrize("case", PIPELINED)

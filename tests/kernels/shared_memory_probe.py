@@ -3,14 +3,16 @@ memory each takes. Run by ``test_shared_memory.py`` in a process of its own (Tri
 interpreter must be off when the kernels are defined).
 
     python tests/kernels/shared_memory_probe.py CASE...   # one JSON line per launch
+    PROBE_ARCH=80 PROBE_SHARED=166912 python tests/kernels/shared_memory_probe.py CASE...  # an A100
 
 Each case calls a launcher of ``depthrewrite.kernels`` with CPU tensors. The kernel launches
-are recorded, not run; the device's shared memory is taken to be an H200's
-(``H200_SHARED``), so the launchers fit their pipeline stages to it as they would there. Each
-recorded launch of a pipelined kernel carries the stage count and bytes per stage that its
-launcher passed to ``fit_stages``. Then each launch is compiled with the installed Triton for
-``GPUTarget("cuda", 90, 32)`` (pointers 16-byte aligned, ``D`` and ``C`` divisible by 16, as
-a launch with aligned tensors specializes them) and its ``metadata.shared`` printed.
+are recorded, not run. The device's shared memory is taken to be an H200's (``H200_SHARED``)
+unless ``PROBE_SHARED`` gives another, so the launchers fit their pipeline stages to it as
+they would there. Each recorded launch of a pipelined kernel carries the stage count and
+bytes per stage that its launcher passed to ``fit_stages``. Then each launch is compiled with
+the installed Triton for ``GPUTarget("cuda", 90, 32)`` (or ``PROBE_ARCH``'s), with pointers
+16-byte aligned and ``D`` and ``C`` divisible by 16, as a launch with aligned tensors
+specializes them, and its ``metadata.shared`` printed.
 """
 
 from __future__ import annotations

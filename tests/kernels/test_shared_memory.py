@@ -1,12 +1,13 @@
-"""The routing kernels' shared memory, compiled for sm_90 on a machine without a GPU.
+"""The routing kernels' shared memory, compiled for sm_90 (and sm_80, sm_89) on a machine
+without a GPU.
 
 Triton's software pipeline keeps copies of a loop's rows in shared memory; at wide rows they
-outgrew an H200's 227 KiB and the launches failed (``OutOfResources``: route's, route_many's
-and route_merge's backwards at d = 32768, found by the GPU kernel tests in session 55).
-``depthrewrite.kernels.shared_memory.fit_stages`` now fits the stages to the device.
-``shared_memory_probe.py`` records the launchers' launches (an H200's limit assumed) and
-compiles each for sm_90 with the installed Triton: its ``metadata.shared`` is what the GPU
-would be asked for.
+outgrew an H200's 227 KiB and the launches failed (``OutOfResources``: 12 of the GPU kernel
+tests at d = 32768 in session 55, in route's and route_merge's backwards and route_many's
+forward and backward). ``depthrewrite.kernels.shared_memory.fit_stages`` now fits the stages
+to the device. ``shared_memory_probe.py`` records the launchers' launches (a GPU's limit
+assumed: an H200's unless given) and compiles each with the installed Triton: its
+``metadata.shared`` is what the GPU would be asked for.
 """
 
 import json

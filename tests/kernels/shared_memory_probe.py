@@ -105,14 +105,18 @@ def _rows(n: int, tokens: int, d: int, dtype) -> list[torch.Tensor]:
     return [torch.randn(tokens, d).to(dtype) for _ in range(n)]
 
 
-def route(d: int, heads: int, dtype, keys: bool, acc: bool, config: dict | None, tokens: int = 3, n: int = 3):
+def route(d: int, heads: int, dtype, keys: bool, acc: bool, config: dict | None, tokens: int = 3, n: int = 3,
+          norm: bool = False):
     values = _rows(n, tokens, d, dtype)
     key_rows = _rows(n, tokens, d, dtype) if keys else None
     query, weight = torch.randn(d), torch.rand(d) + 0.5
-    out, lse, _ = route_triton.route_forward(values, key_rows, query, weight, None, None, heads, 1e-6, config=config)
+    norm_weight = torch.rand(d) + 0.5 if norm else None
+    out, lse, _ = route_triton.route_forward(values, key_rows, query, weight, None, None, heads, 1e-6, norm_weight,
+                                             config=config)
     running = _rows(n, tokens, d, dtype) if acc else None
+    grad_normed = torch.randn(tokens, d).to(dtype) if norm else None
     route_triton.route_backward(torch.randn(tokens, d).to(dtype), out, lse, values, key_rows, query, weight, None,
-                                None, heads, 1e-6, config=config, grad_values_acc=running)
+                                None, heads, 1e-6, grad_normed, norm_weight, config=config, grad_values_acc=running)
 
 
 def route_many(d: int, heads: int, dtype, keys: bool, acc: bool, config: dict | None, tokens: int = 3, n: int = 3,
@@ -148,14 +152,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def run_case(case: str) -> list[dict]:
-    """``case``: ``op:d:heads:dtype:flag,flag...:stages`` (flags ``keys``, ``acc``, ``norm``;
-    stages ``default`` or a number for the launch config)."""
+    """``case``: ``op:d:heads:dtype:flag,flag...:stages`` (flags ``keys``, ``acc``: running
+    sums, ``norm``: the output norm, ``fused``: route's in its kernels; stages ``default`` or
+    a number for the launch config)."""
     op, d, heads, dtype, flags, stages = case.split(":")
     flags = set(filter(None, flags.split(",")))
     config = None if stages == "default" else {"stages": int(stages)}
-    third = "norm" in flags if op == "route_merge" else "acc" in flags
+    if "fused" in flags:
+        config = {**(config or {}), "fuse_norm": True}
     LAUNCHES.clear()
-    OPS[op](int(d), int(heads), DTYPES[dtype], "keys" in flags, third, config)
+    if op == "route_merge":
+        route_merge(int(d), int(heads), DTYPES[dtype], "keys" in flags, "norm" in flags, config)
+    else:
+        extra = {"norm": "norm" in flags} if op == "route" else {}
+        OPS[op](int(d), int(heads), DTYPES[dtype], "keys" in flags, "acc" in flags, config, **extra)
     rows = []
     for entry in LAUNCHES:
         row = {"case": case, "kernel": entry["kernel"].fn.__name__, "stages": entry["kwargs"].get("STAGES"),

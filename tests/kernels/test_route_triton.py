@@ -221,6 +221,7 @@ NORM_CASES = [
     (3, (5,), 2500, 1, False, True, False),  # the wide launches (2 tokens per program)
     (2, (3,), 7186, 1, False, False, True),
     (33, (5,), 40, 1, True, False, False),
+    (2, (3,), 32768, 1, True, False, False),  # the widest row (MAX_ROW): both norm forms at it
     (65, (3,), 12, 2, True, True, True),
 ]
 

@@ -30,7 +30,8 @@ H200_SHARED = 232448
 WIDEST = ["route:32768:1:fp32:keys,acc:default", "route:32768:1:bf16:keys:default", "route:32768:16:fp32:keys:default",
           "route_many:32768:1:fp32:keys,acc:default", "route_many:32768:1:bf16::default",
           "route_many:32768:16:fp32:keys:default", "route_merge:32768:16:fp32:keys,norm:default",
-          "route_merge:32768:16:bf16:keys:default"]
+          "route_merge:32768:16:bf16:keys:default", "route:32768:1:fp32:keys,norm:default",
+          "route:32768:16:bf16:norm,fused:default"]
 #: pipelines asked for by the launch config at rows where they fit: the bound against the compiler
 PIPELINED = ["route:1024:1:fp32:keys,acc:3", "route:2048:16:bf16:keys:3", "route_many:1024:1:fp32:keys,acc:3",
              "route_many:1024:16:bf16:keys,acc:3", "route_merge:1024:16:fp32:keys,norm:2",

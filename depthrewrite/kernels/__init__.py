@@ -14,6 +14,7 @@ reach the kernels. Triton itself is imported on the first CUDA call, so importin
 package costs nothing on machines without a GPU.
 
 float64 (any input) is not a kernel dtype: such calls run the reference implementation.
+The launchers fit their software pipelines to the device's shared memory (:mod:`.shared_memory`).
 The kernels can be captured in CUDA graphs (``torch.compile(..., mode="reduce-overhead")``):
 their pointer tables are then copied inside the graph from host memory kept for it
 (:mod:`.pointer_tables`).

@@ -130,3 +130,13 @@ def test_a_configured_stage_count_that_does_not_fit_is_refused(h200):
 def test_no_limit_off_cuda():
     assert shared_memory.device_limit(torch.device("cpu")) is None
     assert shared_memory.fit_stages("route", 3, 10**9, torch.device("cpu"), configured=True) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads a GPU's properties")
+def test_the_limit_is_the_devices_opt_in_maximum():
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    limit = shared_memory.device_limit(device)
+    assert limit == props.shared_memory_per_block_optin > props.shared_memory_per_block
+    if (props.major, props.minor) == (9, 0):  # H100 / H200
+        assert limit == H200_SHARED

@@ -4,6 +4,7 @@ the KV cache, save/load, gradient checkpointing, train/eval, hidden states."""
 import dataclasses
 import importlib
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -148,8 +149,23 @@ def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
         depthrewrite.from_pretrained(tmp_path)
 
 
+def _enable_checkpointing(model, api: str, reentrant: bool) -> None:
+    """transformers' activation checkpointing: ``gradient_checkpointing_enable`` (deprecated in
+    transformers 5.25, which warns) or its successor ``activation_checkpointing_enable``, also
+    every second layer only."""
+    if api == "gradient":
+        with pytest.warns(FutureWarning) if hasattr(model, "activation_checkpointing_enable") else nullcontext():
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return
+    if not hasattr(model, "activation_checkpointing_enable"):
+        pytest.skip(f"transformers {transformers.__version__} has no activation_checkpointing_enable")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant},
+                                          every_n_layers=2 if api == "activation_every_2" else 1)
+
+
+@pytest.mark.parametrize("api", ["gradient", "activation", "activation_every_2"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant, api):
     model = depthrewrite.rewrite(hf_model("llama", layers=3), "block_attnres", block_size=2)
     perturb_routing(model)
     model.train()
@@ -160,8 +176,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _enable_checkpointing(model, api, reentrant)
+    calls = []  # the layers' MLPs run again in the backward: the checkpointing is real
+    hooks = [layer.mlp.register_forward_hook(lambda *_: calls.append(1)) for layer in model.model.layers]
     checkpointed = grads()
+    for hook in hooks:
+        hook.remove()
+    assert len(calls) == 3 + (2 if api == "activation_every_2" else 3)
     assert plain.keys() == checkpointed.keys()
     assert any("depth_route" in n for n in plain)
     for name in plain:

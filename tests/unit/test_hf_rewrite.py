@@ -189,6 +189,31 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant, api):
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("scheme", ["block_attnres", "dar", "wav"])
+def test_activations_offloaded_to_host_memory_give_the_same_gradients(scheme):
+    """Saved tensors moved to host memory by saved-tensor hooks (``save_on_cpu``), alone and
+    with checkpointing: what ``activation_checkpointing_enable(offload=True)`` does with
+    pinned memory, which a machine without a GPU lacks."""
+    model = depthrewrite.rewrite(hf_model("llama", layers=4), scheme)
+    perturb_routing(model)
+    model.train()
+
+    def grads(offload: bool):
+        model.zero_grad()
+        with torch.autograd.graph.save_on_cpu(pin_memory=False) if offload else nullcontext():
+            model(IDS, labels=IDS).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads(offload=False)
+    offloaded = grads(offload=True)
+    _enable_checkpointing(model, "activation", reentrant=False)
+    both = grads(offload=True)
+    assert plain.keys() == offloaded.keys() == both.keys()
+    for name in plain:
+        torch.testing.assert_close(offloaded[name], plain[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(both[name], plain[name], rtol=0, atol=0, msg=name)
+
+
 def test_train_and_eval_switch_dropout_in_rewritten_blocks():
     model = depthrewrite.rewrite(hf_model("gpt2", resid_pdrop=0.5, embd_pdrop=0.0, attn_pdrop=0.0), "attnres")
     model.train()

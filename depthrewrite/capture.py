@@ -35,7 +35,7 @@ from torch import nn
 
 from .capture_refusals import (
     refuse_block0_stream_norm, refuse_broken_chain, refuse_repeated_blocks, refuse_unchained_stack,
-    refuse_unregistered_blocks, refuse_without_final_reader,
+    refuse_unregistered_blocks, refuse_without_final_reader, refuse_meta_tensors,
 )
 # re-exported: ModuleCall and StreamArg are the types of Capture's fields, and the rewrite
 # and the benchmarks import first_tensor from here
@@ -254,6 +254,7 @@ def _warn_single_block(model_name: str, path: str) -> None:
 
 def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
     """Run the model once and locate its block stack, stream argument and final norm."""
+    refuse_meta_tensors(model)
     if example_inputs is None:
         args, kwargs = default_example_inputs(model)
     else:

@@ -22,7 +22,7 @@ from torch import nn
 from .capture_types import (
     ModuleCall, StreamArg, calls_after_stack, children_in_call_order, first_tensor, first_tensor_arg,
 )
-from .errors import NoResidualStreamError, NotAdditiveStreamError, NotPreNormError, UnsupportedStructureError
+from .errors import CaptureError, NoResidualStreamError, NotAdditiveStreamError, NotPreNormError, UnsupportedStructureError
 
 
 def refuse_repeated_blocks(calls: list[ModuleCall], blocks: list[nn.Module], names: dict) -> None:
@@ -261,3 +261,17 @@ def refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
         # both given the same tensor: applied side by side (experts, heads), not one after the other
         if stream_arg.get(second.args, second.kwargs) is not first_arg.get(first.args, first.kwargs):
             refuse_broken_chain(model, path, [first], calls, stream_arg, names)
+
+
+def refuse_meta_tensors(model: nn.Module) -> None:
+    """A model whose weights are on the meta device (built under ``torch.device("meta")``, as
+    torchtitan and FSDP2 set-ups do before ``to_empty``): the capture runs the model, and the
+    analysis probes its modules' outputs, which need values."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        name = next((n for n, t in named if t.is_meta), None)
+        if name is not None:
+            raise CaptureError(
+                f"{type(model).__name__}'s {kind} '{name}' is on the meta device: depthrewrite finds the "
+                "residual stream by running the model and probing its modules, which needs real values. "
+                "Rewrite the model once its weights exist (built on a real device, or after "
+                "model.to_empty(device=...) and the model's own weight init), and shard it after the rewrite")

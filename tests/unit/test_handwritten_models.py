@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import depthrewrite
-from depthrewrite.errors import DepthRewriteError, NoResidualStreamError, UnsupportedStructureError
+from depthrewrite.errors import CaptureError, DepthRewriteError, NoResidualStreamError, UnsupportedStructureError
 from tests.handwritten_models import (
     CheckpointedLM, FirstLayerSkipLM, GPTConfig, NanoGPT, PythonListLM, StartPosLM, TitanLlama,
 )
@@ -118,6 +118,17 @@ def test_reentrant_checkpoint_around_the_block_call_is_refused():
 def test_blocks_in_a_python_list_are_named():
     with pytest.raises(NoResidualStreamError, match=r"PythonListLM.blocks is a Python list of 3 ArgsBlock .*nn.ModuleList"):
         depthrewrite.inspect(PythonListLM(), example_inputs=(IDS,))
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "titan"])
+def test_a_model_on_the_meta_device_is_refused_with_what_to_do(kind):
+    """torchtitan builds its model under torch.device("meta") before to_empty and its weight
+    init: the analysis needs values, so the error names the meta tensor and the order that
+    works (it was Tensor.item()'s RuntimeError from inside a probe)."""
+    with torch.device("meta"):
+        model = build(kind)
+    with pytest.raises(CaptureError, match=r"parameter '.*' is on the meta device.*to_empty.*shard it after"):
+        depthrewrite.rewrite(model, "block_attnres", example_inputs=(IDS,))
 
 
 def test_a_skip_into_every_block_is_named_between_the_first_two_blocks():

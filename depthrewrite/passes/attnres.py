@@ -70,8 +70,9 @@ class DepthQuery(nn.Module):
         self.eps = scheme.options.eps
         self.fused_merge = scheme.options.fused_merge
 
-    def route(self, sources) -> torch.Tensor:
-        return route(sources, query=self.query, key_norm_weight=self.key_norm_weight, eps=self.eps)
+    def route(self, sources, logit_bias=None, source_scale=None) -> torch.Tensor:
+        return route(sources, query=self.query, key_norm_weight=self.key_norm_weight, logit_bias=logit_bias,
+                     source_scale=source_scale, eps=self.eps)
 
 
 class FullRouter(DepthQuery):

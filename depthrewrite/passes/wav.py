@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..analysis import Site
-from ..ops import merge_routes, route
+from ..ops import merge_routes
 from ..recompute import recomputable
 from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
@@ -114,7 +114,7 @@ class WavRouter(_PlanMember):
         if not completed and partial is None:  # only e: one source, nothing to weigh
             # e's logit, 0, made from the detail biases: they take part in the backward (zero_from)
             bias = zero_from(self.detail_bias).reshape(1)
-            return route([e], query=self.query, key_norm_weight=self.key_norm_weight, logit_bias=bias, eps=self.eps)
+            return self.route([e], logit_bias=bias)
         values = [e] + [t for block in completed for t in block]
         scale = None
         if partial is not None:
@@ -129,8 +129,7 @@ class WavRouter(_PlanMember):
         per_block = F.pad(self.detail_bias, (1, 0))
         blocks = len(completed) + (partial is not None)
         bias = torch.cat([per_block.new_zeros(1), per_block.repeat(blocks)])
-        return route(values, query=self.query, key_norm_weight=self.key_norm_weight, logit_bias=bias,
-                     source_scale=scale, eps=self.eps)
+        return self.route(values, logit_bias=bias, source_scale=scale)
 
     def _merge(self, first: tuple, partial) -> torch.Tensor:
         """Two-phase: the phase-1 results of this site, plus its partial block."""

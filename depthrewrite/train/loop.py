@@ -380,7 +380,7 @@ def _check_data(saved: str | None, digest: str, config: TrainConfig) -> None:
 def _check_not_past_the_end(step: int, config: TrainConfig) -> None:
     """A checkpoint beyond where this invocation ends would train nothing (a run is not
     shortened by rewinding it)."""
-    name, end = ("stop_after", config.stop_after) if config.stop_after is not None else ("steps", config.steps)
+    name, end = "stop_after" if config.stop_after is not None else "steps", _end(config)
     if step > end:
         raise ValueError(f"resume: the checkpoint is at step {step}, past {name}={end}; pass {name} >= {step} "
                          "to continue the run")

@@ -94,6 +94,7 @@
 #   OUT=... bash benchmarks/device_session.sh eager52  # the ops through eager autograd: our autograd kernel and the registration A/B, then the GPU kernel tests (session 52)
 #   OUT=... bash benchmarks/device_session.sh checks53  # the kernels past 2**31 elements, the GPU kernel tests, eager_autograd.py once (session 53)
 #   OUT=... bash benchmarks/device_session.sh checks55  # the GPU kernel tests, pipelines fitted to shared memory (session 55)
+#   OUT=... bash benchmarks/device_session.sh checks56  # torchtitan's per-block compile with checkpointing on the GPU, then the GPU kernel tests (session 56)
 #   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
@@ -1234,6 +1235,17 @@ checks55)
   # run failed 12 of them at d = 32768 with Triton's OutOfResources (shared memory)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   gpu_kernel_tests 400
+  grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.txt" | head -20
+  ;;
+checks56)
+  # session 56: torchtitan's set-up on the GPU (each block compiled, checkpointed or not,
+  # Inductor and the fused kernels) against eager, then the GPU kernel tests (checks55's)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 180 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py -k on_the_gpu \
+      > "$OUT/per_block.txt" 2>&1
+  tail -2 "$OUT/per_block.txt" | tee -a "$LOG"
+  grep -E "^(FAILED|ERROR)" "$OUT/per_block.txt" | head -10
+  gpu_kernel_tests 380
   grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.txt" | head -20
   ;;
 session55)

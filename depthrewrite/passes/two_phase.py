@@ -152,7 +152,7 @@ class TwoPhasePlan:
         sources = [t for v, k in zip(source_lists, key_lists) for t in (*v, *(k or ()))]
         phase = functools.partial(_phase_one, layout=layout, heads=first.heads, eps=first.eps)
         if self.recompute and group not in self._kept_groups():
-            return checkpoint(phase, queries, weights, *sources, use_reentrant=False)
+            return _seen_outside(checkpoint(phase, queries, weights, *sources, use_reentrant=False))
         return phase(queries, weights, *sources)
 
     def _kept_groups(self) -> set[int]:
@@ -164,6 +164,20 @@ class TwoPhasePlan:
         last = set(routers[-2:]) if KEEP_LAST_PHASE_ONE else set()
         earlier = sorted((g for g in self.groups if g not in last), reverse=True)  # `last` are the highest
         return last | set(earlier[:self.keep_groups])
+
+
+def _seen_outside(results: tuple) -> tuple:
+    """Phase 1's checkpointed results as the block goes on to use them. Where the block's
+    whole call is checkpointed too (``checkpoint(block, x, ...)`` in the model's loop,
+    torchtitan's ``checkpoint_wrapper``) and compiled, which Dynamo traces only with
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (the call
+    updates the depth runtime), Dynamo (torch 2.11-2.13) fails on the inner checkpoint's
+    outputs reaching the depth state ("Argument 'child_4' of Node 'output' does not belong
+    to this Graph"); a view of each, taken outside the inner checkpoint, traces. Only
+    then: every other graph stays as measured."""
+    if not (torch.compiler.is_compiling() and torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint):
+        return results
+    return tuple((tuple(o.view_as(o) for o in outs), tuple(lse.view_as(lse) for lse in lses)) for outs, lses in results)
 
 
 def _phase_one(queries: torch.Tensor, key_norm_weights: torch.Tensor, *sources: torch.Tensor, layout: tuple,

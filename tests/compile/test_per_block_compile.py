@@ -1,12 +1,15 @@
 """Blocks compiled one at a time, as torchtitan compiles a model: each ``TransformerBlock``
 compiled with the backend, either in place (``block.compile(...)``) or replaced by its
-compiled wrapper (``torch.compile(block)`` registered back), the rest of the model eager.
+compiled wrapper (``torch.compile(block)`` registered back), the rest of the model eager;
+and, as torchtitan's activation checkpointing does, each block's call checkpointed
+(``checkpoint_wrapper``) under those compiles or the whole model's.
 
-A rewritten block's call carries the depth state in and out (docs/design.md, "The
-runtime"), so each compiled block must see it as the whole-model compile does: the loss
-and every gradient equal eager's, one graph per block with ``fullgraph=True`` and none
-compiled again on the next step, and every routing call a block makes eagerly is in that
-block's graph (the readout's, made by the final norm, stays eager)."""
+A rewritten block's call carries the depth state in and out (docs/design.md, "Rewrite:
+class swap, functional depth state"), so each compiled block must see it as the
+whole-model compile does: the loss and every gradient equal eager's, one graph per block
+with ``fullgraph=True`` and none compiled again on the next step, and every routing call a
+block makes eagerly is in that block's graph (the readout's, made by the final norm, stays
+eager). On a GPU (the device machine) the same through Inductor and the fused kernels."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import depthrewrite
 from depthrewrite import backend
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tests.handwritten_models import TitanLlama
 
@@ -57,8 +61,8 @@ def _step(model, tokens):
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     loss.backward()
-    # a wrapped block's parameters are named through its `_orig_mod`
-    return loss.detach(), {n.replace("._orig_mod", ""): p.grad.clone() for n, p in model.named_parameters()}
+    # a compiled module names its parameters through its `_orig_mod`
+    return loss.detach(), {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _eager_calls_per_block(model, tokens, form: str) -> dict:
@@ -131,3 +135,70 @@ def test_blocks_compiled_one_at_a_time_match_eager_and_lower_their_routing(schem
     # block k's graph (blocks compile in call order) holds exactly the calls block k makes eagerly
     assert [r.ops for r in reports] == [expected.get(name, {}) for name in model.layers]
     assert sum(sum(r.ops.values()) for r in reports) > 0
+
+
+def _checkpoint_blocks(model) -> None:
+    for name, layer in list(model.layers.items()):
+        model.layers.register_module(name, checkpoint_wrapper(layer, preserve_rng_state=False))
+
+
+@pytest.mark.parametrize("compiled", ["each block", "the model"])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_checkpointed_block_calls_compile_fullgraph_with_side_effects_allowed(scheme, compiled):
+    """A checkpoint around each block's call updates the depth runtime inside the
+    checkpointed region, which Dynamo traces only with
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``; then the compiled model matches
+    eager, one graph per compiled module. The two-phase schemes (Block AttnRes, DAR) nest
+    their phase 1's own checkpoint inside the block's (``two_phase._seen_outside``)."""
+    model = _model(scheme)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager_loss, eager_grads = _step(model, tokens)
+    _checkpoint_blocks(model)
+    torch._dynamo.reset()
+    backend.clear_reports()
+    options = {"inner": "aot_eager"}
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        if compiled == "each block":
+            for name, layer in list(model.layers.items()):
+                model.layers.register_module(name, torch.compile(layer, backend="depthrewrite", fullgraph=True,
+                                                                 options=options))
+            run = model
+        else:
+            run = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
+        for _ in range(2):  # the second step runs the same graphs
+            loss, grads = _step(run, tokens)
+    assert len(backend.reports()) == (LAYERS if compiled == "each block" else 1)
+    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert sum(sum(r.ops.values()) for r in backend.reports()) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine)")
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_match_eager(scheme, checkpointed):
+    """torchtitan's set-up on a GPU, float32: each block (checkpointed or not) compiled
+    with the backend's defaults (Inductor), eager running the fused kernels too."""
+    model = _model(scheme).cuda()
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    eager_loss, eager_grads = _step(model, tokens)
+    if checkpointed:
+        _checkpoint_blocks(model)
+    torch._dynamo.reset()
+    backend.clear_reports()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
+        for name, layer in list(model.layers.items()):
+            model.layers.register_module(name, torch.compile(layer, backend="depthrewrite", fullgraph=True))
+        for _ in range(2):
+            loss, grads = _step(model, tokens)
+    reports = backend.reports()
+    assert len(reports) == LAYERS
+    assert {impl for r in reports for impl in r.implementation.values()} == {"triton"}
+    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -13,6 +13,14 @@ and of the final norm for a subclass made here:
   which wraps ``forward``, re-entrant or not) can replay.
 - :class:`RoutedReadout` routes the final norm's input.
 
+Each routed block has a class of its own (:func:`block_class`), a subclass of the routed
+class shared by its original class, whose call is its own copy of the code. Dynamo keeps
+compiled graphs, and counts recompilations against ``recompile_limit`` (8), per code
+object. Blocks compiled one at a time (torchtitan: ``torch.compile(block)`` or
+``block.compile()`` per layer) each need a graph of their own, because each routes over a
+different number of sources; sharing one code object, a model of more than 8 blocks hit
+the limit (an error with ``fullgraph=True``, eager blocks without).
+
 One rewritten graph is kept per call spec (constants and train/eval mode, see
 ``analysis.trace``). The specs a block is likely to meet (:func:`prepare_programs`: train
 and eval mode, ``None`` keywords passed as objects such as a KV cache, boolean keywords
@@ -22,6 +30,7 @@ flipped) are built at rewrite time; any other spec is traced and rewritten on fi
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,12 +284,33 @@ def routed_class(mixin: type, cls: type) -> type:
     return _ROUTED_CLASSES[key]
 
 
+def block_class(cls: type) -> type:
+    """A class for one block: ``routed_class(RoutedBlock, cls)`` with its own copies of the
+    frames Dynamo compiles for a block compiled alone: ``__call__`` for ``torch.compile(block)``,
+    ``forward`` for ``block.compile()`` (Dynamo steps over ``nn.Module._call_impl``, torch's
+    own); see the module docstring. Same name, so that checks by class name hold."""
+    shared = routed_class(RoutedBlock, cls)
+    return type(shared.__name__, (shared,), {"__module__": shared.__module__, "__qualname__": shared.__qualname__,
+                                             "__call__": _own_code(RoutedBlock.__call__),
+                                             "forward": _own_code(RoutedBlock.forward)})
+
+
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a code object of its own (equal to ``fn``'s, not the same object)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return copy
+
+
 def is_routed(module: nn.Module) -> bool:
     return isinstance(module, (RoutedBlock, RoutedReadout))
 
 
 def original_class(module: nn.Module) -> type:
-    return type(module).__mro__[2] if is_routed(module) else type(module)
+    if not is_routed(module):
+        return type(module)
+    mro = type(module).__mro__
+    return mro[mro.index(RoutedBlock if isinstance(module, RoutedBlock) else RoutedReadout) + 1]
 
 
 def _describe_spec(spec) -> str:
@@ -352,7 +382,7 @@ def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, rout
     block._depth_state_spec = None
     block._depth_out_spec = None
     block._depth_out_len = None
-    block.__class__ = routed_class(RoutedBlock, type(block))
+    block.__class__ = block_class(type(block))
 
 
 def install_readout(norm: nn.Module, path: str, runtime: DepthRuntime, router: nn.Module) -> None:

@@ -46,9 +46,9 @@ class BlockRoutingCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(scheme: str) -> TitanLlama:
+def _model(scheme: str, layers: int = LAYERS) -> TitanLlama:
     torch.manual_seed(0)
-    model = TitanLlama(n_layers=LAYERS)
+    model = TitanLlama(n_layers=layers)
     depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), **SCHEMES[scheme])
     with torch.no_grad():  # routing parameters off their init, so the softmax is not uniform
         for name, p in model.named_parameters():
@@ -135,6 +135,34 @@ def test_blocks_compiled_one_at_a_time_match_eager_and_lower_their_routing(schem
     # block k's graph (blocks compile in call order) holds exactly the calls block k makes eagerly
     assert [r.ops for r in reports] == [expected.get(name, {}) for name in model.layers]
     assert sum(sum(r.ops.values()) for r in reports) > 0
+
+
+@pytest.mark.parametrize("form", ["in place", "wrapped", "checkpointed"])
+def test_more_blocks_than_dynamos_recompile_limit_each_get_their_graph(form):
+    """Each block routes over its own number of sources, so each needs its own graph; with
+    one code object for all blocks, Dynamo's recompile limit (8 graphs per code object)
+    stopped the ninth block (an error with ``fullgraph=True``): each block has its own
+    (``runtime.block_class``). A block wrapped in ``checkpoint_wrapper`` is compiled
+    through the wrapper's ``forward``, torch's code shared by every wrapper: there the
+    limit must be raised to the number of blocks, as the README says."""
+    layers = torch._dynamo.config.recompile_limit + 2
+    model = _model("block_attnres", layers)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager_loss, eager_grads = _step(model, tokens)
+    torch._dynamo.reset()
+    backend.clear_reports()
+    if form == "checkpointed":
+        _checkpoint_blocks(model)
+    settings = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True, "recompile_limit": layers} \
+        if form == "checkpointed" else {}
+    with torch._dynamo.config.patch(**settings):
+        _compile_blocks(model, "wrapped" if form == "checkpointed" else form)
+        loss, grads = _step(model, tokens)
+    assert len(backend.reports()) == layers
+    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _checkpoint_blocks(model) -> None:

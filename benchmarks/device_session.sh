@@ -95,6 +95,7 @@
 #   OUT=... bash benchmarks/device_session.sh checks53  # the kernels past 2**31 elements, the GPU kernel tests, eager_autograd.py once (session 53)
 #   OUT=... bash benchmarks/device_session.sh checks55  # the GPU kernel tests, pipelines fitted to shared memory (session 55)
 #   OUT=... bash benchmarks/device_session.sh checks56  # torchtitan's per-block compile with checkpointing on the GPU, then the GPU kernel tests (session 56)
+#   OUT=... bash benchmarks/device_session.sh e2e56  # Block AttnRes and DAR block end to end beside the baseline (session 56)
 #   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
@@ -1247,6 +1248,14 @@ checks56)
   grep -E "^(FAILED|ERROR)" "$OUT/per_block.txt" | head -10
   gpu_kernel_tests 380
   grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.txt" | head -20
+  ;;
+e2e56)
+  # session 56: Block AttnRes and DAR block end to end beside the Inductor baseline, with each
+  # routed block in a class of its own (runtime.block_class): the whole-model compile unchanged?
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 450 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline,block_attnres,dar_block \
+      > "$OUT/e2e_log.txt" 2>&1
+  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -14
   ;;
 session55)
   # session 55 in one call: checks55, then DAR block and WAV end to end beside the Inductor

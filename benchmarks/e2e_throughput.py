@@ -186,6 +186,12 @@ for suffix in ("cg", "cdt", "noasserts"):
 DYNAMIC = "dyn"
 CONFIGS.update({f"{base}_{DYNAMIC}": CONFIGS[base][:2] + (None,)
                 for base in ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")})
+#: each block compiled alone and the rest of the model eager, as torchtitan compiles a model
+#: (``torch.compile(block)`` registered back in place of each block; session 56); compared
+#: with "baseline_pb", the plain model compiled so
+PER_BLOCK = "pb"
+CONFIGS.update({f"{base}_{PER_BLOCK}": CONFIGS[base][:2] + (None,)
+                for base in ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")})
 #: the second phase through depthrewrite::route_merge's fused kernels (the scheme option
 #: fused_merge; session 19; off by default, slower end to end in session 21: merge_partial's
 #: torch ops, compiled by Inductor), the branch norm fused into it by the backend
@@ -522,11 +528,14 @@ def _build(name: str):
         model = depthrewrite.rewrite(model, scheme, **options)
     model = model.cuda().to(torch.bfloat16).train()
     dynamic = True if DYNAMIC in name.split("_") else None
-    if scheme is None:
-        return model, torch.compile(model, backend="inductor", options=backend_options or None, dynamic=dynamic)
     # the callable: the device has no pip-installed entry point
-    return model, torch.compile(model, backend=functools.partial(depthrewrite_backend, options=backend_options),
-                                dynamic=dynamic)
+    backend = "inductor" if scheme is None else functools.partial(depthrewrite_backend, options=backend_options)
+    options = (backend_options or None) if scheme is None else None
+    if PER_BLOCK in name.split("_"):
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend=backend, options=options, dynamic=dynamic)
+        return model, model
+    return model, torch.compile(model, backend=backend, options=options, dynamic=dynamic)
 
 
 def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) -> None:
@@ -864,10 +873,10 @@ def trial_table(rows: list[dict]) -> str:
 
 def baseline_of(name: str) -> str:
     """The configuration a row is compared with: the CUDA-graph, coordinate-descent,
-    assert-free and dynamic variants with the baseline compiled the same way, the others
+    assert-free, dynamic and per-block variants with the baseline compiled the same way, the others
     with the plain Inductor baseline. A launch variant of a CUDA-graph configuration
     (``mhar_block_fm_cg_tfin``) is recorded as CUDA graphs too."""
-    for part in ("cg", "cdt", "noasserts", DYNAMIC):
+    for part in ("cg", "cdt", "noasserts", DYNAMIC, PER_BLOCK):
         if part in name.split("_"):
             return f"baseline_{part}"
     return "baseline"

@@ -97,6 +97,7 @@
 #   OUT=... bash benchmarks/device_session.sh checks56  # torchtitan's per-block compile with checkpointing on the GPU, then the GPU kernel tests (session 56)
 #   OUT=... bash benchmarks/device_session.sh e2e56  # Block AttnRes and DAR block end to end beside the baseline (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56  # the plain model and Block AttnRes with each block compiled alone (session 56)
+#   OUT=... bash benchmarks/device_session.sh perblock56b  # the same for DAR block and WAV (session 56)
 #   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
@@ -1263,6 +1264,13 @@ perblock56)
   # and Block AttnRes, end to end: what the per-block compile costs a routed model
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 230 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline_pb,block_attnres_pb \
+      > "$OUT/e2e_log.txt" 2>&1
+  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -8
+  ;;
+perblock56b)
+  # session 56: the same for DAR block and WAV
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 300 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline_pb,dar_block_pb,wav_pb \
       > "$OUT/e2e_log.txt" 2>&1
   grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -8
   ;;

@@ -138,6 +138,12 @@ op_table() {
       --widths "$@" > "$OUT/suite_log.txt" 2>&1
   tail -10 "$OUT/suite_log.txt"
 }
+# gpu_suite.py's end-to-end table for the comma-separated configurations $2 (at most $1 s),
+# its last $3 lines printed
+e2e_table() {
+  timeout "$1" python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes "$2" > "$OUT/e2e_log.txt" 2>&1
+  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -"$3"
+}
 # the GPU kernel tests (at most $1 s), their last two lines printed and logged
 gpu_kernel_tests() {
   # the offsets past 2**31 hold ~30 GiB a test: run alone (large_offset_tests), not 8 at once
@@ -1255,24 +1261,18 @@ e2e56)
   # session 56: Block AttnRes and DAR block end to end beside the Inductor baseline, with each
   # routed block in a class of its own (runtime.block_class): the whole-model compile unchanged?
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 450 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline,block_attnres,dar_block \
-      > "$OUT/e2e_log.txt" 2>&1
-  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -14
+  e2e_table 450 baseline,block_attnres,dar_block 14
   ;;
 perblock56)
   # session 56: each block compiled alone (torchtitan's per-block compile), the plain model
   # and Block AttnRes, end to end: what the per-block compile costs a routed model
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 230 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline_pb,block_attnres_pb \
-      > "$OUT/e2e_log.txt" 2>&1
-  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -8
+  e2e_table 230 baseline_pb,block_attnres_pb 8
   ;;
 perblock56b)
   # session 56: the same for DAR block and WAV
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 300 python3 benchmarks/gpu_suite.py --out "$OUT" --e2e-only --e2e-schemes baseline_pb,dar_block_pb,wav_pb \
-      > "$OUT/e2e_log.txt" 2>&1
-  grep -v "^\s*$" "$OUT/e2e_log.txt" | grep -iv "warn" | tail -8
+  e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
   ;;
 session55)
   # session 55 in one call: checks55, then DAR block and WAV end to end beside the Inductor

@@ -171,10 +171,10 @@ def _seen_outside(results: tuple) -> tuple:
     whole call is checkpointed too (``checkpoint(block, x, ...)`` in the model's loop,
     torchtitan's ``checkpoint_wrapper``) and compiled, which Dynamo traces only with
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (the call
-    updates the depth runtime), Dynamo (torch 2.11-2.13) fails on the inner checkpoint's
-    outputs reaching the depth state ("Argument 'child_4' of Node 'output' does not belong
-    to this Graph"); a view of each, taken outside the inner checkpoint, traces. Only
-    then: every other graph stays as measured."""
+    updates the depth runtime), Dynamo (torch 2.13, on the CPU) failed on the inner
+    checkpoint's outputs reaching the depth state ("Argument 'child_4' of Node 'output' does
+    not belong to this Graph"); a view of each, taken outside the inner checkpoint, traces.
+    Only then: every other graph stays as measured."""
     if not (torch.compiler.is_compiling() and torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint):
         return results
     return tuple((tuple(o.view_as(o) for o in outs), tuple(lse.view_as(lse) for lse in lses)) for outs, lses in results)

@@ -67,8 +67,9 @@ def _step(model, tokens):
 
 def _eager_calls_per_block(model, tokens, form: str) -> dict:
     """The routing calls of an eager forward, by the block whose compiled region makes them:
-    its ``forward`` with hooks (``_call_impl``) when compiled in place, its whole call when
-    wrapped (a routed block's ``__call__`` passes the depth state in and out around it)."""
+    its ``_call_impl`` (hooks, then ``forward``) when compiled in place, its whole call when
+    wrapped (a routed block's ``__call__`` passes the depth state in and out around it, and
+    starts it at the first block)."""
     counter = BlockRoutingCalls()
     names = {layer: name for name, layer in model.layers.items()}
 

@@ -231,3 +231,37 @@ def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_m
     assert grads.keys() == eager_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("scheme", ["block_attnres", "dar", "wav"])
+def test_a_hugging_face_model_compiled_layer_by_layer_past_the_recompile_limit(scheme):
+    """A transformers Llama with more decoder layers than Dynamo's recompile limit, each
+    layer compiled alone (the layers take keyword arguments: position embeddings, masks,
+    the cache): one graph per layer, loss and gradients equal eager's."""
+    from tests.conftest import hf_model
+
+    layers = torch._dynamo.config.recompile_limit + 2
+    model = depthrewrite.rewrite(hf_model("llama", layers=layers), scheme).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(0.0, 0.5)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
+
+    eager_loss, eager_grads = step()
+    torch._dynamo.reset()
+    backend.clear_reports()
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+    loss, grads = step()
+    assert len(backend.reports()) == layers
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -20,10 +20,10 @@ import statistics
 import time
 
 import torch
+from e2e_throughput import CONFIGS  # the end-to-end configurations: scheme and options by name
 
-#: scheme name -> (rewrite scheme, options), as benchmarks/e2e_throughput.py names them
-SCHEMES = {"none": (None, {}), "block_attnres": ("block_attnres", {}), "wav": ("wav", {}),
-           "dar_block": ("dar", {"layers_per_block": 3})}
+#: the configurations compared: the plain model and the routed ones
+SCHEMES = ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")
 
 
 def build(scheme: str, layers: int, per_block: bool):
@@ -33,7 +33,7 @@ def build(scheme: str, layers: int, per_block: bool):
 
     torch.manual_seed(0)
     model = gpt_from_preset("tiny", n_layer=layers)
-    name, options = SCHEMES[scheme]
+    name, options, _ = CONFIGS[scheme]
     if name is not None:
         model = depthrewrite.rewrite(model, name, **options)
     backend = "inductor" if name is None else functools.partial(depthrewrite_backend, options={})
@@ -70,7 +70,7 @@ def measure(scheme: str, layers: int, per_block: bool, steps: int, profiled: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scheme", default="dar_block", choices=list(SCHEMES))
+    ap.add_argument("--scheme", default="dar_block", choices=SCHEMES[1:])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", type=int, default=5, help="steps under cProfile")
@@ -78,7 +78,7 @@ def main() -> int:
     torch.set_num_threads(1)
     print("| model | compiled | ms/step | Dynamo entry self ms/step | us a compiled call | compiled calls/step |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for scheme in dict.fromkeys(("none", args.scheme)):
+    for scheme in ("baseline", args.scheme):
         for per_block in (False, True):
             torch._dynamo.reset()
             row = measure(scheme, args.layers, per_block, args.steps, args.profile)

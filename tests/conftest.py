@@ -65,6 +65,15 @@ def hf_model(family: str, layers: int = 2, seed: int = 0, **overrides):
     return model.float().eval()
 
 
+def perturb_routing(model, scale=0.5, seed=0):
+    """Move the routing parameters off their init so that tests see real routing."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "depth_route" in name:
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
 def corpus_bytes(name: str = "tinyshakespeare.txt", limit: int | None = None) -> bytes:
     path = DATA_DIR / name
     if not path.exists():

@@ -24,10 +24,13 @@ import depthrewrite
 from depthrewrite import backend
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from tests.conftest import hf_model, perturb_routing
 from tests.handwritten_models import TitanLlama
 
 LAYERS = 4
 SCHEMES = {"block_attnres": {}, "attnres": {}, "dar": {}, "wav": {}, "mhar": {"heads": 4}}
+#: the backend's options on the CPU: AOTAutograd without code generation (tests/compile/test_backend.py)
+AOT_EAGER = {"inner": "aot_eager"}
 
 
 class BlockRoutingCalls(TorchDispatchMode):
@@ -50,10 +53,7 @@ def _model(scheme: str, layers: int = LAYERS) -> TitanLlama:
     torch.manual_seed(0)
     model = TitanLlama(n_layers=layers)
     depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), **SCHEMES[scheme])
-    with torch.no_grad():  # routing parameters off their init, so the softmax is not uniform
-        for name, p in model.named_parameters():
-            if name.endswith(("query", "key_norm_weight")):
-                p.add_(torch.randn_like(p), alpha=0.5)
+    perturb_routing(model)  # off their init, so that the softmax is not uniform
     return model
 
 
@@ -61,8 +61,22 @@ def _step(model, tokens):
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     loss.backward()
-    # a compiled module names its parameters through its `_orig_mod`
-    return loss.detach(), {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), _grads_by_plain_name(model)
+
+
+def _grads_by_plain_name(model) -> dict:
+    """Every gradient, named as in the model before its modules were wrapped: a compiled
+    module names its parameters through its ``_orig_mod``, a checkpoint wrapper through its
+    ``_checkpoint_wrapped_module``."""
+    return {n.replace("_orig_mod.", "").replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+            for n, p in model.named_parameters()}
+
+
+def _assert_matches_eager(loss, grads, eager_loss, eager_grads, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=atol)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=atol, msg=name)
 
 
 def _eager_calls_per_block(model, tokens, form: str) -> dict:
@@ -102,8 +116,7 @@ def _eager_calls_per_block(model, tokens, form: str) -> dict:
     return per_block
 
 
-def _compile_blocks(model, form: str) -> None:
-    options = {"inner": "aot_eager"}
+def _compile_blocks(model, form: str, options: dict | None = AOT_EAGER) -> None:
     for name, layer in list(model.layers.items()):
         if form == "in place":
             layer.compile(backend="depthrewrite", fullgraph=True, options=options)
@@ -129,10 +142,7 @@ def test_blocks_compiled_one_at_a_time_match_eager_and_lower_their_routing(schem
     _step(model, tokens)
     assert len(backend.reports()) == LAYERS  # the next step compiles nothing again
 
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads)
     # block k's graph (blocks compile in call order) holds exactly the calls block k makes eagerly
     assert [r.ops for r in reports] == [expected.get(name, {}) for name in model.layers]
     assert sum(sum(r.ops.values()) for r in reports) > 0
@@ -160,10 +170,7 @@ def test_more_blocks_than_dynamos_recompile_limit_each_get_their_graph(form):
         _compile_blocks(model, "wrapped" if form == "checkpointed" else form)
         loss, grads = _step(model, tokens)
     assert len(backend.reports()) == layers
-    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads)
 
 
 def _checkpoint_blocks(model) -> None:
@@ -185,23 +192,16 @@ def test_checkpointed_block_calls_compile_fullgraph_with_side_effects_allowed(sc
     _checkpoint_blocks(model)
     torch._dynamo.reset()
     backend.clear_reports()
-    options = {"inner": "aot_eager"}
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         if compiled == "each block":
-            for name, layer in list(model.layers.items()):
-                model.layers.register_module(name, torch.compile(layer, backend="depthrewrite", fullgraph=True,
-                                                                 options=options))
+            _compile_blocks(model, "wrapped")
             run = model
         else:
-            run = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
+            run = torch.compile(model, backend="depthrewrite", fullgraph=True, options=AOT_EAGER)
         for _ in range(2):  # the second step runs the same graphs
             loss, grads = _step(run, tokens)
     assert len(backend.reports()) == (LAYERS if compiled == "each block" else 1)
-    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads)
     assert sum(sum(r.ops.values()) for r in backend.reports()) > 0
 
 
@@ -219,18 +219,13 @@ def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_m
     torch._dynamo.reset()
     backend.clear_reports()
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
-        for name, layer in list(model.layers.items()):
-            model.layers.register_module(name, torch.compile(layer, backend="depthrewrite", fullgraph=True))
+        _compile_blocks(model, "wrapped", options=None)  # the backend's defaults
         for _ in range(2):
             loss, grads = _step(model, tokens)
     reports = backend.reports()
     assert len(reports) == LAYERS
     assert {impl for r in reports for impl in r.implementation.values()} == {"triton"}
-    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads, atol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", ["block_attnres", "dar", "wav"])
@@ -238,30 +233,22 @@ def test_a_hugging_face_model_compiled_layer_by_layer_past_the_recompile_limit(s
     """A transformers Llama with more decoder layers than Dynamo's recompile limit, each
     layer compiled alone (the layers take keyword arguments: position embeddings, masks,
     the cache): one graph per layer, loss and gradients equal eager's."""
-    from tests.conftest import hf_model
-
     layers = torch._dynamo.config.recompile_limit + 2
     model = depthrewrite.rewrite(hf_model("llama", layers=layers), scheme).train()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("query"):
-                p.normal_(0.0, 0.5)
+    perturb_routing(model)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
 
     def step():
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        return loss.detach(), {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
+        return loss.detach(), _grads_by_plain_name(model)
 
     eager_loss, eager_grads = step()
     torch._dynamo.reset()
     backend.clear_reports()
     for i, layer in enumerate(model.model.layers):
-        model.model.layers[i] = torch.compile(layer, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+        model.model.layers[i] = torch.compile(layer, backend="depthrewrite", fullgraph=True, options=AOT_EAGER)
     loss, grads = step()
     assert len(backend.reports()) == layers
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads)

@@ -11,7 +11,7 @@ import torch
 
 import depthrewrite
 from depthrewrite.rewrite import find_runtime
-from tests.conftest import HF_FAMILIES, hf_model
+from tests.conftest import HF_FAMILIES, hf_model, perturb_routing
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = list(HF_FAMILIES)
@@ -21,15 +21,6 @@ IDS = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 def logits(model, ids=IDS, **kw):
     with torch.no_grad():
         return model(ids, **kw).logits
-
-
-def perturb_routing(model, scale=0.5, seed=0):
-    """Move the routing parameters off their init so that tests see real routing."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "depth_route" in name:
-                p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

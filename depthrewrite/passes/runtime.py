@@ -87,6 +87,33 @@ class BlockProgram:
     sites: int
 
 
+class DepthCall:
+    """What a block's call passes to its ``forward`` beside the depth state's tensors (how
+    many there are, and the pytree spec they unflatten with), and what the forward hands
+    back (the spec of the new state, and the length of the block's own output where it is a
+    tuple).
+
+    It travels as the ``_depth_call`` keyword, not as attributes of the block: gradient
+    checkpointing replays ``forward`` with the keywords of its first run, and under
+    torch.compile an object made and read inside the compiled call leaves nothing behind,
+    where every attribute the call sets on the block is a side effect Dynamo replays after
+    the graph on each call (a TreeSpec rebuilt node by node, ~180 bytecode calls a block
+    for DAR's state)."""
+
+    def __init__(self, n_state: int, state_spec):
+        self.n_state = n_state
+        self.state_spec = state_spec
+        self.out_spec = None
+        self.out_len: int | None = None
+
+    def unpack(self, result) -> tuple[Any, list]:
+        """The block's own output and the new state's tensors, from ``forward``'s result."""
+        n = self.out_len
+        if n is None:
+            return result[0], list(result[1:])
+        return tuple(result[:n]), list(result[n:])
+
+
 class RoutedBlock:
     """Mixin placed in front of a block's own class. See the module docstring."""
 
@@ -112,15 +139,16 @@ class RoutedBlock:
                 f"captured it as block {self._depth_index}; depthrewrite needs every block to run "
                 "once per forward, in order (layer dropping or reordering is not supported)"
             )
-        leaves, self._depth_state_spec = pytree.tree_flatten(rt.state)
-        self._depth_keep_for_replay(args, kwargs, leaves)
-        result = super().__call__(*args, *leaves, _depth_nstate=len(leaves), **kwargs)
-        out, new_leaves = self._depth_unpack(result)
-        rt.state = pytree.tree_unflatten(new_leaves, self._depth_out_spec)
+        leaves, state_spec = pytree.tree_flatten(rt.state)
+        self._depth_keep_for_replay(args, kwargs, leaves, state_spec)
+        call = DepthCall(len(leaves), state_spec)
+        result = super().__call__(*args, *leaves, _depth_call=call, **kwargs)
+        out, new_leaves = call.unpack(result)
+        rt.state = pytree.tree_unflatten(new_leaves, call.out_spec)
         rt.next_block = self._depth_index + 1
         return out
 
-    def _depth_keep_for_replay(self, args: tuple, kwargs: dict, leaves: list) -> None:
+    def _depth_keep_for_replay(self, args: tuple, kwargs: dict, leaves: list, state_spec) -> None:
         """Keep the depth state this call receives where a checkpoint around the block's
         call (``torch.utils.checkpoint(block, x, ...)``, torchtitan's ``checkpoint_wrapper``)
         will run the call again in the backward: the state comes from the runtime, not
@@ -138,7 +166,7 @@ class RoutedBlock:
         # expects every op of the call to run again
         kept = None if self._depth_index == 0 else [_STREAM if leaf is stream else leaf for leaf in leaves]
         pending = self.__dict__.setdefault("_depth_pending", {})
-        pending[id(stream)] = (kept, self._depth_state_spec)
+        pending[id(stream)] = (kept, state_spec)
         weakref.finalize(stream, pending.pop, id(stream), None)
 
     def _depth_replay(self, args: tuple, kwargs: dict):
@@ -152,42 +180,32 @@ class RoutedBlock:
                 "recomputing it), but depthrewrite kept no depth state for that call; checkpoint it "
                 "with torch.utils.checkpoint(..., use_reentrant=False) around the block or its forward"
             )
-        leaves, self._depth_state_spec = kept
+        leaves, state_spec = kept
         if leaves is None:
             leaves = pytree.tree_leaves(self._depth_runtime.initial_state(stream))
         leaves = [stream if leaf is _STREAM else leaf for leaf in leaves]
-        result = super().__call__(*args, *leaves, _depth_nstate=len(leaves), **kwargs)
-        return self._depth_unpack(result)[0]
+        call = DepthCall(len(leaves), state_spec)
+        return call.unpack(super().__call__(*args, *leaves, _depth_call=call, **kwargs))[0]
 
-    def forward(self, *args, _depth_nstate: int, **kwargs):
-        split = len(args) - _depth_nstate
+    def forward(self, *args, _depth_call: DepthCall, **kwargs):
+        split = len(args) - _depth_call.n_state
         args, leaves = args[:split], args[split:]
-        state = pytree.tree_unflatten(list(leaves), self._depth_state_spec)
+        state = pytree.tree_unflatten(list(leaves), _depth_call.state_spec)
         program = self._depth_program(args, kwargs)
         out, new_state = program.code(self, *program.spec.input_values(args, kwargs), state)
-        new_leaves, self._depth_out_spec = pytree.tree_flatten(new_state)
+        new_leaves, _depth_call.out_spec = pytree.tree_flatten(new_state)
         # the block's own output first, so that hooks reading output[0] still see the stream
         if isinstance(out, tuple):
-            self._depth_out_len = len(out)
+            _depth_call.out_len = len(out)
             return out + tuple(new_leaves)
-        self._depth_out_len = None
+        _depth_call.out_len = None
         return (out, *new_leaves)
 
-    #: the pytree specs of the last call's depth state: kept between the forward and the
-    #: backward (gradient checkpointing runs ``forward`` again), meaningless to a copy
-    _DEPTH_CALL_SPECS = ("_depth_state_spec", "_depth_out_spec", "_depth_pending")
-
     def __getstate__(self):
-        # left out of copies and pickles: deep-copying a TreeSpec makes torch (2.13) build
-        # a new LeafSpec, whose deprecation warning copy.deepcopy(model) would then show
+        # the depth state kept for a checkpoint's replay belongs to this model's backward,
+        # and is meaningless to a copy or a pickle
         state = super().__getstate__()
-        return {k: v for k, v in state.items() if k not in self._DEPTH_CALL_SPECS}
-
-    def _depth_unpack(self, result):
-        n = self._depth_out_len
-        if n is None:
-            return result[0], list(result[1:])
-        return tuple(result[:n]), list(result[n:])
+        return {k: v for k, v in state.items() if k != "_depth_pending"}
 
     def _depth_program(self, args: tuple, kwargs: dict) -> BlockProgram:
         spec = call_spec(args, kwargs, self.training, self._depth_int_inputs)
@@ -379,9 +397,6 @@ def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, rout
     block._depth_programs = {}
     block._depth_int_inputs = frozenset()  # int arguments traced as inputs (_depth_int_program)
     block._depth_int_constants = frozenset()  # those that could not be
-    block._depth_state_spec = None
-    block._depth_out_spec = None
-    block._depth_out_len = None
     block.__class__ = block_class(type(block))
 
 

@@ -9,6 +9,7 @@ cores); one test runs the default Inductor path end to end.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from importlib.metadata import entry_points
 
 import pytest
@@ -274,3 +275,33 @@ def test_hf_model_compiles_fullgraph_as_called_by_users(mode):
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
     # two-phase Block AttnRes, blocks of 2 sites: one route_many per block of 4 sites, and the readout's
     assert backend.last_report().ops == {ROUTE_MANY: 3}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_gradient_checkpointing_under_compile_matches_eager(reentrant):
+    """transformers' activation checkpointing with the model compiled (the Trainer's
+    ``gradient_checkpointing=True`` with ``torch_compile=True``): the checkpoint replays each
+    layer's ``forward`` with the depth state it was called with. Not ``fullgraph``: Dynamo
+    refuses HF's checkpoint even in the plain model (its side effects inside the HOP)."""
+    from tests.conftest import hf_model, perturb_routing
+
+    model = depthrewrite.rewrite(hf_model("llama", layers=3), "dar")
+    perturb_routing(model)
+    model.train()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def step(run):
+        model.zero_grad()
+        loss = run(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager_loss, eager_grads = step(model)
+    with pytest.warns(FutureWarning) if hasattr(model, "activation_checkpointing_enable") else nullcontext():
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="depthrewrite", options={"inner": "aot_eager"})
+    loss, grads = step(compiled)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -98,6 +98,7 @@
 #   OUT=... bash benchmarks/device_session.sh e2e56  # Block AttnRes and DAR block end to end beside the baseline (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56  # the plain model and Block AttnRes with each block compiled alone (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56b  # the same for DAR block and WAV (session 56)
+#   OUT=... bash benchmarks/device_session.sh perblock57  # the GPU per-block tests, then DAR block and WAV compiled block by block, with runtime.DepthCall (session 57)
 #   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
 #   OUT=... bash benchmarks/device_session.sh inplace48  # route_many_backward_into_: its GPU tests, full AttnRes with it and without (session 48)
@@ -1272,6 +1273,16 @@ perblock56)
 perblock56b)
   # session 56: the same for DAR block and WAV
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
+  ;;
+perblock57)
+  # session 57: a block call no longer sets attributes on the block (runtime.DepthCall), which
+  # Dynamo replayed after each block's graph; the per-block GPU tests, then DAR block and WAV
+  # compiled block by block beside the plain model compiled the same way (perblock56b's table)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py -k on_the_gpu \
+      > "$OUT/per_block.txt" 2>&1
+  tail -2 "$OUT/per_block.txt" | tee -a "$LOG"
   e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
   ;;
 session55)

@@ -12,12 +12,13 @@ from .errors import (
 )
 from .passes import SCHEMES
 from .hf import from_pretrained
+from .meta import reset_routing_parameters
 from .rewrite import inspect, rewrite
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "rewrite", "inspect", "from_pretrained", "SCHEMES", "ResidualStream", "Site",
+    "rewrite", "inspect", "from_pretrained", "reset_routing_parameters", "SCHEMES", "ResidualStream", "Site",
     "DepthRewriteError", "CaptureError", "NotPreNormError", "NoResidualStreamError",
     "AlreadyRewrittenError", "RuntimeOrderError", "NotAdditiveStreamError", "UnsupportedStructureError",
 ]

@@ -266,12 +266,13 @@ def refuse_unchained_stack(model: nn.Module, calls: list[ModuleCall],
 def refuse_meta_tensors(model: nn.Module) -> None:
     """A model whose weights are on the meta device (built under ``torch.device("meta")``, as
     torchtitan and FSDP2 set-ups do before ``to_empty``): the capture runs the model, and the
-    analysis probes its modules' outputs, which need values."""
+    analysis probes its modules' outputs, which need values. ``rewrite`` and ``inspect``
+    materialize such a model first (``depthrewrite.meta``); a direct capture does not."""
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         name = next((n for n, t in named if t.is_meta), None)
         if name is not None:
             raise CaptureError(
                 f"{type(model).__name__}'s {kind} '{name}' is on the meta device: depthrewrite finds the "
                 "residual stream by running the model and probing its modules, which needs real values. "
-                "Rewrite the model once its weights exist (built on a real device, or after "
-                "model.to_empty(device=...) and the model's own weight init), and shard it after the rewrite")
+                "depthrewrite.rewrite and depthrewrite.inspect materialize such a model on the CPU themselves "
+                "(with its init_weights() or meta_init=...); call one of them, or capture it once its weights exist")

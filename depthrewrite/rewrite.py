@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from .analysis import Analysis, ResidualStream, analyze
 from .capture import eval_mode, first_tensor
 from .errors import AlreadyRewrittenError, DepthRewriteError
 from .hf import record_recipe
+from .meta import has_meta_tensors, keep_initial_values, materialized
 from .passes import scheme_class, scheme_options
 from .passes.base import check_bool
 from .passes.runtime import (
@@ -37,19 +39,23 @@ def find_runtime(model: nn.Module) -> DepthRuntime | None:
     return None
 
 
-def inspect(model: nn.Module, example_inputs: Any = None) -> ResidualStream:
+def inspect(model: nn.Module, example_inputs: Any = None, *, meta_init: Callable | None = None) -> ResidualStream:
     """The residual stream of ``model`` as data (print it for a table). For a rewritten
     model, the analysis the rewrite was made from, with the scheme and its options as used
-    (``rewritten_with``)."""
+    (``rewritten_with``). A model on the meta device is analysed materialized on the CPU,
+    as :func:`rewrite` does (``meta_init``: see there)."""
     runtime = find_runtime(model)
     if runtime is not None:
         return dataclasses.replace(runtime.analysis,
                                    rewritten_with=(runtime.scheme.name, runtime.scheme.resolved_options()))
+    if has_meta_tensors(model):
+        with materialized(model, meta_init, "inspect"):
+            return analyze(model, example_inputs).stream
     return analyze(model, example_inputs).stream
 
 
 def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplace: bool = True,
-            verify: bool = True, **options) -> nn.Module:
+            verify: bool = True, meta_init: Callable[[nn.Module], None] | None = None, **options) -> nn.Module:
     """Rewrite the PreNorm residual stream of ``model`` into ``scheme``.
 
     ``example_inputs``: what to call the model with once to capture it (a tuple of
@@ -58,6 +64,11 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     rewritten model once on the example and, for the identity rewrite and
     ``preserve_identity=True``, checks that its output equals the original's bit for bit.
     Other keyword arguments are the scheme's options (see ``depthrewrite.SCHEMES``).
+
+    A model on the meta device is materialized on the CPU for the rewrite (with its
+    ``init_weights()``, or ``meta_init(model)`` where given: values for the analysis only)
+    and put back on the meta device, rewritten; after your ``to_empty`` and init, call
+    :func:`depthrewrite.reset_routing_parameters` (``depthrewrite.meta``).
     """
     check_bool("rewrite", "inplace", inplace)  # inplace="no" is truthy: it would rewrite in place
     check_bool("rewrite", "verify", verify)
@@ -65,6 +76,8 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
     opts = scheme_options(cls, options)
     if not isinstance(model, nn.Module):
         raise ValueError(f"rewrite: model must be a torch.nn.Module, found {type(model).__name__}")
+    if meta_init is not None and not callable(meta_init):
+        raise ValueError(f"rewrite: meta_init must be a function taking the model, found {type(meta_init).__name__}")
     if find_runtime(model) is not None:
         raise AlreadyRewrittenError(
             f"{type(model).__name__} was already rewritten with scheme "
@@ -72,11 +85,24 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
         )
     if not inplace:
         model = copy.deepcopy(model)
+    if has_meta_tensors(model):
+        with materialized(model, meta_init, "rewrite"):
+            _rewrite(model, scheme, cls, opts, example_inputs, verify)
+        log.warning("%s was rewritten on the meta device: after model.to_empty(...) and its own weight init, call "
+                    "depthrewrite.reset_routing_parameters(model) unless a checkpoint loads them",
+                    type(model).__name__)
+        return model
+    _rewrite(model, scheme, cls, opts, example_inputs, verify)
+    return model
+
+
+def _rewrite(model: nn.Module, scheme: str, cls, opts, example_inputs: Any, verify: bool) -> None:
     start = time.perf_counter()
     analysis = analyze(model, example_inputs)
     stream_dtype, device = analysis.capture.embedding.dtype, analysis.capture.embedding.device
     scheme_obj = cls(opts, analysis.stream, _param_dtype(model, stream_dtype), device, hints=model_hints(model))
     runtime = _install(model, analysis, scheme_obj)
+    keep_initial_values(model)
     record_recipe(model, scheme, scheme_obj.resolved_options())
     runtime.report["seconds"] = time.perf_counter() - start
     log.info("rewrote %s with %s: %s", type(model).__name__, scheme, runtime.report)
@@ -84,7 +110,6 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
         _verify(model, analysis, scheme_obj)
     # only verification needed these; the runtime keeps the rest of the capture
     analysis.capture.example = analysis.capture.model_output = None
-    return model
 
 
 #: config attributes naming the key/value head count, newest convention first

@@ -190,6 +190,25 @@ class TitanLlama(nn.Module):
         return self.output(h)
 
 
+def titan_init(model: TitanLlama) -> None:
+    """Deterministic values for every TitanLlama weight (it has no ``init_weights``; the
+    routing's are left alone) and its RoPE table: the init after ``to_empty`` for a model
+    built on the meta device. A sharded parameter (FSDP2's DTensor) gets its shard of the
+    same values."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".depth_route." in name:
+                continue
+            value = torch.ones(p.shape) if p.dim() == 1 else 0.02 * torch.randn(p.shape, generator=gen)
+            if hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, p.device_mesh, p.placements)
+            p.copy_(value)
+        model.freqs_cis.copy_(precompute_freqs_cis(model.freqs_cis.shape[1] * 2, model.freqs_cis.shape[0]))
+
+
 # ------------------------------------------------ blocks checkpointed from the model's loop
 class ArgsBlock(nn.Module):
     """A block called with an attention mask and a cache slot (None here), returning a tuple."""

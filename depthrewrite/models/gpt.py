@@ -289,11 +289,15 @@ class GPT(nn.Module):
         config = self.config
         out_std = config.init_std / math.sqrt(2 * config.n_layer)
         nn.init.normal_(self.embed.weight, std=config.init_std)
-        if not config.tie_embeddings:
+        if config.tie_embeddings:
+            # to_empty gives each place of a shared parameter one of its own: tie them again
+            self.lm_head.weight = self.embed.weight
+        else:
             nn.init.normal_(self.lm_head.weight, std=config.init_std)
         for block in self.blocks:
             for child in block.children():
-                _reset_module(child, config.init_std, out_std)
+                if hasattr(child, "reset_parameters"):  # not a rewrite's routers: those are the rewrite's to set
+                    _reset_module(child, config.init_std, out_std)
         self.norm_final.reset_parameters()
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)

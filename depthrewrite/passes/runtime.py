@@ -97,8 +97,8 @@ class DepthCall:
     checkpointing replays ``forward`` with the keywords of its first run, and under
     torch.compile an object made and read inside the compiled call leaves nothing behind,
     where every attribute the call sets on the block is a side effect Dynamo replays after
-    the graph on each call (a TreeSpec rebuilt node by node, ~180 bytecode calls a block
-    for DAR's state)."""
+    the graph on each call (each TreeSpec rebuilt node by node: for a DAR block of a
+    24-layer model, 1,600 of the call's 2,039 bytecode instructions)."""
 
     def __init__(self, n_state: int, state_spec):
         self.n_state = n_state

@@ -13,12 +13,14 @@ the losses by 1e-3 or more after the first update.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -174,18 +176,26 @@ def _titan_losses(model, rank: int | None, steps: int = 3) -> list[float]:
     return losses
 
 
-def _titan_model(scheme: str):
+def _titan_model(scheme: str, built: str):
+    """The rewritten Llama: built ``"with values"`` (torch's init, seeded), ``"titan_init"``
+    (then given titan_init's values) or ``"on the meta device"`` (no values yet)."""
     import depthrewrite
-    from tests.handwritten_models import TitanLlama
+    from tests.handwritten_models import TitanLlama, titan_init
 
     torch.manual_seed(0)
-    model = TitanLlama(n_layers=4)
-    return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),))
+    with torch.device("meta") if built == "on the meta device" else contextlib.nullcontext():
+        model = TitanLlama(n_layers=4)
+    if built == "titan_init":
+        titan_init(model)
+    return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), meta_init=titan_init)
 
 
-def _titan_worker(rank: int, port: int, out: str) -> None:
+def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
+
+    import depthrewrite
+    from tests.handwritten_models import titan_init
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -196,7 +206,7 @@ def _titan_worker(rank: int, port: int, out: str) -> None:
         with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             for scheme in TITAN_SCHEMES:
                 torch._dynamo.reset()  # one model's blocks at a time on checkpoint_wrapper's code (README)
-                model = _titan_model(scheme)
+                model = _titan_model(scheme, built)
                 # torchtitan's order: activation checkpointing, then compile, then FSDP2, per block
                 for name, layer in list(model.layers.items()):
                     layer = checkpoint_wrapper(layer, preserve_rng_state=False)
@@ -205,6 +215,10 @@ def _titan_worker(rank: int, port: int, out: str) -> None:
                 for layer in model.layers.values():
                     fully_shard(layer)
                 fully_shard(model)
+                if built == "on the meta device":
+                    model.to_empty(device="cpu")
+                    titan_init(model)
+                    depthrewrite.reset_routing_parameters(model)
                 losses[scheme] = _titan_losses(model, rank)
     finally:
         torch.distributed.destroy_process_group()
@@ -212,16 +226,20 @@ def _titan_worker(rank: int, port: int, out: str) -> None:
         torch.save(losses, out)
 
 
-def test_torchtitans_stack_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("built", ["with values", "on the meta device"])
+def test_torchtitans_stack_trains_like_one_process(tmp_path, built):
     """torchtitan's training set-up on a rewritten torchtitan-style Llama: each block
     checkpointed (``checkpoint_wrapper``), compiled with the backend (``fullgraph=True``)
     and sharded with FSDP2, on 2 ranks: the losses of 3 SGD steps match one eager process
     on the whole batch. The two-phase schemes route site by site under FSDP2 (the next
-    block's routing parameters are shards when phase 1 runs), the one-process run two-phase."""
+    block's routing parameters are shards when phase 1 runs), the one-process run two-phase.
+    Built on the meta device, as torchtitan builds: rewritten there, wrapped, compiled and
+    sharded, then ``to_empty``, the model's init and ``reset_routing_parameters`` on the
+    shards; the one process builds the same values on the CPU and rewrites them."""
     out = tmp_path / "losses.pt"
-    mp.spawn(_titan_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_titan_worker, args=(_free_port(), str(out), built), nprocs=WORLD, join=True)
     got = torch.load(out)
     for scheme in TITAN_SCHEMES:
-        want = _titan_losses(_titan_model(scheme), None)
+        want = _titan_losses(_titan_model(scheme, "with values" if built == "with values" else "titan_init"), None)
         assert want[-1] < want[0], scheme  # the steps train
         torch.testing.assert_close(torch.tensor(got[scheme]), torch.tensor(want), rtol=RTOL, atol=0, msg=scheme)

@@ -91,17 +91,22 @@ def measure(scheme: str, layers: int, per_block: bool, steps: int, profiled: int
             "bytecode": bytecode_sizes(model) if per_block else "", **forward}
 
 
+def compiled_frame(wrapper) -> tuple:
+    """Where ``torch.compile(block)`` enters a block (the block class's ``__call__``), and
+    Dynamo's cache entries for it."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    frame = type(wrapper._orig_mod).__call__
+    return frame, _debug_get_cache_entry_list(frame.__code__)
+
+
 def bytecode_sizes(model) -> str:
     """The size of the bytecode Dynamo runs for the first two blocks' calls and the last's
     (the compiled frame: inputs gathered, the graph called, its side effects replayed)."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     sizes = []
     for i in sorted({0, 1, len(model.blocks) - 1}):
-        block = model.blocks[i]._orig_mod
-        frame = type(block).__call__  # where torch.compile(block) enters a block
         sizes += [f"block {i}: {len(list(dis.get_instructions(entry.code)))}"
-                  for entry in _debug_get_cache_entry_list(frame.__code__)]
+                  for entry in compiled_frame(model.blocks[i])[1]]
     return ", ".join(sizes)
 
 
@@ -109,15 +114,11 @@ def guard_check_times(model, step, steps: int) -> tuple[list[float], list[float]
     """Each block's guard check timed on the call's own inputs just before the call (us):
     the median over ``steps`` training steps of the first check, then of the same check
     again at once, one of each per block."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     first, again = collections.defaultdict(list), collections.defaultdict(list)
 
     def check(wrapper, args, kwargs):
-        block = wrapper._orig_mod
-        frame = type(block).__call__
-        (entry,) = _debug_get_cache_entry_list(frame.__code__)
-        f_locals = {"self": block, "args": args, "kwargs": kwargs}
+        frame, (entry,) = compiled_frame(wrapper)
+        f_locals = {"self": wrapper._orig_mod, "args": args, "kwargs": kwargs}
         f_locals.update((name, cell.cell_contents)  # the frame's free variables (super()'s __class__)
                         for name, cell in zip(frame.__code__.co_freevars, frame.__closure__ or ()))
         for times in (first, again):

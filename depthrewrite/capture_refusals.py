@@ -268,11 +268,21 @@ def refuse_meta_tensors(model: nn.Module) -> None:
     torchtitan and FSDP2 set-ups do before ``to_empty``): the capture runs the model, and the
     analysis probes its modules' outputs, which need values. ``rewrite`` and ``inspect``
     materialize such a model first (``depthrewrite.meta``); a direct capture does not."""
+    found = first_meta_tensor(model)
+    if found is not None:
+        kind, name = found
+        raise CaptureError(
+            f"{type(model).__name__}'s {kind} '{name}' is on the meta device: depthrewrite finds the "
+            "residual stream by running the model and probing its modules, which needs real values. "
+            "depthrewrite.rewrite and depthrewrite.inspect materialize such a model on the CPU themselves "
+            "(with its init_weights() or meta_init=...); call one of them, or capture it once its weights exist")
+
+
+def first_meta_tensor(model: nn.Module) -> tuple[str, str] | None:
+    """The kind ("parameter" or "buffer") and name of the model's first tensor on the meta
+    device; None where it has none."""
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         name = next((n for n, t in named if t.is_meta), None)
         if name is not None:
-            raise CaptureError(
-                f"{type(model).__name__}'s {kind} '{name}' is on the meta device: depthrewrite finds the "
-                "residual stream by running the model and probing its modules, which needs real values. "
-                "depthrewrite.rewrite and depthrewrite.inspect materialize such a model on the CPU themselves "
-                "(with its init_weights() or meta_init=...); call one of them, or capture it once its weights exist")
+            return kind, name
+    return None

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from .capture_refusals import first_meta_tensor
 from .errors import CaptureError
 from .passes.runtime import ROUTER_ATTR, is_routed
 
@@ -34,7 +35,7 @@ INITIAL_VALUES_ATTR = "_depth_route_initial"
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    return first_meta_tensor(model) is not None
 
 
 @contextlib.contextmanager
@@ -50,9 +51,11 @@ def materialized(model: nn.Module, meta_init: Callable[[nn.Module], None] | None
         _tie(model, ties)
         try:
             before = {module: dict(vars(module)) for module in model.modules()}
-            with torch.no_grad():
-                init(model)
-            marks = _attributes_changed(before)
+            try:
+                with torch.no_grad():
+                    init(model)
+            finally:  # only the init's changes: the rewrite's own attributes stay
+                marks = _attributes_changed(before)
             _refuse_left_on_meta(model, caller)
             yield
         finally:
@@ -114,11 +117,11 @@ def _refuse_partly_materialized(model: nn.Module, caller: str) -> None:
 
 
 def _refuse_left_on_meta(model: nn.Module, caller: str) -> None:
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        name = next((n for n, t in named if t.is_meta), None)
-        if name is not None:
-            raise CaptureError(f"{caller}: {type(model).__name__}'s {kind} '{name}' is still on the meta device "
-                               "after to_empty(device='cpu') and the model's init; the analysis needs its value")
+    found = first_meta_tensor(model)
+    if found is not None:
+        kind, name = found
+        raise CaptureError(f"{caller}: {type(model).__name__}'s {kind} '{name}' is still on the meta device "
+                           "after to_empty(device='cpu') and the model's init; the analysis needs its value")
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

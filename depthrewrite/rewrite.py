@@ -8,6 +8,7 @@ Pass ``inplace=False`` to rewrite a deep copy and leave the original untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -48,10 +49,8 @@ def inspect(model: nn.Module, example_inputs: Any = None, *, meta_init: Callable
     if runtime is not None:
         return dataclasses.replace(runtime.analysis,
                                    rewritten_with=(runtime.scheme.name, runtime.scheme.resolved_options()))
-    if has_meta_tensors(model):
-        with materialized(model, meta_init, "inspect"):
-            return analyze(model, example_inputs).stream
-    return analyze(model, example_inputs).stream
+    with materialized(model, meta_init, "inspect") if has_meta_tensors(model) else contextlib.nullcontext():
+        return analyze(model, example_inputs).stream
 
 
 def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplace: bool = True,
@@ -85,14 +84,13 @@ def rewrite(model: nn.Module, scheme: str, *, example_inputs: Any = None, inplac
         )
     if not inplace:
         model = copy.deepcopy(model)
-    if has_meta_tensors(model):
-        with materialized(model, meta_init, "rewrite"):
-            _rewrite(model, scheme, cls, opts, example_inputs, verify)
+    on_meta = has_meta_tensors(model)
+    with materialized(model, meta_init, "rewrite") if on_meta else contextlib.nullcontext():
+        _rewrite(model, scheme, cls, opts, example_inputs, verify)
+    if on_meta:
         log.warning("%s was rewritten on the meta device: after model.to_empty(...) and its own weight init, call "
                     "depthrewrite.reset_routing_parameters(model) unless a checkpoint loads them",
                     type(model).__name__)
-        return model
-    _rewrite(model, scheme, cls, opts, example_inputs, verify)
     return model
 
 

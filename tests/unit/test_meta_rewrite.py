@@ -147,3 +147,15 @@ def test_a_hugging_face_model_built_on_the_meta_device_inits_after_the_rewrite()
         assert torch.equal(got[name], want[name]), name
     ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_an_init_that_fails_leaves_the_model_on_meta_without_its_marks():
+    def failing_init(model):
+        model.embed.marked_by_init = True
+        raise RuntimeError("init failed")
+
+    model = _on_meta()
+    with pytest.raises(RuntimeError, match="init failed"):
+        depthrewrite.rewrite(model, "dar", meta_init=failing_init)
+    assert not hasattr(model.embed, "marked_by_init")
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))

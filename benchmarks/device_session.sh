@@ -98,6 +98,8 @@
 #   OUT=... bash benchmarks/device_session.sh e2e56  # Block AttnRes and DAR block end to end beside the baseline (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56  # the plain model and Block AttnRes with each block compiled alone (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56b  # the same for DAR block and WAV (session 56)
+#   OUT=... bash benchmarks/device_session.sh cpp58     # Inductor's C++ wrapper: the GPU tests, DAR block and WAV with it (session 58)
+#   OUT=... bash benchmarks/device_session.sh cpp58b    # the same for WAV and DAR block's fused merge with "narrow" (session 58)
 #   OUT=... bash benchmarks/device_session.sh perblock57  # the GPU per-block tests, then DAR block and WAV compiled block by block, with runtime.DepthCall (session 57)
 #   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
@@ -1274,6 +1276,23 @@ perblock56b)
   # session 56: the same for DAR block and WAV
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
+  ;;
+cpp58)
+  # session 58: Inductor's wrapper in C++ (cpp_wrapper=True; the backend gives the routing
+  # calls with list results flat companions, depthrewrite.cpp_wrapper): the GPU tests against
+  # eager, then DAR block and WAV with it beside DAR block without, each against the
+  # baseline compiled the same way
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k cuda \
+      > "$OUT/cpp_wrapper.txt" 2>&1
+  tail -2 "$OUT/cpp_wrapper.txt" | tee -a "$LOG"
+  e2e_table 360 baseline,baseline_cpp,dar_block,dar_block_cpp,wav_cpp 14
+  ;;
+cpp58b)
+  # session 58: the forms whose steps were host-bound on slow hosts, with the C++ wrapper
+  # and without: DAR block's fused merge with "narrow" (1.089x peak), WAV
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  e2e_table 540 baseline,baseline_cpp,wav,dar_block_fm_narrow,dar_block_fm_narrow_cpp 14
   ;;
 perblock57)
   # session 57: a block call no longer sets attributes on the block (runtime.DepthCall), which

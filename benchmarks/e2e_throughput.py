@@ -160,15 +160,21 @@ BACKEND_VARIANTS = {
     # where its benchmark finds them faster; fewer launches for the host to issue (DAR
     # block's step made ~1,540 Triton launches against the baseline's ~680, session 47)
     "combo": {"combo_kernels": True, "benchmark_combo_kernel": True},
+    # Inductor's wrapper written in C++ (the routing calls with list results given flat
+    # companions by the backend, depthrewrite.cpp_wrapper; session 58): the host's time a
+    # Triton launch less, a routing call's more (it calls back into Python); compared with
+    # "baseline_cpp"
+    "cpp": {"cpp_wrapper": True},
 }
 #: the variants measured: base configuration -> suffixes
 VARIANTS_OF = {
     "dar_block": ("unfenced", "sum8", "noacc", "cg", "keepsums", "branch", "cdt", "coop", "mfs16", "mfs32", "mix0",
-                  "mk", "mfs64", "narrow", "noasserts", "combo"),
-    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16", "noasserts", "newsums"),
-    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow", "noasserts", "combo"),
-    "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16"),
-    "block_attnres": ("unfenced", "cg", "cdt", "mfs16", "mk"),
+                  "mk", "mfs64", "narrow", "noasserts", "combo", "cpp"),
+    "attnres": ("unfenced", "sum8", "noacc", "cg", "mfs16", "noasserts", "newsums", "cpp"),
+    "wav": ("unfenced", "noacc", "cg", "keepsums", "newsums", "branch", "cdt", "mfs16", "narrow", "noasserts", "combo",
+            "cpp"),
+    "mhar": ("unfenced", "noacc", "acc1", "cg", "newsums", "mfs16", "cpp"),
+    "block_attnres": ("unfenced", "cg", "cdt", "mfs16", "mk", "cpp"),
     "mhar_block": ("unfenced", "cg", "mfs16", "mk"),
 }
 #: backend options per configuration (default: none)
@@ -177,7 +183,7 @@ BACKEND_OPTIONS = {f"{base}_{suffix}": BACKEND_VARIANTS[suffix] for base, suffix
 CONFIGS.update({f"{base}_{suffix}": CONFIGS[base][:2] + (None,) for base, suffixes in VARIANTS_OF.items()
                 for suffix in suffixes})
 #: the baseline recorded as CUDA graphs too, the reference of the "_cg" variants
-for suffix in ("cg", "cdt", "noasserts"):
+for suffix in ("cg", "cdt", "noasserts", "cpp"):
     CONFIGS[f"baseline_{suffix}"] = (None, {}, None)
     BACKEND_OPTIONS[f"baseline_{suffix}"] = BACKEND_VARIANTS[suffix]
 #: compiled with ``torch.compile(..., dynamic=True)``: graphs with symbolic batch size and
@@ -390,6 +396,9 @@ _same_as_base(("dar_block_fm_narrow_raw",))
 _with_variants("dar_block_fm_narrow_cg", "dar_block_fm", "narrow", "cg")
 #: the same without Inductor's asserts in its wrapper (host time; session 47)
 _with_variants("dar_block_fm_narrow_noasserts", "dar_block_fm", "narrow", "noasserts")
+#: the same with Inductor's wrapper in C++: its steps host-bound on slow hosts (sessions
+#: 44-47), is the wrapper's Python what the C++ one saves? (session 58)
+_with_variants("dar_block_fm_narrow_cpp", "dar_block_fm", "narrow", "cpp")
 #: WAV's forms short of memory recorded as CUDA graphs, beside wav_cg (WAV is host-bound
 #: without them; session 44 timed these without)
 _with_variants("wav_branch_cg", "wav", "branch", "cg")
@@ -873,10 +882,10 @@ def trial_table(rows: list[dict]) -> str:
 
 def baseline_of(name: str) -> str:
     """The configuration a row is compared with: the CUDA-graph, coordinate-descent,
-    assert-free, dynamic and per-block variants with the baseline compiled the same way, the others
+    assert-free, C++-wrapper, dynamic and per-block variants with the baseline compiled the same way, the others
     with the plain Inductor baseline. A launch variant of a CUDA-graph configuration
     (``mhar_block_fm_cg_tfin``) is recorded as CUDA graphs too."""
-    for part in ("cg", "cdt", "noasserts", DYNAMIC, PER_BLOCK):
+    for part in ("cg", "cdt", "noasserts", "cpp", DYNAMIC, PER_BLOCK):
         if part in name.split("_"):
             return f"baseline_{part}"
     return "baseline"

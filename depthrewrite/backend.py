@@ -55,6 +55,9 @@ figure is given (docs/benchmarks.md has the runs):
 - Every other key is an Inductor config patch, applied to this compilation only
   (``config_patches``, never a global assignment). A key that is neither is refused
   before Inductor runs, naming the nearest option (``max_sum_term``: ``max_sum_terms``).
+  Inductor's ``cpp_wrapper`` (here or set globally) works: the routing calls whose
+  results hold lists, which its C++ wrapper cannot call, get flat companions
+  (:mod:`depthrewrite.cpp_wrapper`; ``LoweringReport.flattened`` counts them).
 - Where a scheme's graph calls for Inductor settings of its own (:mod:`depthrewrite.graph_hints`:
   DAR's gets ``max_fusion_size=16``, 1.4-1.9 % shorter steps at 350M), the backend adds
   them unless the caller set them; ``last_report().config_patches`` shows what applied.
@@ -70,6 +73,7 @@ the compiled graphs as CUDA graphs with the fused routing kernels inside
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -81,6 +85,7 @@ import torch
 from torch import fx
 
 from .grad_accumulation import MAX_HEADS
+from .cpp_wrapper import cpp_wrapper_on, define_flat_companions
 from .graph_hints import inductor_defaults
 from .kernels import implementation_for
 from .inductor_pass import backend_pass, rewrite_gradient_sums
@@ -138,6 +143,9 @@ class LoweringReport:
     accumulate_in_place: bool = True
     in_place: dict[str, int] = dataclasses.field(default_factory=dict)
     recomputed: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
+    #: graph kind -> routing calls given flat results for Inductor's C++ wrapper (where
+    #: ``cpp_wrapper`` is on: :mod:`depthrewrite.cpp_wrapper`)
+    flattened: dict[str, int] = dataclasses.field(default_factory=dict)
     #: branch norms fused into route_merge calls (``fuse_output_norms``; None with it off)
     fused_norms: int | None = None
     saved_for_backward: dict[str, int | str | None] = dataclasses.field(default_factory=dict)
@@ -160,8 +168,10 @@ class LoweringReport:
         """Whether the backend rewrites the graphs it compiles (long sums, accumulation)."""
         return self.max_sum_terms is not None or self.accumulate_grads
 
-    def record_rewrites(self, accumulated: int, fences: int, in_place: int = 0) -> None:
+    def record_rewrites(self, accumulated: int, fences: int, in_place: int = 0, flattened: int = 0) -> None:
         """What the backend's rewrites that are on did to the graph being compiled (``compiling``)."""
+        if flattened:
+            self.flattened[self.compiling] = flattened
         if self.accumulate_grads:
             self.accumulated[self.compiling] = accumulated
         if self.accumulate_grads and self.accumulate_in_place:
@@ -306,6 +316,8 @@ def _counting(compile_fn, report: LoweringReport):
             kind = "forward"
         report.record_graph(kind, gm.graph)
         report.compiling = kind
+        if cpp_wrapper_on():
+            define_flat_companions(gm.graph)
         return compile_fn(gm, example_inputs, *args, **kwargs)
 
     return inner
@@ -314,10 +326,9 @@ def _counting(compile_fn, report: LoweringReport):
 def _pass_patch(patches: dict[str, Any], report: LoweringReport) -> dict[str, Any]:
     """Inductor config patches with the backend's post-grad pass (the user's own, if any,
     runs after it): a pass Inductor runs, so that its settings are in the cache keys (the
-    recomputation marks included: node metadata is not)."""
-    if not report.rewrites and not report.recomputed:
-        return patches
-
+    recomputation marks included: node metadata is not). Installed whatever the options:
+    where Inductor's wrapper is C++ (``cpp_wrapper``, an Inductor setting the user may make
+    globally) the pass makes the routing calls callable from it."""
     the_pass = backend_pass(report.max_sum_terms, report.accumulate_grads,
                             then=patches.get("post_grad_custom_post_pass"), on_done=report.record_rewrites,
                             accumulate_max_heads=report.accumulate_max_heads, recomputed=report.recomputed,
@@ -488,5 +499,20 @@ def _compile(gm: fx.GraphModule, example_inputs, report: LoweringReport, patches
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     # config_patches: Inductor applies them for this compilation only
-    return compile_fx(gm, example_inputs, inner_compile=_counting(compile_fx_inner, report),
-                      config_patches=_pass_patch(patches, report))
+    with _companions_defined_on_cache_hits(patches):
+        return compile_fx(gm, example_inputs, inner_compile=_counting(compile_fx_inner, report),
+                          config_patches=_pass_patch(patches, report))
+
+
+def _companions_defined_on_cache_hits(patches: dict[str, Any]):
+    """With Inductor's C++ wrapper, AOTAutograd's own cache off for this compilation: a hit
+    there skips the inner compiler, where the flat companions that the cached graphs call
+    are defined (:func:`depthrewrite.cpp_wrapper.define_flat_companions`); in a new process
+    nothing else would define them. Inductor's per-graph cache, behind the inner compiler,
+    still serves the compiled graphs."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    if not patches.get("cpp_wrapper", inductor_config.cpp_wrapper):
+        return contextlib.nullcontext()
+    return functorch_config.patch(enable_autograd_cache=False)

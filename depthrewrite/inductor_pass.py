@@ -2,8 +2,10 @@
 graph Inductor compiles, first the source gradients moved into the routing backward
 (:mod:`depthrewrite.grad_accumulation`, option ``accumulate_grads``; with
 ``accumulate_in_place``, their running sums written in place), then the remaining
-long sums fenced (:mod:`depthrewrite.sum_fences`, option ``max_sum_terms``), then the
-user's own post-grad passes, if any. A pass that Inductor runs, rather than a change to
+long sums fenced (:mod:`depthrewrite.sum_fences`, option ``max_sum_terms``), then, where
+Inductor writes its wrapper in C++ (``cpp_wrapper``), the routing calls whose results hold
+lists replaced by their flat companions (:mod:`depthrewrite.cpp_wrapper`), then the user's
+own post-grad passes, if any. A pass that Inductor runs, rather than a change to
 the graph before Inductor sees it, so that its ``uuid`` (this package's pass files and the
 settings) is part of Inductor's cache keys: a graph compiled with other settings is never
 loaded from the caches in its place.
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from torch import fx
 
 from . import grad_accumulation, sum_fences
+from .cpp_wrapper import cpp_wrapper_on, flatten_nested_results
 from .grad_accumulation import MAX_HEADS, accumulate_into_route_backward, write_running_sums_in_place
 
 __all__ = ["backend_pass", "rewrite_gradient_sums"]
@@ -35,11 +38,12 @@ def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
-                 on_done: Callable[[int, int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS,
+                 on_done: Callable[[int, int, int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS,
                  recomputed: tuple[str, ...] | None = None, accumulate_in_place: bool = False):
     """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
     user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
-    told :func:`rewrite_gradient_sums`'s counts for each graph. ``recomputed``: the nodes the
+    told :func:`rewrite_gradient_sums`'s counts for each graph, then how many routing calls
+    got flat results for the C++ wrapper. ``recomputed``: the nodes the
     backend marked for recomputation (:mod:`depthrewrite.recompute`; None: the option is
     off), part of the pass's cache key only."""
     then = () if then is None else tuple(then) if isinstance(then, (list, tuple)) else (then,)
@@ -56,7 +60,8 @@ def _pass_class():
 
     here = pathlib.Path(__file__).parent
     sources = tuple(str(here / name)
-                    for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py", "recompute.py"))
+                    for name in ("inductor_pass.py", "sum_fences.py", "grad_accumulation.py", "recompute.py",
+                                 "cpp_wrapper.py", "ops/flat_returns.py"))
 
     class BackendPass(CustomGraphPass):
         def __init__(self, max_sum_terms, accumulate_grads, then, on_done, accumulate_max_heads, recomputed,
@@ -68,8 +73,9 @@ def _pass_class():
         def __call__(self, graph: fx.Graph) -> None:
             done = rewrite_gradient_sums(graph, self.max_sum_terms, self.accumulate_grads, self.accumulate_max_heads,
                                          self.accumulate_in_place)
+            flattened = flatten_nested_results(graph) if cpp_wrapper_on() else 0
             if self.on_done is not None:
-                self.on_done(*done)
+                self.on_done(*done, flattened)
             for user_pass in self.then:
                 user_pass(graph)
 
@@ -81,6 +87,6 @@ def _pass_class():
                     self.accumulate_max_heads, self.accumulate_in_place, sum_fences.MIN_NUMEL,
                     grad_accumulation.ACCUMULATED_OPS, grad_accumulation.ROUTE_MANY_MAX_QUERIES,
                     grad_accumulation.ROUTE_MANY_MULTI_HEAD, self.recomputed,
-                    then)
+                    cpp_wrapper_on(), then)
 
     return BackendPass

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
-from tests.conftest import corpus_bytes
+from tests.conftest import corpus_bytes, perturb_routing
 
 WORLD = 2
 RTOL = 1e-5
@@ -243,3 +243,82 @@ def test_torchtitans_stack_trains_like_one_process(tmp_path, built):
         want = _titan_losses(_titan_model(scheme, "with values" if built == "with values" else "titan_init"), None)
         assert want[-1] < want[0], scheme  # the steps train
         torch.testing.assert_close(torch.tensor(got[scheme]), torch.tensor(want), rtol=RTOL, atol=0, msg=scheme)
+
+
+#: the schemes compiled whole under DDP: the depth state crosses DDPOptimizer's graph splits
+DDP_COMPILE_SCHEMES = ("dar", "wav", "attnres")
+
+
+def _ddp_compile_model(scheme: str):
+    import depthrewrite
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    torch.manual_seed(0)
+    # d = 128: each layer's parameters (~0.8 MB) fill DDP's smallest bucket, 1 MB
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=3, d_model=128), scheme)
+    perturb_routing(model)
+    return model
+
+
+def _ddp_compile_worker(rank: int, port: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from depthrewrite import backend
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
+    found = {}
+    try:
+        for scheme in DDP_COMPILE_SCHEMES:
+            torch._dynamo.reset()
+            backend.clear_reports()
+            model = _ddp_compile_model(scheme)
+            # torch.compile of the DDP module: Dynamo's DDPOptimizer splits the graph where
+            # DDP's buckets end, and the backend compiles each piece
+            compiled = torch.compile(DDP(model, bucket_cap_mb=1), backend="depthrewrite",
+                                     options={"inner": "aot_eager"})
+            tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+            mine = tokens[rank * 2:(rank + 1) * 2]
+            _, loss = compiled(mine, mine)
+            loss.backward()
+            found[scheme] = ({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                             [r.num_routing_ops for r in backend.reports()])
+    finally:
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        torch.save(found, out)
+
+
+def _routing_calls_compiled_whole(scheme: str, tokens) -> int:
+    """The routing calls of the model's graph compiled in one piece (one process, no DDP)."""
+    from depthrewrite import backend
+
+    torch._dynamo.reset()
+    backend.clear_reports()
+    with torch.no_grad():
+        torch.compile(_ddp_compile_model(scheme), backend="depthrewrite", options={"inner": "aot_eager"})(tokens)
+    (report,) = backend.reports()
+    return report.num_routing_ops
+
+
+def test_ddp_compiled_whole_splits_its_graph_and_matches_one_process(tmp_path):
+    """``torch.compile(DDP(model), backend="depthrewrite")`` on 2 ranks with DDP's smallest
+    buckets: the graph reaches the backend in several pieces, between which the depth state
+    passes, the pieces hold the routing calls of the graph compiled whole, and each gradient equals one
+    eager process's on the whole batch (DDP averages the ranks' halves)."""
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_ddp_compile_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    found = torch.load(out)
+    for scheme in DDP_COMPILE_SCHEMES:
+        model = _ddp_compile_model(scheme)
+        tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+        _, loss = model(tokens, tokens)
+        loss.backward()
+        grads, routing_calls = found[scheme]
+        assert len(routing_calls) > 1, (scheme, routing_calls)
+        assert sum(routing_calls) == _routing_calls_compiled_whole(scheme, tokens), (scheme, routing_calls)
+        want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == want.keys(), scheme
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{scheme}: {name}")

@@ -1,0 +1,99 @@
+"""A training step's host time with Inductor's wrapper in Python and in C++ (``cpp_wrapper``),
+on the CPU: what the C++ wrapper saves the plain model and the routed ones.
+
+The bundled GPT at a tiny width and one sequence of 16 tokens, so that the step is mostly
+host time, rewritten with a scheme (the end-to-end configurations' options) and compiled
+with the backend (the plain model with Inductor), once with each wrapper. Each pair is timed
+side by side: ``--repeats`` rounds of ``--steps`` training steps, the two taken in turns,
+the median of each. The first step's losses of the two compilations are compared too (the
+same weights and tokens).
+
+    python benchmarks/cpp_wrapper_host.py --layers 6 --schemes baseline block_attnres dar_block wav
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmark scripts
+from e2e_throughput import CONFIGS  # noqa: E402  (the end-to-end configurations by name)
+
+SCHEMES = ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")
+
+
+def build(scheme: str, layers: int, cpp_wrapper: bool):
+    """The tiny bundled GPT rewritten as the configuration ``scheme`` and compiled with the
+    wrapper asked for: (what to call, the model)."""
+    import depthrewrite
+    from depthrewrite.backend import depthrewrite_backend
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    torch.manual_seed(0)
+    model = gpt_from_preset("tiny", n_layer=layers)
+    name, options, _ = CONFIGS[scheme]
+    settings = {"cpp_wrapper": cpp_wrapper}
+    if name is None:
+        return torch.compile(model, backend="inductor", options=settings), model
+    model = depthrewrite.rewrite(model, name, **options)
+    return torch.compile(model, backend=functools.partial(depthrewrite_backend, options=settings)), model
+
+
+def measure(scheme: str, layers: int, steps: int, repeats: int) -> dict:
+    """ms per step with each wrapper (median of ``repeats`` rounds, taken in turns) and the
+    two compilations' first-step losses."""
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    runs, first_loss = {}, {}
+    for cpp in (False, True):
+        torch._dynamo.reset()
+        run, model = build(scheme, layers, cpp)
+
+        def step(run=run, model=model):
+            model.zero_grad(set_to_none=True)
+            _, loss = run(ids, ids)
+            loss.backward()
+            return loss.detach()
+
+        first_loss[cpp] = step().item()  # compiles
+        for _ in range(2):
+            step()
+        runs[cpp] = step
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(repeats):
+        for cpp in ((False, True) if r % 2 == 0 else (True, False)):
+            start = time.perf_counter()
+            for _ in range(steps):
+                runs[cpp]()
+            times[cpp].append((time.perf_counter() - start) / steps * 1e3)
+    return {"python_ms": statistics.median(times[False]), "cpp_ms": statistics.median(times[True]),
+            "loss_difference": abs(first_loss[True] - first_loss[False])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schemes", nargs="+", default=["baseline", "block_attnres", "dar_block", "wav"],
+                    choices=SCHEMES)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"tiny GPT, {args.layers} layers, 1 x 16 tokens, CPU, torch {torch.__version__}; ms a training step, "
+          f"median of {args.repeats} x {args.steps} steps, the two wrappers in turns")
+    print("| model | Python wrapper ms | C++ wrapper ms | C++ / Python | first losses differ by |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for scheme in args.schemes:
+        row = measure(scheme, args.layers, args.steps, args.repeats)
+        print(f"| {scheme} | {row['python_ms']:.2f} | {row['cpp_ms']:.2f} | {row['cpp_ms'] / row['python_ms']:.3f} | "
+              f"{row['loss_difference']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

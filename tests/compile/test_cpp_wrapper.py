@@ -1,0 +1,169 @@
+"""Inductor's C++ wrapper (``cpp_wrapper=True``) with the backend: the routing calls whose
+results hold lists get their flat companions (depthrewrite.cpp_wrapper), and the compiled
+model matches eager. Without the pass Inductor stops on those calls ("fallback kernels with
+runtime lookup currently only support tensor returns", torch 2.13)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import depthrewrite
+from depthrewrite import backend
+from depthrewrite.cpp_wrapper import flatten_nested_results
+from depthrewrite.models.gpt import gpt_from_preset
+from depthrewrite.ops.flat_returns import NESTED_RESULT_OPS
+from tests.conftest import perturb_routing
+
+#: the schemes whose graphs hold every op with nested results: DAR's fused merge
+#: (route_many, route_many_backward, route_merge_backward) and WAV (route_backward)
+SCHEMES = {"dar": {"fused_merge": True}, "wav": {}}
+
+
+def _model(scheme: str):
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme, **SCHEMES[scheme])
+    perturb_routing(model)
+    return model.train()
+
+
+def _loss_and_grads(model, fn, idx):
+    model.zero_grad(set_to_none=True)
+    _, loss = fn(idx, idx)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_matches_eager(model, compiled, idx, rtol, atol) -> None:
+    want_loss, want = _loss_and_grads(model, model, idx)
+    loss, got = _loss_and_grads(model, compiled, idx)
+    torch.testing.assert_close(loss, want_loss, rtol=rtol, atol=atol)
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+
+
+def _op_names(graph) -> collections.Counter:
+    """The depthrewrite ops a graph calls, by name (the flat companions of every result count
+    as ``<op>_flat``)."""
+    return collections.Counter(re.sub(r"_flat\d+$", "_flat", n.target._schema.name.split("::")[1]) for n in graph.nodes
+                               if n.op == "call_function" and hasattr(n.target, "_schema")
+                               and n.target._schema.name.startswith("depthrewrite::"))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_flat_results_compute_what_the_nested_ones_did(scheme):
+    """The pass alone on AOTAutograd's graphs, run as they are (no Inductor): every call
+    with nested results is replaced, each read of a result part reads the same tensor from
+    the flat result, and loss and every gradient are eager's to the bit."""
+    replaced: collections.Counter = collections.Counter()
+
+    def run_flattened(gm, _inputs):
+        before = _op_names(gm.graph)
+        count = flatten_nested_results(gm.graph)
+        after = _op_names(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        for name in NESTED_RESULT_OPS:
+            assert after[name] == 0 and after[f"{name}_flat"] == before[name], name
+            replaced[name] += before[name]
+        assert count == sum(before[name] for name in NESTED_RESULT_OPS)
+        return make_boxed_func(gm.forward)
+
+    model = _model(scheme)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=run_flattened, bw_compiler=run_flattened),
+                             fullgraph=True)
+    _assert_matches_eager(model, compiled, idx, rtol=0, atol=0)
+    expected = {"dar": ("route_many", "route_many_backward", "route_merge_backward"), "wav": ("route_backward",)}
+    assert {name for name, n in replaced.items() if n} == set(expected[scheme])
+
+
+GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                    reason="needs a CUDA GPU (the device machine)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cpp_wrapper_compiles_and_matches_eager(scheme, device):
+    """Through Inductor with its wrapper in C++ (about 20-30 s cold on the CI machine),
+    float32; on the GPU the routing calls run the fused kernels, in eager too: loss and
+    gradients match eager's, the report counts the calls that got flat results, and the
+    setting stays scoped to the compilation."""
+    model = _model(scheme).to(device)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    backend.clear_reports()
+    torch._dynamo.reset()
+    # the caches off: a graph loaded from Inductor's caches skips the pass, and its report
+    options = {"cpp_wrapper": True, "force_disable_caches": True}
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
+    # the CPU's reference ops in both; the GPU's kernels beside Inductor's own kernels
+    rtol, atol = (1e-5, 1e-6) if device == "cpu" else (1e-4, 1e-5)
+    _assert_matches_eager(model, compiled, idx, rtol=rtol, atol=atol)
+    report = backend.last_report()
+    assert set(report.implementation.values()) == {"reference" if device == "cpu" else "triton"}
+    assert report.config_patches.items() >= options.items()  # DAR's graph hint besides
+    # DAR: route_many in the forward (2 streams x 3 two-phase calls), and in the backward
+    # the recomputed ones with every route_many_backward and route_merge_backward; WAV: the
+    # route_backward calls left without a running sum (the rest became route_backward_into_)
+    assert report.flattened["backward"] > 0
+    assert report.flattened.get("forward", 0) == (report.aot_graphs["forward"].get("depthrewrite::route_many", 0))
+    assert torch._inductor.config.cpp_wrapper is False
+
+
+def test_a_result_read_other_than_by_index_is_refused():
+    """A graph that passes a result's list on whole (not what AOTAutograd makes) is named,
+    not miscompiled."""
+    values = [torch.randn(4, 8) for _ in range(3)]
+    queries, weights = torch.randn(2, 8), torch.rand(2, 8)
+
+    def f(values, queries, weights):
+        out, lse, stats = torch.ops.depthrewrite.route_many(values, queries, weights, 1, 1e-6, None)
+        return out[0] + out[1], stats
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(values, queries, weights)
+    call = next(n for n in gm.graph.nodes if n.op == "call_function" and "route_many" in str(n.target))
+    outs = next(u for u in call.users if u.args[1] == 0)
+    with gm.graph.inserting_after(outs):
+        whole = gm.graph.call_function(len, (outs,))  # the list itself read
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.args = ((*output.args[0], whole),)
+    with pytest.raises(RuntimeError, match=r"route_many call .* is read by .*len.*expected only indexing"):
+        flatten_nested_results(gm.graph)
+
+
+_CACHED_RUN = """
+import torch, depthrewrite
+from depthrewrite import backend
+from depthrewrite.models.gpt import gpt_from_preset
+torch.manual_seed(0)
+model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=1), "dar").train()
+ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+_, loss = torch.compile(model, backend="depthrewrite", options={"cpp_wrapper": True})(ids, ids)
+loss.backward()
+print(repr(loss.item()), sum(backend.last_report().flattened.values()))
+"""
+
+
+def test_graphs_loaded_from_inductors_caches_in_a_new_process_find_their_companions(tmp_path):
+    """A second process loads the compiled graphs from Inductor's caches (no pass runs, so
+    nothing is flattened there) and calls the flat companions by name: they are defined
+    before the caches are read (without it: "Could not find schema for
+    depthrewrite::route_many_flat5")."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (first_loss, first_flattened), (second_loss, second_flattened) = (run.stdout.split()[-2:] for run in runs)
+    assert int(first_flattened) > 0 and int(second_flattened) == 0  # compiled, then loaded
+    assert second_loss == first_loss

@@ -84,8 +84,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .grad_accumulation import MAX_HEADS
 from .cpp_wrapper import cpp_wrapper_on, define_flat_companions
+from .grad_accumulation import MAX_HEADS
 from .graph_hints import inductor_defaults
 from .kernels import implementation_for
 from .inductor_pass import backend_pass, rewrite_gradient_sums

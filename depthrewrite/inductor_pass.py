@@ -38,8 +38,9 @@ def rewrite_gradient_sums(graph: fx.Graph, max_sum_terms: int | None, accumulate
 
 
 def backend_pass(max_sum_terms: int | None, accumulate_grads: bool, then=None,
-                 on_done: Callable[[int, int, int, int], None] | None = None, accumulate_max_heads: int | None = MAX_HEADS,
-                 recomputed: tuple[str, ...] | None = None, accumulate_in_place: bool = False):
+                 on_done: Callable[[int, int, int, int], None] | None = None,
+                 accumulate_max_heads: int | None = MAX_HEADS, recomputed: tuple[str, ...] | None = None,
+                 accumulate_in_place: bool = False):
     """The pass for these settings (``max_sum_terms`` None: no fences). ``then``: the
     user's ``post_grad_custom_post_pass`` (a pass or a list), run after; ``on_done`` is
     told :func:`rewrite_gradient_sums`'s counts for each graph, then how many routing calls

@@ -305,3 +305,35 @@ def test_hf_gradient_checkpointing_under_compile_matches_eager(reentrant):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("scheme", ["dar", "wav"])
+def test_compiled_autograd_compiles_the_routing_backward_and_matches_eager(scheme):
+    """Compiled autograd (``torch._dynamo.config.compiled_autograd = True``, which DDP's
+    ``python_reducer`` needs) as its documentation has it: the training step compiled,
+    ``loss.backward()`` inside. The backward is traced as a graph of its own and handed to
+    the backend, which finds the routing backwards in it (as ops of that graph's forward).
+    Loss and gradients equal eager's."""
+    model = _model(scheme)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager_loss, eager_grads = _loss_and_grads(model, model, idx)
+    torch._dynamo.reset()
+    backend.clear_reports()
+
+    def step(ids):
+        _, loss = model(ids, ids)
+        loss.backward()
+        return loss.detach()
+
+    model.zero_grad(set_to_none=True)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        loss = torch.compile(step, backend="depthrewrite", options={"inner": "aot_eager"})(idx)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    backward_op = {"dar": "depthrewrite::route_many_backward", "wav": "depthrewrite::route_backward"}[scheme]
+    reports = backend.reports()  # the model's graph, then the backward compiled autograd traced
+    assert backward_op not in reports[0].ops
+    assert any(r.ops.get(backward_op, 0) > 0 for r in reports[1:])

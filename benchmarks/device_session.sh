@@ -100,6 +100,7 @@
 #   OUT=... bash benchmarks/device_session.sh perblock56b  # the same for DAR block and WAV (session 56)
 #   OUT=... bash benchmarks/device_session.sh cpp58     # Inductor's C++ wrapper: the GPU tests, DAR block and WAV with it (session 58)
 #   OUT=... bash benchmarks/device_session.sh cpp58b    # the same for WAV and DAR block's fused merge with "narrow" (session 58)
+#   OUT=... bash benchmarks/device_session.sh cpp58c    # the same, each block compiled alone (torchtitan's way; session 58)
 #   OUT=... bash benchmarks/device_session.sh perblock57  # the GPU per-block tests, then DAR block and WAV compiled block by block, with runtime.DepthCall (session 57)
 #   OUT=... bash benchmarks/device_session.sh session55  # checks55, then DAR block and WAV end to end beside the baseline (session 55)
 #   OUT=... bash benchmarks/device_session.sh ops52    # the op table's d = 2048 rows beside FLA with the flat autograd kernel (session 52; carry .whl)
@@ -1293,6 +1294,13 @@ cpp58b)
   # and without: DAR block's fused merge with "narrow" (1.089x peak), WAV
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   e2e_table 540 baseline,baseline_cpp,wav,dar_block_fm_narrow,dar_block_fm_narrow_cpp 14
+  ;;
+cpp58c)
+  # session 58: torchtitan's per-block compile with Inductor's wrapper in C++: DAR block and
+  # WAV compiled block by block were host-bound (session 56), against the plain model
+  # compiled so too
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  e2e_table 540 baseline_pb,baseline_pb_cpp,dar_block_pb,dar_block_pb_cpp,wav_pb_cpp 14
   ;;
 perblock57)
   # session 57: a block call no longer sets attributes on the block (runtime.DepthCall), which

@@ -198,6 +198,11 @@ CONFIGS.update({f"{base}_{DYNAMIC}": CONFIGS[base][:2] + (None,)
 PER_BLOCK = "pb"
 CONFIGS.update({f"{base}_{PER_BLOCK}": CONFIGS[base][:2] + (None,)
                 for base in ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")})
+#: compiled block by block with Inductor's wrapper in C++: the per-block compile's steps were
+#: host-bound for DAR block and WAV (session 56); compared with "baseline_pb_cpp" (session 58)
+for _base in ("baseline", "dar_block", "wav"):
+    CONFIGS[f"{_base}_{PER_BLOCK}_cpp"] = CONFIGS[_base][:2] + (None,)
+    BACKEND_OPTIONS[f"{_base}_{PER_BLOCK}_cpp"] = BACKEND_VARIANTS["cpp"]
 #: the second phase through depthrewrite::route_merge's fused kernels (the scheme option
 #: fused_merge; session 19; off by default, slower end to end in session 21: merge_partial's
 #: torch ops, compiled by Inductor), the branch norm fused into it by the backend
@@ -882,13 +887,12 @@ def trial_table(rows: list[dict]) -> str:
 
 def baseline_of(name: str) -> str:
     """The configuration a row is compared with: the CUDA-graph, coordinate-descent,
-    assert-free, C++-wrapper, dynamic and per-block variants with the baseline compiled the same way, the others
-    with the plain Inductor baseline. A launch variant of a CUDA-graph configuration
+    assert-free, C++-wrapper, dynamic and per-block variants with the baseline compiled the
+    same way (each way the name says: ``dar_block_pb_cpp`` with ``baseline_pb_cpp``), the
+    others with the plain Inductor baseline. A launch variant of a CUDA-graph configuration
     (``mhar_block_fm_cg_tfin``) is recorded as CUDA graphs too."""
-    for part in ("cg", "cdt", "noasserts", "cpp", DYNAMIC, PER_BLOCK):
-        if part in name.split("_"):
-            return f"baseline_{part}"
-    return "baseline"
+    parts = [part for part in (PER_BLOCK, "cg", "cdt", "noasserts", "cpp", DYNAMIC) if part in name.split("_")]
+    return "_".join(["baseline", *parts])
 
 
 #: a row whose host takes at least this share of its step to issue the step is marked

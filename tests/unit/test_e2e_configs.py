@@ -72,6 +72,7 @@ def test_each_configuration_is_compared_with_the_baseline_compiled_the_same_way(
     assert e2e.baseline_of("block_attnres_cdt") == "baseline_cdt"
     assert e2e.baseline_of("dar_block_fm_narrow_noasserts") == "baseline_noasserts"
     assert e2e.baseline_of("dar_block_fm_narrow_cpp") == "baseline_cpp"
+    assert e2e.baseline_of("dar_block_pb_cpp") == "baseline_pb_cpp"
     assert e2e.baseline_of("mhar_block_fm_tfin") == e2e.baseline_of("dar_block") == "baseline"
     for name in e2e.CONFIGS:  # every baseline a row can name is a configuration
         assert e2e.baseline_of(name) in e2e.CONFIGS, name

@@ -54,9 +54,9 @@ def _assert_matches_eager(model, compiled, idx, rtol, atol) -> None:
 def _op_names(graph) -> collections.Counter:
     """The depthrewrite ops a graph calls, by name (the flat companions of every result count
     as ``<op>_flat``)."""
-    return collections.Counter(re.sub(r"_flat\d+$", "_flat", n.target._schema.name.split("::")[1]) for n in graph.nodes
-                               if n.op == "call_function" and hasattr(n.target, "_schema")
-                               and n.target._schema.name.startswith("depthrewrite::"))
+    names = [n.target._schema.name for n in graph.nodes if n.op == "call_function" and hasattr(n.target, "_schema")]
+    return collections.Counter(re.sub(r"_flat\d+$", "_flat", name.split("::")[1]) for name in names
+                               if name.startswith("depthrewrite::"))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

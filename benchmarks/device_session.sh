@@ -98,6 +98,7 @@
 #   OUT=... bash benchmarks/device_session.sh e2e56  # Block AttnRes and DAR block end to end beside the baseline (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56  # the plain model and Block AttnRes with each block compiled alone (session 56)
 #   OUT=... bash benchmarks/device_session.sh perblock56b  # the same for DAR block and WAV (session 56)
+#   OUT=... bash benchmarks/device_session.sh gpu58     # the C++ wrapper's GPU tests (refused on torch 2.11), then perblock57 (session 58)
 #   OUT=... bash benchmarks/device_session.sh cpp58     # Inductor's C++ wrapper: the GPU tests, DAR block and WAV with it (session 58)
 #   OUT=... bash benchmarks/device_session.sh cpp58b    # the same for WAV and DAR block's fused merge with "narrow" (session 58)
 #   OUT=... bash benchmarks/device_session.sh cpp58c    # the same, each block compiled alone (torchtitan's way; session 58)
@@ -1277,6 +1278,18 @@ perblock56b)
   # session 56: the same for DAR block and WAV
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
+  ;;
+gpu58)
+  # session 58's second call: the C++ wrapper's GPU tests (torch 2.11 refuses: its C++
+  # wrapper cannot call ops that take lists of tensors), then perblock57
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k cuda \
+      > "$OUT/cpp_wrapper.txt" 2>&1
+  tail -2 "$OUT/cpp_wrapper.txt" | tee -a "$LOG"
+  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py -k on_the_gpu \
+      > "$OUT/per_block.txt" 2>&1
+  tail -2 "$OUT/per_block.txt" | tee -a "$LOG"
+  e2e_table 290 baseline_pb,dar_block_pb,wav_pb 8
   ;;
 cpp58)
   # session 58: Inductor's wrapper in C++ (cpp_wrapper=True; the backend gives the routing

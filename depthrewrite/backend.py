@@ -84,7 +84,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .cpp_wrapper import cpp_wrapper_on, define_flat_companions
+from .cpp_wrapper import check_cpp_wrapper_supported, cpp_wrapper_on, define_flat_companions
 from .grad_accumulation import MAX_HEADS
 from .graph_hints import inductor_defaults
 from .kernels import implementation_for
@@ -483,6 +483,8 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
                     "graph (WAV and DAR tag theirs, inside blocks: WAV's blocks of 2 sites have none; the tags "
                     "need torch.fx.traceback.annotate)")
     try:
+        if report.inner == "inductor" and report.num_routing_ops and _cpp_wrapper(patches):
+            check_cpp_wrapper_supported()
         return _compile(gm, example_inputs, report, patches)
     except BaseException:
         # a compilation that does not finish lowers nothing, so its report goes: either the
@@ -504,6 +506,13 @@ def _compile(gm: fx.GraphModule, example_inputs, report: LoweringReport, patches
                           config_patches=_pass_patch(patches, report))
 
 
+def _cpp_wrapper(patches: dict[str, Any]) -> bool:
+    """Whether this compilation's wrapper will be C++ (its patches, else the global setting)."""
+    from torch._inductor import config as inductor_config
+
+    return bool(patches.get("cpp_wrapper", inductor_config.cpp_wrapper))
+
+
 def _companions_defined_on_cache_hits(patches: dict[str, Any]):
     """With Inductor's C++ wrapper, AOTAutograd's own cache off for this compilation: a hit
     there skips the inner compiler, where the flat companions that the cached graphs call
@@ -511,8 +520,7 @@ def _companions_defined_on_cache_hits(patches: dict[str, Any]):
     nothing else would define them. Inductor's per-graph cache, behind the inner compiler,
     still serves the compiled graphs."""
     from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
 
-    if not patches.get("cpp_wrapper", inductor_config.cpp_wrapper):
+    if not _cpp_wrapper(patches):
         return contextlib.nullcontext()
     return functorch_config.patch(enable_autograd_cache=False)

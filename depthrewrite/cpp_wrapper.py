@@ -19,13 +19,35 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
 from .ops.flat_returns import NESTED_RESULT_OPS, flat_layout, flat_op, flatten
 
-__all__ = ["flatten_nested_results", "define_flat_companions", "cpp_wrapper_on"]
+__all__ = ["flatten_nested_results", "define_flat_companions", "cpp_wrapper_on", "check_cpp_wrapper_supported",
+           "cpp_wrapper_calls_list_arguments"]
 
 _NESTED = {f"depthrewrite::{name}": name for name in NESTED_RESULT_OPS}
+
+
+def cpp_wrapper_calls_list_arguments() -> bool:
+    """Whether this torch's C++ wrapper can call an op that takes a list of tensors, as
+    every routing op does: torch 2.13's calls such ops through the dispatcher
+    (``_compatible_with_cpp_boxed_dispatch``); torch 2.11's stops on them ("arg type
+    List[Tensor] is not yet supported by custom_op_wrapper", H200, session 58)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    return hasattr(CppWrapperCpu, "_compatible_with_cpp_boxed_dispatch")
+
+
+def check_cpp_wrapper_supported() -> None:
+    """Refuse the C++ wrapper where this torch's cannot call the routing ops, before
+    Inductor fails on them deep in its code generation."""
+    if not cpp_wrapper_calls_list_arguments():
+        raise ValueError(f"depthrewrite_backend: Inductor's cpp_wrapper (options['cpp_wrapper'] or "
+                         f"torch._inductor.config.cpp_wrapper) needs a torch whose C++ wrapper calls ops that take "
+                         f"lists of tensors, as every routing op does (torch 2.13 does); found torch "
+                         f"{torch.__version__}, whose C++ wrapper does not. Compile with cpp_wrapper=False")
 
 
 def cpp_wrapper_on() -> bool:

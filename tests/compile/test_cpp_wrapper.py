@@ -18,7 +18,8 @@ from torch._dynamo.backends.common import aot_autograd
 
 import depthrewrite
 from depthrewrite import backend
-from depthrewrite.cpp_wrapper import flatten_nested_results
+from depthrewrite import cpp_wrapper
+from depthrewrite.cpp_wrapper import cpp_wrapper_calls_list_arguments, flatten_nested_results
 from depthrewrite.models.gpt import gpt_from_preset
 from depthrewrite.ops.flat_returns import NESTED_RESULT_OPS
 from tests.conftest import perturb_routing
@@ -98,7 +99,8 @@ def test_cpp_wrapper_compiles_and_matches_eager(scheme, device):
     """Through Inductor with its wrapper in C++ (about 20-30 s cold on the CI machine),
     float32; on the GPU the routing calls run the fused kernels, in eager too: loss and
     gradients match eager's, the report counts the calls that got flat results, and the
-    setting stays scoped to the compilation."""
+    setting stays scoped to the compilation. A torch whose C++ wrapper cannot call the
+    routing ops (2.11, the device's) refuses, naming the setting."""
     model = _model(scheme).to(device)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     backend.clear_reports()
@@ -106,6 +108,10 @@ def test_cpp_wrapper_compiles_and_matches_eager(scheme, device):
     # the caches off: a graph loaded from Inductor's caches skips the pass, and its report
     options = {"cpp_wrapper": True, "force_disable_caches": True}
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
+    if not cpp_wrapper_calls_list_arguments():
+        with pytest.raises(Exception, match=r"cpp_wrapper.*needs a torch whose C\+\+ wrapper calls ops"):
+            compiled(idx, idx)
+        return
     # the CPU's reference ops in both; the GPU's kernels beside Inductor's own kernels
     rtol, atol = (1e-5, 1e-6) if device == "cpu" else (1e-4, 1e-5)
     _assert_matches_eager(model, compiled, idx, rtol=rtol, atol=atol)
@@ -139,6 +145,21 @@ def test_blocks_compiled_one_by_one_with_the_cpp_wrapper_match_eager():
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
     assert len(backend.reports()) == len(model.blocks)
     assert all(r.flattened.get("backward", 0) > 0 for r in backend.reports())
+
+
+def test_a_torch_whose_cpp_wrapper_cannot_call_the_routing_ops_is_refused(monkeypatch):
+    """Where this torch's C++ wrapper cannot call ops that take lists of tensors (torch
+    2.11: "arg type List[Tensor] is not yet supported by custom_op_wrapper", deep in
+    Inductor), the backend refuses before Inductor runs, naming the setting and the torch."""
+    monkeypatch.setattr(cpp_wrapper, "cpp_wrapper_calls_list_arguments", lambda: False)
+    model = _model("wav")
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    backend.clear_reports()
+    compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"cpp_wrapper": True})
+    with pytest.raises(Exception, match=rf"cpp_wrapper.*found torch {re.escape(torch.__version__)}"):
+        compiled(idx, idx)
+    assert backend.reports() == []  # nothing was lowered
 
 
 def test_a_result_read_other_than_by_index_is_refused():

@@ -168,6 +168,18 @@ kernel_test_file() {
   timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider "tests/kernels/$2" "${@:4}" > "$OUT/$3" 2>&1
   tail -2 "$OUT/$3"
 }
+# the C++ wrapper's GPU tests (at most $1 s), their last two lines printed and logged
+cpp_wrapper_gpu_tests() {
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k cuda \
+      > "$OUT/cpp_wrapper.txt" 2>&1
+  tail -2 "$OUT/cpp_wrapper.txt" | tee -a "$LOG"
+}
+# the per-block compile's GPU tests (at most $1 s), their last two lines printed and logged
+per_block_gpu_tests() {
+  timeout "$1" python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py -k on_the_gpu \
+      > "$OUT/per_block.txt" 2>&1
+  tail -2 "$OUT/per_block.txt" | tee -a "$LOG"
+}
 # route_many's block-phase timings at gpu_suite's phase shapes $2 of the variants matching $3
 # (gpu_suite's further arguments "${@:5}"), at most $1 s, into $OUT/$4.txt and $OUT/$4/
 block_phase_run() {
@@ -1283,12 +1295,8 @@ gpu58)
   # session 58's second call: the C++ wrapper's GPU tests (torch 2.11 refuses: its C++
   # wrapper cannot call ops that take lists of tensors), then perblock57
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k cuda \
-      > "$OUT/cpp_wrapper.txt" 2>&1
-  tail -2 "$OUT/cpp_wrapper.txt" | tee -a "$LOG"
-  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py -k on_the_gpu \
-      > "$OUT/per_block.txt" 2>&1
-  tail -2 "$OUT/per_block.txt" | tee -a "$LOG"
+  cpp_wrapper_gpu_tests 120
+  per_block_gpu_tests 150
   e2e_table 290 baseline_pb,dar_block_pb,wav_pb 8
   ;;
 cpp58)
@@ -1297,9 +1305,7 @@ cpp58)
   # eager, then DAR block and WAV with it beside DAR block without, each against the
   # baseline compiled the same way
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k cuda \
-      > "$OUT/cpp_wrapper.txt" 2>&1
-  tail -2 "$OUT/cpp_wrapper.txt" | tee -a "$LOG"
+  cpp_wrapper_gpu_tests 200
   e2e_table 360 baseline,baseline_cpp,dar_block,dar_block_cpp,wav_cpp 14
   ;;
 cpp58b)
@@ -1320,9 +1326,7 @@ perblock57)
   # Dynamo replayed after each block's graph; the per-block GPU tests, then DAR block and WAV
   # compiled block by block beside the plain model compiled the same way (perblock56b's table)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py -k on_the_gpu \
-      > "$OUT/per_block.txt" 2>&1
-  tail -2 "$OUT/per_block.txt" | tee -a "$LOG"
+  per_block_gpu_tests 150
   e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
   ;;
 session55)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import statistics
 import sys
@@ -27,26 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmark scripts
-from e2e_throughput import CONFIGS  # noqa: E402  (the end-to-end configurations by name)
-
-SCHEMES = ("baseline", "block_attnres", "mhar_block", "wav", "dar_block", "attnres", "mhar")
-
-
-def build(scheme: str, layers: int, cpp_wrapper: bool):
-    """The tiny bundled GPT rewritten as the configuration ``scheme`` and compiled with the
-    wrapper asked for: (what to call, the model)."""
-    import depthrewrite
-    from depthrewrite.backend import depthrewrite_backend
-    from depthrewrite.models.gpt import gpt_from_preset
-
-    torch.manual_seed(0)
-    model = gpt_from_preset("tiny", n_layer=layers)
-    name, options, _ = CONFIGS[scheme]
-    settings = {"cpp_wrapper": cpp_wrapper}
-    if name is None:
-        return torch.compile(model, backend="inductor", options=settings), model
-    model = depthrewrite.rewrite(model, name, **options)
-    return torch.compile(model, backend=functools.partial(depthrewrite_backend, options=settings)), model
+from per_block_host import SCHEMES, build  # noqa: E402  (the tiny GPT as an end-to-end configuration)
 
 
 @contextlib.contextmanager
@@ -70,7 +50,7 @@ def measure(scheme: str, layers: int, steps: int, repeats: int) -> dict:
     runs, first_loss, compile_s = {}, {}, {}
     for cpp in (False, True):
         torch._dynamo.reset()
-        run, model = build(scheme, layers, cpp)
+        run, model = build(scheme, layers, per_block=False, settings={"cpp_wrapper": cpp})
 
         def step(run=run, model=model):
             model.zero_grad(set_to_none=True)

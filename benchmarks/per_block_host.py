@@ -41,9 +41,10 @@ def name_of(scheme: str) -> str | None:
     return CONFIGS[scheme][0]
 
 
-def build(scheme: str, layers: int, per_block: bool, **config):
+def build(scheme: str, layers: int, per_block: bool, settings: dict | None = None, **config):
     """The tiny bundled GPT (``config`` overrides its fields) rewritten with ``scheme`` and
-    compiled whole or block by block: (what to call, the model)."""
+    compiled whole or block by block: (what to call, the model). ``settings``: Inductor's
+    (or the backend's) options for the compilation, the plain model's included."""
     import depthrewrite
     from depthrewrite.backend import depthrewrite_backend
     from depthrewrite.models.gpt import gpt_from_preset
@@ -53,11 +54,14 @@ def build(scheme: str, layers: int, per_block: bool, **config):
     name, options, _ = CONFIGS[scheme]
     if name is not None:
         model = depthrewrite.rewrite(model, name, **options)
-    backend = "inductor" if name is None else functools.partial(depthrewrite_backend, options={})
+    settings = settings or {}
+    # the backend takes its options bound; torch.compile passes options only to Inductor
+    backend = "inductor" if name is None else functools.partial(depthrewrite_backend, options=settings)
+    options = (settings or None) if name is None else None
     if not per_block:
-        return torch.compile(model, backend=backend), model
+        return torch.compile(model, backend=backend, options=options), model
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, backend=backend)
+        model.blocks[i] = torch.compile(block, backend=backend, options=options)
     return model, model
 
 

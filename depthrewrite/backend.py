@@ -483,7 +483,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
                     "graph (WAV and DAR tag theirs, inside blocks: WAV's blocks of 2 sites have none; the tags "
                     "need torch.fx.traceback.annotate)")
     try:
-        if report.inner == "inductor" and report.num_routing_ops and _cpp_wrapper(patches):
+        if report.inner == "inductor" and report.num_routing_ops and cpp_wrapper_on(patches):
             check_cpp_wrapper_supported()
         return _compile(gm, example_inputs, report, patches)
     except BaseException:
@@ -506,13 +506,6 @@ def _compile(gm: fx.GraphModule, example_inputs, report: LoweringReport, patches
                           config_patches=_pass_patch(patches, report))
 
 
-def _cpp_wrapper(patches: dict[str, Any]) -> bool:
-    """Whether this compilation's wrapper will be C++ (its patches, else the global setting)."""
-    from torch._inductor import config as inductor_config
-
-    return bool(patches.get("cpp_wrapper", inductor_config.cpp_wrapper))
-
-
 def _companions_defined_on_cache_hits(patches: dict[str, Any]):
     """With Inductor's C++ wrapper, AOTAutograd's own cache off for this compilation: a hit
     there skips the inner compiler, where the flat companions that the cached graphs call
@@ -521,6 +514,6 @@ def _companions_defined_on_cache_hits(patches: dict[str, Any]):
     still serves the compiled graphs."""
     from torch._functorch import config as functorch_config
 
-    if not _cpp_wrapper(patches):
+    if not cpp_wrapper_on(patches):
         return contextlib.nullcontext()
     return functorch_config.patch(enable_autograd_cache=False)

@@ -44,18 +44,18 @@ def check_cpp_wrapper_supported() -> None:
     """Refuse the C++ wrapper where this torch's cannot call the routing ops, before
     Inductor fails on them deep in its code generation."""
     if not cpp_wrapper_calls_list_arguments():
-        raise ValueError(f"depthrewrite_backend: Inductor's cpp_wrapper (options['cpp_wrapper'] or "
-                         f"torch._inductor.config.cpp_wrapper) needs a torch whose C++ wrapper calls ops that take "
-                         f"lists of tensors, as every routing op does (torch 2.13 does); found torch "
+        raise ValueError("depthrewrite_backend: Inductor's cpp_wrapper (options['cpp_wrapper'] or "
+                         "torch._inductor.config.cpp_wrapper) needs a torch whose C++ wrapper calls ops that take "
+                         "lists of tensors, as every routing op does (torch 2.13 does); found torch "
                          f"{torch.__version__}, whose C++ wrapper does not. Compile with cpp_wrapper=False")
 
 
-def cpp_wrapper_on() -> bool:
-    """Whether the compilation under way writes its wrapper in C++ (Inductor's setting as
-    patched for it)."""
+def cpp_wrapper_on(patches: dict | None = None) -> bool:
+    """Whether the compilation writes its wrapper in C++: Inductor's setting as patched for
+    the compilation under way, or, before it starts, as its ``patches`` will set it."""
     from torch._inductor import config
 
-    return bool(config.cpp_wrapper)
+    return bool(config.cpp_wrapper if patches is None else patches.get("cpp_wrapper", config.cpp_wrapper))
 
 
 def _nested_op(node: fx.Node) -> str | None:

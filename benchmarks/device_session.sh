@@ -3,6 +3,8 @@
 # the 10-minute limit of a call). Data: the corpora of ../shared/data copied into .devdata/
 # (carried to the device).
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
+#   OUT=... bash benchmarks/device_session.sh fsdp59   # phase 1 on FSDP2's shards: GPU test, per-block + FSDP2 end to end (session 59)
+#   OUT=... bash benchmarks/device_session.sh table59  # every scheme end to end at HEAD (session 59)
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh dynamic50  # new sizes through the backend on the GPU; the step compiled with dynamic=True (session 50)
@@ -1290,6 +1292,25 @@ perblock56b)
   # session 56: the same for DAR block and WAV
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   e2e_table 300 baseline_pb,dar_block_pb,wav_pb 8
+  ;;
+fsdp59)
+  # session 59: phase 1 gathers FSDP2's shards of the next block's routing parameters
+  # (depthrewrite.fsdp2): the GPU test (one rank, each block compiled, checkpointed or not,
+  # then sharded, against eager without FSDP2), then torchtitan's per-block compile with
+  # FSDP2 on one rank, two-phase against the sites routed one by one as before ("_site"),
+  # each against the plain model compiled and sharded the same way, 5 models in one wave
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py \
+      -k "on_the_gpu and fsdp2" > "$OUT/fsdp2_gpu_tests.txt" 2>&1
+  tail -2 "$OUT/fsdp2_gpu_tests.txt"
+  timeout 420 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --trials 3 --schemes baseline_pb_fsdp \
+      block_attnres_pb_fsdp block_attnres_pb_fsdp_site dar_block_pb_fsdp dar_block_pb_fsdp_site > "$OUT/e2e.txt" 2>&1
+  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+table59)
+  # session 59: every scheme end to end at HEAD, side by side in one run (the last such
+  # table: session 48), each model's 30 largest kernels
+  every_scheme_table
   ;;
 gpu58)
   # session 58's second call: the C++ wrapper's GPU tests (torch 2.11 refuses: its C++

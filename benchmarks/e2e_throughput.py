@@ -203,6 +203,14 @@ CONFIGS.update({f"{base}_{PER_BLOCK}": CONFIGS[base][:2] + (None,)
 for _base in ("baseline", "dar_block", "wav"):
     CONFIGS[f"{_base}_{PER_BLOCK}_cpp"] = CONFIGS[_base][:2] + (None,)
     BACKEND_OPTIONS[f"{_base}_{PER_BLOCK}_cpp"] = BACKEND_VARIANTS["cpp"]
+#: compiled block by block, then each block and the root sharded with FSDP2 (``fully_shard``
+#: on a one-rank mesh: torchtitan's order, without activation checkpointing), so that the
+#: routing parameters are DTensors outside their block's forward; phase 1 gathers the next
+#: block's since session 59 (depthrewrite.fsdp2), "_site" routes those sites one by one as
+#: before (two_phase.GATHER_SHARDS). Compared with "baseline_pb_fsdp"
+FSDP = "fsdp"
+for _base in ("baseline", "block_attnres", "dar_block"):
+    CONFIGS[f"{_base}_{PER_BLOCK}_{FSDP}"] = CONFIGS[_base][:2] + (None,)
 #: the second phase through depthrewrite::route_merge's fused kernels (the scheme option
 #: fused_merge; session 19; off by default, slower end to end in session 21: merge_partial's
 #: torch ops, compiled by Inductor), the branch norm fused into it by the backend
@@ -348,6 +356,9 @@ LAUNCH_VARIANTS = {
     # DAR's transport at a block's closing site untagged, as before session 43 (since, tagged
     # for recomputation like every other site's: dar.TAG_CLOSING_TRANSPORT)
     "untag": (("dar_block",), {"dar.TAG_CLOSING_TRANSPORT": False}),
+    # under FSDP2, the sites whose phase 1 would read the next block's shards routed one by
+    # one, as before session 59 (two_phase.GATHER_SHARDS)
+    "site": ((f"block_attnres_{PER_BLOCK}_{FSDP}", f"dar_block_{PER_BLOCK}_{FSDP}"), {"two_phase.GATHER_SHARDS": False}),
 }
 LAUNCH_PATCHES = {f"{base}_{suffix}": patch for suffix, (bases, patch) in LAUNCH_VARIANTS.items() for base in bases}
 CONFIGS.update({name: CONFIGS[name.rsplit("_", 1)[0]][:2] + (None,) for name in LAUNCH_PATCHES})
@@ -548,8 +559,26 @@ def _build(name: str):
     if PER_BLOCK in name.split("_"):
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend=backend, options=options, dynamic=dynamic)
+        if FSDP in name.split("_"):
+            _shard_on_one_rank(model)
         return model, model
     return model, torch.compile(model, backend=backend, options=options, dynamic=dynamic)
+
+
+def _shard_on_one_rank(model) -> None:
+    """FSDP2 on each block, then the root, over a process group of this process alone."""
+    import socket
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:  # a free port for the one-rank group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
 
 
 def _child(name: str, steps: int, trials: int, to_parent, go, profile: int = 0) -> None:
@@ -891,7 +920,7 @@ def baseline_of(name: str) -> str:
     same way (each way the name says: ``dar_block_pb_cpp`` with ``baseline_pb_cpp``), the
     others with the plain Inductor baseline. A launch variant of a CUDA-graph configuration
     (``mhar_block_fm_cg_tfin``) is recorded as CUDA graphs too."""
-    parts = [part for part in (PER_BLOCK, "cg", "cdt", "noasserts", "cpp", DYNAMIC) if part in name.split("_")]
+    parts = [part for part in (PER_BLOCK, FSDP, "cg", "cdt", "noasserts", "cpp", DYNAMIC) if part in name.split("_")]
     return "_".join(["baseline", *parts])
 
 

@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis import BlockPlan, analyze_block_call
 from ..analysis.trace import call_spec, varying_ints
+from .. import fsdp2
 from ..capture import Capture
 from ..errors import DepthRewriteError, RuntimeOrderError
 from .base import Scheme
@@ -144,6 +145,9 @@ class RoutedBlock:
         call = DepthCall(len(leaves), state_spec)
         result = super().__call__(*args, *leaves, _depth_call=call, **kwargs)
         out, new_leaves = call.unpack(result)
+        made = [None if any(t is old for old in leaves) else t for t in new_leaves]  # the state this call made
+        out, made = fsdp2.tie_state_to_output(self, out, made)  # FSDP2 sees only `out` leave the call
+        new_leaves = [t if m is None else m for t, m in zip(new_leaves, made)]
         rt.state = pytree.tree_unflatten(new_leaves, call.out_spec)
         rt.next_block = self._depth_index + 1
         return out

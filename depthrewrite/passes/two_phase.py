@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import route_many
+from .. import fsdp2
 from .base import check_bool
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,11 @@ class TwoPhasePlan:
     The plan knows each group of routers (the sites of one block, then the readout, in
     order); the state carries the phase-1 result of the current group as a third entry,
     ``None`` where phase 1 was skipped, and the routers then route per site:
-    - when a group's routing parameters are sharded (FSDP2 gathers a block's parameters
-      only when that block runs, and phase 1 for block ``k + 1`` runs inside block ``k``);
+    - when a group's routing parameters are shards that phase 1 cannot gather. FSDP2
+      gathers a block's parameters only when that block runs, and phase 1 for block
+      ``k + 1`` runs inside block ``k``: phase 1 gathers FSDP2's shards itself and reduces
+      their gradients as FSDP2 does (:mod:`depthrewrite.fsdp2`); any other DTensor is not
+      gathered;
     - while ``enabled`` is False (the routing-weight recorder needs each site's route).
 
     ``recompute`` (default True) trades time for activation memory: phase 1 runs under
@@ -136,15 +140,17 @@ class TwoPhasePlan:
         routers = self.groups.get(group)
         if not self.enabled or not routers:
             return None
-        if any(_is_sharded(r.query) for r in routers):
+        params = _routing_parameters(self, group)
+        if params is None:
             if not self._told_sharded and not torch.compiler.is_compiling():  # logging would break a graph
                 self._told_sharded = True
-                log.info("two-phase routing: the routing parameters of block %d are sharded (FSDP2); "
-                         "its sites route one by one (same function, more bytes moved)", group)
+                log.info("two-phase routing: the routing parameters of block %d are sharded, and not as plain "
+                         "FSDP2 parameters this torch's FSDP2 lets us read (depthrewrite.fsdp2); its sites route "
+                         "one by one (same function, more bytes moved)", group)
             return None
         first = routers[0]
-        queries = torch.stack([r.query for r in routers])
-        weights = torch.stack([r.key_norm_weight for r in routers])
+        queries = torch.stack([q for q, _ in params])
+        weights = torch.stack([w for _, w in params])
         key_lists = key_lists or (None,) * len(source_lists)
         query_rows = query_rows or (None,) * len(source_lists)
         # (values, keys, query row) per list; the tensors go to the checkpoint flat
@@ -164,6 +170,50 @@ class TwoPhasePlan:
         last = set(routers[-2:]) if KEEP_LAST_PHASE_ONE else set()
         earlier = sorted((g for g in self.groups if g not in last), reverse=True)  # `last` are the highest
         return last | set(earlier[:self.keep_groups])
+
+
+def _routing_parameters(plan: TwoPhasePlan, group: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each router's ``(query, key_norm_weight)`` for phase 1, whole: those FSDP2 holds as
+    shards gathered (:mod:`depthrewrite.fsdp2`), or None where some cannot be (the sites
+    then route one by one)."""
+    routers = plan.groups[group]
+    params = [(r.query, r.key_norm_weight) for r in routers]
+    if not any(_is_sharded(p) for pair in params for p in pair):
+        return params
+    if not GATHER_SHARDS:
+        return None
+    plans = _gather_plans(*routers)
+    if any(_is_sharded(p) and q is None for pair, pq in zip(params, plans) for p, q in zip(pair, pq)):
+        return None
+    return [tuple(fsdp2.gathered(p, q, getattr(r, f"_depth_tap_{name}") if q else None)
+                  for p, q, name in zip(pair, pq, ROUTING_PARAMETERS))
+            for r, pair, pq in zip(routers, params, plans)]
+
+
+#: the routing parameters phase 1 reads from each router of a group
+ROUTING_PARAMETERS = ("query", "key_norm_weight")
+#: whether phase 1 gathers FSDP2's shards of the routing parameters it reads (session 59);
+#: False routes those groups' sites one by one, as before (an A/B switch, read when phase 1
+#: runs: compiled, when the graph is made)
+GATHER_SHARDS = True
+
+
+@torch.compiler.assume_constant_result
+def _gather_plans(*routers: nn.Module) -> tuple:
+    """Per router, the :class:`fsdp2.GatherPlan` of each of its ROUTING_PARAMETERS (None: a
+    plain tensor, or a shard that cannot be gathered), with the taps of those that can
+    made (:func:`fsdp2.tap_for`). Compiled, read once as the graph is made: it walks FSDP2's
+    state, which Dynamo must not trace (and takes the routers, not the group's number,
+    which a block compiled alone may hold as a symbolic int)."""
+    plans = []
+    for r in routers:
+        params = [getattr(r, name) for name in ROUTING_PARAMETERS]
+        found = fsdp2.gather_plans(params)
+        for name, param, found_plan in zip(ROUTING_PARAMETERS, params, found):
+            if found_plan is not None:
+                fsdp2.tap_for(r, name, param, found_plan)
+        plans.append(found)
+    return tuple(plans)
 
 
 def _seen_outside(results: tuple) -> tuple:
@@ -228,4 +278,4 @@ def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_group
 
 def _is_sharded(param: torch.Tensor) -> bool:
     # a DTensor (FSDP2, tensor parallel) outside its module's forward holds only a shard
-    return type(param).__name__ == "DTensor"
+    return fsdp2.is_sharded(param)

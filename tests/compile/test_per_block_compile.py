@@ -264,6 +264,46 @@ def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_m
     _assert_matches_eager(loss, grads, eager_loss, eager_grads, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine)")
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("scheme", ["block_attnres", "dar"])
+def test_on_the_gpu_blocks_sharded_with_fsdp2_run_phase_one_and_match_eager(scheme, checkpointed):
+    """torchtitan's whole set-up on a GPU, one rank, float32: each block (checkpointed or
+    not) compiled with the backend's defaults, then sharded with FSDP2, so that phase 1
+    reads the next block's routing parameters as shards and gathers them
+    (depthrewrite.fsdp2). Loss and every gradient match the same model's eager step
+    without FSDP2, and the block graphs hold phase 1's route_many calls on the kernels."""
+    import socket
+
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(scheme).cuda()
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    eager_loss, eager_grads = _step(model, tokens)
+    if checkpointed:
+        _checkpoint_blocks(model)
+    torch._dynamo.reset()
+    backend.clear_reports()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
+            _compile_blocks(model, "wrapped", options=None)  # the backend's defaults
+            for layer in model.layers.values():
+                fully_shard(layer)
+            fully_shard(model)
+            for _ in range(2):
+                loss, grads = _step(model, tokens)
+    finally:
+        torch.distributed.destroy_process_group()
+    grads = {name: g.full_tensor() for name, g in grads.items()}
+    ops = backend.lowered_ops()
+    assert ops.get("depthrewrite::route_many (triton)", 0) > 0, ops  # phase 1 ran on the shards
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads, atol=1e-5)
+
+
 @pytest.mark.parametrize("scheme", ["block_attnres", "dar", "wav"])
 def test_a_hugging_face_model_compiled_layer_by_layer_past_the_recompile_limit(scheme):
     """A transformers Llama with more decoder layers than Dynamo's recompile limit, each

@@ -153,9 +153,11 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path
 TITAN_SCHEMES = ("block_attnres", "dar", "wav")
 
 
-def _titan_losses(model, rank: int | None, steps: int = 3) -> list[float]:
+def _titan_losses(model, rank: int | None, steps: int = 3, summed: bool = False) -> list[float]:
     """SGD steps on a fixed stream of batches: the whole batch in one process (``rank``
-    None), or this rank's half, its loss averaged over the ranks."""
+    None), or this rank's half, its loss averaged over the ranks. ``summed``: FSDP2 sums the
+    ranks' gradients (torchtitan's ``set_gradient_divide_factor(1.0)``), so each rank's
+    backward takes its loss divided by the number of ranks."""
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -165,7 +167,7 @@ def _titan_losses(model, rank: int | None, steps: int = 3) -> list[float]:
         tokens = torch.randint(0, 128, (4, 16), generator=batches)
         mine = tokens if rank is None else tokens[rank * 2:(rank + 1) * 2]
         loss = F.cross_entropy(model(mine).flatten(0, 1), mine.flatten())
-        loss.backward()
+        (loss / WORLD if summed else loss).backward()
         opt.step()
         opt.zero_grad()
         loss = loss.detach().clone()
@@ -192,20 +194,22 @@ def _titan_model(scheme: str, built: str):
 
 def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import depthrewrite
+    from depthrewrite import backend
     from tests.handwritten_models import titan_init
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo")
-    losses = {}
+    losses, phase_one = {}, {}
     try:
         # the block's call updates the depth runtime inside each checkpoint (README, torch.compile)
         with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             for scheme in TITAN_SCHEMES:
                 torch._dynamo.reset()  # one model's blocks at a time on checkpoint_wrapper's code (README)
+                backend.clear_reports()
                 model = _titan_model(scheme, built)
                 # torchtitan's order: activation checkpointing, then compile, then FSDP2, per block
                 for name, layer in list(model.layers.items()):
@@ -215,15 +219,22 @@ def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
                 for layer in model.layers.values():
                     fully_shard(layer)
                 fully_shard(model)
+                summed = built == "on the meta device"  # torchtitan's reduction too: summed, not averaged
+                if summed:
+                    for module in model.modules():
+                        if isinstance(module, FSDPModule):
+                            module.set_gradient_divide_factor(1.0)
+                            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
                 if built == "on the meta device":
                     model.to_empty(device="cpu")
                     titan_init(model)
                     depthrewrite.reset_routing_parameters(model)
-                losses[scheme] = _titan_losses(model, rank)
+                losses[scheme] = _titan_losses(model, rank, summed=summed)
+                phase_one[scheme] = sum(n for op, n in backend.lowered_ops().items() if "route_many " in op)
     finally:
         torch.distributed.destroy_process_group()
     if rank == 0:
-        torch.save(losses, out)
+        torch.save((losses, phase_one), out)
 
 
 @pytest.mark.parametrize("built", ["with values", "on the meta device"])
@@ -231,14 +242,19 @@ def test_torchtitans_stack_trains_like_one_process(tmp_path, built):
     """torchtitan's training set-up on a rewritten torchtitan-style Llama: each block
     checkpointed (``checkpoint_wrapper``), compiled with the backend (``fullgraph=True``)
     and sharded with FSDP2, on 2 ranks: the losses of 3 SGD steps match one eager process
-    on the whole batch. The two-phase schemes route site by site under FSDP2 (the next
-    block's routing parameters are shards when phase 1 runs), the one-process run two-phase.
+    on the whole batch. The two-phase schemes (Block AttnRes, DAR) run phase 1 under FSDP2
+    too: it gathers the next block's routing parameters, which are shards where it runs,
+    and reduces their gradients as FSDP2 does (averaged, FSDP2's default; summed where
+    ``set_gradient_divide_factor(1.0)``, as torchtitan sets, in the meta case).
     Built on the meta device, as torchtitan builds: rewritten there, wrapped, compiled and
     sharded, then ``to_empty``, the model's init and ``reset_routing_parameters`` on the
     shards; the one process builds the same values on the CPU and rewrites them."""
     out = tmp_path / "losses.pt"
     mp.spawn(_titan_worker, args=(_free_port(), str(out), built), nprocs=WORLD, join=True)
-    got = torch.load(out)
+    got, phase_one = torch.load(out)
+    # two-phase under FSDP2: route_many in the block graphs (WAV routes site by site by default)
+    assert phase_one == {"block_attnres": phase_one["block_attnres"], "dar": phase_one["dar"], "wav": 0}
+    assert phase_one["block_attnres"] > 0 and phase_one["dar"] > 0, phase_one
     for scheme in TITAN_SCHEMES:
         want = _titan_losses(_titan_model(scheme, "with values" if built == "with values" else "titan_init"), None)
         assert want[-1] < want[0], scheme  # the steps train

@@ -163,8 +163,9 @@ def test_keep_groups_keeps_phase_one_of_more_groups(monkeypatch, scheme, options
     assert plans[50]._kept_groups() == set(plans[50].groups)
 
 
-def test_grouped_routing_is_skipped_for_sharded_routing_parameters(monkeypatch):
-    """As for the block schemes: with FSDP2's sharded queries the plan routes site by site."""
+def test_grouped_routing_is_skipped_for_shards_it_cannot_gather(monkeypatch):
+    """As for the block schemes: with shards that phase 1 cannot gather (not FSDP2's) the
+    plan routes site by site."""
     model = rewrite(tiny(), "attnres", group_size=2)
     reference = rewrite(tiny(), "attnres", group_size=None)  # site by site
     randomize_routing(model)

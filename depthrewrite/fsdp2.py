@@ -1,0 +1,261 @@
+"""What the routing needs from FSDP2 (``fully_shard``): phase 1 on routing parameters that
+FSDP2 holds as shards, and FSDP2's pre-backward on the depth state.
+
+**Phase 1 on shards.** Phase 1 for block k + 1 runs inside block k
+(:class:`two_phase.TwoPhasePlan`). Under FSDP2, with ``fully_shard`` on each block
+(torchtitan's layout), the next block's routing parameters are shards there: FSDP2 gathers
+a block's parameters only when that block runs. Phase 1 gathers the ones it reads itself
+(:func:`gathered`):
+
+- forward: each sharded query and key-norm weight is all-gathered from its shards (a few
+  vectors a block), with no autograd through the shard, and added to a *tap*: a zero tensor
+  of the parameter's full shape that we own (:func:`tap_for`), the one tensor the gradient
+  reaches;
+- backward: the tap's post-accumulate hook reduces the tap's gradient as FSDP2 reduces its
+  own (:func:`_reduce_onto_shard`): summed over the ranks (a reduce-scatter) and divided by
+  the divisor FSDP2 uses for that parameter: its group's ``gradient_divide_factor`` where one
+  is set (torchtitan sets 1.0 and divides its loss by the global token count), else the
+  number of ranks (an average). The shard lands on the sharded parameter's ``.grad``,
+  where FSDP2 adds the reduced gradient of the block's own uses, as it does under gradient
+  accumulation.
+
+Why a tap and not autograd through the DTensor: inside a checkpointed block compiled by
+torch.compile (torchtitan's ``checkpoint_wrapper`` under ``torch.compile``), AOTAutograd
+(torch 2.13) stopped when a DTensor input needed a gradient ("expected all
+tensors_saved_with_vc_check to be Tensors": it kept the DTensor's DeviceMesh among the
+saved tensors). With the tap, no DTensor in a compiled graph needs a gradient, and the
+reduction runs in eager code, in the engine's order on every rank.
+
+FSDP2's parameter groups are private to torch. Where one cannot be found for a sharded
+parameter (another torch's internals, a DTensor that FSDP2 does not hold, such as tensor
+parallelism's, a mesh of more than one dimension: HSDP, FSDP2 with tensor parallelism),
+:func:`gather_plans` gives it none and the plan routes those sites one by one (same
+function, more bytes moved). The divisor is read when phase 1 runs: compiled, when the
+block's graph is made.
+
+**The depth state's gradients unshard the block that made it.** FSDP2 gathers a block's
+parameters for its backward when a gradient reaches one of the block's outputs (a hook on
+each tensor its ``forward`` returns), and a checkpointed block runs its forward again at
+that point. A routed block's depth state leaves the call beside its output
+(depthrewrite.passes.runtime), so FSDP2 sees only the output. A gradient can reach the
+state first: phase 1's outputs, made in block k for the sites of later blocks and the
+readout, get theirs before block k's output does, and their backward then recomputed
+block k with its parameters still sharded ("aten.mul.Tensor got mixed torch.Tensor and
+DTensor"). :func:`tie_state_to_output` makes the state a block made take its gradients
+into the block's graph together with the block's output, in one backward node that runs
+after FSDP2's hook on the output. A tensor hook on each state tensor calling FSDP2's
+pre-backward would do it in eager, but Dynamo cannot register one inside a compiled block;
+the node traces.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["is_sharded", "GatherPlan", "gather_plans", "tap_for", "gathered", "tie_state_to_output"]
+
+
+def is_sharded(param: Tensor) -> bool:
+    """A DTensor: outside its FSDP2 unit's forward, FSDP2 holds only a shard of it."""
+    return type(param).__name__ == "DTensor"
+
+
+class GatherPlan(NamedTuple):
+    """How phase 1 gathers one sharded routing parameter: its process group (by name), its
+    rows and ranks, and the divisor FSDP2 applies to its summed gradient. Plain values, so
+    that a compiled block takes them as constants."""
+
+    group: str
+    rows: int
+    ranks: int
+    divisor: float
+
+
+def gather_plans(params: Sequence[Tensor]) -> tuple[GatherPlan | None, ...]:
+    """For each parameter, its :class:`GatherPlan` where FSDP2 holds it as a shard this
+    module can gather, else None (a plain tensor, read as it is, or a shard that phase 1
+    cannot gather)."""
+    sharded = [p for p in params if is_sharded(p)]
+    groups = _fsdp_groups_of(sharded) if sharded else {}
+    return tuple(_gather_plan(groups.get(id(p)), p) if is_sharded(p) else None for p in params)
+
+
+def tap_for(owner: nn.Module, name: str, param: Tensor, plan: GatherPlan) -> Tensor:
+    """The tap of ``owner``'s sharded parameter ``name`` (``param``), kept as ``owner``'s
+    attribute ``_depth_tap_<name>``: a zero tensor of the parameter's full shape that needs
+    a gradient. Not a parameter or buffer (the optimizer and the state dict never see it);
+    made again for a new parameter object or plan."""
+    made = owner.__dict__.setdefault("_depth_taps_made", {})
+    kept = made.get(name)
+    if kept is not None and kept[0]() is param and kept[1] == plan:
+        return owner.__dict__[f"_depth_tap_{name}"]
+    local = param.to_local()
+    tap = torch.zeros(param.shape, dtype=local.dtype, device=local.device, requires_grad=True)
+    tap.register_post_accumulate_grad_hook(functools.partial(_reduce_onto_shard, weakref.ref(param), plan))
+    made[name] = (weakref.ref(param), plan)
+    owner.__dict__[f"_depth_tap_{name}"] = tap
+    return tap
+
+
+def gathered(param: Tensor, plan: GatherPlan | None, tap: Tensor | None) -> Tensor:
+    """``param`` whole on every rank (a plain tensor), its gradient going to ``tap``
+    (:func:`tap_for`). A plain tensor (``plan`` None) is returned as it is."""
+    if plan is None:
+        return param
+    import torch.distributed._functional_collectives as funcol
+
+    # no gradient through the shard (the tap takes it); padded to torch.chunk's (and FSDP2's)
+    # rows a rank: the last holding ranks may have fewer
+    local = _padded(param.to_local().detach(), plan)
+    full = funcol.all_gather_tensor(local, 0, plan.group)[: plan.rows]
+    return full + tap  # the tap is zero: the same values
+
+
+def _padded(rows: Tensor, plan: GatherPlan) -> Tensor:
+    chunk = -(-plan.rows // plan.ranks)
+    if rows.shape[0] == chunk:
+        return rows
+    return torch.nn.functional.pad(rows, (0, 0) * (rows.dim() - 1) + (0, chunk - rows.shape[0]))
+
+
+def _reduce_onto_shard(param_ref, plan: GatherPlan, tap: Tensor) -> None:
+    """The tap's gradient (this rank's part of the full parameter's) summed over the ranks,
+    this rank's rows of it divided by the plan's divisor, and added to the sharded
+    parameter's ``.grad`` (a DTensor like the parameter, as FSDP2 keeps it)."""
+    from torch.distributed.tensor import DTensor
+
+    grad, tap.grad = tap.grad, None
+    param = param_ref()
+    if grad is None or param is None:
+        return
+    group = param.device_mesh.get_group(0)
+    chunk = -(-plan.rows // plan.ranks)
+    shard = torch.empty((chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+    padded = torch.nn.functional.pad(grad, (0, 0) * (grad.dim() - 1) + (0, chunk * plan.ranks - plan.rows))
+    torch.distributed.reduce_scatter_tensor(shard, padded.contiguous(), group=group)
+    shard = shard[: param.to_local().shape[0]] / plan.divisor
+    reduced = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
+                                 shape=param.shape, stride=param.stride())
+    param.grad = reduced if param.grad is None else param.grad + reduced
+
+
+def tie_state_to_output(block: nn.Module, out, made: Sequence[Tensor | None]) -> tuple:
+    """``(out, made)``, where an FSDP2 unit holds ``block``, through one identity node, so
+    that the state tensors the block made take their gradients into the block's graph
+    when its output does, after FSDP2's pre-backward hook on that output has gathered the
+    block's parameters. Elsewhere as they are. ``out``: the block's output (a tensor, or a
+    tuple whose first tensor is the stream)."""
+    stream = out[0] if isinstance(out, tuple) else out
+    tied = [i for i, t in enumerate(made) if isinstance(t, Tensor) and t.requires_grad]
+    if not (torch.is_grad_enabled() and tied and isinstance(stream, Tensor) and stream.requires_grad
+            and _held_by_unit(block)):
+        return out, made
+    stream, *state = _StateAfterOutput.apply(stream, *(made[i] for i in tied))
+    if torch.compiler.is_compiling():
+        # a view of each, taken outside the node: under a checkpoint around the block's call
+        # (checkpoint_wrapper), Dynamo (torch 2.13) failed on the node's outputs reaching the
+        # depth state ("Argument ... of Node 'output' does not belong to this Graph"), as on
+        # phase 1's (two_phase._seen_outside)
+        stream, state = stream.view_as(stream), [t.view_as(t) for t in state]
+    made = list(made)
+    for i, t in zip(tied, state):
+        made[i] = t
+    return ((stream, *out[1:]) if isinstance(out, tuple) else stream), made
+
+
+class _StateAfterOutput(torch.autograd.Function):
+    """The identity on ``(stream, *state)``, as one backward node: its backward runs once
+    every gradient it takes is there, and the hooks on the stream's gradient (FSDP2's
+    pre-backward) run first. Its outputs are views, so they must not be changed in place
+    (FSDP2 warns of that for a unit's outputs already)."""
+
+    @staticmethod
+    def forward(ctx, stream: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
+        return (stream.view_as(stream), *(t.view_as(t) for t in state))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor, ...]:
+        return grads
+
+
+@torch.compiler.assume_constant_result
+def _held_by_unit(block: nn.Module) -> bool:
+    """Whether an FSDP2 unit holds ``block``. Compiled, read once as the graph is made: it
+    walks FSDP2's state, which Dynamo must not trace."""
+    return _unit_of(block) is not None
+
+
+def _unit_of(block: nn.Module):
+    """The FSDP2 state of the unit holding ``block`` (the innermost), or None. FSDP2 keeps
+    its states in a weak map of the modules ``fully_shard`` was called on, which holds
+    none before the model is sharded: then nothing is looked for."""
+    states = _fsdp_states()
+    if not states:
+        return None
+    cached = block.__dict__.get("_depth_fsdp_unit")
+    if cached is not None and cached[0] == len(states):
+        return cached[1]
+    best, depth = None, None
+    for state in states:
+        for module in getattr(state, "_modules", ()):
+            for name, sub in module.named_modules():
+                # the innermost unit: the one whose module reaches the block by the shortest path
+                if sub is block and (depth is None or name.count(".") < depth):
+                    best, depth = state, name.count(".")
+    block.__dict__["_depth_fsdp_unit"] = (len(states), best)
+    return best
+
+
+def _fsdp_states() -> list:
+    """FSDP2's live states, or none where this torch keeps them elsewhere."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError as exc:  # another torch's layout: phase 1 routed site by site
+        log.debug("FSDP2's states cannot be read (%s)", exc)
+        return []
+    return [state for state in (ref() for ref in list(_module_state_mapping.values())) if isinstance(state, FSDPState)]
+
+
+def _fsdp_groups_of(params: Sequence[Tensor]) -> dict[int, object]:
+    """id(sharded parameter) -> the FSDP2 parameter group holding it, for ``params``."""
+    wanted = {id(p) for p in params}
+    found = {}
+    for state in _fsdp_states():
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch versions with one group per state
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [] if single is None else [single]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                if id(sharded) in wanted:
+                    found[id(sharded)] = group
+    return found
+
+
+def _gather_plan(group, param: Tensor) -> GatherPlan | None:
+    """``param``'s :class:`GatherPlan` in FSDP2's parameter group ``group``, or None where
+    the group cannot be read or :func:`gathered` cannot gather the parameter: a mesh of
+    more than one dimension (HSDP's replicas, tensor parallelism) or a shard on another
+    dimension."""
+    if group is None:
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        return None
+    factor = getattr(group, "gradient_divide_factor", None)
+    # FSDP2's default divisor: the average over its ranks
+    divisor = float(mesh.size()) if factor is None else float(factor)
+    return GatherPlan(mesh.get_group(0).group_name, param.shape[0], mesh.size(), divisor)

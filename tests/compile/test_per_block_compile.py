@@ -241,12 +241,9 @@ def test_checkpointed_block_calls_compile_fullgraph_with_side_effects_allowed(sc
     assert sum(sum(r.ops.values()) for r in backend.reports()) > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine)")
-@pytest.mark.parametrize("checkpointed", [False, True])
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_match_eager(scheme, checkpointed):
-    """torchtitan's set-up on a GPU, float32: each block (checkpointed or not) compiled
-    with the backend's defaults (Inductor), eager running the fused kernels too."""
+def _on_the_gpu_after_an_eager_step(scheme: str, checkpointed: bool) -> tuple:
+    """The model on the GPU, the tokens, and the eager step's loss and gradients; then each
+    block checkpointed where asked, Dynamo and the backend's reports cleared."""
     model = _model(scheme).cuda()
     tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     eager_loss, eager_grads = _step(model, tokens)
@@ -254,6 +251,16 @@ def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_m
         _checkpoint_blocks(model)
     torch._dynamo.reset()
     backend.clear_reports()
+    return model, tokens, eager_loss, eager_grads
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine)")
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_match_eager(scheme, checkpointed):
+    """torchtitan's set-up on a GPU, float32: each block (checkpointed or not) compiled
+    with the backend's defaults (Inductor), eager running the fused kernels too."""
+    model, tokens, eager_loss, eager_grads = _on_the_gpu_after_an_eager_step(scheme, checkpointed)
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
         _compile_blocks(model, "wrapped", options=None)  # the backend's defaults
         for _ in range(2):
@@ -277,13 +284,7 @@ def test_on_the_gpu_blocks_sharded_with_fsdp2_run_phase_one_and_match_eager(sche
 
     from torch.distributed.fsdp import fully_shard
 
-    model = _model(scheme).cuda()
-    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
-    eager_loss, eager_grads = _step(model, tokens)
-    if checkpointed:
-        _checkpoint_blocks(model)
-    torch._dynamo.reset()
-    backend.clear_reports()
+    model, tokens, eager_loss, eager_grads = _on_the_gpu_after_an_eager_step(scheme, checkpointed)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -12,7 +12,8 @@ a block's parameters only when that block runs. Phase 1 gathers the ones it read
   of the parameter's full shape that we own (:func:`tap_for`), the one tensor the gradient
   reaches;
 - backward: the tap's post-accumulate hook reduces the tap's gradient as FSDP2 reduces its
-  own (:func:`_reduce_onto_shard`): summed over the ranks (a reduce-scatter) and divided by
+  own (:func:`_reduce_onto_shard`): summed over the ranks (a reduce-scatter, and under HSDP
+  an all-reduce across the replicas) and divided by
   the divisor FSDP2 uses for that parameter: its group's ``gradient_divide_factor`` where one
   is set (torchtitan sets 1.0 and divides its loss by the global token count), else the
   number of ranks (an average). The shard lands on the sharded parameter's ``.grad``,
@@ -28,8 +29,8 @@ reduction runs in eager code, in the engine's order on every rank.
 
 FSDP2's parameter groups are private to torch. Where one cannot be found for a sharded
 parameter (another torch's internals, a DTensor that FSDP2 does not hold, such as tensor
-parallelism's, a mesh of more than one dimension: HSDP, FSDP2 with tensor parallelism),
-:func:`gather_plans` gives it none and the plan routes those sites one by one (same
+parallelism's, FSDP2 on a mesh with a tensor-parallel dimension), :func:`gather_plans`
+gives it none and the plan routes those sites one by one (same
 function, more bytes moved). The divisor is read when phase 1 runs: compiled, when the
 block's graph is made.
 
@@ -70,14 +71,16 @@ def is_sharded(param: Tensor) -> bool:
 
 
 class GatherPlan(NamedTuple):
-    """How phase 1 gathers one sharded routing parameter: its process group (by name), its
-    rows and ranks, and the divisor FSDP2 applies to its summed gradient. Plain values, so
+    """How phase 1 gathers one sharded routing parameter: the process group of its shards
+    (by name), its rows and the ranks they are spread over, the divisor FSDP2 applies to its
+    summed gradient, and under HSDP the process group of its replicas. Plain values, so
     that a compiled block takes them as constants."""
 
     group: str
     rows: int
     ranks: int
     divisor: float
+    replicas: str | None = None
 
 
 def gather_plans(params: Sequence[Tensor]) -> tuple[GatherPlan | None, ...]:
@@ -137,11 +140,13 @@ def _reduce_onto_shard(param_ref, plan: GatherPlan, tap: Tensor) -> None:
     param = param_ref()
     if grad is None or param is None:
         return
-    group = param.device_mesh.get_group(0)
+    mesh = param.device_mesh
     chunk = -(-plan.rows // plan.ranks)
     shard = torch.empty((chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
     padded = torch.nn.functional.pad(grad, (0, 0) * (grad.dim() - 1) + (0, chunk * plan.ranks - plan.rows))
-    torch.distributed.reduce_scatter_tensor(shard, padded.contiguous(), group=group)
+    torch.distributed.reduce_scatter_tensor(shard, padded.contiguous(), group=mesh.get_group(mesh.ndim - 1))
+    if plan.replicas is not None:  # HSDP: the replicas' sums added too, as FSDP2 all-reduces them
+        torch.distributed.all_reduce(shard, group=mesh.get_group(0))
     shard = shard[: param.to_local().shape[0]] / plan.divisor
     reduced = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
                                  shape=param.shape, stride=param.stride())
@@ -154,19 +159,20 @@ def tie_state_to_output(block: nn.Module, out, made: Sequence[Tensor | None]) ->
     when its output does, after FSDP2's pre-backward hook on that output has gathered the
     block's parameters. Elsewhere as they are. ``out``: the block's output (a tensor, or a
     tuple whose first tensor is the stream)."""
-    stream = out[0] if isinstance(out, tuple) else out
-    tied = [i for i, t in enumerate(made) if isinstance(t, Tensor) and t.requires_grad]
-    if not (torch.is_grad_enabled() and tied and isinstance(stream, Tensor) and stream.requires_grad
+    old_stream = out[0] if isinstance(out, tuple) else out
+    # the stream itself, where the state holds it too, goes through the node once
+    tied = [i for i, t in enumerate(made) if isinstance(t, Tensor) and t.requires_grad and t is not old_stream]
+    if not (torch.is_grad_enabled() and tied and isinstance(old_stream, Tensor) and old_stream.requires_grad
             and _held_by_unit(block)):
         return out, made
-    stream, *state = _StateAfterOutput.apply(stream, *(made[i] for i in tied))
+    stream, *state = _StateAfterOutput.apply(old_stream, *(made[i] for i in tied))
     if torch.compiler.is_compiling():
         # a view of each, taken outside the node: under a checkpoint around the block's call
         # (checkpoint_wrapper), Dynamo (torch 2.13) failed on the node's outputs reaching the
         # depth state ("Argument ... of Node 'output' does not belong to this Graph"), as on
         # phase 1's (two_phase._seen_outside)
         stream, state = stream.view_as(stream), [t.view_as(t) for t in state]
-    made = list(made)
+    made = [stream if t is old_stream else t for t in made]
     for i, t in zip(tied, state):
         made[i] = t
     return ((stream, *out[1:]) if isinstance(out, tuple) else stream), made
@@ -245,17 +251,21 @@ def _fsdp_groups_of(params: Sequence[Tensor]) -> dict[int, object]:
 
 def _gather_plan(group, param: Tensor) -> GatherPlan | None:
     """``param``'s :class:`GatherPlan` in FSDP2's parameter group ``group``, or None where
-    the group cannot be read or :func:`gathered` cannot gather the parameter: a mesh of
-    more than one dimension (HSDP's replicas, tensor parallelism) or a shard on another
-    dimension."""
+    the group cannot be read or :func:`gathered` cannot gather the parameter. It takes FSDP2's
+    two layouts of a routing parameter: sharded on its first dimension over a 1-D mesh, and
+    HSDP's (replicated over the mesh's first dimension, sharded over its second); not a mesh
+    with other dimensions (tensor parallelism)."""
     if group is None:
         return None
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    mesh = param.device_mesh
-    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    hsdp = type(getattr(group, "mesh_info", None)).__name__ == "HSDPMeshInfo"
+    if placements != ((Replicate(), Shard(0)) if hsdp else (Shard(0),)):
         return None
     factor = getattr(group, "gradient_divide_factor", None)
-    # FSDP2's default divisor: the average over its ranks
+    # FSDP2's default divisor: the average over every rank (each replica's shards too)
     divisor = float(mesh.size()) if factor is None else float(factor)
-    return GatherPlan(mesh.get_group(0).group_name, param.shape[0], mesh.size(), divisor)
+    shards = mesh.get_group(mesh.ndim - 1)
+    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor,
+                      mesh.get_group(0).group_name if hsdp else None)

@@ -192,8 +192,9 @@ def _titan_model(scheme: str, built: str):
     return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), meta_init=titan_init)
 
 
-def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
+def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import depthrewrite
@@ -203,6 +204,8 @@ def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo")
+    # HSDP: each rank a replica holding the whole of every parameter as its one shard
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
     losses, phase_one = {}, {}
     try:
         # the block's call updates the depth runtime inside each checkpoint (README, torch.compile)
@@ -217,8 +220,8 @@ def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
                     layer = torch.compile(layer, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
                     model.layers.register_module(name, layer)
                 for layer in model.layers.values():
-                    fully_shard(layer)
-                fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
                 summed = built == "on the meta device"  # torchtitan's reduction too: summed, not averaged
                 if summed:
                     for module in model.modules():
@@ -237,20 +240,22 @@ def _titan_worker(rank: int, port: int, out: str, built: str) -> None:
         torch.save((losses, phase_one), out)
 
 
-@pytest.mark.parametrize("built", ["with values", "on the meta device"])
-def test_torchtitans_stack_trains_like_one_process(tmp_path, built):
+@pytest.mark.parametrize("built,sharding", [("with values", "FSDP"), ("on the meta device", "FSDP"),
+                                            ("with values", "HSDP")])
+def test_torchtitans_stack_trains_like_one_process(tmp_path, built, sharding):
     """torchtitan's training set-up on a rewritten torchtitan-style Llama: each block
     checkpointed (``checkpoint_wrapper``), compiled with the backend (``fullgraph=True``)
     and sharded with FSDP2, on 2 ranks: the losses of 3 SGD steps match one eager process
     on the whole batch. The two-phase schemes (Block AttnRes, DAR) run phase 1 under FSDP2
     too: it gathers the next block's routing parameters, which are shards where it runs,
     and reduces their gradients as FSDP2 does (averaged, FSDP2's default; summed where
-    ``set_gradient_divide_factor(1.0)``, as torchtitan sets, in the meta case).
+    ``set_gradient_divide_factor(1.0)``, as torchtitan sets, in the meta case), and under
+    HSDP (2 replicas of one shard: the replicas' gradients added by an all-reduce).
     Built on the meta device, as torchtitan builds: rewritten there, wrapped, compiled and
     sharded, then ``to_empty``, the model's init and ``reset_routing_parameters`` on the
     shards; the one process builds the same values on the CPU and rewrites them."""
     out = tmp_path / "losses.pt"
-    mp.spawn(_titan_worker, args=(_free_port(), str(out), built), nprocs=WORLD, join=True)
+    mp.spawn(_titan_worker, args=(_free_port(), str(out), built, sharding == "HSDP"), nprocs=WORLD, join=True)
     got, phase_one = torch.load(out)
     # two-phase under FSDP2: route_many in the block graphs (WAV routes site by site by default)
     assert phase_one == {"block_attnres": phase_one["block_attnres"], "dar": phase_one["dar"], "wav": 0}

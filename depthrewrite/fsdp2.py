@@ -153,29 +153,35 @@ def _reduce_onto_shard(param_ref, plan: GatherPlan, tap: Tensor) -> None:
     param.grad = reduced if param.grad is None else param.grad + reduced
 
 
-def tie_state_to_output(block: nn.Module, out, made: Sequence[Tensor | None]) -> tuple:
-    """``(out, made)``, where an FSDP2 unit holds ``block``, through one identity node, so
-    that the state tensors the block made take their gradients into the block's graph
-    when its output does, after FSDP2's pre-backward hook on that output has gathered the
-    block's parameters. Elsewhere as they are. ``out``: the block's output (a tensor, or a
-    tuple whose first tensor is the stream)."""
+def tie_state_to_output(block: nn.Module, out, leaves: Sequence, received: Sequence) -> tuple:
+    """``(out, leaves)``, where an FSDP2 unit holds ``block``, with ``out`` and the state
+    tensors among ``leaves`` (the new depth state's) that the call made (not in
+    ``received``, the state it was given) through one identity node, so that they take
+    their gradients into the block's graph when its output does, after FSDP2's
+    pre-backward hook on that output has gathered the block's parameters. Elsewhere as they
+    are. ``out``: the block's output (a tensor, or a tuple whose first tensor is the
+    stream)."""
     old_stream = out[0] if isinstance(out, tuple) else out
-    # the stream itself, where the state holds it too, goes through the node once
-    tied = [i for i, t in enumerate(made) if isinstance(t, Tensor) and t.requires_grad and t is not old_stream]
-    if not (torch.is_grad_enabled() and tied and isinstance(old_stream, Tensor) and old_stream.requires_grad
+    if not (torch.is_grad_enabled() and isinstance(old_stream, Tensor) and old_stream.requires_grad
             and _held_by_unit(block)):
-        return out, made
-    stream, *state = _StateAfterOutput.apply(old_stream, *(made[i] for i in tied))
+        return out, leaves
+    # the stream itself, where the state holds it too, goes through the node once. By
+    # identity, not id(): Dynamo guards on ids, and each call would compile again
+    tied = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad and t is not old_stream
+            and not any(t is r for r in received)]
+    if not tied:
+        return out, leaves
+    stream, *state = _StateAfterOutput.apply(old_stream, *(leaves[i] for i in tied))
     if torch.compiler.is_compiling():
         # a view of each, taken outside the node: under a checkpoint around the block's call
         # (checkpoint_wrapper), Dynamo (torch 2.13) failed on the node's outputs reaching the
         # depth state ("Argument ... of Node 'output' does not belong to this Graph"), as on
         # phase 1's (two_phase._seen_outside)
         stream, state = stream.view_as(stream), [t.view_as(t) for t in state]
-    made = [stream if t is old_stream else t for t in made]
+    leaves = [stream if t is old_stream else t for t in leaves]
     for i, t in zip(tied, state):
-        made[i] = t
-    return ((stream, *out[1:]) if isinstance(out, tuple) else stream), made
+        leaves[i] = t
+    return ((stream, *out[1:]) if isinstance(out, tuple) else stream), leaves
 
 
 class _StateAfterOutput(torch.autograd.Function):

@@ -145,9 +145,7 @@ class RoutedBlock:
         call = DepthCall(len(leaves), state_spec)
         result = super().__call__(*args, *leaves, _depth_call=call, **kwargs)
         out, new_leaves = call.unpack(result)
-        made = [None if any(t is old for old in leaves) else t for t in new_leaves]  # the state this call made
-        out, made = fsdp2.tie_state_to_output(self, out, made)  # FSDP2 sees only `out` leave the call
-        new_leaves = [t if m is None else m for t, m in zip(new_leaves, made)]
+        out, new_leaves = fsdp2.tie_state_to_output(self, out, new_leaves, leaves)  # FSDP2 sees only `out` leave
         rt.state = pytree.tree_unflatten(new_leaves, call.out_spec)
         rt.next_block = self._depth_index + 1
         return out

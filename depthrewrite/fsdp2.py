@@ -62,7 +62,50 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["is_sharded", "GatherPlan", "gather_plans", "tap_for", "gathered", "tie_state_to_output"]
+__all__ = ["Keyed", "register", "module_of", "tap_name", "is_sharded", "GatherPlan", "gather_plans", "tap_for", "gathered",
+           "tie_state_to_output"]
+
+
+#: the prefix of what this module keeps on a module for the while (FSDP2's unit of a block, a
+#: router's taps): never copied or pickled with it (:class:`Keyed`)
+TRANSIENT = "_depth_fsdp_"
+#: the modules whose FSDP2 state compiled code asks about, by a key of each (:func:`register`)
+_BY_KEY: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+
+
+def register(module: nn.Module) -> str:
+    """Give ``module`` (a routed block, a router) the string key compiled code passes to the
+    functions here that Dynamo runs as it makes a graph (``assume_constant_result``), and
+    return it. A string, not the module: torch 2.11's Dynamo cannot pass a module FSDP2
+    manages to such a function ("FSDPManagedNNModuleVariable ... is not a constant"), nor
+    an int a block compiled alone may hold as a symbolic one. Called at rewrite time."""
+    key = f"{type(module).__name__}@{id(module):x}"
+    module._depth_key = key
+    _BY_KEY[key] = module
+    return key
+
+
+class Keyed:
+    """Mixin of the modules :func:`register` keys (routed blocks, routers): a copy
+    (``copy.deepcopy``, pickle) gets a key of its own, and leaves behind what this module
+    kept on the original for the while (its FSDP2 unit, its taps), which belong to the
+    original's parameters."""
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in [n for n in state if n.startswith(TRANSIENT)]:
+            del state[name]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "_depth_key" in self.__dict__:
+            register(self)
+
+
+def tap_name(name: str) -> str:
+    """The attribute holding the tap of a router's routing parameter ``name``."""
+    return f"{TRANSIENT}tap_{name}"
 
 
 def is_sharded(param: Tensor) -> bool:
@@ -94,18 +137,18 @@ def gather_plans(params: Sequence[Tensor]) -> tuple[GatherPlan | None, ...]:
 
 def tap_for(owner: nn.Module, name: str, param: Tensor, plan: GatherPlan) -> Tensor:
     """The tap of ``owner``'s sharded parameter ``name`` (``param``), kept as ``owner``'s
-    attribute ``_depth_tap_<name>``: a zero tensor of the parameter's full shape that needs
+    attribute :func:`tap_name`: a zero tensor of the parameter's full shape that needs
     a gradient. Not a parameter or buffer (the optimizer and the state dict never see it);
     made again for a new parameter object or plan."""
-    made = owner.__dict__.setdefault("_depth_taps_made", {})
+    made = owner.__dict__.setdefault(f"{TRANSIENT}taps", {})
     kept = made.get(name)
     if kept is not None and kept[0]() is param and kept[1] == plan:
-        return owner.__dict__[f"_depth_tap_{name}"]
+        return owner.__dict__[tap_name(name)]
     local = param.to_local()
     tap = torch.zeros(param.shape, dtype=local.dtype, device=local.device, requires_grad=True)
     tap.register_post_accumulate_grad_hook(functools.partial(_reduce_onto_shard, weakref.ref(param), plan))
     made[name] = (weakref.ref(param), plan)
-    owner.__dict__[f"_depth_tap_{name}"] = tap
+    owner.__dict__[tap_name(name)] = tap
     return tap
 
 
@@ -163,7 +206,7 @@ def tie_state_to_output(block: nn.Module, out, leaves: Sequence, received: Seque
     stream)."""
     old_stream = out[0] if isinstance(out, tuple) else out
     if not (torch.is_grad_enabled() and isinstance(old_stream, Tensor) and old_stream.requires_grad
-            and _held_by_unit(block)):
+            and _held_by_unit(block._depth_key)):
         return out, leaves
     # the stream itself, where the state holds it too, goes through the node once. By
     # identity, not id(): Dynamo guards on ids, and each call would compile again
@@ -200,10 +243,16 @@ class _StateAfterOutput(torch.autograd.Function):
 
 
 @torch.compiler.assume_constant_result
-def _held_by_unit(block: nn.Module) -> bool:
-    """Whether an FSDP2 unit holds ``block``. Compiled, read once as the graph is made: it
-    walks FSDP2's state, which Dynamo must not trace."""
-    return _unit_of(block) is not None
+def _held_by_unit(key: str) -> bool:
+    """Whether an FSDP2 unit holds the block :func:`register` gave ``key``. Compiled, read
+    once as the graph is made: it walks FSDP2's state, which Dynamo must not trace."""
+    block = _BY_KEY.get(key)
+    return block is not None and _unit_of(block) is not None
+
+
+def module_of(key: str) -> nn.Module | None:
+    """The module :func:`register` gave ``key`` (None: no longer alive)."""
+    return _BY_KEY.get(key)
 
 
 def _unit_of(block: nn.Module):
@@ -213,7 +262,7 @@ def _unit_of(block: nn.Module):
     states = _fsdp_states()
     if not states:
         return None
-    cached = block.__dict__.get("_depth_fsdp_unit")
+    cached = block.__dict__.get(f"{TRANSIENT}unit")
     if cached is not None and cached[0] == len(states):
         return cached[1]
     best, depth = None, None
@@ -223,7 +272,7 @@ def _unit_of(block: nn.Module):
                 # the innermost unit: the one whose module reaches the block by the shortest path
                 if sub is block and (depth is None or name.count(".") < depth):
                     best, depth = state, name.count(".")
-    block.__dict__["_depth_fsdp_unit"] = (len(states), best)
+    block.__dict__[f"{TRANSIENT}unit"] = (len(states), best)
     return best
 
 

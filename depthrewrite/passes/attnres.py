@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from .. import fsdp2
 from ..analysis import Site
 from ..ops import merge_partial, merge_routes, route, route_many, route_merge
 from ..recompute import recomputable
@@ -56,7 +57,7 @@ class AttnResOptions(SchemeOptions):
     fused_merge: bool | None = None
 
 
-class DepthQuery(nn.Module):
+class DepthQuery(fsdp2.Keyed, nn.Module):
     """A site's routing parameters: pseudo-query ``w`` (zeros: uniform weights at start)
     and the key RMSNorm weight ``g`` (ones)."""
 

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from .. import fsdp2
 from ..analysis import Site
 from ..graph_hints import hinted
 from ..ops import merge_partial, route, route_merge
@@ -97,7 +98,7 @@ class DarOptions(AttnResOptions):
     recompute: bool = True  # two-phase: the backward recomputes phase 1
 
 
-class DualRoute(nn.Module):
+class DualRoute(fsdp2.Keyed, nn.Module):
     """Route both streams and mix them: ``x = s r^0 + (1 - s) r^1``, ``s = sigmoid(mix)``.
     ``query`` and ``key_norm_weight`` hold one row per target stream. State:
     ``(history, partial)``, with a :class:`TwoPhasePlan` a third entry: the phase-1 result

@@ -115,7 +115,7 @@ class DepthCall:
         return tuple(result[:n]), list(result[n:])
 
 
-class RoutedBlock:
+class RoutedBlock(fsdp2.Keyed):
     """Mixin placed in front of a block's own class. See the module docstring."""
 
     _depth_runtime: DepthRuntime
@@ -394,6 +394,7 @@ def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, rout
     block._depth_runtime = runtime
     block._depth_index = plan.index
     block._depth_path = plan.path
+    fsdp2.register(block)  # the key compiled code asks FSDP2's state about it by
     block._depth_forward = plan.forward
     block._depth_hints = plan.traced.hints  # children traced through..., the same for every call spec
     block._depth_programs = {}

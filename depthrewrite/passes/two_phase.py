@@ -182,10 +182,10 @@ def _routing_parameters(plan: TwoPhasePlan, group: int) -> list[tuple[torch.Tens
         return params
     if not GATHER_SHARDS:
         return None
-    plans = _gather_plans(*routers)
+    plans = _gather_plans(*(r._depth_key for r in routers))
     if any(_is_sharded(p) and q is None for pair, pq in zip(params, plans) for p, q in zip(pair, pq)):
         return None
-    return [tuple(fsdp2.gathered(p, q, getattr(r, f"_depth_tap_{name}") if q else None)
+    return [tuple(fsdp2.gathered(p, q, getattr(r, fsdp2.tap_name(name)) if q else None)
                   for p, q, name in zip(pair, pq, ROUTING_PARAMETERS))
             for r, pair, pq in zip(routers, params, plans)]
 
@@ -199,19 +199,19 @@ GATHER_SHARDS = True
 
 
 @torch.compiler.assume_constant_result
-def _gather_plans(*routers: nn.Module) -> tuple:
-    """Per router, the :class:`fsdp2.GatherPlan` of each of its ROUTING_PARAMETERS (None: a
-    plain tensor, or a shard that cannot be gathered), with the taps of those that can
-    made (:func:`fsdp2.tap_for`). Compiled, read once as the graph is made: it walks FSDP2's
-    state, which Dynamo must not trace (and takes the routers, not the group's number,
-    which a block compiled alone may hold as a symbolic int)."""
+def _gather_plans(*keys: str) -> tuple:
+    """Per router (by its :func:`fsdp2.register` key), the :class:`fsdp2.GatherPlan` of each
+    of its ROUTING_PARAMETERS (None: a plain tensor, or a shard that cannot be gathered),
+    with the taps of those that can made (:func:`fsdp2.tap_for`). Compiled, read once as
+    the graph is made: it walks FSDP2's state, which Dynamo must not trace."""
     plans = []
-    for r in routers:
-        params = [getattr(r, name) for name in ROUTING_PARAMETERS]
+    for key in keys:
+        router = fsdp2.module_of(key)
+        params = [getattr(router, name) for name in ROUTING_PARAMETERS]
         found = fsdp2.gather_plans(params)
         for name, param, found_plan in zip(ROUTING_PARAMETERS, params, found):
             if found_plan is not None:
-                fsdp2.tap_for(r, name, param, found_plan)
+                fsdp2.tap_for(router, name, param, found_plan)
         plans.append(found)
     return tuple(plans)
 
@@ -253,6 +253,7 @@ def join_plan(router: nn.Module, plan: TwoPhasePlan | None, group: int, position
     router._plan, router.group, router.position = plan, group, position
     if plan is not None:
         plan.add(router, group, position)
+        fsdp2.register(router)  # the key phase 1 asks FSDP2's state about it by
 
 
 def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_groups: object,

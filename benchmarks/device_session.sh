@@ -1297,14 +1297,15 @@ fsdp59)
   # session 59: phase 1 gathers FSDP2's shards of the next block's routing parameters
   # (depthrewrite.fsdp2): the GPU test (one rank, each block compiled, checkpointed or not,
   # then sharded, against eager without FSDP2), then torchtitan's per-block compile with
-  # FSDP2 on one rank, two-phase against the sites routed one by one as before ("_site"),
-  # each against the plain model compiled and sharded the same way, 5 models in one wave
+  # FSDP2 on one rank, DAR block two-phase against its sites routed one by one as before
+  # ("_site"), each against the plain model compiled and sharded the same way, in one wave
+  # (FSDP_SCHEMES: others, such as block_attnres_pb_fsdp and its _site)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py \
+  timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py \
       -k "on_the_gpu and fsdp2" > "$OUT/fsdp2_gpu_tests.txt" 2>&1
   tail -2 "$OUT/fsdp2_gpu_tests.txt"
-  timeout 420 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --trials 3 --schemes baseline_pb_fsdp \
-      block_attnres_pb_fsdp block_attnres_pb_fsdp_site dar_block_pb_fsdp dar_block_pb_fsdp_site > "$OUT/e2e.txt" 2>&1
+  timeout "${E2E_SECONDS:-330}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --trials 3 \
+      --schemes ${FSDP_SCHEMES:-baseline_pb_fsdp dar_block_pb_fsdp dar_block_pb_fsdp_site} > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
 table59)

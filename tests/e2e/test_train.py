@@ -564,6 +564,20 @@ def test_an_interrupted_resume_leaves_metrics_jsonl_whole(tmp_path, shakespeare,
 _TRAIN_STEP = loop._train_step
 
 
+@pytest.fixture
+def python_default_handlers():
+    """SIGINT and SIGTERM with Python's own handlers while the test runs (put back after):
+    what the signal tests compare against. A test worker's handlers are whatever ran in it
+    before; in two CI runs of session 59 a worker's SIGINT no longer raised
+    KeyboardInterrupt by the time these tests ran (not reproduced under ``-v``)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
 def _signal_during_step(monkeypatch, at_step: int, signum: int, times: int = 1) -> None:
     """Deliver ``signum`` (``times`` times) to this process in the middle of 0-based step
     ``at_step``, between the backward and the optimizer's update, as a cluster's SIGTERM
@@ -590,7 +604,7 @@ def _signal_during_step(monkeypatch, at_step: int, signum: int, times: int = 1) 
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_ends_the_step_saves_and_resumes_bit_exactly(tmp_path, shakespeare, monkeypatch, signum):
+def test_a_stop_signal_ends_the_step_saves_and_resumes_bit_exactly(tmp_path, shakespeare, monkeypatch, python_default_handlers, signum):
     common = dict(scheme="block_attnres", model_options={"dropout": 0.1}, data=DataConfig(source=str(shakespeare)),
                   steps=6, eval_every=2)
     straight = train(_tiny(**common, out=str(tmp_path / "a")))
@@ -613,7 +627,8 @@ def test_a_stop_signal_ends_the_step_saves_and_resumes_bit_exactly(tmp_path, sha
 
 
 def test_a_second_sigint_stops_at_once_and_the_cli_exits_with_the_signals_status(tmp_path, shakespeare,
-                                                                                 monkeypatch, capsys):
+                                                                                 monkeypatch, capsys,
+                                                                                 python_default_handlers):
     config = _tiny(scheme="attnres", data=DataConfig(source=str(shakespeare)), steps=4, out=str(tmp_path / "a"))
     _signal_during_step(monkeypatch, at_step=1, signum=signal.SIGINT, times=2)
     with pytest.raises(KeyboardInterrupt) as stopped:
@@ -629,7 +644,7 @@ def test_a_second_sigint_stops_at_once_and_the_cli_exits_with_the_signals_status
     assert "(--resume continues the run)" in err
 
 
-def test_without_out_or_with_stop_on_signal_off_the_signals_are_left_alone(shakespeare, monkeypatch):
+def test_without_out_or_with_stop_on_signal_off_the_signals_are_left_alone(shakespeare, monkeypatch, python_default_handlers):
     common = dict(scheme="attnres", data=DataConfig(source=str(shakespeare)), steps=3)
     for config in (_tiny(**common), _tiny(**common, out=None, stop_on_signal=False)):
         _signal_during_step(monkeypatch, at_step=1, signum=signal.SIGINT)

@@ -567,9 +567,10 @@ _TRAIN_STEP = loop._train_step
 @pytest.fixture
 def python_default_handlers():
     """SIGINT and SIGTERM with Python's own handlers while the test runs (put back after):
-    what the signal tests compare against. A test worker's handlers are whatever ran in it
-    before; in two CI runs of session 59 a worker's SIGINT no longer raised
-    KeyboardInterrupt by the time these tests ran (not reproduced under ``-v``)."""
+    what the signal tests compare against. A process started in the background by a shell
+    without job control (``cmd &`` in a script, as CI runners may start it) inherits SIGINT
+    ignored, and Python then leaves it ignored: SIGINT raises no KeyboardInterrupt there
+    (session 59: these tests failed so when the suite ran in the background)."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

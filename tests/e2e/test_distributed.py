@@ -38,6 +38,14 @@ def _config(mode: str, data: str, out: str) -> TrainConfig:
                        distributed=mode, progress=False)
 
 
+def _leave_together() -> None:
+    """A barrier before a spawned rank destroys its group and exits. Without it, one CI run
+    in three of session 59 hung in the compiled-DDP test: one rank had exited and the other
+    waited in a futex for ever (a collective's last message from a rank whose own call had
+    returned, it seems: gloo's ring sends)."""
+    torch.distributed.barrier()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -234,6 +242,7 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> Non
                     depthrewrite.reset_routing_parameters(model)
                 losses[scheme] = _titan_losses(model, rank, summed=summed)
                 phase_one[scheme] = sum(n for op, n in backend.lowered_ops().items() if "route_many " in op)
+        _leave_together()
     finally:
         torch.distributed.destroy_process_group()
     if rank == 0:
@@ -305,6 +314,7 @@ def _ddp_compile_worker(rank: int, port: int, out: str) -> None:
             loss.backward()
             found[scheme] = ({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
                              [r.num_routing_ops for r in backend.reports()])
+        _leave_together()
     finally:
         torch.distributed.destroy_process_group()
     if rank == 0:

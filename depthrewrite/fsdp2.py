@@ -116,14 +116,19 @@ def is_sharded(param: Tensor) -> bool:
 class GatherPlan(NamedTuple):
     """How phase 1 gathers one sharded routing parameter: the process group of its shards
     (by name), its rows and the ranks they are spread over, the divisor FSDP2 applies to its
-    summed gradient, and under HSDP the process group of its replicas. Plain values, so
-    that a compiled block takes them as constants."""
+    summed gradient, and whether it is HSDP's (replicated over the mesh's first dimension).
+    Plain values, so that a compiled block takes them as constants."""
 
     group: str
     rows: int
     ranks: int
     divisor: float
-    replicas: str | None = None
+    hsdp: bool = False
+
+    @property
+    def chunk(self) -> int:
+        """torch.chunk's (and FSDP2's) rows a rank: the last holding ranks may have fewer."""
+        return -(-self.rows // self.ranks)
 
 
 def gather_plans(params: Sequence[Tensor]) -> tuple[GatherPlan | None, ...]:
@@ -159,18 +164,17 @@ def gathered(param: Tensor, plan: GatherPlan | None, tap: Tensor | None) -> Tens
         return param
     import torch.distributed._functional_collectives as funcol
 
-    # no gradient through the shard (the tap takes it); padded to torch.chunk's (and FSDP2's)
-    # rows a rank: the last holding ranks may have fewer
-    local = _padded(param.to_local().detach(), plan)
+    # no gradient through the shard (the tap takes it); every rank's shard padded to a chunk
+    local = _padded(param.to_local().detach(), plan.chunk)
     full = funcol.all_gather_tensor(local, 0, plan.group)[: plan.rows]
     return full + tap  # the tap is zero: the same values
 
 
-def _padded(rows: Tensor, plan: GatherPlan) -> Tensor:
-    chunk = -(-plan.rows // plan.ranks)
-    if rows.shape[0] == chunk:
-        return rows
-    return torch.nn.functional.pad(rows, (0, 0) * (rows.dim() - 1) + (0, chunk - rows.shape[0]))
+def _padded(t: Tensor, rows: int) -> Tensor:
+    """``t`` with zero rows added after its own, up to ``rows``."""
+    if t.shape[0] == rows:
+        return t
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0]))
 
 
 def _reduce_onto_shard(param_ref, plan: GatherPlan, tap: Tensor) -> None:
@@ -184,11 +188,10 @@ def _reduce_onto_shard(param_ref, plan: GatherPlan, tap: Tensor) -> None:
     if grad is None or param is None:
         return
     mesh = param.device_mesh
-    chunk = -(-plan.rows // plan.ranks)
-    shard = torch.empty((chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-    padded = torch.nn.functional.pad(grad, (0, 0) * (grad.dim() - 1) + (0, chunk * plan.ranks - plan.rows))
-    torch.distributed.reduce_scatter_tensor(shard, padded.contiguous(), group=mesh.get_group(mesh.ndim - 1))
-    if plan.replicas is not None:  # HSDP: the replicas' sums added too, as FSDP2 all-reduces them
+    shard = torch.empty((plan.chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+    padded = _padded(grad, plan.chunk * plan.ranks).contiguous()
+    torch.distributed.reduce_scatter_tensor(shard, padded, group=mesh.get_group(mesh.ndim - 1))
+    if plan.hsdp:  # the replicas' sums added too, as FSDP2 all-reduces them
         torch.distributed.all_reduce(shard, group=mesh.get_group(0))
     shard = shard[: param.to_local().shape[0]] / plan.divisor
     reduced = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
@@ -322,5 +325,4 @@ def _gather_plan(group, param: Tensor) -> GatherPlan | None:
     # FSDP2's default divisor: the average over every rank (each replica's shards too)
     divisor = float(mesh.size()) if factor is None else float(factor)
     shards = mesh.get_group(mesh.ndim - 1)
-    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor,
-                      mesh.get_group(0).group_name if hsdp else None)
+    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor, hsdp)

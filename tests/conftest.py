@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 
 import pytest
 import torch
@@ -82,3 +83,10 @@ def corpus_bytes(name: str = "tinyshakespeare.txt", limit: int | None = None) ->
         pytest.skip(f"corpus {path} not found (set DEPTHREWRITE_DATA)")
     data = path.read_bytes()
     return data[:limit] if limit else data
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

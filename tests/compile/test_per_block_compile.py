@@ -25,7 +25,7 @@ import depthrewrite
 from depthrewrite import backend
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from tests.conftest import hf_model, perturb_routing
+from tests.conftest import free_port, hf_model, perturb_routing
 from tests.handwritten_models import TitanLlama
 
 LAYERS = 4
@@ -280,15 +280,10 @@ def test_on_the_gpu_blocks_sharded_with_fsdp2_run_phase_one_and_match_eager(sche
     reads the next block's routing parameters as shards and gathers them
     (depthrewrite.fsdp2). Loss and every gradient match the same model's eager step
     without FSDP2, and the block graphs hold phase 1's route_many calls on the kernels."""
-    import socket
-
     from torch.distributed.fsdp import fully_shard
 
     model, tokens, eager_loss, eager_grads = _on_the_gpu_after_an_eager_step(scheme, checkpointed)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
             _compile_blocks(model, "wrapped", options=None)  # the backend's defaults

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -25,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
-from tests.conftest import corpus_bytes, perturb_routing
+from tests.conftest import corpus_bytes, free_port, perturb_routing
 
 WORLD = 2
 RTOL = 1e-5
@@ -46,16 +45,10 @@ def _leave_together() -> None:
     torch.distributed.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 #: what each spawned rank runs, in order (output folder, mode, changes): DDP straight through;
 #: FSDP2 stopped halfway and resumed from its checkpoint (the sharded save/load path); FSDP2
-#: with Block AttnRes, whose two-phase computation falls back to routing site by site where
-#: the next block's routing parameters are shards (the one-process run uses two-phase); DDP
+#: with Block AttnRes, whose phase 1 gathers the next block's routing parameters, shards
+#: where it runs (depthrewrite.fsdp2); DDP
 #: with DAR and WAV, whose sites that open a block (DAR's transport) or read e alone (WAV's
 #: detail biases) take part in the backward with a zero gradient, as DDP requires
 #: and DDP with gradient accumulation (its all-reduce at the last micro-batch only)
@@ -92,7 +85,7 @@ def test_ddp_and_fsdp2_with_resume_match_one_process(tmp_path):
         config = _config("none", str(data), str(tmp_path / name))
         config.scheme = scheme
         train(config)
-    ports = [_free_port() for _ in RUNS]
+    ports = [free_port() for _ in RUNS]
     mp.spawn(_worker, args=(str(data), str(tmp_path), ports), nprocs=WORLD, join=True)
     want_loss, want_val = _logged(tmp_path / "none" / "metrics.jsonl")
     assert want_loss == single.losses and len(want_val) == 2
@@ -115,7 +108,7 @@ def test_torchrun_cli_ddp_prints_once_and_matches_one_process(tmp_path):
             "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-              "--master-port", str(_free_port()), "-m", "depthrewrite.cli"]
+              "--master-port", str(free_port()), "-m", "depthrewrite.cli"]
     ran = subprocess.run(launch + args + ["--distributed", "ddp", "--out", str(tmp_path / "ddp")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -151,7 +144,7 @@ def _stopped_worker(rank: int, data: str, out: str, port: int) -> None:
 def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     data = tmp_path / "text.txt"
     data.write_bytes(corpus_bytes("tinyshakespeare.txt", 100_000))
-    mp.spawn(_stopped_worker, args=(str(data), str(tmp_path / "ddp"), _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_stopped_worker, args=(str(data), str(tmp_path / "ddp"), free_port()), nprocs=WORLD, join=True)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ddp")] == ["step_00000002.pt"]
     loss, _ = _logged(tmp_path / "ddp" / "metrics.jsonl")
     assert len(loss) == 2
@@ -264,7 +257,7 @@ def test_torchtitans_stack_trains_like_one_process(tmp_path, built, sharding):
     sharded, then ``to_empty``, the model's init and ``reset_routing_parameters`` on the
     shards; the one process builds the same values on the CPU and rewrites them."""
     out = tmp_path / "losses.pt"
-    mp.spawn(_titan_worker, args=(_free_port(), str(out), built, sharding == "HSDP"), nprocs=WORLD, join=True)
+    mp.spawn(_titan_worker, args=(free_port(), str(out), built, sharding == "HSDP"), nprocs=WORLD, join=True)
     got, phase_one = torch.load(out)
     # two-phase under FSDP2: route_many in the block graphs (WAV routes site by site by default)
     assert phase_one == {"block_attnres": phase_one["block_attnres"], "dar": phase_one["dar"], "wav": 0}
@@ -339,7 +332,7 @@ def test_ddp_compiled_whole_splits_its_graph_and_matches_one_process(tmp_path):
     passes, the pieces hold the routing calls of the graph compiled whole, and each gradient equals one
     eager process's on the whole batch (DDP averages the ranks' halves)."""
     out = tmp_path / "ddp.pt"
-    mp.spawn(_ddp_compile_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_ddp_compile_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     found = torch.load(out)
     for scheme in DDP_COMPILE_SCHEMES:
         model = _ddp_compile_model(scheme)

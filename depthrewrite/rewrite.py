@@ -139,7 +139,8 @@ def _param_dtype(model: nn.Module, fallback: torch.dtype) -> torch.dtype:
 
 def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
     cap = analysis.capture
-    runtime = DepthRuntime(scheme=scheme, capture=cap, n_blocks=len(analysis.blocks), analysis=analysis.stream)
+    runtime = DepthRuntime(scheme=scheme, capture=cap, block_paths=tuple(plan.path for plan in analysis.blocks),
+                           analysis=analysis.stream)
     sites = iter(analysis.stream.sites)
     for plan in analysis.blocks:
         # named by position, not by kind: HF checkpoint converters rename keys such as '.mlp.'

@@ -59,15 +59,24 @@ class DepthRuntime:
 
     scheme: Scheme
     capture: Capture = field(repr=False)
-    n_blocks: int = 0
+    # the blocks' paths in call order, and the path of the one that ran last in this forward
+    # (None: none yet). Strings, not indices: under FSDP2 Dynamo makes every int attribute
+    # of a module that FSDP2 manages a symbolic input once it has seen two values, and a
+    # block storing ``index + 1`` as a side effect broke Inductor's code ("name 's30' is not
+    # defined", torch 2.11 and 2.13); a string is a constant it guards on
+    block_paths: tuple[str, ...] = ()
     state: Any = None
-    next_block: int = 0
+    last_block: str | None = None
     analysis: Any = field(default=None, repr=False)  # the ResidualStream, for inspect()
     report: dict = field(default_factory=dict)
 
     def begin(self, e: torch.Tensor) -> None:
         self.state = self.initial_state(e)
-        self.next_block = 0
+        self.last_block = None
+
+    def blocks_run(self) -> int:
+        """How many blocks of the stack ran in this forward, in order (for error messages)."""
+        return 0 if self.last_block is None else self.block_paths.index(self.last_block) + 1
 
     def initial_state(self, e: torch.Tensor) -> Any:
         # Under autocast the embedding stays float32 while every branch returns the autocast
@@ -120,6 +129,7 @@ class RoutedBlock(fsdp2.Keyed):
 
     _depth_runtime: DepthRuntime
     _depth_index: int
+    _depth_after: str | None  # the path of the block before it in the stack; None: the first
 
     def __call__(self, *args, **kwargs):
         rt = self._depth_runtime
@@ -132,11 +142,11 @@ class RoutedBlock(fsdp2.Keyed):
                 "depth state it passes to later blocks would get no gradient; use use_reentrant=False, "
                 "or checkpoint the block's forward"
             )
-        if self._depth_index == 0:
+        if self._depth_after is None:
             rt.begin(rt.capture.stream_arg.get(args, kwargs))
-        elif rt.next_block != self._depth_index:
+        elif rt.last_block != self._depth_after:
             raise RuntimeOrderError(
-                f"block {self._depth_path!r} ran as block {rt.next_block} of the stack, but the rewrite "
+                f"block {self._depth_path!r} ran as block {rt.blocks_run()} of the stack, but the rewrite "
                 f"captured it as block {self._depth_index}; depthrewrite needs every block to run "
                 "once per forward, in order (layer dropping or reordering is not supported)"
             )
@@ -147,7 +157,7 @@ class RoutedBlock(fsdp2.Keyed):
         out, new_leaves = call.unpack(result)
         out, new_leaves = fsdp2.tie_state_to_output(self, out, new_leaves, leaves)  # FSDP2 sees only `out` leave
         rt.state = pytree.tree_unflatten(new_leaves, call.out_spec)
-        rt.next_block = self._depth_index + 1
+        rt.last_block = self._depth_path
         return out
 
     def _depth_keep_for_replay(self, args: tuple, kwargs: dict, leaves: list, state_spec) -> None:
@@ -166,7 +176,7 @@ class RoutedBlock(fsdp2.Keyed):
         # keep it alive, and with it the entry that its finaliser removes. Block 0 made its
         # state inside the checkpointed call: the replay makes it again, as the checkpoint
         # expects every op of the call to run again
-        kept = None if self._depth_index == 0 else [_STREAM if leaf is stream else leaf for leaf in leaves]
+        kept = None if self._depth_after is None else [_STREAM if leaf is stream else leaf for leaf in leaves]
         pending = self.__dict__.setdefault("_depth_pending", {})
         pending[id(stream)] = (kept, state_spec)
         weakref.finalize(stream, pending.pop, id(stream), None)
@@ -255,17 +265,17 @@ class RoutedReadout:
 
     def __call__(self, hidden_states, *args, **kwargs):
         rt = self._depth_runtime
-        if rt.next_block != rt.n_blocks or rt.state is None:
+        if rt.last_block != rt.block_paths[-1] or rt.state is None:
             if rt.capture.final_norm_other_calls:
                 # the model also calls its final norm elsewhere (nanochat, on the embedding
                 # before the blocks): only the call after the whole stack is the readout
                 return super().__call__(hidden_states, *args, **kwargs)
             raise RuntimeOrderError(
-                f"the final norm {self._depth_path!r} ran after {rt.next_block} of {rt.n_blocks} "
+                f"the final norm {self._depth_path!r} ran after {rt.blocks_run()} of {len(rt.block_paths)} "
                 "blocks; depthrewrite routes the final readout only after the whole stack ran"
             )
         x = getattr(self, ROUTER_ATTR)["readout"].read(rt.state, hidden_states)
-        rt.state, rt.next_block = None, 0  # release the sources as soon as they are read
+        rt.state, rt.last_block = None, None  # release the sources as soon as they are read
         return super().__call__(x, *args, **kwargs)
 
 
@@ -394,6 +404,7 @@ def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, rout
     block._depth_runtime = runtime
     block._depth_index = plan.index
     block._depth_path = plan.path
+    block._depth_after = runtime.block_paths[plan.index - 1] if plan.index else None
     fsdp2.register(block)  # the key compiled code asks FSDP2's state about it by
     block._depth_forward = plan.forward
     block._depth_hints = plan.traced.hints  # children traced through..., the same for every call spec

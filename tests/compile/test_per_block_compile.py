@@ -241,11 +241,11 @@ def test_checkpointed_block_calls_compile_fullgraph_with_side_effects_allowed(sc
     assert sum(sum(r.ops.values()) for r in backend.reports()) > 0
 
 
-def _on_the_gpu_after_an_eager_step(scheme: str, checkpointed: bool) -> tuple:
-    """The model on the GPU, the tokens, and the eager step's loss and gradients; then each
-    block checkpointed where asked, Dynamo and the backend's reports cleared."""
-    model = _model(scheme).cuda()
-    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+def _after_an_eager_step(scheme: str, checkpointed: bool, device: str = "cuda") -> tuple:
+    """The model on ``device``, the tokens, and the eager step's loss and gradients; then
+    each block checkpointed where asked, Dynamo and the backend's reports cleared."""
+    model = _model(scheme).to(device)
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
     eager_loss, eager_grads = _step(model, tokens)
     if checkpointed:
         _checkpoint_blocks(model)
@@ -254,13 +254,34 @@ def _on_the_gpu_after_an_eager_step(scheme: str, checkpointed: bool) -> tuple:
     return model, tokens, eager_loss, eager_grads
 
 
+def _compiled_sharded_steps(model, tokens, checkpointed: bool, process_backend: str) -> tuple:
+    """torchtitan's order on one rank: each block compiled with the backend's defaults
+    (Inductor), then each block and the model sharded with FSDP2; two steps. The second
+    step's loss and its gradients, gathered whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.distributed.init_process_group(process_backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                         world_size=1)
+    try:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
+            _compile_blocks(model, "wrapped", options=None)  # the backend's defaults
+            for layer in model.layers.values():
+                fully_shard(layer)
+            fully_shard(model)
+            for _ in range(2):
+                loss, grads = _step(model, tokens)
+    finally:
+        torch.distributed.destroy_process_group()
+    return loss, {name: g.full_tensor() for name, g in grads.items()}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine)")
 @pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_on_the_gpu_blocks_compiled_through_inductor_run_the_fused_kernels_and_match_eager(scheme, checkpointed):
     """torchtitan's set-up on a GPU, float32: each block (checkpointed or not) compiled
     with the backend's defaults (Inductor), eager running the fused kernels too."""
-    model, tokens, eager_loss, eager_grads = _on_the_gpu_after_an_eager_step(scheme, checkpointed)
+    model, tokens, eager_loss, eager_grads = _after_an_eager_step(scheme, checkpointed)
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
         _compile_blocks(model, "wrapped", options=None)  # the backend's defaults
         for _ in range(2):
@@ -280,23 +301,24 @@ def test_on_the_gpu_blocks_sharded_with_fsdp2_run_phase_one_and_match_eager(sche
     reads the next block's routing parameters as shards and gathers them
     (depthrewrite.fsdp2). Loss and every gradient match the same model's eager step
     without FSDP2, and the block graphs hold phase 1's route_many calls on the kernels."""
-    from torch.distributed.fsdp import fully_shard
-
-    model, tokens, eager_loss, eager_grads = _on_the_gpu_after_an_eager_step(scheme, checkpointed)
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
-            _compile_blocks(model, "wrapped", options=None)  # the backend's defaults
-            for layer in model.layers.values():
-                fully_shard(layer)
-            fully_shard(model)
-            for _ in range(2):
-                loss, grads = _step(model, tokens)
-    finally:
-        torch.distributed.destroy_process_group()
-    grads = {name: g.full_tensor() for name, g in grads.items()}
+    model, tokens, eager_loss, eager_grads = _after_an_eager_step(scheme, checkpointed)
+    loss, grads = _compiled_sharded_steps(model, tokens, checkpointed, "nccl")
     ops = backend.lowered_ops()
     assert ops.get("depthrewrite::route_many (triton)", 0) > 0, ops  # phase 1 ran on the shards
+    _assert_matches_eager(loss, grads, eager_loss, eager_grads, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["block_attnres", "dar"])
+def test_blocks_sharded_with_fsdp2_through_inductor_on_the_cpu_match_eager(scheme):
+    """The same on the CPU (gloo, Inductor's C++ code, the reference routing ops). Under
+    FSDP2 Dynamo makes the int attributes of the modules it manages symbolic inputs once
+    two blocks have shown two values; a block that stored its index + 1 as the next
+    block's made Inductor's code return a symbol it never defined (NameError, found on the
+    device's GPU). The tests with AOTAutograd alone generate no code, and passed."""
+    model, tokens, eager_loss, eager_grads = _after_an_eager_step(scheme, checkpointed=False, device="cpu")
+    loss, grads = _compiled_sharded_steps(model, tokens, False, "gloo")
+    ops = backend.lowered_ops()
+    assert ops.get("depthrewrite::route_many (reference)", 0) > 0, ops  # phase 1 ran on the shards
     _assert_matches_eager(loss, grads, eager_loss, eager_grads, atol=1e-5)
 
 

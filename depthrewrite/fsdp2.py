@@ -7,18 +7,20 @@ FSDP2 holds as shards, and FSDP2's pre-backward on the depth state.
 a block's parameters only when that block runs. Phase 1 gathers the ones it reads itself
 (:func:`gathered`):
 
-- forward: each sharded query and key-norm weight is all-gathered from its shards (a few
-  vectors a block), with no autograd through the shard, and added to a *tap*: a zero tensor
-  of the parameter's full shape that we own (:func:`tap_for`), the one tensor the gradient
-  reaches;
+- forward: the sharded queries and key-norm weights of the next block's routers are
+  all-gathered from their shards in one collective (a few vectors a block; one per process
+  group, where they are spread over several), with no autograd through the shards, and
+  added to a *tap*: a zero vector of the gathered elements that we own (:func:`tap_for`),
+  the one tensor the gradient reaches;
 - backward: the tap's post-accumulate hook reduces the tap's gradient as FSDP2 reduces its
-  own (:func:`_reduce_onto_shard`): summed over the ranks (a reduce-scatter, and under HSDP
-  an all-reduce across the replicas) and divided by
-  the divisor FSDP2 uses for that parameter: its group's ``gradient_divide_factor`` where one
-  is set (torchtitan sets 1.0 and divides its loss by the global token count), else the
-  number of ranks (an average). The shard lands on the sharded parameter's ``.grad``,
-  where FSDP2 adds the reduced gradient of the block's own uses, as it does under gradient
-  accumulation.
+  own (:func:`_reduce_onto_shards`): summed over the ranks (one reduce-scatter, and under
+  HSDP an all-reduce across the replicas) and divided, parameter by parameter, by the
+  divisor FSDP2 uses for it: its group's ``gradient_divide_factor`` where one is set
+  (torchtitan sets 1.0 and divides its loss by the global token count), else the number of
+  ranks (an average). Each shard is added to its sharded parameter's ``.grad``, which
+  holds FSDP2's reduced gradient of the block's own uses, when the backward ends: FSDP2
+  writes that gradient on its own CUDA stream, and waits for it only then
+  (:func:`_add_after_backward`).
 
 Why a tap and not autograd through the DTensor: inside a checkpointed block compiled by
 torch.compile (torchtitan's ``checkpoint_wrapper`` under ``torch.compile``), AOTAutograd
@@ -62,8 +64,8 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Keyed", "register", "module_of", "tap_name", "is_sharded", "GatherPlan", "gather_plans", "tap_for", "gathered",
-           "tie_state_to_output"]
+__all__ = ["Keyed", "register", "module_of", "tap_name", "is_sharded", "GatherPlan", "gather_plans", "batch_key",
+           "tap_for", "gathered", "tie_state_to_output"]
 
 
 #: the prefix of what this module keeps on a module for the while (FSDP2's unit of a block, a
@@ -140,34 +142,64 @@ def gather_plans(params: Sequence[Tensor]) -> tuple[GatherPlan | None, ...]:
     return tuple(_gather_plan(groups.get(id(p)), p) if is_sharded(p) else None for p in params)
 
 
-def tap_for(owner: nn.Module, name: str, param: Tensor, plan: GatherPlan) -> Tensor:
-    """The tap of ``owner``'s sharded parameter ``name`` (``param``), kept as ``owner``'s
-    attribute :func:`tap_name`: a zero tensor of the parameter's full shape that needs
-    a gradient. Not a parameter or buffer (the optimizer and the state dict never see it);
-    made again for a new parameter object or plan."""
+def batch_key(plan: GatherPlan) -> tuple:
+    """What the parameters :func:`gathered` gathers in one collective share: the process
+    group of their shards, its size, and whether it is HSDP's."""
+    return plan.group, plan.ranks, plan.hsdp
+
+
+def _elements(param: Tensor) -> int:
+    """The elements of one row of ``param`` (1 for a vector)."""
+    n = 1
+    for size in param.shape[1:]:
+        n *= size
+    return n
+
+
+def _rank_elements(params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> int:
+    """The elements one rank puts into the gather of ``params``: each one's chunk of rows."""
+    return sum(q.chunk * _elements(p) for p, q in zip(params, plans))
+
+
+def tap_for(owner: nn.Module, name: str, params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> Tensor:
+    """The tap of the sharded parameters ``params`` (:func:`gathered` gathers them in one
+    collective: their ``plans`` share a :func:`batch_key`), kept as ``owner``'s attribute
+    :func:`tap_name` of ``name``: a zero vector of the gathered elements (every rank's
+    padded chunk of each) that needs a gradient. Not a parameter or buffer (the optimizer
+    and the state dict never see it); made again for new parameter objects or plans."""
     made = owner.__dict__.setdefault(f"{TRANSIENT}taps", {})
+    refs = tuple(weakref.ref(p) for p in params)
     kept = made.get(name)
-    if kept is not None and kept[0]() is param and kept[1] == plan:
+    if kept is not None and len(kept[0]) == len(params) and all(r() is p for r, p in zip(kept[0], params)) \
+            and kept[1] == tuple(plans):
         return owner.__dict__[tap_name(name)]
-    local = param.to_local()
-    tap = torch.zeros(param.shape, dtype=local.dtype, device=local.device, requires_grad=True)
-    tap.register_post_accumulate_grad_hook(functools.partial(_reduce_onto_shard, weakref.ref(param), plan))
-    made[name] = (weakref.ref(param), plan)
+    local = params[0].to_local()
+    size = plans[0].ranks * _rank_elements(params, plans)
+    tap = torch.zeros(size, dtype=local.dtype, device=local.device, requires_grad=True)
+    tap.register_post_accumulate_grad_hook(functools.partial(_reduce_onto_shards, refs, tuple(plans)))
+    made[name] = (refs, tuple(plans))
     owner.__dict__[tap_name(name)] = tap
     return tap
 
 
-def gathered(param: Tensor, plan: GatherPlan | None, tap: Tensor | None) -> Tensor:
-    """``param`` whole on every rank (a plain tensor), its gradient going to ``tap``
-    (:func:`tap_for`). A plain tensor (``plan`` None) is returned as it is."""
-    if plan is None:
-        return param
+def gathered(params: Sequence[Tensor], plans: Sequence[GatherPlan], tap: Tensor) -> list[Tensor]:
+    """Each of ``params`` whole on every rank (plain tensors), from one all-gather of their
+    shards (``plans`` share a :func:`batch_key`), their gradients going to ``tap``
+    (:func:`tap_for`). One collective for a group's routing parameters: the gather waits in
+    the block's graph, and its latency, not its few bytes, is its cost."""
     import torch.distributed._functional_collectives as funcol
 
-    # no gradient through the shard (the tap takes it); every rank's shard padded to a chunk
-    local = _padded(param.to_local().detach(), plan.chunk)
-    full = funcol.all_gather_tensor(local, 0, plan.group)[: plan.rows]
-    return full + tap  # the tap is zero: the same values
+    # no gradient through the shards (the tap takes it); each shard padded to its chunk
+    flat = torch.cat([_padded(p.to_local().detach(), q.chunk).reshape(-1) for p, q in zip(params, plans)])
+    ranks = plans[0].ranks
+    whole = (funcol.all_gather_tensor(flat, 0, plans[0].group) + tap).view(ranks, flat.numel())
+    out, start = [], 0
+    for p, q in zip(params, plans):
+        width = q.chunk * _elements(p)
+        rows = whole[:, start:start + width].reshape(ranks * q.chunk, *p.shape[1:])
+        out.append(rows[: q.rows])  # the tap is zero: the same values
+        start += width
+    return out
 
 
 def _padded(t: Tensor, rows: int) -> Tensor:
@@ -177,26 +209,57 @@ def _padded(t: Tensor, rows: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0]))
 
 
-def _reduce_onto_shard(param_ref, plan: GatherPlan, tap: Tensor) -> None:
-    """The tap's gradient (this rank's part of the full parameter's) summed over the ranks,
-    this rank's rows of it divided by the plan's divisor, and added to the sharded
-    parameter's ``.grad`` (a DTensor like the parameter, as FSDP2 keeps it)."""
+def _reduce_onto_shards(param_refs: tuple, plans: tuple[GatherPlan, ...], tap: Tensor) -> None:
+    """The tap's gradient (this rank's part of every gathered parameter's) summed over the
+    ranks in one reduce-scatter, each parameter's rows of it divided by its plan's divisor,
+    to be added to the sharded parameter's ``.grad`` when the backward ends
+    (:func:`_add_after_backward`)."""
+    grad, tap.grad = tap.grad, None
+    params = [ref() for ref in param_refs]
+    if grad is None or any(p is None for p in params):
+        return
+    mesh = params[0].device_mesh
+    shard = torch.empty(grad.numel() // plans[0].ranks, dtype=grad.dtype, device=grad.device)
+    torch.distributed.reduce_scatter_tensor(shard, grad.contiguous(), group=mesh.get_group(mesh.ndim - 1))
+    if plans[0].hsdp:  # the replicas' sums added too, as FSDP2 all-reduces them
+        torch.distributed.all_reduce(shard, group=mesh.get_group(0))
+    additions, start = [], 0
+    for param, plan in zip(params, plans):
+        width = plan.chunk * _elements(param)
+        own = shard[start:start + width].view(plan.chunk, *param.shape[1:])[: param.to_local().shape[0]]
+        additions.append((param, own / plan.divisor))
+        start += width
+    _add_after_backward(additions)
+
+
+#: per running backward (autograd's graph task id), ``(sharded parameter, this rank's
+#: reduced rows)`` still to be added to ``.grad`` when it ends. A backward that failed
+#: leaves its entries, never added
+_TO_ADD: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+
+def _add_after_backward(additions: list[tuple[Tensor, Tensor]]) -> None:
+    """Add each reduced shard to its parameter's ``.grad`` when the backward ends, not now.
+    FSDP2 has set that ``.grad`` already (the block holding the parameter ran its backward
+    before the block whose phase 1 read it) to the output of a reduce-scatter still running
+    on FSDP2's own CUDA stream; FSDP2's final callback, queued as the backward began, makes
+    the current stream wait for it, and ours, queued after, runs after it."""
+    task = torch._C._current_graph_task_id()
+    if task not in _TO_ADD:
+        _TO_ADD[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_add_now, task))
+    _TO_ADD[task].extend(additions)
+
+
+def _add_now(task: int) -> None:
+    """The reduced shards of backward ``task`` added to the parameters' ``.grad`` (a DTensor
+    like the parameter, as FSDP2 keeps it)."""
     from torch.distributed.tensor import DTensor
 
-    grad, tap.grad = tap.grad, None
-    param = param_ref()
-    if grad is None or param is None:
-        return
-    mesh = param.device_mesh
-    shard = torch.empty((plan.chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-    padded = _padded(grad, plan.chunk * plan.ranks).contiguous()
-    torch.distributed.reduce_scatter_tensor(shard, padded, group=mesh.get_group(mesh.ndim - 1))
-    if plan.hsdp:  # the replicas' sums added too, as FSDP2 all-reduces them
-        torch.distributed.all_reduce(shard, group=mesh.get_group(0))
-    shard = shard[: param.to_local().shape[0]] / plan.divisor
-    reduced = DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
-                                 shape=param.shape, stride=param.stride())
-    param.grad = reduced if param.grad is None else param.grad + reduced
+    for param, rows in _TO_ADD.pop(task, []):
+        reduced = DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False,
+                                     shape=param.shape, stride=param.stride())
+        param.grad = reduced if param.grad is None else param.grad + reduced
 
 
 def tie_state_to_output(block: nn.Module, out, leaves: Sequence, received: Sequence) -> tuple:

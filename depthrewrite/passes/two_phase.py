@@ -174,20 +174,23 @@ class TwoPhasePlan:
 
 def _routing_parameters(plan: TwoPhasePlan, group: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Each router's ``(query, key_norm_weight)`` for phase 1, whole: those FSDP2 holds as
-    shards gathered (:mod:`depthrewrite.fsdp2`), or None where some cannot be (the sites
-    then route one by one)."""
+    shards gathered (:mod:`depthrewrite.fsdp2`: one collective for all of them that share
+    a process group), or None where some cannot be (the sites then route one by one)."""
     routers = plan.groups[group]
     params = [(r.query, r.key_norm_weight) for r in routers]
     if not any(_is_sharded(p) for pair in params for p in pair):
         return params
     if not GATHER_SHARDS:
         return None
-    plans = _gather_plans(*(r._depth_key for r in routers))
+    plans, batches = _gather_plans(*(r._depth_key for r in routers))
     if any(_is_sharded(p) and q is None for pair, pq in zip(params, plans) for p, q in zip(pair, pq)):
         return None
-    return [tuple(fsdp2.gathered(p, q, getattr(r, fsdp2.tap_name(name)) if q else None)
-                  for p, q, name in zip(pair, pq, ROUTING_PARAMETERS))
-            for r, pair, pq in zip(routers, params, plans)]
+    whole = {}
+    for tap, members in batches:
+        tensors = fsdp2.gathered([params[i][j] for i, j in members], [plans[i][j] for i, j in members],
+                                 getattr(routers[members[0][0]], fsdp2.tap_name(tap)))
+        whole.update(zip(members, tensors))
+    return [tuple(whole.get((i, j), p) for j, p in enumerate(pair)) for i, pair in enumerate(params)]
 
 
 #: the routing parameters phase 1 reads from each router of a group
@@ -200,20 +203,26 @@ GATHER_SHARDS = True
 
 @torch.compiler.assume_constant_result
 def _gather_plans(*keys: str) -> tuple:
-    """Per router (by its :func:`fsdp2.register` key), the :class:`fsdp2.GatherPlan` of each
-    of its ROUTING_PARAMETERS (None: a plain tensor, or a shard that cannot be gathered),
-    with the taps of those that can made (:func:`fsdp2.tap_for`). Compiled, read once as
-    the graph is made: it walks FSDP2's state, which Dynamo must not trace."""
-    plans = []
-    for key in keys:
-        router = fsdp2.module_of(key)
-        params = [getattr(router, name) for name in ROUTING_PARAMETERS]
-        found = fsdp2.gather_plans(params)
-        for name, param, found_plan in zip(ROUTING_PARAMETERS, params, found):
-            if found_plan is not None:
-                fsdp2.tap_for(router, name, param, found_plan)
-        plans.append(found)
-    return tuple(plans)
+    """``(plans, batches)`` for a group's routers (by their :func:`fsdp2.register` keys).
+    ``plans``: per router, the :class:`fsdp2.GatherPlan` of each of its ROUTING_PARAMETERS
+    (None: a plain tensor, or a shard that cannot be gathered). ``batches``: per process
+    group of those that can, ``(tap name, ((router, parameter) positions))``, gathered
+    together, their tap (:func:`fsdp2.tap_for`) made on the first one's router. Compiled,
+    read once as the graph is made: it walks FSDP2's state, which Dynamo must not trace."""
+    routers = [fsdp2.module_of(key) for key in keys]
+    plans = tuple(fsdp2.gather_plans([getattr(r, name) for name in ROUTING_PARAMETERS]) for r in routers)
+    by_key: dict[tuple, list] = {}
+    for i, found in enumerate(plans):
+        for j, q in enumerate(found):
+            if q is not None:
+                by_key.setdefault(fsdp2.batch_key(q), []).append((i, j))
+    batches = []
+    for n, members in enumerate(by_key.values()):
+        tap = f"gathered{n}"
+        fsdp2.tap_for(routers[members[0][0]], tap, [getattr(routers[i], ROUTING_PARAMETERS[j]) for i, j in members],
+                      [plans[i][j] for i, j in members])
+        batches.append((tap, tuple(members)))
+    return plans, tuple(batches)
 
 
 def _seen_outside(results: tuple) -> tuple:

@@ -1,0 +1,87 @@
+"""Host time a training step of a model compiled block by block and sharded with FSDP2, on
+the CPU: torchtitan's order (each block compiled with ``fullgraph=True``, then
+``fully_shard`` on each block and the root) on one gloo rank, a small Llama
+(tests/handwritten_models.py) with tensors so small that the step's time is mostly the
+host's: Dynamo's guards, the hooks, the collectives' calls. A proxy for what a GPU step
+spends on the host (its "host ms/step" in e2e_throughput.py), measured without one.
+
+    python benchmarks/host_time_fsdp2_cpu.py --scheme block_attnres            # phase 1 gathers
+    python benchmarks/host_time_fsdp2_cpu.py --scheme block_attnres --site     # routed site by site
+    python benchmarks/host_time_fsdp2_cpu.py --scheme baseline                 # the plain model
+
+Prints one line: the median step time over ``--steps`` steps after three warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import depthrewrite  # noqa: E402
+from depthrewrite.passes import two_phase  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.handwritten_models import TitanLlama  # noqa: E402
+
+
+def _model(scheme: str, layers: int, tokens: torch.Tensor) -> TitanLlama:
+    torch.manual_seed(0)
+    model = TitanLlama(n_layers=layers, dim=32)
+    if scheme != "baseline":
+        depthrewrite.rewrite(model, scheme, example_inputs=(tokens,))
+    for name, layer in list(model.layers.items()):
+        if scheme == "baseline":
+            compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        else:
+            compiled = torch.compile(layer, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+        model.layers.register_module(name, compiled)
+    return model
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scheme", default="block_attnres")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--site", action="store_true", help="phase 1 does not gather the shards (two_phase.GATHER_SHARDS)")
+    parser.add_argument("--no-fsdp", action="store_true", help="compiled block by block, not sharded")
+    args = parser.parse_args(argv)
+    two_phase.GATHER_SHARDS = not args.site
+    tokens = torch.randint(0, 128, (1, 16))
+    model = _model(args.scheme, args.layers, tokens)
+    if not args.no_fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                             world_size=1)
+        for layer in model.layers.values():
+            fully_shard(layer)
+        fully_shard(model)
+
+    def step() -> float:
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        return time.perf_counter() - start
+
+    try:
+        for _ in range(3):
+            step()
+        median = statistics.median(step() for _ in range(args.steps))
+    finally:
+        if not args.no_fsdp:
+            torch.distributed.destroy_process_group()
+    form = "not sharded" if args.no_fsdp else ("FSDP2, site by site" if args.site else "FSDP2")
+    print(f"{args.scheme} ({form}, {args.layers} blocks): {1e3 * median:.2f} ms/step "
+          f"(median of {args.steps}; torch {torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()

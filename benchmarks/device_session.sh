@@ -5,6 +5,7 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh fsdp59   # phase 1 on FSDP2's shards: GPU test, per-block + FSDP2 end to end (session 59)
 #   OUT=... bash benchmarks/device_session.sh table59  # every scheme end to end at HEAD (session 59)
+#   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
 #   OUT=... bash benchmarks/device_session.sh dynamic50  # new sizes through the backend on the GPU; the step compiled with dynamic=True (session 50)
@@ -1307,6 +1308,19 @@ fsdp59)
   timeout "${E2E_SECONDS:-330}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --trials 3 \
       --schemes ${FSDP_SCHEMES:-baseline_pb_fsdp dar_block_pb_fsdp dar_block_pb_fsdp_site} > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | tail -8
+  ;;
+fsdp2gpus60)
+  # session 60: torchtitan's stack (each block checkpointed, compiled with the backend's
+  # defaults, sharded with FSDP2) on 2 GPUs with nccl, against one eager process: phase 1's
+  # gathers and its gradients added after FSDP2's own reduce-scatters, which run on FSDP2's
+  # streams (one rank never shows them); then the one-rank FSDP2 GPU tests at this HEAD
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_distributed.py -k "titan and GPUs" -rs \
+      > "$OUT/fsdp2_two_gpus.txt" 2>&1
+  tail -3 "$OUT/fsdp2_two_gpus.txt"
+  timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py \
+      -k "on_the_gpu and fsdp2" > "$OUT/fsdp2_gpu_tests.txt" 2>&1
+  tail -2 "$OUT/fsdp2_gpu_tests.txt"
   ;;
 table59)
   # session 59: every scheme end to end at HEAD, side by side in one run (the last such

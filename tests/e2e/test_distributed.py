@@ -154,18 +154,19 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path
 TITAN_SCHEMES = ("block_attnres", "dar", "wav")
 
 
-def _titan_losses(model, rank: int | None, steps: int = 3, summed: bool = False) -> list[float]:
+def _titan_losses(model, rank: int | None, steps: int = 3, summed: bool = False, device: str = "cpu") -> list[float]:
     """SGD steps on a fixed stream of batches: the whole batch in one process (``rank``
     None), or this rank's half, its loss averaged over the ranks. ``summed``: FSDP2 sums the
     ranks' gradients (torchtitan's ``set_gradient_divide_factor(1.0)``), so each rank's
-    backward takes its loss divided by the number of ranks."""
+    backward takes its loss divided by the number of ranks. The batches made on the CPU,
+    then moved to ``device``."""
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, 128, (4, 16), generator=batches)
+        tokens = torch.randint(0, 128, (4, 16), generator=batches).to(device)
         mine = tokens if rank is None else tokens[rank * 2:(rank + 1) * 2]
         loss = F.cross_entropy(model(mine).flatten(0, 1), mine.flatten())
         (loss / WORLD if summed else loss).backward()
@@ -193,7 +194,7 @@ def _titan_model(scheme: str, built: str):
     return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), meta_init=titan_init)
 
 
-def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> None:
+def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpus: bool) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -204,9 +205,15 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> Non
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo")
+    # on GPUs: nccl, Inductor and the fused kernels (the backend's defaults); on the CPU:
+    # gloo and AOTAutograd alone (Inductor's C++ compiles would take minutes)
+    device = f"cuda:{rank}" if on_gpus else "cpu"
+    if on_gpus:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
+    options = None if on_gpus else {"inner": "aot_eager"}
     # HSDP: each rank a replica holding the whole of every parameter as its one shard
-    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    mesh = init_device_mesh(device.split(":")[0], (WORLD, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
     losses, phase_one = {}, {}
     try:
         # the block's call updates the depth runtime inside each checkpoint (README, torch.compile)
@@ -215,10 +222,12 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> Non
                 torch._dynamo.reset()  # one model's blocks at a time on checkpoint_wrapper's code (README)
                 backend.clear_reports()
                 model = _titan_model(scheme, built)
+                if built != "on the meta device":
+                    model.to(device)
                 # torchtitan's order: activation checkpointing, then compile, then FSDP2, per block
                 for name, layer in list(model.layers.items()):
                     layer = checkpoint_wrapper(layer, preserve_rng_state=False)
-                    layer = torch.compile(layer, backend="depthrewrite", fullgraph=True, options={"inner": "aot_eager"})
+                    layer = torch.compile(layer, backend="depthrewrite", fullgraph=True, options=options)
                     model.layers.register_module(name, layer)
                 for layer in model.layers.values():
                     fully_shard(layer, mesh=mesh)
@@ -230,10 +239,10 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> Non
                             module.set_gradient_divide_factor(1.0)
                             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
                 if built == "on the meta device":
-                    model.to_empty(device="cpu")
+                    model.to_empty(device=device)
                     titan_init(model)
                     depthrewrite.reset_routing_parameters(model)
-                losses[scheme] = _titan_losses(model, rank, summed=summed)
+                losses[scheme] = _titan_losses(model, rank, summed=summed, device=device)
                 phase_one[scheme] = sum(n for op, n in backend.lowered_ops().items() if "route_many " in op)
         _leave_together()
     finally:
@@ -242,9 +251,24 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool) -> Non
         torch.save((losses, phase_one), out)
 
 
-@pytest.mark.parametrize("built,sharding", [("with values", "FSDP"), ("on the meta device", "FSDP"),
-                                            ("with values", "HSDP")])
-def test_torchtitans_stack_trains_like_one_process(tmp_path, built, sharding):
+#: GPUs: the losses of Inductor's fused code and our Triton kernels against eager on the
+#: same GPU, float32; the one-GPU tests compare gradients at 1e-4 (test_per_block_compile.py)
+GPU_RTOL = 1e-4
+#: how the model is built, how it is sharded, and where it trains: 2 CPU ranks, or 2 GPUs
+#: where the machine has them (the device machine's multi-GPU kinds). There FSDP2 reduces on
+#: its own CUDA streams, which one rank or gloo never shows (the race that
+#: fsdp2._add_after_backward closes, session 60)
+TITAN_RUNS = [
+    pytest.param("with values", "FSDP", False, id="with values-FSDP-cpu"),
+    pytest.param("on the meta device", "FSDP", False, id="on the meta device-FSDP-cpu"),
+    pytest.param("with values", "HSDP", False, id="with values-HSDP-cpu"),
+    pytest.param("with values", "FSDP", True, id="with values-FSDP-2 GPUs", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (the device machine's multi-GPU kinds)")),
+]
+
+
+@pytest.mark.parametrize("built,sharding,on_gpus", TITAN_RUNS)
+def test_torchtitans_stack_trains_like_one_process(tmp_path, built, sharding, on_gpus):
     """torchtitan's training set-up on a rewritten torchtitan-style Llama: each block
     checkpointed (``checkpoint_wrapper``), compiled with the backend (``fullgraph=True``)
     and sharded with FSDP2, on 2 ranks: the losses of 3 SGD steps match one eager process
@@ -255,17 +279,21 @@ def test_torchtitans_stack_trains_like_one_process(tmp_path, built, sharding):
     HSDP (2 replicas of one shard: the replicas' gradients added by an all-reduce).
     Built on the meta device, as torchtitan builds: rewritten there, wrapped, compiled and
     sharded, then ``to_empty``, the model's init and ``reset_routing_parameters`` on the
-    shards; the one process builds the same values on the CPU and rewrites them."""
+    shards; the one process builds the same values on the CPU and rewrites them. On 2
+    GPUs: nccl, Inductor and the fused kernels, against one eager process on the first."""
     out = tmp_path / "losses.pt"
-    mp.spawn(_titan_worker, args=(free_port(), str(out), built, sharding == "HSDP"), nprocs=WORLD, join=True)
+    mp.spawn(_titan_worker, args=(free_port(), str(out), built, sharding == "HSDP", on_gpus), nprocs=WORLD, join=True)
     got, phase_one = torch.load(out)
     # two-phase under FSDP2: route_many in the block graphs (WAV routes site by site by default)
     assert phase_one == {"block_attnres": phase_one["block_attnres"], "dar": phase_one["dar"], "wav": 0}
     assert phase_one["block_attnres"] > 0 and phase_one["dar"] > 0, phase_one
+    device = "cuda:0" if on_gpus else "cpu"
     for scheme in TITAN_SCHEMES:
-        want = _titan_losses(_titan_model(scheme, "with values" if built == "with values" else "titan_init"), None)
+        model = _titan_model(scheme, "with values" if built == "with values" else "titan_init").to(device)
+        want = _titan_losses(model, None, device=device)
         assert want[-1] < want[0], scheme  # the steps train
-        torch.testing.assert_close(torch.tensor(got[scheme]), torch.tensor(want), rtol=RTOL, atol=0, msg=scheme)
+        torch.testing.assert_close(torch.tensor(got[scheme]), torch.tensor(want), rtol=GPU_RTOL if on_gpus else RTOL,
+                                   atol=0, msg=scheme)
 
 
 #: the schemes compiled whole under DDP: the depth state crosses DDPOptimizer's graph splits

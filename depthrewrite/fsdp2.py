@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -148,17 +149,10 @@ def batch_key(plan: GatherPlan) -> tuple:
     return plan.group, plan.ranks, plan.hsdp
 
 
-def _elements(param: Tensor) -> int:
-    """The elements of one row of ``param`` (1 for a vector)."""
-    n = 1
-    for size in param.shape[1:]:
-        n *= size
-    return n
-
-
-def _rank_elements(params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> int:
-    """The elements one rank puts into the gather of ``params``: each one's chunk of rows."""
-    return sum(q.chunk * _elements(p) for p, q in zip(params, plans))
+def _widths(params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> list[int]:
+    """The layout of one rank's part of the gather of ``params``: each one's elements in
+    it, its chunk of rows (padded), in order."""
+    return [q.chunk * math.prod(p.shape[1:]) for p, q in zip(params, plans)]
 
 
 def tap_for(owner: nn.Module, name: str, params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> Tensor:
@@ -174,7 +168,7 @@ def tap_for(owner: nn.Module, name: str, params: Sequence[Tensor], plans: Sequen
             and kept[1] == tuple(plans):
         return owner.__dict__[tap_name(name)]
     local = params[0].to_local()
-    size = plans[0].ranks * _rank_elements(params, plans)
+    size = plans[0].ranks * sum(_widths(params, plans))
     tap = torch.zeros(size, dtype=local.dtype, device=local.device, requires_grad=True)
     tap.register_post_accumulate_grad_hook(functools.partial(_reduce_onto_shards, refs, tuple(plans)))
     made[name] = (refs, tuple(plans))
@@ -193,13 +187,9 @@ def gathered(params: Sequence[Tensor], plans: Sequence[GatherPlan], tap: Tensor)
     flat = torch.cat([_padded(p.to_local().detach(), q.chunk).reshape(-1) for p, q in zip(params, plans)])
     ranks = plans[0].ranks
     whole = (funcol.all_gather_tensor(flat, 0, plans[0].group) + tap).view(ranks, flat.numel())
-    out, start = [], 0
-    for p, q in zip(params, plans):
-        width = q.chunk * _elements(p)
-        rows = whole[:, start:start + width].reshape(ranks * q.chunk, *p.shape[1:])
-        out.append(rows[: q.rows])  # the tap is zero: the same values
-        start += width
-    return out
+    # the tap is zero: the same values
+    return [part.reshape(ranks * q.chunk, *p.shape[1:])[: q.rows]
+            for p, q, part in zip(params, plans, whole.split(_widths(params, plans), dim=1))]
 
 
 def _padded(t: Tensor, rows: int) -> Tensor:
@@ -223,13 +213,9 @@ def _reduce_onto_shards(param_refs: tuple, plans: tuple[GatherPlan, ...], tap: T
     torch.distributed.reduce_scatter_tensor(shard, grad.contiguous(), group=mesh.get_group(mesh.ndim - 1))
     if plans[0].hsdp:  # the replicas' sums added too, as FSDP2 all-reduces them
         torch.distributed.all_reduce(shard, group=mesh.get_group(0))
-    additions, start = [], 0
-    for param, plan in zip(params, plans):
-        width = plan.chunk * _elements(param)
-        own = shard[start:start + width].view(plan.chunk, *param.shape[1:])[: param.to_local().shape[0]]
-        additions.append((param, own / plan.divisor))
-        start += width
-    _add_after_backward(additions)
+    parts = shard.split(_widths(params, plans))
+    _add_after_backward([(param, part.view(plan.chunk, *param.shape[1:])[: param.to_local().shape[0]] / plan.divisor)
+                         for param, plan, part in zip(params, plans, parts)])
 
 
 #: per running backward (autograd's graph task id), ``(sharded parameter, this rank's

@@ -213,7 +213,8 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpu
     torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
     options = None if on_gpus else {"inner": "aot_eager"}
     # HSDP: each rank a replica holding the whole of every parameter as its one shard
-    mesh = init_device_mesh(device.split(":")[0], (WORLD, 1), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    mesh = init_device_mesh("cuda" if on_gpus else "cpu", (WORLD, 1),
+                            mesh_dim_names=("replicate", "shard")) if hsdp else None
     losses, phase_one = {}, {}
     try:
         # the block's call updates the depth runtime inside each checkpoint (README, torch.compile)

@@ -20,7 +20,9 @@ from tests.conftest import free_port
 
 RANKS = 3
 #: the parameters' shapes: 5 rows over 3 ranks (chunks 2, 2, 1), 4 rows of 3 (2, 2, 0), 1 row
-SHAPES = ((5,), (4, 3), (1, 2))
+#: of 3; each rank's part of the gather holds 2, 6 and 3 elements of them, so that no
+#: order but the right one lays them out the same
+SHAPES = ((5,), (4, 3), (1, 3))
 
 
 def _weights(rank: int) -> list[torch.Tensor]:

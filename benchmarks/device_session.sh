@@ -5,6 +5,7 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh fsdp59   # phase 1 on FSDP2's shards: GPU test, per-block + FSDP2 end to end (session 59)
 #   OUT=... bash benchmarks/device_session.sh table59  # every scheme end to end at HEAD (session 59)
+#   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
 #   OUT=... bash benchmarks/device_session.sh schemes  # every scheme compiled with the backend vs eager
@@ -1309,13 +1310,23 @@ fsdp59)
       --schemes ${FSDP_SCHEMES:-baseline_pb_fsdp dar_block_pb_fsdp dar_block_pb_fsdp_site} > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | tail -8
   ;;
+host61)
+  # session 61: where the host time of a step goes, by package (benchmarks/host_profile.py):
+  # the plain model and Block AttnRes and DAR block, each block compiled and sharded with
+  # FSDP2 on one rank (torchtitan's set-up, host-bound on the device's hosts)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "${HOST_SECONDS:-520}" python3 benchmarks/host_profile.py --steps 5 --top 40 \
+      --schemes ${HOST_SCHEMES:-baseline_pb_fsdp dar_block_pb_fsdp block_attnres_pb_fsdp} > "$OUT/host_profile.txt" 2>&1
+  grep -v -E "Warning|warn" "$OUT/host_profile.txt" | sed -n '/^host ms a step by package/,$p'
+  ;;
 fsdp2gpus60)
   # session 60: torchtitan's stack (each block checkpointed, compiled with the backend's
   # defaults, sharded with FSDP2) on 2 GPUs with nccl, against one eager process: phase 1's
   # gathers and its gradients added after FSDP2's own reduce-scatters, which run on FSDP2's
-  # streams (one rank never shows them); then the one-rank FSDP2 GPU tests at this HEAD
+  # streams (one rank never shows them), and each block's forward checkpointed re-entrantly
+  # (session 61: our addition waits for FSDP2's reductions); then the one-rank FSDP2 GPU tests
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_distributed.py -k "titan and GPUs" -rs \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_distributed.py -k "(titan or reentrant) and GPUs" -rs \
       > "$OUT/fsdp2_two_gpus.txt" 2>&1
   tail -3 "$OUT/fsdp2_two_gpus.txt"
   timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py \

@@ -229,7 +229,11 @@ def _add_after_backward(additions: list[tuple[Tensor, Tensor]]) -> None:
     FSDP2 has set that ``.grad`` already (the block holding the parameter ran its backward
     before the block whose phase 1 read it) to the output of a reduce-scatter still running
     on FSDP2's own CUDA stream; FSDP2's final callback, queued as the backward began, makes
-    the current stream wait for it, and ours, queued after, runs after it."""
+    the current stream wait for it, and ours, queued after, runs after it. Inside a nested
+    backward (a reentrant checkpoint of the block's forward, Hugging Face's
+    ``gradient_checkpointing_enable()`` with ``use_reentrant=True``) ours is queued on the
+    nested one and runs before FSDP2's final callback: :func:`_add_now` then waits for
+    FSDP2's reductions itself."""
     task = torch._C._current_graph_task_id()
     if task not in _TO_ADD:
         _TO_ADD[task] = []
@@ -242,10 +246,28 @@ def _add_now(task: int) -> None:
     like the parameter, as FSDP2 keeps it)."""
     from torch.distributed.tensor import DTensor
 
-    for param, rows in _TO_ADD.pop(task, []):
+    additions = _TO_ADD.pop(task, [])
+    if additions:
+        wait_for_fsdp_reductions([param for param, _ in additions])
+    for param, rows in additions:
         reduced = DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False,
                                      shape=param.shape, stride=param.stride())
         param.grad = reduced if param.grad is None else param.grad + reduced
+
+
+def wait_for_fsdp_reductions(params: Sequence[Tensor]) -> None:
+    """Make the current stream wait for the reductions FSDP2 has issued into the ``.grad``
+    of ``params`` and not yet waited for, as its own final callback waits
+    (``FSDPParamGroup._wait_for_post_backward``): each holding group's post-reduce event
+    and, under HSDP, its all-reduce's. Without CUDA streams (gloo on the CPU) there is
+    nothing to wait for. Waiting again for an event that FSDP2 waits for later is harmless;
+    the events are left for FSDP2 to clear."""
+    for group in {id(g): g for g in _fsdp_groups_of(params).values()}.values():
+        handle = getattr(group, "device_handle", None)
+        all_reduce = getattr(group, "_all_reduce_state", None)
+        for event in (getattr(group, "_post_reduce_event", None), getattr(all_reduce, "event", None)):
+            if event is not None and handle is not None:
+                handle.current_stream().wait_event(event)
 
 
 def tie_state_to_output(block: nn.Module, out, leaves: Sequence, received: Sequence) -> tuple:

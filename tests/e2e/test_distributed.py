@@ -297,6 +297,92 @@ def test_torchtitans_stack_trains_like_one_process(tmp_path, built, sharding, on
                                    atol=0, msg=scheme)
 
 
+#: the two-phase schemes, whose phase 1 gathers the next block's shards under FSDP2
+REENTRANT_SCHEMES = ("block_attnres", "dar")
+
+
+def _checkpoint_forward_reentrant(layer) -> None:
+    """``layer.forward`` run through a re-entrant checkpoint, as Hugging Face's
+    ``gradient_checkpointing_enable()`` with ``use_reentrant=True`` runs it (keywords bound
+    first: the re-entrant form takes none)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    inner = layer.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=True)
+
+    layer.forward = forward
+
+
+def _reentrant_worker(rank: int, port: int, out: str, on_gpus: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from depthrewrite import fsdp2
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = f"cuda:{rank}" if on_gpus else "cpu"
+    if on_gpus:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
+    losses, nested = {}, {}
+    # where each end-of-backward addition ran: in a nested backward (the checkpoint's) or not
+    add_now, outer_tasks, add_tasks = fsdp2._add_now, set(), []
+
+    def recorded(task):
+        add_tasks.append(task)
+        return add_now(task)
+
+    fsdp2._add_now = recorded
+    try:
+        for scheme in REENTRANT_SCHEMES:
+            model = _titan_model(scheme, "with values").to(device)
+            for layer in model.layers.values():
+                _checkpoint_forward_reentrant(layer)
+                fully_shard(layer)
+            fully_shard(model)
+            # the outer backward's task, seen from a hook on the logits' gradient
+            model.output.register_full_backward_hook(
+                lambda *_: outer_tasks.add(torch._C._current_graph_task_id()))
+            add_tasks.clear()
+            losses[scheme] = _titan_losses(model, rank, device=device)
+            # the phase 1 of blocks 1.. runs inside the checkpointed forwards: added from
+            # their nested backwards (block 0's, made as the state starts in its call,
+            # outside the checkpoint, from the outer one)
+            nested[scheme] = len(set(add_tasks) - outer_tasks)
+        _leave_together()
+    finally:
+        fsdp2._add_now = add_now
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        torch.save((losses, nested), out)
+
+
+@pytest.mark.parametrize("on_gpus", [pytest.param(False, id="cpu"), pytest.param(True, id="2 GPUs", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (the device machine's multi-GPU kinds)"))])
+def test_reentrant_checkpoint_of_each_forward_under_fsdp2_trains_like_one_process(tmp_path, on_gpus):
+    """Each block's forward checkpointed re-entrantly (Hugging Face's
+    ``gradient_checkpointing_enable()`` with ``use_reentrant=True``) and sharded with FSDP2
+    on 2 ranks: phase 1's gradients reach the next block's shards from inside the
+    checkpoint's nested backward, whose end comes before FSDP2's final callback (the test
+    checks that they did), and the losses of 3 SGD steps match one process without
+    checkpoints. Our addition then waits for FSDP2's pending reductions
+    (``fsdp2.wait_for_fsdp_reductions``): on the CPU there are no streams to race; on 2
+    GPUs (nccl, the fused kernels, eager) FSDP2 reduce-scatters on streams of its own."""
+    out = tmp_path / "losses.pt"
+    mp.spawn(_reentrant_worker, args=(free_port(), str(out), on_gpus), nprocs=WORLD, join=True)
+    got, nested = torch.load(out)
+    assert all(nested[scheme] > 0 for scheme in REENTRANT_SCHEMES), nested
+    device = "cuda:0" if on_gpus else "cpu"
+    for scheme in REENTRANT_SCHEMES:
+        want = _titan_losses(_titan_model(scheme, "with values").to(device), None, device=device)
+        torch.testing.assert_close(torch.tensor(got[scheme]), torch.tensor(want), rtol=GPU_RTOL if on_gpus else RTOL,
+                                   atol=0, msg=scheme)
+
+
 #: the schemes compiled whole under DDP: the depth state crosses DDPOptimizer's graph splits
 DDP_COMPILE_SCHEMES = ("dar", "wav", "attnres")
 

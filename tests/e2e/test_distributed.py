@@ -194,6 +194,16 @@ def _titan_model(scheme: str, built: str):
     return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), meta_init=titan_init)
 
 
+def _join_group(rank: int, port: int, on_gpus: bool) -> str:
+    """This spawned rank in the process group (nccl on GPU ``rank``, else gloo); its device."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if on_gpus:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
+    return f"cuda:{rank}" if on_gpus else "cpu"
+
+
 def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpus: bool) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
@@ -203,14 +213,9 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpu
     from depthrewrite import backend
     from tests.handwritten_models import titan_init
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # on GPUs: nccl, Inductor and the fused kernels (the backend's defaults); on the CPU:
     # gloo and AOTAutograd alone (Inductor's C++ compiles would take minutes)
-    device = f"cuda:{rank}" if on_gpus else "cpu"
-    if on_gpus:
-        torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
+    device = _join_group(rank, port, on_gpus)
     options = None if on_gpus else {"inner": "aot_eager"}
     # HSDP: each rank a replica holding the whole of every parameter as its one shard
     mesh = init_device_mesh("cuda" if on_gpus else "cpu", (WORLD, 1),
@@ -322,12 +327,7 @@ def _reentrant_worker(rank: int, port: int, out: str, on_gpus: bool) -> None:
 
     from depthrewrite import fsdp2
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = f"cuda:{rank}" if on_gpus else "cpu"
-    if on_gpus:
-        torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
+    device = _join_group(rank, port, on_gpus)
     losses, nested = {}, {}
     # where each end-of-backward addition ran: in a nested backward (the checkpoint's) or not
     add_now, outer_tasks, add_tasks = fsdp2._add_now, set(), []

@@ -194,10 +194,11 @@ def _titan_model(scheme: str, built: str):
     return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), meta_init=titan_init)
 
 
-def _join_group(rank: int, port: int, on_gpus: bool) -> str:
-    """This spawned rank in the process group (nccl on GPU ``rank``, else gloo); its device."""
+def _join_group(rank: int, port: int, on_gpus: bool, ranks: int = WORLD) -> str:
+    """This spawned rank in a process group of ``ranks`` (nccl on GPU ``rank``, else gloo);
+    its device."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if on_gpus:
         torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
@@ -322,21 +323,27 @@ def _checkpoint_forward_reentrant(layer) -> None:
     layer.forward = forward
 
 
-def _reentrant_worker(rank: int, port: int, out: str, on_gpus: bool) -> None:
+def _reentrant_worker(rank: int, port: int, out: str, ranks: int, on_gpus: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from depthrewrite import fsdp2
 
-    device = _join_group(rank, port, on_gpus)
-    losses, nested = {}, {}
-    # where each end-of-backward addition ran: in a nested backward (the checkpoint's) or not
-    add_now, outer_tasks, add_tasks = fsdp2._add_now, set(), []
+    device = _join_group(rank, port, on_gpus, ranks)
+    losses, nested, waited = {}, {}, {}
+    # where each end-of-backward addition ran (in a nested backward, the checkpoint's, or
+    # not), and how many of FSDP2's reductions it found pending (none on the CPU: no streams)
+    add_now, wait, outer_tasks, add_tasks, pending = fsdp2._add_now, fsdp2.wait_for_fsdp_reductions, set(), [], []
 
-    def recorded(task):
+    def recorded_add(task):
         add_tasks.append(task)
         return add_now(task)
 
-    fsdp2._add_now = recorded
+    def recorded_wait(params):
+        groups = {id(g): g for g in fsdp2._fsdp_groups_of(params).values()}.values()
+        pending.append(sum(getattr(g, "_post_reduce_event", None) is not None for g in groups))
+        return wait(params)
+
+    fsdp2._add_now, fsdp2.wait_for_fsdp_reductions = recorded_add, recorded_wait
     try:
         for scheme in REENTRANT_SCHEMES:
             model = _titan_model(scheme, "with values").to(device)
@@ -348,34 +355,49 @@ def _reentrant_worker(rank: int, port: int, out: str, on_gpus: bool) -> None:
             model.output.register_full_backward_hook(
                 lambda *_: outer_tasks.add(torch._C._current_graph_task_id()))
             add_tasks.clear()
-            losses[scheme] = _titan_losses(model, rank, device=device)
+            pending.clear()
+            # one rank takes the whole batch
+            losses[scheme] = _titan_losses(model, rank if ranks > 1 else None, device=device)
             # the phase 1 of blocks 1.. runs inside the checkpointed forwards: added from
             # their nested backwards (block 0's, made as the state starts in its call,
             # outside the checkpoint, from the outer one)
             nested[scheme] = len(set(add_tasks) - outer_tasks)
+            waited[scheme] = sum(pending)
         _leave_together()
     finally:
-        fsdp2._add_now = add_now
+        fsdp2._add_now, fsdp2.wait_for_fsdp_reductions = add_now, wait
         torch.distributed.destroy_process_group()
     if rank == 0:
-        torch.save((losses, nested), out)
+        torch.save((losses, nested, waited), out)
 
 
-@pytest.mark.parametrize("on_gpus", [pytest.param(False, id="cpu"), pytest.param(True, id="2 GPUs", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (the device machine's multi-GPU kinds)"))])
-def test_reentrant_checkpoint_of_each_forward_under_fsdp2_trains_like_one_process(tmp_path, on_gpus):
+#: (ranks, on GPUs) of the re-entrant test: gloo on the CPU; nccl on one GPU (FSDP2's streams
+#: and events, one rank); nccl on two
+REENTRANT_RUNS = [
+    pytest.param(WORLD, False, id="cpu"),
+    pytest.param(1, True, id="1 GPU", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param(WORLD, True, id="2 GPUs", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (the device machine's multi-GPU kinds)")),
+]
+
+
+@pytest.mark.parametrize("ranks,on_gpus", REENTRANT_RUNS)
+def test_reentrant_checkpoint_of_each_forward_under_fsdp2_trains_like_one_process(tmp_path, ranks, on_gpus):
     """Each block's forward checkpointed re-entrantly (Hugging Face's
-    ``gradient_checkpointing_enable()`` with ``use_reentrant=True``) and sharded with FSDP2
-    on 2 ranks: phase 1's gradients reach the next block's shards from inside the
-    checkpoint's nested backward, whose end comes before FSDP2's final callback (the test
-    checks that they did), and the losses of 3 SGD steps match one process without
-    checkpoints. Our addition then waits for FSDP2's pending reductions
-    (``fsdp2.wait_for_fsdp_reductions``): on the CPU there are no streams to race; on 2
-    GPUs (nccl, the fused kernels, eager) FSDP2 reduce-scatters on streams of its own."""
+    ``gradient_checkpointing_enable()`` with ``use_reentrant=True``) and sharded with FSDP2:
+    phase 1's gradients reach the next block's shards from inside the checkpoint's nested
+    backward, whose end comes before FSDP2's final callback (the test checks that they
+    did), and the losses of 3 SGD steps match one process without checkpoints or FSDP2.
+    Our addition then waits for FSDP2's pending reductions into the same ``.grad``
+    (``fsdp2.wait_for_fsdp_reductions``): on the GPUs (nccl, the fused kernels, eager) the
+    test checks that it found some pending, since FSDP2 reduces on streams of its own; on the
+    CPU there are none. The race that wait closes shows on 2 GPUs only."""
     out = tmp_path / "losses.pt"
-    mp.spawn(_reentrant_worker, args=(free_port(), str(out), on_gpus), nprocs=WORLD, join=True)
-    got, nested = torch.load(out)
+    mp.spawn(_reentrant_worker, args=(free_port(), str(out), ranks, on_gpus), nprocs=ranks, join=True)
+    got, nested, waited = torch.load(out)
     assert all(nested[scheme] > 0 for scheme in REENTRANT_SCHEMES), nested
+    if on_gpus:
+        assert all(waited[scheme] > 0 for scheme in REENTRANT_SCHEMES), waited
     device = "cuda:0" if on_gpus else "cpu"
     for scheme in REENTRANT_SCHEMES:
         want = _titan_losses(_titan_model(scheme, "with values").to(device), None, device=device)

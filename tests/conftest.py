@@ -90,3 +90,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def leave_together() -> None:
+    """A barrier before a spawned rank destroys its process group and exits. Without it a
+    rank whose own collective had returned could leave while gloo still sent another rank
+    that collective's last message: in session 59 one CI run in three hung in a futex (the
+    compiled-DDP test), and in session 61 a rank of the 3-rank gather test died with
+    SIGABRT ("terminate called without an active exception") after ``full_tensor()``."""
+    torch.distributed.barrier()

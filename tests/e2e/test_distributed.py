@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
-from tests.conftest import corpus_bytes, free_port, perturb_routing
+from tests.conftest import corpus_bytes, free_port, leave_together, perturb_routing
 
 WORLD = 2
 RTOL = 1e-5
@@ -35,14 +35,6 @@ def _config(mode: str, data: str, out: str) -> TrainConfig:
     return TrainConfig(model="gpt:tiny", layers=2, scheme="attnres", data=DataConfig(source=data, doc_bytes=2048),
                        steps=6, batch_size=8, seq_len=32, warmup_steps=2, eval_every=3, eval_batches=2, out=out,
                        distributed=mode, progress=False)
-
-
-def _leave_together() -> None:
-    """A barrier before a spawned rank destroys its group and exits. Without it, one CI run
-    in three of session 59 hung in the compiled-DDP test: one rank had exited and the other
-    waited in a futex for ever (a collective's last message from a rank whose own call had
-    returned, it seems: gloo's ring sends)."""
-    torch.distributed.barrier()
 
 
 #: what each spawned rank runs, in order (output folder, mode, changes): DDP straight through;
@@ -251,7 +243,7 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpu
                     depthrewrite.reset_routing_parameters(model)
                 losses[scheme] = _titan_losses(model, rank, summed=summed, device=device)
                 phase_one[scheme] = sum(n for op, n in backend.lowered_ops().items() if "route_many " in op)
-        _leave_together()
+        leave_together()
     finally:
         torch.distributed.destroy_process_group()
     if rank == 0:
@@ -363,7 +355,7 @@ def _reentrant_worker(rank: int, port: int, out: str, ranks: int, on_gpus: bool)
             # outside the checkpoint, from the outer one)
             nested[scheme] = len(set(add_tasks) - outer_tasks)
             waited[scheme] = sum(pending)
-        _leave_together()
+        leave_together()
     finally:
         fsdp2._add_now, fsdp2.wait_for_fsdp_reductions = add_now, wait
         torch.distributed.destroy_process_group()
@@ -444,7 +436,7 @@ def _ddp_compile_worker(rank: int, port: int, out: str) -> None:
             loss.backward()
             found[scheme] = ({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
                              [r.num_routing_ops for r in backend.reports()])
-        _leave_together()
+        leave_together()
     finally:
         torch.distributed.destroy_process_group()
     if rank == 0:

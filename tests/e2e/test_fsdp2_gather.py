@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.conftest import free_port
+from tests.conftest import free_port, leave_together
 
 RANKS = 3
 #: the parameters' shapes: 5 rows over 3 ranks (chunks 2, 2, 1), 4 rows of 3 (2, 2, 0), 1 row
@@ -67,6 +67,7 @@ def _worker(rank: int, port: int, factor: float | None, out: str) -> None:
         assert seen_at_first_callback == [[None] * len(params)]
         grads = [p.grad.full_tensor() for p in params]
         local_rows = [p.to_local().shape[0] for p in params]
+        leave_together()
     finally:
         torch.distributed.destroy_process_group()
     torch.save((whole, [g.detach() for g in gathered], grads, local_rows), f"{out}.{rank}")

@@ -8,8 +8,11 @@ spends on the host (its "host ms/step" in e2e_throughput.py), measured without o
     python benchmarks/host_time_fsdp2_cpu.py --scheme block_attnres            # phase 1 gathers
     python benchmarks/host_time_fsdp2_cpu.py --scheme block_attnres --site     # routed site by site
     python benchmarks/host_time_fsdp2_cpu.py --scheme baseline                 # the plain model
+    python benchmarks/host_time_fsdp2_cpu.py --scheme dar --layers 24 --eager   # not compiled
 
-Prints one line: the median step time over ``--steps`` steps after three warm-up steps.
+Prints one line: the median step time over ``--steps`` steps after three warm-up steps, and
+the time a step spends finding the FSDP2 groups of the routing parameters phase 1 gathers
+(``fsdp2._fsdp_groups_of``: once per graph compiled, at every phase-1 call eager).
 """
 
 from __future__ import annotations
@@ -26,17 +29,18 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import depthrewrite  # noqa: E402
+from depthrewrite import fsdp2  # noqa: E402
 from depthrewrite.passes import two_phase  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.handwritten_models import TitanLlama  # noqa: E402
 
 
-def _model(scheme: str, layers: int, tokens: torch.Tensor) -> TitanLlama:
+def _model(scheme: str, layers: int, tokens: torch.Tensor, eager: bool) -> TitanLlama:
     torch.manual_seed(0)
     model = TitanLlama(n_layers=layers, dim=32)
     if scheme != "baseline":
         depthrewrite.rewrite(model, scheme, example_inputs=(tokens,))
-    for name, layer in list(model.layers.items()):
+    for name, layer in list(model.layers.items()) if not eager else ():
         if scheme == "baseline":
             compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
         else:
@@ -52,10 +56,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--site", action="store_true", help="phase 1 does not gather the shards (two_phase.GATHER_SHARDS)")
     parser.add_argument("--no-fsdp", action="store_true", help="compiled block by block, not sharded")
+    parser.add_argument("--eager", action="store_true", help="the blocks not compiled")
     args = parser.parse_args(argv)
     two_phase.GATHER_SHARDS = not args.site
     tokens = torch.randint(0, 128, (1, 16))
-    model = _model(args.scheme, args.layers, tokens)
+    model = _model(args.scheme, args.layers, tokens, args.eager)
     if not args.no_fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -71,16 +76,46 @@ def main(argv=None) -> None:
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         return time.perf_counter() - start
 
+    lookups = _timed_group_lookups()
     try:
         for _ in range(3):
             step()
+        lookups.clear()
         median = statistics.median(step() for _ in range(args.steps))
     finally:
+        fsdp2._fsdp_groups_of = lookups.original
         if not args.no_fsdp:
             torch.distributed.destroy_process_group()
     form = "not sharded" if args.no_fsdp else ("FSDP2, site by site" if args.site else "FSDP2")
+    form += ", eager" if args.eager else ""
     print(f"{args.scheme} ({form}, {args.layers} blocks): {1e3 * median:.2f} ms/step "
-          f"(median of {args.steps}; torch {torch.__version__})")
+          f"(median of {args.steps}; torch {torch.__version__}); finding FSDP2's groups: "
+          f"{1e3 * lookups.seconds / args.steps:.2f} ms in {lookups.calls / args.steps:.0f} calls a step")
+
+
+class _Lookups:
+    """Time spent in ``fsdp2._fsdp_groups_of`` (replaced by a timed wrapper while it lives)."""
+
+    def __init__(self, original):
+        self.original, self.seconds, self.calls = original, 0.0, 0
+
+    def clear(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+def _timed_group_lookups() -> _Lookups:
+    lookups = _Lookups(fsdp2._fsdp_groups_of)
+
+    def timed(params):
+        start = time.perf_counter()
+        try:
+            return lookups.original(params)
+        finally:
+            lookups.seconds += time.perf_counter() - start
+            lookups.calls += 1
+
+    fsdp2._fsdp_groups_of = timed
+    return lookups
 
 
 if __name__ == "__main__":

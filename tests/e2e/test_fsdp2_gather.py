@@ -53,6 +53,13 @@ def _worker(rank: int, port: int, factor: float | None, out: str) -> None:
         params = list(module.parameters())
         plans = fsdp2.gather_plans(params)
         assert all(q is not None for q in plans), plans
+        # asked again (eager phase 1 asks at every call), the groups come from the cache,
+        # FSDP2's states not walked
+        walk, fsdp2._walk_fsdp_groups = fsdp2._walk_fsdp_groups, None
+        try:
+            assert fsdp2.gather_plans(params) == plans
+        finally:
+            fsdp2._walk_fsdp_groups = walk
         assert len({fsdp2.batch_key(q) for q in plans}) == 1  # one collective for all
         tap = fsdp2.tap_for(module, "all", params, plans)
         assert fsdp2.tap_for(module, "all", params, plans) is tap  # kept, not made again

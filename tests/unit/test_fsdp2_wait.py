@@ -2,8 +2,10 @@
 sharded parameter's ``.grad``, the current stream waits for what FSDP2 has issued into it
 and not yet waited for (its post-reduce event, and under HSDP its all-reduce's), as
 FSDP2's own final callback would. Needed where our callback runs before that one (a
-re-entrant checkpoint's nested backward); the race itself needs several GPUs. FSDP2's
-groups are stood in for here: the rule is which events the stream is made to wait for."""
+re-entrant checkpoint's nested backward); the race itself needs several GPUs. And how the
+groups holding parameters are found: walked once, then cached, weakly both ways. FSDP2's
+groups are stood in for here: the rules are which events the stream is made to wait for and
+when the groups are walked."""
 
 from types import SimpleNamespace
 
@@ -39,3 +41,37 @@ def test_the_stream_waits_for_each_holding_groups_pending_reductions_once(monkey
     # the events stay for FSDP2 to wait for and clear itself
     assert pending._post_reduce_event == "reduce-1" and hsdp._all_reduce_state.event == "all-reduce-2"
 
+
+
+class _Group:
+    """A stand-in for an FSDP2 parameter group (weakly referable, as FSDP2's are)."""
+
+
+def test_a_parameters_group_is_found_once_and_held_weakly(monkeypatch):
+    import gc
+
+    walks = []
+    groups = {}
+
+    def walk(params):
+        walks.append(len(params))
+        return {id(p): groups[id(p)] for p in params if id(p) in groups}
+
+    monkeypatch.setattr(fsdp2, "_walk_fsdp_groups", walk)
+    a, b = torch.zeros(2), torch.zeros(3)
+    first = _Group()
+    groups.update({id(a): first, id(b): first})
+    assert fsdp2._fsdp_groups_of([a, b]) == {id(a): first, id(b): first}
+    assert fsdp2._fsdp_groups_of([a, b]) == {id(a): first, id(b): first}
+    assert walks == [2]  # the second answer came from the cache
+    # the cache holds neither: a dropped group is looked for again, a dropped parameter leaves it
+    second = _Group()
+    groups.update({id(a): second, id(b): second})
+    del first
+    gc.collect()
+    assert fsdp2._fsdp_groups_of([a, b]) == {id(a): second, id(b): second}
+    assert walks == [2, 2]
+    held = len(fsdp2._GROUP_OF)
+    del b
+    gc.collect()
+    assert len(fsdp2._GROUP_OF) == held - 1

@@ -572,10 +572,10 @@ def _shard_on_one_rank(model) -> None:
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    with socket.socket() as s:  # a free port for the one-rank group's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     if not torch.distributed.is_initialized():  # host_profile.py builds several models in one process
+        with socket.socket() as s:  # a free port for the one-rank group's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     for block in model.blocks:
         fully_shard(block)

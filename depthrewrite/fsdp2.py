@@ -263,12 +263,23 @@ def wait_for_fsdp_reductions(params: Sequence[Tensor]) -> None:
     and, under HSDP, its all-reduce's. Without CUDA streams (gloo on the CPU) there is
     nothing to wait for. Waiting again for an event that FSDP2 waits for later is harmless;
     the events are left for FSDP2 to clear."""
-    for group in {id(g): g for g in _fsdp_groups_of(params).values()}.values():
+    for group in holding_groups(params):
         handle = getattr(group, "device_handle", None)
-        all_reduce = getattr(group, "_all_reduce_state", None)
-        for event in (getattr(group, "_post_reduce_event", None), getattr(all_reduce, "event", None)):
-            if event is not None and handle is not None:
-                handle.current_stream().wait_event(event)
+        for event in pending_reductions(group) if handle is not None else ():
+            handle.current_stream().wait_event(event)
+
+
+def holding_groups(params: Sequence[Tensor]) -> list:
+    """The FSDP2 parameter groups holding ``params``, each once."""
+    return list({id(g): g for g in _fsdp_groups_of(params).values()}.values())
+
+
+def pending_reductions(group) -> list:
+    """The events of the reductions FSDP2's parameter group ``group`` has issued and not yet
+    waited for: its post-reduce event and, under HSDP, its all-reduce's (None where unset)."""
+    all_reduce = getattr(group, "_all_reduce_state", None)
+    events = (getattr(group, "_post_reduce_event", None), getattr(all_reduce, "event", None))
+    return [event for event in events if event is not None]
 
 
 def tie_state_to_output(block: nn.Module, out, leaves: Sequence, received: Sequence) -> tuple:

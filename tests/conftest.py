@@ -92,6 +92,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_group(rank: int, port: int, ranks: int, on_gpus: bool = False) -> str:
+    """A spawned rank in a process group of ``ranks`` on this machine (nccl on GPU ``rank``,
+    else gloo), one CPU thread each; its device."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if on_gpus:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
+    return f"cuda:{rank}" if on_gpus else "cpu"
+
+
 def leave_together() -> None:
     """A barrier before a spawned rank destroys its process group and exits. Without it a
     rank whose own collective had returned could leave while gloo still sent another rank

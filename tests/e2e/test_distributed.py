@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
-from tests.conftest import corpus_bytes, free_port, leave_together, perturb_routing
+from tests.conftest import corpus_bytes, free_port, join_group, leave_together, perturb_routing
 
 WORLD = 2
 RTOL = 1e-5
@@ -186,17 +186,6 @@ def _titan_model(scheme: str, built: str):
     return depthrewrite.rewrite(model, scheme, example_inputs=(torch.randint(0, 128, (2, 8)),), meta_init=titan_init)
 
 
-def _join_group(rank: int, port: int, on_gpus: bool, ranks: int = WORLD) -> str:
-    """This spawned rank in a process group of ``ranks`` (nccl on GPU ``rank``, else gloo);
-    its device."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if on_gpus:
-        torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl" if on_gpus else "gloo")
-    return f"cuda:{rank}" if on_gpus else "cpu"
-
-
 def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpus: bool) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
@@ -208,7 +197,7 @@ def _titan_worker(rank: int, port: int, out: str, built: str, hsdp: bool, on_gpu
 
     # on GPUs: nccl, Inductor and the fused kernels (the backend's defaults); on the CPU:
     # gloo and AOTAutograd alone (Inductor's C++ compiles would take minutes)
-    device = _join_group(rank, port, on_gpus)
+    device = join_group(rank, port, WORLD, on_gpus)
     options = None if on_gpus else {"inner": "aot_eager"}
     # HSDP: each rank a replica holding the whole of every parameter as its one shard
     mesh = init_device_mesh("cuda" if on_gpus else "cpu", (WORLD, 1),
@@ -320,7 +309,7 @@ def _reentrant_worker(rank: int, port: int, out: str, ranks: int, on_gpus: bool)
 
     from depthrewrite import fsdp2
 
-    device = _join_group(rank, port, on_gpus, ranks)
+    device = join_group(rank, port, ranks, on_gpus)
     losses, nested, waited = {}, {}, {}
     # where each end-of-backward addition ran (in a nested backward, the checkpoint's, or
     # not), and how many of FSDP2's reductions it found pending (none on the CPU: no streams)
@@ -331,8 +320,7 @@ def _reentrant_worker(rank: int, port: int, out: str, ranks: int, on_gpus: bool)
         return add_now(task)
 
     def recorded_wait(params):
-        groups = {id(g): g for g in fsdp2._fsdp_groups_of(params).values()}.values()
-        pending.append(sum(getattr(g, "_post_reduce_event", None) is not None for g in groups))
+        pending.append(sum(len(fsdp2.pending_reductions(g)) for g in fsdp2.holding_groups(params)))
         return wait(params)
 
     fsdp2._add_now, fsdp2.wait_for_fsdp_reductions = recorded_add, recorded_wait
@@ -417,9 +405,7 @@ def _ddp_compile_worker(rank: int, port: int, out: str) -> None:
 
     from depthrewrite import backend
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, port, WORLD)
     found = {}
     try:
         for scheme in DDP_COMPILE_SCHEMES:

@@ -9,14 +9,12 @@ against one process) are in tests/e2e/test_distributed.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.conftest import free_port, leave_together
+from tests.conftest import free_port, join_group, leave_together
 
 RANKS = 3
 #: the parameters' shapes: 5 rows over 3 ranks (chunks 2, 2, 1), 4 rows of 3 (2, 2, 0), 1 row
@@ -37,9 +35,7 @@ def _worker(rank: int, port: int, factor: float | None, out: str) -> None:
 
     from depthrewrite import fsdp2
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo")
+    join_group(rank, port, RANKS)
     try:
         torch.manual_seed(0)  # the same values on every rank
         module = nn.Module()

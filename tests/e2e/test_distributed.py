@@ -405,7 +405,9 @@ def _ddp_compile_worker(rank: int, port: int, out: str) -> None:
 
     from depthrewrite import backend
 
-    join_group(rank, port, WORLD)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
     found = {}
     try:
         for scheme in DDP_COMPILE_SCHEMES:

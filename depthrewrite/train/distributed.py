@@ -7,6 +7,7 @@ CPU. The global batch is split across ranks (see ``data.batch_at``); rank 0 logs
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -94,5 +95,11 @@ def barrier(info: DistInfo) -> None:
 
 
 def teardown(info: DistInfo) -> None:
+    """Destroy the process group, after freeing what still refers to it. A compiled DDP
+    wrapper outlives its run in reference cycles; were it freed after the group, at some
+    later collection or at exit, its reducer would drop the group's last reference with the
+    GIL held, and gloo's destructor would join a worker thread that may be waiting for the
+    GIL to free its last work: a deadlock (seen once in CI, session 61)."""
     if info.mode != "none" and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

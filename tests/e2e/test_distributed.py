@@ -14,10 +14,12 @@ the losses by 1e-3 or more after the first update.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -140,6 +142,39 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ddp")] == ["step_00000002.pt"]
     loss, _ = _logged(tmp_path / "ddp" / "metrics.jsonl")
     assert len(loss) == 2
+
+
+def _compiled_ddp_teardown_worker(rank: int, data: str, port: int, out: str) -> None:
+    """``train`` with DDP and torch.compile; counts the DDP wrappers alive when it destroys the group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    destroy, alive = torch.distributed.destroy_process_group, []
+
+    def counting_destroy(*args, **kwargs):
+        alive.append(sum(type(o) is DistributedDataParallel for o in gc.get_objects()))
+        return destroy(*args, **kwargs)
+
+    torch.distributed.destroy_process_group = counting_destroy
+    config = _config("ddp", data, None)
+    config.steps, config.warmup_steps, config.eval_every = 2, 1, 2
+    config.compile, config.backend, config.compile_options = True, "depthrewrite", {"inner": "aot_eager"}
+    train(config)
+    if rank == 0:
+        torch.save(alive, out)
+
+
+def test_compiled_ddp_training_frees_its_wrapper_before_destroying_the_group(tmp_path):
+    """A compiled DDP wrapper lives on in reference cycles after its run. ``train`` frees it
+    before destroying the process group: freed after, its reducer would drop gloo's group with
+    the GIL held, which deadlocked a rank at exit once in CI (``distributed.teardown``)."""
+    data = tmp_path / "text.txt"
+    data.write_bytes(corpus_bytes("tinyshakespeare.txt", 100_000))
+    out = tmp_path / "alive.pt"
+    mp.spawn(_compiled_ddp_teardown_worker, args=(str(data), free_port(), str(out)), nprocs=WORLD, join=True)
+    assert torch.load(out) == [0]
 
 
 #: the schemes trained under torchtitan's stack: two-phase with one stream, with two, and site by site
@@ -400,30 +435,46 @@ def _ddp_compile_model(scheme: str):
     return model
 
 
+def _free_before_leaving(ddp_modules: list) -> None:
+    """Free every DDP module while the process group is still registered. A DDP module freed
+    after ``destroy_process_group`` (at the worker's return) drops the group's last reference
+    from its reducer, with the GIL held; gloo's destructor then joins its worker threads, one
+    of which may be freeing the last barrier's work and waits for the GIL: rank 1 hung so
+    once in CI (session 61)."""
+    # the compiled DDP modules outlive their ``del`` in cycles that Dynamo's caches hold:
+    # on torch 2.13 either of these two lines alone frees them
+    torch._dynamo.reset()
+    gc.collect()
+    alive = sum(ref() is not None for ref in ddp_modules)
+    if alive:
+        raise RuntimeError(f"{alive} DDP module(s) still alive before the process group is destroyed")
+
+
 def _ddp_compile_worker(rank: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from depthrewrite import backend
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
-    found = {}
+    join_group(rank, port, WORLD)
+    found, ddp_modules = {}, []
     try:
         for scheme in DDP_COMPILE_SCHEMES:
             torch._dynamo.reset()
             backend.clear_reports()
             model = _ddp_compile_model(scheme)
+            ddp = DDP(model, bucket_cap_mb=1)
+            ddp_modules.append(weakref.ref(ddp))
             # torch.compile of the DDP module: Dynamo's DDPOptimizer splits the graph where
             # DDP's buckets end, and the backend compiles each piece
-            compiled = torch.compile(DDP(model, bucket_cap_mb=1), backend="depthrewrite",
-                                     options={"inner": "aot_eager"})
+            compiled = torch.compile(ddp, backend="depthrewrite", options={"inner": "aot_eager"})
             tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
             mine = tokens[rank * 2:(rank + 1) * 2]
             _, loss = compiled(mine, mine)
             loss.backward()
             found[scheme] = ({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
                              [r.num_routing_ops for r in backend.reports()])
+            del ddp, compiled, loss
+        _free_before_leaving(ddp_modules)
         leave_together()
     finally:
         torch.distributed.destroy_process_group()

@@ -9,6 +9,7 @@ spends on the host (its "host ms/step" in e2e_throughput.py), measured without o
     python benchmarks/host_time_fsdp2_cpu.py --scheme block_attnres --site     # routed site by site
     python benchmarks/host_time_fsdp2_cpu.py --scheme baseline                 # the plain model
     python benchmarks/host_time_fsdp2_cpu.py --scheme dar --layers 24 --eager   # not compiled
+    python benchmarks/host_time_fsdp2_cpu.py --scheme dar --ignore-routing      # routing kept out of FSDP2
 
 Prints one line: the median step time over ``--steps`` steps after three warm-up steps, and
 the time a step spends finding the FSDP2 groups of the routing parameters phase 1 gathers
@@ -31,6 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import depthrewrite  # noqa: E402
 from depthrewrite import fsdp2  # noqa: E402
 from depthrewrite.passes import two_phase  # noqa: E402
+from depthrewrite.passes.runtime import ROUTER_ATTR  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.handwritten_models import TitanLlama  # noqa: E402
 
@@ -57,6 +59,9 @@ def main(argv=None) -> None:
     parser.add_argument("--site", action="store_true", help="phase 1 does not gather the shards (two_phase.GATHER_SHARDS)")
     parser.add_argument("--no-fsdp", action="store_true", help="compiled block by block, not sharded")
     parser.add_argument("--eager", action="store_true", help="the blocks not compiled")
+    parser.add_argument("--ignore-routing", action="store_true",
+                        help="the routing parameters left out of FSDP2 (fully_shard's ignored_params): what FSDP2's "
+                             "work on them costs; their gradients are then not reduced, so for timing only")
     args = parser.parse_args(argv)
     two_phase.GATHER_SHARDS = not args.site
     tokens = torch.randint(0, 128, (1, 16))
@@ -67,8 +72,8 @@ def main(argv=None) -> None:
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                              world_size=1)
         for layer in model.layers.values():
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, ignored_params=_routing_parameters(layer) if args.ignore_routing else None)
+        fully_shard(model, ignored_params=_routing_parameters(model) if args.ignore_routing else None)
 
     def step() -> float:
         start = time.perf_counter()
@@ -88,9 +93,14 @@ def main(argv=None) -> None:
             torch.distributed.destroy_process_group()
     form = "not sharded" if args.no_fsdp else ("FSDP2, site by site" if args.site else "FSDP2")
     form += ", eager" if args.eager else ""
+    form += ", routing not in FSDP2" if args.ignore_routing else ""
     print(f"{args.scheme} ({form}, {args.layers} blocks): {1e3 * median:.2f} ms/step "
           f"(median of {args.steps}; torch {torch.__version__}); finding FSDP2's groups: "
           f"{1e3 * lookups.seconds / args.steps:.2f} ms in {lookups.calls / args.steps:.0f} calls a step")
+
+
+def _routing_parameters(module: torch.nn.Module) -> set:
+    return {p for name, p in module.named_parameters() if f"{ROUTER_ATTR}." in name}
 
 
 class _Lookups:

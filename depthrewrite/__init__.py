@@ -8,7 +8,7 @@ depth-routing graphs (Attention Residuals, MHAR, WAV, DAR and their baselines).
 from .analysis import ResidualStream, Site
 from .errors import (
     AlreadyRewrittenError, CaptureError, DepthRewriteError, NoResidualStreamError, NotAdditiveStreamError,
-    NotPreNormError, RuntimeOrderError, UnsupportedStructureError,
+    NotPreNormError, RuntimeOrderError, SequenceParallelError, UnsupportedStructureError,
 )
 from .passes import SCHEMES
 from .hf import from_pretrained
@@ -21,4 +21,5 @@ __all__ = [
     "rewrite", "inspect", "from_pretrained", "reset_routing_parameters", "SCHEMES", "ResidualStream", "Site",
     "DepthRewriteError", "CaptureError", "NotPreNormError", "NoResidualStreamError",
     "AlreadyRewrittenError", "RuntimeOrderError", "NotAdditiveStreamError", "UnsupportedStructureError",
+    "SequenceParallelError",
 ]

@@ -92,6 +92,7 @@ from .inductor_pass import backend_pass, rewrite_gradient_sums
 from .norm_fusion import fuse_output_norms
 from .recompute import mark_recomputable
 from .sum_fences import DEFAULT_MAX_TERMS, check_max_terms
+from .tensor_parallel import check_graph_inputs
 
 __all__ = ["depthrewrite_backend", "LoweringReport", "last_report", "reports", "clear_reports", "lowered_ops",
            "saved_for_backward"]
@@ -465,6 +466,7 @@ def depthrewrite_backend(gm: fx.GraphModule, example_inputs, *, mode: str | None
     if fused_norms:
         gm.recompile()
     ops, impls = count_routing_ops(gm.graph)
+    check_graph_inputs(gm, example_inputs, sum(ops.values()))
     patches = _config_patches(mode, settings.inductor)
     patches.update(inductor_defaults(_graph_nodes(gm.graph), patches))
     recomputed = (mark_recomputable(gm.graph, settings.recompute_branch_outputs)

@@ -38,3 +38,8 @@ class NotAdditiveStreamError(DepthRewriteError):
 class UnsupportedStructureError(DepthRewriteError):
     """A PreNorm residual stream was found, but a structure in it is not supported yet;
     the message says which. Unlike the other refusals this is a gap of depthrewrite."""
+
+
+class SequenceParallelError(DepthRewriteError):
+    """A routed module runs under sequence parallelism, which depthrewrite does not support
+    yet (depthrewrite/tensor_parallel.py): each rank would route only its share of the tokens."""

@@ -139,9 +139,10 @@ class Attention(nn.Module):
 
     def forward(self, x, freqs_cis):
         bs, seqlen, _ = x.shape
-        xq = self.wq(x).view(bs, seqlen, self.n_heads, self.head_dim)
-        xk = self.wk(x).view(bs, seqlen, self.n_heads, self.head_dim)
-        xv = self.wv(x).view(bs, seqlen, self.n_heads, self.head_dim)
+        # -1 heads, as torchtitan writes it: under tensor parallelism a rank holds some of them
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
         out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))

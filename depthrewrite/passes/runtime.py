@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from ..analysis import BlockPlan, analyze_block_call
 from ..analysis.trace import call_spec, varying_ints
-from .. import fsdp2
+from .. import fsdp2, tensor_parallel
 from ..capture import Capture
 from ..errors import DepthRewriteError, RuntimeOrderError
 from .base import Scheme
@@ -200,6 +200,8 @@ class RoutedBlock(fsdp2.Keyed):
         return call.unpack(super().__call__(*args, *leaves, _depth_call=call, **kwargs))[0]
 
     def forward(self, *args, _depth_call: DepthCall, **kwargs):
+        if not torch.compiler.is_compiling():  # compiled, the backend checks (tensor_parallel)
+            tensor_parallel.check_no_sequence_parallel(self, self._depth_path, ROUTER_ATTR)
         split = len(args) - _depth_call.n_state
         args, leaves = args[:split], args[split:]
         state = pytree.tree_unflatten(list(leaves), _depth_call.state_spec)

@@ -54,8 +54,8 @@ def check_no_sequence_parallel(module: nn.Module, path: str, router_attr: str) -
     """Raise :class:`SequenceParallelError` where ``module``'s own parameters (those below
     ``router_attr`` aside) show sequence parallelism. It runs at every eager call of a routed
     block in a distributed run, so the common case, no DTensor, walks the parameter dicts
-    without naming them: 11 us a call for a DAR block on the dev VM (``named_parameters``
-    took 44), 0.3 ms of an eager step of 24 blocks."""
+    without naming them: 9-16 us a call for a DAR block on the dev VM (``named_parameters``
+    took 44), about 0.3 ms of an eager step of 24 blocks (docs/benchmarks.md, session 62)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     from torch.distributed.tensor import DTensor

@@ -13,8 +13,9 @@ the other ranks' shares (the norms' weights, replicated DTensors, get a ``Partia
 gradient that DTensor sums). The ranks' routing parameters would drift apart with no
 error: on 2 CPU ranks, Block AttnRes's routing gradients were off by 17-80 % of their
 largest element (tests/e2e/test_tensor_parallel.py checks that they are off). So a routed
-block that runs with sequence-parallel parameters raises :class:`SequenceParallelError`: eagerly from its forward, and compiled from the
-``depthrewrite`` backend (another backend compiles it unchecked).
+block that runs with sequence-parallel parameters raises :class:`SequenceParallelError`:
+eagerly from its forward, and compiled from the ``depthrewrite`` backend (another backend
+compiles it unchecked).
 
 What shows sequence parallelism: a parameter of the block (its routing aside) that is a
 DTensor replicated over every dimension of a mesh of more than one rank, which is what
@@ -65,13 +66,7 @@ def check_no_sequence_parallel(module: nn.Module, path: str, router_attr: str) -
     found = sequence_parallel_parameters((n, p) for n, p in module.named_parameters()
                                          if not n.startswith(router_attr + "."))
     if found:
-        raise SequenceParallelError(
-            f"routed module {path!r} runs under sequence parallelism: its parameters {found} are DTensors "
-            "replicated over a mesh of more than one rank (SequenceParallel's). Each rank would route only its "
-            "share of the tokens, and the routing parameters' gradients would miss the other ranks' shares. "
-            "depthrewrite supports tensor parallelism without sequence parallelism (the stream whole on every "
-            "rank between the blocks: RowwiseParallel with its default output_layouts, no SequenceParallel); "
-            "see depthrewrite/tensor_parallel.py")
+        raise _refusal(f"routed module {path!r}", f"its parameters {found}")
 
 
 def _own_parameters(module: nn.Module, router_attr: str):
@@ -94,8 +89,14 @@ def check_graph_inputs(gm: torch.fx.GraphModule, example_inputs, num_routing_ops
     names = [node.name for node in gm.graph.find_nodes(op="placeholder")]
     found = sequence_parallel_parameters(zip(names, example_inputs))
     if found:
-        raise SequenceParallelError(
-            f"depthrewrite backend: a graph with {num_routing_ops} routing ops takes DTensors replicated over a "
-            f"mesh of more than one rank ({', '.join(found)}): sequence parallelism (SequenceParallel), which "
-            "depthrewrite does not support: each rank would route only its share of the tokens, and the routing "
-            "parameters' gradients would miss the other ranks' shares; see depthrewrite/tensor_parallel.py")
+        raise _refusal(f"depthrewrite backend: a graph with {num_routing_ops} routing ops",
+                       f"its inputs {', '.join(found)}")
+
+
+def _refusal(what: str, which: str) -> SequenceParallelError:
+    return SequenceParallelError(
+        f"{what} runs under sequence parallelism: {which} are DTensors replicated over a mesh of more than "
+        "one rank (SequenceParallel's). Each rank would route only its share of the tokens, and the routing "
+        "parameters' gradients would miss the other ranks' shares. depthrewrite supports tensor parallelism "
+        "without sequence parallelism (the stream whole on every rank between the blocks: RowwiseParallel "
+        "with its default output_layouts, no SequenceParallel); see depthrewrite/tensor_parallel.py")

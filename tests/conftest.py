@@ -92,11 +92,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_environment(rank: int, port: int, ranks: int) -> None:
+    """What torchrun gives a spawned rank of ``ranks`` on this machine (the environment a
+    process group, or ``train``, reads), and one CPU thread."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
 def join_group(rank: int, port: int, ranks: int, on_gpus: bool = False) -> str:
     """A spawned rank in a process group of ``ranks`` on this machine (nccl on GPU ``rank``,
     else gloo), one CPU thread each; its device."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_environment(rank, port, ranks)
     if on_gpus:
         torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl" if on_gpus else "gloo")

@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
-from tests.conftest import corpus_bytes, free_port, join_group, leave_together, perturb_routing
+from tests.conftest import corpus_bytes, free_port, join_group, leave_together, perturb_routing, rank_environment
 
 WORLD = 2
 RTOL = 1e-5
@@ -55,10 +55,8 @@ REFERENCES = {"ddp": "none", "fsdp2": "none", "fsdp2_block": "none_block", "ddp_
 
 
 def _worker(rank: int, data: str, root: str, ports: list) -> None:
-    torch.set_num_threads(1)
     for (name, mode, extra), port in zip(RUNS, ports):  # one spawn for all: starting processes is the slow part
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        rank_environment(rank, port, WORLD)
         config = _config(mode, data, os.path.join(root, name))
         for name, value in extra.items():
             setattr(config, name, value)
@@ -116,9 +114,7 @@ def test_torchrun_cli_ddp_prints_once_and_matches_one_process(tmp_path):
 
 def _stopped_worker(rank: int, data: str, out: str, port: int) -> None:
     """Rank 0 alone gets a SIGTERM, during step 2; every rank must stop after that step."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    rank_environment(rank, port, WORLD)
     real = loop._train_step
 
     def step(runner, optimizer, scheduler, tokens, index, *args, **kwargs):
@@ -148,9 +144,7 @@ def _compiled_ddp_teardown_worker(rank: int, data: str, port: int, out: str) -> 
     """``train`` with DDP and torch.compile; counts the DDP wrappers alive when it destroys the group."""
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    rank_environment(rank, port, WORLD)
     destroy, alive = torch.distributed.destroy_process_group, []
 
     def counting_destroy(*args, **kwargs):

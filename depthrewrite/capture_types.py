@@ -37,6 +37,12 @@ class StreamArg:
             return kwargs[self.keyword]
         return args[self.position]
 
+    def replace(self, args: tuple, kwargs: dict, value: Any) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with ``value`` where the stream was."""
+        if self.keyword is not None:
+            return args, {**kwargs, self.keyword: value}
+        return args[:self.position] + (value,) + args[self.position + 1:], kwargs
+
     def describe(self) -> str:
         return f"keyword '{self.keyword}'" if self.keyword is not None else f"argument {self.position}"
 

@@ -41,5 +41,7 @@ class UnsupportedStructureError(DepthRewriteError):
 
 
 class SequenceParallelError(DepthRewriteError):
-    """A routed module runs under sequence parallelism, which depthrewrite does not support
-    yet (depthrewrite/tensor_parallel.py): each rank would route only its share of the tokens."""
+    """A routed module runs under sequence parallelism without its routing declared so by
+    ``depthrewrite.tensor_parallel.parallelize_routing(..., sequence_parallel=True)``: each
+    rank routes only its share of the tokens, and the routing gradients would miss the other
+    ranks' shares (depthrewrite/tensor_parallel.py)."""

@@ -143,6 +143,7 @@ class RoutedBlock(fsdp2.Keyed):
                 "or checkpoint the block's forward"
             )
         if self._depth_after is None:
+            args, kwargs = tensor_parallel.first_block_stream(rt.capture.stream_arg, args, kwargs)
             rt.begin(rt.capture.stream_arg.get(args, kwargs))
         elif rt.last_block != self._depth_after:
             raise RuntimeOrderError(

@@ -30,10 +30,13 @@ saved tensors). With the tap, no DTensor in a compiled graph needs a gradient, a
 reduction runs in eager code, in the engine's order on every rank.
 
 FSDP2's parameter groups are private to torch. Where one cannot be found for a sharded
-parameter (another torch's internals, a DTensor that FSDP2 does not hold, such as tensor
-parallelism's, FSDP2 on a mesh with a tensor-parallel dimension), :func:`gather_plans`
-gives it none and the plan routes those sites one by one (same
-function, more bytes moved). The divisor is read when phase 1 runs: compiled, when the
+parameter (another torch's internals, a DTensor that FSDP2 does not hold, HSDP with a
+tensor-parallel dimension), :func:`gather_plans` gives it none and the plan routes those
+sites one by one (same function, more bytes moved). With FSDP2 over a mesh's first
+dimension and tensor parallelism over its second, the routing parameters replicated over
+the second by :func:`depthrewrite.tensor_parallel.parallelize_routing`, phase 1 gathers over
+the first; under sequence parallelism each rank's gradient is its tokens' share, and the
+reduced rows are summed over the second dimension too. The divisor is read when phase 1 runs: compiled, when the
 block's graph is made.
 
 **The depth state's gradients unshard the block that made it.** FSDP2 gathers a block's
@@ -120,7 +123,9 @@ def is_sharded(param: Tensor) -> bool:
 class GatherPlan(NamedTuple):
     """How phase 1 gathers one sharded routing parameter: the process group of its shards
     (by name), its rows and the ranks they are spread over, the divisor FSDP2 applies to its
-    summed gradient, and whether it is HSDP's (replicated over the mesh's first dimension).
+    summed gradient, whether it is HSDP's (replicated over the mesh's first dimension), the
+    mesh dimension of its shards, and the mesh dimension over which each rank's gradient is
+    a share to be summed too (tensor parallelism's, under sequence parallelism), or None.
     Plain values, so that a compiled block takes them as constants."""
 
     group: str
@@ -128,6 +133,8 @@ class GatherPlan(NamedTuple):
     ranks: int
     divisor: float
     hsdp: bool = False
+    shard_dim: int = 0
+    share_dim: int | None = None
 
     @property
     def chunk(self) -> int:
@@ -135,19 +142,21 @@ class GatherPlan(NamedTuple):
         return -(-self.rows // self.ranks)
 
 
-def gather_plans(params: Sequence[Tensor]) -> tuple[GatherPlan | None, ...]:
+def gather_plans(params: Sequence[Tensor], shares_over_tp: bool = False) -> tuple[GatherPlan | None, ...]:
     """For each parameter, its :class:`GatherPlan` where FSDP2 holds it as a shard this
     module can gather, else None (a plain tensor, read as it is, or a shard that phase 1
-    cannot gather)."""
+    cannot gather). ``shares_over_tp``: with FSDP2 over a mesh's data-parallel dimension and
+    tensor parallelism over its other, each rank's gradient is its share of the tokens
+    (sequence parallelism, :func:`depthrewrite.tensor_parallel.parallelize_routing`)."""
     sharded = [p for p in params if is_sharded(p)]
     groups = _fsdp_groups_of(sharded) if sharded else {}
-    return tuple(_gather_plan(groups.get(id(p)), p) if is_sharded(p) else None for p in params)
+    return tuple(_gather_plan(groups.get(id(p)), p, shares_over_tp) if is_sharded(p) else None for p in params)
 
 
 def batch_key(plan: GatherPlan) -> tuple:
     """What the parameters :func:`gathered` gathers in one collective share: the process
-    group of their shards, its size, and whether it is HSDP's."""
-    return plan.group, plan.ranks, plan.hsdp
+    group of their shards, its size, and how their gradients are reduced."""
+    return plan.group, plan.ranks, plan.hsdp, plan.shard_dim, plan.share_dim
 
 
 def _widths(params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> list[int]:
@@ -209,11 +218,13 @@ def _reduce_onto_shards(param_refs: tuple, plans: tuple[GatherPlan, ...], tap: T
     params = [ref() for ref in param_refs]
     if grad is None or any(p is None for p in params):
         return
-    mesh = params[0].device_mesh
-    shard = torch.empty(grad.numel() // plans[0].ranks, dtype=grad.dtype, device=grad.device)
-    torch.distributed.reduce_scatter_tensor(shard, grad.contiguous(), group=mesh.get_group(mesh.ndim - 1))
-    if plans[0].hsdp:  # the replicas' sums added too, as FSDP2 all-reduces them
+    mesh, plan = params[0].device_mesh, plans[0]
+    shard = torch.empty(grad.numel() // plan.ranks, dtype=grad.dtype, device=grad.device)
+    torch.distributed.reduce_scatter_tensor(shard, grad.contiguous(), group=mesh.get_group(plan.shard_dim))
+    if plan.hsdp:  # the replicas' sums added too, as FSDP2 all-reduces them
         torch.distributed.all_reduce(shard, group=mesh.get_group(0))
+    if plan.share_dim is not None:  # the other tokens' shares, as DTensor sums the Partial gradient
+        torch.distributed.all_reduce(shard, group=mesh.get_group(plan.share_dim))
     parts = shard.split(_widths(params, plans))
     _add_after_backward([(param, part.view(plan.chunk, *param.shape[1:])[: param.to_local().shape[0]] / plan.divisor)
                          for param, plan, part in zip(params, plans, parts)])
@@ -416,22 +427,29 @@ def _walk_fsdp_groups(params: Sequence[Tensor]) -> dict[int, object]:
     return found
 
 
-def _gather_plan(group, param: Tensor) -> GatherPlan | None:
+def _gather_plan(group, param: Tensor, shares_over_tp: bool = False) -> GatherPlan | None:
     """``param``'s :class:`GatherPlan` in FSDP2's parameter group ``group``, or None where
     the group cannot be read or :func:`gathered` cannot gather the parameter. It takes FSDP2's
-    two layouts of a routing parameter: sharded on its first dimension over a 1-D mesh, and
-    HSDP's (replicated over the mesh's first dimension, sharded over its second); not a mesh
-    with other dimensions (tensor parallelism)."""
+    three layouts of a routing parameter: sharded on its first dimension over a 1-D mesh;
+    HSDP's (replicated over the mesh's first dimension, sharded over its second); and with
+    tensor parallelism (sharded over the mesh's first dimension, replicated over its second,
+    the routing parameters replicated by ``parallelize_routing``). Not HSDP with tensor
+    parallelism."""
     if group is None:
         return None
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = param.device_mesh, tuple(param.placements)
     hsdp = type(getattr(group, "mesh_info", None)).__name__ == "HSDPMeshInfo"
-    if placements != ((Replicate(), Shard(0)) if hsdp else (Shard(0),)):
+    with_tp = not hsdp and placements == (Shard(0), Replicate())
+    if not with_tp and placements != ((Replicate(), Shard(0)) if hsdp else (Shard(0),)):
         return None
+    shard_dim = 0 if with_tp else mesh.ndim - 1
+    shards = mesh.get_group(shard_dim)
     factor = getattr(group, "gradient_divide_factor", None)
-    # FSDP2's default divisor: the average over every rank (each replica's shards too)
-    divisor = float(mesh.size()) if factor is None else float(factor)
-    shards = mesh.get_group(mesh.ndim - 1)
-    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor, hsdp)
+    # FSDP2's default divisor: the average over its data-parallel ranks (each replica's
+    # shards too), not the tensor-parallel ones
+    data_parallel = mesh.size() // mesh.size(1) if with_tp else mesh.size()
+    divisor = float(data_parallel) if factor is None else float(factor)
+    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor, hsdp, shard_dim,
+                      1 if with_tp and shares_over_tp else None)

@@ -36,9 +36,9 @@ Tested on gloo ranks against one process in float64, every parameter's gradient 
 AdamW steps (tests/e2e/test_tensor_parallel.py): eager, compiled whole, compiled block by
 block with ``block.compile()``, and under FSDP2 on a 2 x 2 mesh (FSDP2 over ``dp``, this
 over ``tp``). Under FSDP2 the next block's routing parameters are still sharded when phase
-1 of the two-phase schemes reads them, as DTensors over both dimensions that
-:mod:`depthrewrite.fsdp2` does not gather: those sites route one by one (same function,
-more bytes moved).
+1 of the two-phase schemes reads them, as DTensors over both dimensions: the routers' reader
+leaves those as they are, and :mod:`depthrewrite.fsdp2` gathers them over ``dp`` and, under
+sequence parallelism, sums their gradients over ``tp`` too (:func:`reads_shares`).
 
 The routed final norm: its router is its child, so ``SequenceParallel`` on it stops in
 torch ("parameter name can't contain '.'": it replicates every parameter below the norm
@@ -172,6 +172,15 @@ def _local_reader(name: str):
 
     read.__name__ = name
     return read
+
+
+def reads_shares(module: nn.Module) -> bool:
+    """Whether ``module`` reads its parameters as each rank's share of their gradient
+    (:func:`parallelize_routing` with ``sequence_parallel=True``)."""
+    from torch.distributed.tensor import Partial
+
+    placements = getattr(type(module), "_depth_grad_placements", None)
+    return bool(placements) and all(isinstance(p, Partial) for p in placements)
 
 
 def first_block_stream(stream_arg, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import route_many
-from .. import fsdp2
+from .. import fsdp2, tensor_parallel
 from .base import check_bool
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,8 @@ def _gather_plans(*keys: str) -> tuple:
     together, their tap (:func:`fsdp2.tap_for`) made on the first one's router. Compiled,
     read once as the graph is made: it walks FSDP2's state, which Dynamo must not trace."""
     routers = [fsdp2.module_of(key) for key in keys]
-    plans = tuple(fsdp2.gather_plans([getattr(r, name) for name in ROUTING_PARAMETERS]) for r in routers)
+    plans = tuple(fsdp2.gather_plans([getattr(r, name) for name in ROUTING_PARAMETERS], tensor_parallel.reads_shares(r))
+                  for r in routers)
     by_key: dict[tuple, list] = {}
     for i, found in enumerate(plans):
         for j, q in enumerate(found):

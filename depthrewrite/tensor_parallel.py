@@ -109,14 +109,14 @@ def parallelize_routing(model: nn.Module, device_mesh, *, sequence_parallel: boo
     return model
 
 
-def _own_parameter_names(module: nn.Module) -> tuple[str, ...]:
+def _direct_parameter_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, param in module._parameters.items() if param is not None)
 
 
 def _check_replicable(module: nn.Module, path: str, mesh) -> None:
     from torch.distributed.tensor import DTensor
 
-    for name in _own_parameter_names(module):
+    for name in _direct_parameter_names(module):
         param = module._parameters[name]
         where = f"{path}.{name}" if path else name
         if isinstance(param, DTensor):
@@ -133,7 +133,7 @@ def _replicate(module: nn.Module, mesh, grad_placements: tuple) -> None:
     that reads each as a plain tensor (:func:`_local_class`)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    names = _own_parameter_names(module)
+    names = _direct_parameter_names(module)
     if not names:
         return
     for name in names:
@@ -165,7 +165,7 @@ def _local_reader(name: str):
         from torch.distributed.tensor import DTensor, Replicate
 
         param = self._parameters[name]
-        # sharded by FSDP2 (outside its block's forward): as it is, phase 1 then routes site by site
+        # sharded by FSDP2 (outside its block's forward): as it is, for phase 1 to gather (depthrewrite.fsdp2)
         if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
             return param.to_local(grad_placements=type(self)._depth_grad_placements)
         return param
@@ -189,7 +189,7 @@ def first_block_stream(stream_arg, args: tuple, kwargs: dict) -> tuple[tuple, di
 
     That output is a view whose autograd node turns its gradient back into a DTensor. A block
     compiled alone that received it as an input got a wrong gradient through it (torch 2.13,
-    CPU: ``block.compile()``, the embedding's gradient 43-92 % off while every other one was
+    CPU: ``block.compile()``, the embedding's gradient 43 % off while every other one was
     right; the plain model, unrewritten, fails there inside DTensor's backward instead); the
     copy, made outside the compiled call, is an input of its own. It costs one copy of the
     stream a step, in tensor-parallel runs only. ``torch.compile(block)`` traces this call

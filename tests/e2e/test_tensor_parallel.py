@@ -155,7 +155,7 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
         for compiled in (False, True):
             found["refused"]["undeclared", compiled] = _outcome(
                 lambda: _gradients(*parallel("block_attnres", True), "whole" if compiled else None))
-        found["refused"]["declared whole", False] = _outcome(
+        found["refused"]["declared not sequence parallel", False] = _outcome(
             lambda: _gradients(*parallel("block_attnres", True, declare=False)))
         found["errors"] = _argument_errors(mesh)
         # why the refusal and the first block's copy are there: without each, wrong gradients

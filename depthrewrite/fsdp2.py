@@ -36,8 +36,8 @@ sites one by one (same function, more bytes moved). With FSDP2 over a mesh's fir
 dimension and tensor parallelism over its second, the routing parameters replicated over
 the second by :func:`depthrewrite.tensor_parallel.parallelize_routing`, phase 1 gathers over
 the first; under sequence parallelism each rank's gradient is its tokens' share, and the
-reduced rows are summed over the second dimension too. The divisor is read when phase 1 runs: compiled, when the
-block's graph is made.
+reduced rows are summed over the second dimension too. The divisor is read when phase 1
+runs: compiled, when the block's graph is made.
 
 **The depth state's gradients unshard the block that made it.** FSDP2 gathers a block's
 parameters for its backward when a gradient reaches one of the block's outputs (a hook on
@@ -123,18 +123,23 @@ def is_sharded(param: Tensor) -> bool:
 class GatherPlan(NamedTuple):
     """How phase 1 gathers one sharded routing parameter: the process group of its shards
     (by name), its rows and the ranks they are spread over, the divisor FSDP2 applies to its
-    summed gradient, whether it is HSDP's (replicated over the mesh's first dimension), the
-    mesh dimension of its shards, and the mesh dimension over which each rank's gradient is
-    a share to be summed too (tensor parallelism's, under sequence parallelism), or None.
-    Plain values, so that a compiled block takes them as constants."""
+    summed gradient, whether it is HSDP's (replicated over the mesh's first dimension), and
+    the mesh dimension over which each rank's gradient is a share to be summed too (tensor
+    parallelism's, under sequence parallelism), or None. Plain values, so that a compiled
+    block takes them as constants."""
 
     group: str
     rows: int
     ranks: int
     divisor: float
     hsdp: bool = False
-    shard_dim: int = 0
     share_dim: int | None = None
+
+    @property
+    def shard_dim(self) -> int:
+        """The mesh dimension of the shards: HSDP's second, else the first (a 1-D mesh's,
+        or the data-parallel one beside tensor parallelism)."""
+        return 1 if self.hsdp else 0
 
     @property
     def chunk(self) -> int:
@@ -156,7 +161,7 @@ def gather_plans(params: Sequence[Tensor], shares_over_tp: bool = False) -> tupl
 def batch_key(plan: GatherPlan) -> tuple:
     """What the parameters :func:`gathered` gathers in one collective share: the process
     group of their shards, its size, and how their gradients are reduced."""
-    return plan.group, plan.ranks, plan.hsdp, plan.shard_dim, plan.share_dim
+    return plan.group, plan.ranks, plan.hsdp, plan.share_dim
 
 
 def _widths(params: Sequence[Tensor], plans: Sequence[GatherPlan]) -> list[int]:
@@ -444,12 +449,11 @@ def _gather_plan(group, param: Tensor, shares_over_tp: bool = False) -> GatherPl
     with_tp = not hsdp and placements == (Shard(0), Replicate())
     if not with_tp and placements != ((Replicate(), Shard(0)) if hsdp else (Shard(0),)):
         return None
-    shard_dim = 0 if with_tp else mesh.ndim - 1
-    shards = mesh.get_group(shard_dim)
+    shards = mesh.get_group(1 if hsdp else 0)
     factor = getattr(group, "gradient_divide_factor", None)
     # FSDP2's default divisor: the average over its data-parallel ranks (each replica's
     # shards too), not the tensor-parallel ones
     data_parallel = mesh.size() // mesh.size(1) if with_tp else mesh.size()
     divisor = float(data_parallel) if factor is None else float(factor)
-    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor, hsdp, shard_dim,
+    return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor, hsdp,
                       1 if with_tp and shares_over_tp else None)

@@ -154,20 +154,21 @@ def _local_class(cls: type, names: tuple[str, ...], grad_placements: tuple) -> t
     local tensor."""
     key = (cls, names, grad_placements)
     if key not in _LOCAL_CLASSES:
-        attrs = {name: property(_local_reader(name)) for name in names}
+        attrs = {name: property(_local_reader(name, grad_placements)) for name in names}
         attrs.update(__module__=cls.__module__, __qualname__=cls.__qualname__, _depth_grad_placements=grad_placements)
         _LOCAL_CLASSES[key] = type(cls.__name__, (cls,), attrs)
     return _LOCAL_CLASSES[key]
 
 
-def _local_reader(name: str):
-    def read(self):
-        from torch.distributed.tensor import DTensor, Replicate
+def _local_reader(name: str, grad_placements: tuple):
+    # imported here, once a class is made, not at every read: a read sits on the eager step's path
+    from torch.distributed.tensor import DTensor, Replicate
 
+    def read(self):
         param = self._parameters[name]
         # sharded by FSDP2 (outside its block's forward): as it is, for phase 1 to gather (depthrewrite.fsdp2)
         if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
-            return param.to_local(grad_placements=type(self)._depth_grad_placements)
+            return param.to_local(grad_placements=grad_placements)
         return param
 
     read.__name__ = name
@@ -177,10 +178,14 @@ def _local_reader(name: str):
 def reads_shares(module: nn.Module) -> bool:
     """Whether ``module`` reads its parameters as each rank's share of their gradient
     (:func:`parallelize_routing` with ``sequence_parallel=True``)."""
+    return _are_shares(getattr(type(module), "_depth_grad_placements", None))
+
+
+def _are_shares(grad_placements) -> bool:
+    """Whether ``grad_placements`` (``to_local``'s) are all ``Partial``: a rank's share."""
     from torch.distributed.tensor import Partial
 
-    placements = getattr(type(module), "_depth_grad_placements", None)
-    return bool(placements) and all(isinstance(p, Partial) for p in placements)
+    return bool(grad_placements) and all(isinstance(p, Partial) for p in grad_placements)
 
 
 def first_block_stream(stream_arg, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -267,10 +272,7 @@ def check_graph_inputs(gm: torch.fx.GraphModule, example_inputs, num_routing_ops
 
 def _reads_as_share(node: torch.fx.Node) -> bool:
     """``node`` is ``x.to_local(grad_placements=...)`` with every placement ``Partial``."""
-    from torch.distributed.tensor import Partial
-
-    placements = node.kwargs.get("grad_placements") if node.op == "call_method" and node.target == "to_local" else None
-    return bool(placements) and all(isinstance(p, Partial) for p in placements)
+    return node.op == "call_method" and node.target == "to_local" and _are_shares(node.kwargs.get("grad_placements"))
 
 
 def _refusal(what: str, which: str) -> SequenceParallelError:

@@ -48,8 +48,10 @@ def measure(scheme: str, layers: int, steps: int, repeats: int) -> dict:
     two compilations' first-step losses."""
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
     runs, first_loss, compile_s = {}, {}, {}
+    # once, not before each compilation: a reset drops the compiled code of the first, whose
+    # first timed round would then compile again (the first round of session 58's runs did)
+    torch._dynamo.reset()
     for cpp in (False, True):
-        torch._dynamo.reset()
         run, model = build(scheme, layers, per_block=False, settings={"cpp_wrapper": cpp})
 
         def step(run=run, model=model):

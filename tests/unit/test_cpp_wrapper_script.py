@@ -1,5 +1,7 @@
 """benchmarks/cpp_wrapper_host.py, whose figures docs/benchmarks.md quotes (session 58), on
-a one-layer DAR block model."""
+a one-layer Block AttnRes model (its phase 1's ``route_many`` returns lists, which the C++
+wrapper reaches through the flat companions; DAR's and WAV's are compiled in
+tests/compile/test_cpp_wrapper.py)."""
 
 import torch
 
@@ -9,10 +11,14 @@ from tests.benchmark_scripts import load_benchmark
 def test_both_wrappers_are_timed_on_the_same_model():
     """Each wrapper's compilation trains the same weights on the same tokens: their first
     losses agree (Inductor generates the same kernels and calls them from Python or from
-    C++), and each step time is a positive median."""
+    C++), and each step time is a positive median of steps, no compilation among them."""
     host = load_benchmark("cpp_wrapper_host")
-    row = host.measure("dar_block", layers=1, steps=1, repeats=2)
+    row = host.measure("block_attnres", layers=1, steps=1, repeats=2)
     assert row["python_ms"] > 0 and row["cpp_ms"] > 0
-    assert row["python_first_s"] > row["python_ms"] / 1e3 and row["cpp_first_s"] > row["cpp_ms"] / 1e3  # compiles
+    # a compilation takes seconds, a step of this model milliseconds: a median of two rounds
+    # holding a compilation (as when the script reset Dynamo between the two, session 64:
+    # 1,386 ms against a 21 s compilation) is over a hundredth of it
+    assert row["python_ms"] < row["python_first_s"] * 1e3 / 100
+    assert row["cpp_ms"] < row["cpp_first_s"] * 1e3 / 100
     assert row["loss_difference"] < 1e-5
     assert torch._inductor.config.cpp_wrapper is False  # set for each compilation only

@@ -6,7 +6,9 @@ import torch
 
 from tests.benchmark_scripts import load_benchmark
 
-SMALL = dict(layers=4, d_model=32, batch=2, tokens=8)
+# two layers: the properties below hold from the second block on, and each layer more
+# costs this test ~15 s of Inductor's compilation on a 2-core machine
+SMALL = dict(layers=2, d_model=32, batch=2, tokens=8)
 
 
 def test_block_graphs_save_the_depth_state_they_receive():
@@ -30,7 +32,7 @@ def test_the_guard_probe_checks_each_block_on_its_own_call():
     included); the guards hold on them, or it raises."""
     host = load_benchmark("per_block_host")
     torch._dynamo.reset()
-    run, model = host.build("dar_block", 3, per_block=True)
+    run, model = host.build("dar_block", 2, per_block=True)
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
 
     def step():
@@ -39,6 +41,6 @@ def test_the_guard_probe_checks_each_block_on_its_own_call():
 
     step()
     first, again = host.guard_check_times(model, step, steps=2)
-    assert len(first) == len(again) == 3 and min(first + again) > 0
+    assert len(first) == len(again) == 2 and min(first + again) > 0
     sizes = host.bytecode_sizes(model)
-    assert [part.split(":")[0] for part in sizes.split(", ")] == ["block 0", "block 1", "block 2"]
+    assert [part.split(":")[0] for part in sizes.split(", ")] == ["block 0", "block 1"]

@@ -1,6 +1,6 @@
 """The largest error of each tensor-parallel run of tests/e2e/test_tensor_parallel.py against
 one process, relative to each tensor's largest element (float64, gloo ranks on the CPU):
-the figures behind the test's tolerances (docs/benchmarks.md, session 63).
+the figures behind the test's tolerances (docs/benchmarks.md, sessions 63-64).
 
     python benchmarks/tensor_parallel_errors.py
 """
@@ -42,10 +42,10 @@ def main(out_dir: str) -> None:
     runs = os.path.join(out_dir, "fsdp_tp.pt")
     mp.spawn(tp._fsdp_tp_worker, args=(free_port(), runs), nprocs=2 * tp.WORLD, join=True)
     found = torch.load(runs)
-    for scheme, how in (("block_attnres", None), ("dar", None), ("block_attnres", "blocks")):
+    for scheme, how, layout in tp.FSDP_TP_RUNS:
         _, want = tp._gradients(*tp._model(scheme))
-        print(f"| FSDP2 x sequence parallel: {scheme} {how or 'eager'} | "
-              f"{tp._largest_relative_error(found[scheme, how], want):.2g} | | |")
+        print(f"| {layout} x sequence parallel: {scheme} {how or 'eager'} | "
+              f"{tp._largest_relative_error(found[scheme, how, layout], want):.2g} | | |")
 
 
 if __name__ == "__main__":

@@ -30,13 +30,13 @@ saved tensors). With the tap, no DTensor in a compiled graph needs a gradient, a
 reduction runs in eager code, in the engine's order on every rank.
 
 FSDP2's parameter groups are private to torch. Where one cannot be found for a sharded
-parameter (another torch's internals, a DTensor that FSDP2 does not hold, HSDP with a
-tensor-parallel dimension), :func:`gather_plans` gives it none and the plan routes those
-sites one by one (same function, more bytes moved). With FSDP2 over a mesh's first
-dimension and tensor parallelism over its second, the routing parameters replicated over
-the second by :func:`depthrewrite.tensor_parallel.parallelize_routing`, phase 1 gathers over
-the first; under sequence parallelism each rank's gradient is its tokens' share, and the
-reduced rows are summed over the second dimension too. The divisor is read when phase 1
+parameter (another torch's internals, a DTensor that FSDP2 does not hold), :func:`gather_plans`
+gives it none and the plan routes those sites one by one (same function, more bytes moved).
+With tensor parallelism over the mesh's last dimension beside FSDP2 (or HSDP) over the
+others, the routing parameters replicated over it by
+:func:`depthrewrite.tensor_parallel.parallelize_routing`, phase 1 gathers over FSDP2's shard
+dimension as without it; under sequence parallelism each rank's gradient is its tokens'
+share, and the reduced rows are summed over the last dimension too. The divisor is read when phase 1
 runs: compiled, when the block's graph is made.
 
 **The depth state's gradients unshard the block that made it.** FSDP2 gathers a block's
@@ -435,25 +435,25 @@ def _walk_fsdp_groups(params: Sequence[Tensor]) -> dict[int, object]:
 def _gather_plan(group, param: Tensor, shares_over_tp: bool = False) -> GatherPlan | None:
     """``param``'s :class:`GatherPlan` in FSDP2's parameter group ``group``, or None where
     the group cannot be read or :func:`gathered` cannot gather the parameter. It takes FSDP2's
-    three layouts of a routing parameter: sharded on its first dimension over a 1-D mesh;
-    HSDP's (replicated over the mesh's first dimension, sharded over its second); and with
-    tensor parallelism (sharded over the mesh's first dimension, replicated over its second,
-    the routing parameters replicated by ``parallelize_routing``). Not HSDP with tensor
-    parallelism."""
+    layouts of a routing parameter: sharded on its first dimension over a 1-D mesh, or HSDP's
+    (replicated over the mesh's first dimension, sharded over its second); either with tensor
+    parallelism over one more dimension, the last, over which ``parallelize_routing``
+    replicated the routing parameters."""
     if group is None:
         return None
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = param.device_mesh, tuple(param.placements)
     hsdp = type(getattr(group, "mesh_info", None)).__name__ == "HSDPMeshInfo"
-    with_tp = not hsdp and placements == (Shard(0), Replicate())
-    if not with_tp and placements != ((Replicate(), Shard(0)) if hsdp else (Shard(0),)):
+    data_parallel_placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
+    with_tp = placements == data_parallel_placements + (Replicate(),)
+    if not with_tp and placements != data_parallel_placements:
         return None
     shards = mesh.get_group(1 if hsdp else 0)
     factor = getattr(group, "gradient_divide_factor", None)
     # FSDP2's default divisor: the average over its data-parallel ranks (each replica's
     # shards too), not the tensor-parallel ones
-    data_parallel = mesh.size() // mesh.size(1) if with_tp else mesh.size()
+    data_parallel = mesh.size() // mesh.size(mesh.ndim - 1) if with_tp else mesh.size()
     divisor = float(data_parallel) if factor is None else float(factor)
     return GatherPlan(shards.group_name, param.shape[0], shards.size(), divisor, hsdp,
-                      1 if with_tp and shares_over_tp else None)
+                      mesh.ndim - 1 if with_tp and shares_over_tp else None)

@@ -34,11 +34,12 @@ is the user's word alone.
 
 Tested on gloo ranks against one process in float64, every parameter's gradient and two
 AdamW steps (tests/e2e/test_tensor_parallel.py): eager, compiled whole, compiled block by
-block with ``block.compile()``, and under FSDP2 on a 2 x 2 mesh (FSDP2 over ``dp``, this
-over ``tp``). Under FSDP2 the next block's routing parameters are still sharded when phase
-1 of the two-phase schemes reads them, as DTensors over both dimensions: the routers' reader
-leaves those as they are, and :mod:`depthrewrite.fsdp2` gathers them over ``dp`` and, under
-sequence parallelism, sums their gradients over ``tp`` too (:func:`reads_shares`).
+block with ``block.compile()``, under FSDP2 on a 2 x 2 mesh (FSDP2 over ``dp``, this over
+``tp``), and under HSDP on a 2 x 1 x 2 mesh (this over the last dimension). Under FSDP2 the
+next block's routing parameters are still sharded when phase 1 of the two-phase schemes
+reads them, as DTensors over every dimension: the routers' reader leaves those as they are,
+and :mod:`depthrewrite.fsdp2` gathers them over FSDP2's shards and, under sequence
+parallelism, sums their gradients over ``tp`` too (:func:`reads_shares`).
 
 The routed final norm: its router is its child, so ``SequenceParallel`` on it stops in
 torch ("parameter name can't contain '.'": it replicates every parameter below the norm

@@ -5,7 +5,7 @@ one process on the same batch (depthrewrite/tensor_parallel.py):
 - sequence parallelism trains like one process with
   ``parallelize_routing(..., sequence_parallel=True)`` (AdamW and gradient clipping with
   foreach kernels, which need every parameter a DTensor): eager, compiled whole, compiled block
-  by block, and under FSDP2 on a 2 x 2 mesh; without it, it is refused eagerly and by the
+  by block, under FSDP2 on a 2 x 2 mesh and under HSDP on a 2 x 1 x 2 one; without it, it is refused eagerly and by the
   backend, and its routing gradients would be wrong.
 
 In float64, so that a tolerance tells rounding from a missing share: the ranks add their
@@ -226,30 +226,40 @@ def test_tensor_parallelism_with_and_without_sequence_parallelism_trains_like_on
         assert _largest_relative_error(grads, want) > 0.1, name  # ...the gradients are not
 
 
+#: the runs under FSDP2 with sequence parallelism: (scheme, how it is compiled, FSDP2's layout)
+FSDP_TP_RUNS = (("block_attnres", None, "FSDP"), ("dar", None, "FSDP"), ("block_attnres", "blocks", "FSDP"),
+                ("dar", None, "HSDP"))
+
+
 def _fsdp_tp_worker(rank: int, port: int, out: str) -> None:
-    """FSDP2 over ``dp`` with sequence parallelism over ``tp``, each dp rank on its own half
-    of the batch (FSDP2 averages the halves' gradients: one process's mean)."""
+    """FSDP2 with sequence parallelism over ``tp``, each data-parallel rank on its own half
+    of the batch (FSDP2 averages the halves' gradients: one process's mean). FSDP: a 2 x 2
+    mesh, FSDP2 over ``dp``. HSDP: a 2 x 1 x 2 mesh, two replicas of one shard each (the
+    shards' gather is one rank's, but the replicas' sum and the tokens' shares are not)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     join_group(rank, port, 2 * WORLD)
-    mesh = init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp"))
+    meshes = {"FSDP": init_device_mesh("cpu", (2, WORLD), mesh_dim_names=("dp", "tp")),
+              "HSDP": init_device_mesh("cpu", (2, 1, WORLD), mesh_dim_names=("replicate", "shard", "tp"))}
     found = {}
     try:
-        for scheme, how in (("block_attnres", None), ("dar", None), ("block_attnres", "blocks")):
+        for scheme, how, layout in FSDP_TP_RUNS:
             torch._dynamo.reset()
+            mesh = meshes[layout]
+            data_parallel = mesh["dp"] if layout == "FSDP" else mesh["replicate", "shard"]
             model, tokens = _model(scheme)
             _parallelize(model, mesh["tp"], sequence_parallel=True)
             parallelize_routing(model, mesh["tp"], sequence_parallel=True)
             run = _compiled(model, how)
             for block in model.layers.values():
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(model, mesh=mesh["dp"])
-            half = tokens[mesh["dp"].get_local_rank()].unsqueeze(0)
+                fully_shard(block, mesh=data_parallel)
+            fully_shard(model, mesh=data_parallel)
+            half = tokens[mesh.get_local_rank(0)].unsqueeze(0)
             _loss(run, half).backward()
-            found[scheme, how] = {n: _whole(p.grad) for n, p in model.named_parameters()}
+            found[scheme, how, layout] = {n: _whole(p.grad) for n, p in model.named_parameters()}
             # eager phase 1 says when it routes sites one by one: it gathered every group
-            found[scheme, how, "one by one"] = model.layers["0"]._depth_runtime.scheme.plan._told_sharded
+            found[scheme, how, layout, "one by one"] = model.layers["0"]._depth_runtime.scheme.plan._told_sharded
         leave_together()
     finally:
         torch.distributed.destroy_process_group()
@@ -262,7 +272,7 @@ def test_sequence_parallelism_under_fsdp2_matches_one_process(tmp_path):
     out = tmp_path / "fsdp_tp.pt"
     mp.spawn(_fsdp_tp_worker, args=(free_port(), str(out)), nprocs=2 * WORLD, join=True)
     found = torch.load(out)
-    for scheme, how in (("block_attnres", None), ("dar", None), ("block_attnres", "blocks")):
+    for scheme, how, layout in FSDP_TP_RUNS:
         _, want = _gradients(*_model(scheme))
-        assert _largest_relative_error(found[scheme, how], want) < GRAD_TOL, (scheme, how)
-        assert found[scheme, how, "one by one"] is False, (scheme, how)
+        assert _largest_relative_error(found[scheme, how, layout], want) < GRAD_TOL, (scheme, how, layout)
+        assert found[scheme, how, layout, "one by one"] is False, (scheme, how, layout)

@@ -174,6 +174,11 @@ def test_a_block_call_sets_no_attribute_of_the_block(scheme, compiled):
     assert attributes() == before
 
 
+#: Dynamo's recompile limit (graphs per code object) in the tests that compile more blocks
+#: than it: 2, not torch's 8, so that 4 blocks pass it (each block compiled costs a test
+#: seconds); what they check, a code object of each block's own, holds at any limit
+RECOMPILE_LIMIT = 2
+
 #: torch.compile's own per-call cache (torch 2.13 has it; not every supported torch does)
 ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
@@ -181,15 +186,15 @@ ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).p
 @pytest.mark.parametrize("form", ["in place", "wrapped", "checkpointed", "checkpointed, isolated"])
 def test_more_blocks_than_dynamos_recompile_limit_each_get_their_graph(form):
     """Each block routes over its own number of sources, so each needs its own graph; with
-    one code object for all blocks, Dynamo's recompile limit (8 graphs per code object)
-    stopped the ninth block (an error with ``fullgraph=True``): each block has its own
+    one code object for all blocks, Dynamo's recompile limit (8 graphs per code object by
+    default; RECOMPILE_LIMIT here) stopped the block past it (an error with ``fullgraph=True``): each block has its own
     (``runtime.block_class``). A block wrapped in ``checkpoint_wrapper`` is compiled
     through the wrapper's ``forward``, torch's code shared by every wrapper: there the
     limit must be raised to the number of blocks, or each block compiled with
     ``isolate_recompiles=True`` where torch has it, as the README says."""
     if form == "checkpointed, isolated" and not ISOLATES_RECOMPILES:
         pytest.skip(f"torch {torch.__version__}'s torch.compile has no isolate_recompiles")
-    layers = torch._dynamo.config.recompile_limit + 2
+    layers = RECOMPILE_LIMIT + 2
     model = _model("block_attnres", layers)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     eager_loss, eager_grads = _step(model, tokens)
@@ -199,8 +204,7 @@ def test_more_blocks_than_dynamos_recompile_limit_each_get_their_graph(form):
     if checkpointed:
         _checkpoint_blocks(model)
     settings = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True} if checkpointed else {}
-    if form == "checkpointed":
-        settings["recompile_limit"] = layers
+    settings["recompile_limit"] = layers if form == "checkpointed" else RECOMPILE_LIMIT
     with torch._dynamo.config.patch(**settings):
         _compile_blocks(model, "wrapped" if checkpointed else form,
                         isolate_recompiles=form == "checkpointed, isolated")
@@ -327,7 +331,7 @@ def test_a_hugging_face_model_compiled_layer_by_layer_past_the_recompile_limit(s
     """A transformers Llama with more decoder layers than Dynamo's recompile limit, each
     layer compiled alone (the layers take keyword arguments: position embeddings, masks,
     the cache): one graph per layer, loss and gradients equal eager's."""
-    layers = torch._dynamo.config.recompile_limit + 2
+    layers = RECOMPILE_LIMIT + 2
     model = depthrewrite.rewrite(hf_model("llama", layers=layers), scheme).train()
     perturb_routing(model)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -341,8 +345,9 @@ def test_a_hugging_face_model_compiled_layer_by_layer_past_the_recompile_limit(s
     eager_loss, eager_grads = step()
     torch._dynamo.reset()
     backend.clear_reports()
-    for i, layer in enumerate(model.model.layers):
-        model.model.layers[i] = torch.compile(layer, backend="depthrewrite", fullgraph=True, options=AOT_EAGER)
-    loss, grads = step()
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer, backend="depthrewrite", fullgraph=True, options=AOT_EAGER)
+        loss, grads = step()
     assert len(backend.reports()) == layers
     _assert_matches_eager(loss, grads, eager_loss, eager_grads)

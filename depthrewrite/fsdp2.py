@@ -30,14 +30,14 @@ saved tensors). With the tap, no DTensor in a compiled graph needs a gradient, a
 reduction runs in eager code, in the engine's order on every rank.
 
 FSDP2's parameter groups are private to torch. Where one cannot be found for a sharded
-parameter (another torch's internals, a DTensor that FSDP2 does not hold), :func:`gather_plans`
-gives it none and the plan routes those sites one by one (same function, more bytes moved).
-With tensor parallelism over the mesh's last dimension beside FSDP2 (or HSDP) over the
-others, the routing parameters replicated over it by
+parameter (another torch's internals, a DTensor that FSDP2 does not hold),
+:func:`gather_plans` gives it none and the plan routes those sites one by one (same
+function, more bytes moved). With tensor parallelism over the mesh's last dimension beside
+FSDP2 (or HSDP) over the others, the routing parameters replicated over it by
 :func:`depthrewrite.tensor_parallel.parallelize_routing`, phase 1 gathers over FSDP2's shard
 dimension as without it; under sequence parallelism each rank's gradient is its tokens'
-share, and the reduced rows are summed over the last dimension too. The divisor is read when phase 1
-runs: compiled, when the block's graph is made.
+share, and the reduced rows are summed over the last dimension too. The divisor is read
+when phase 1 runs: compiled, when the block's graph is made.
 
 **The depth state's gradients unshard the block that made it.** FSDP2 gathers a block's
 parameters for its backward when a gradient reaches one of the block's outputs (a hook on

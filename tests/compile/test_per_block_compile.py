@@ -187,11 +187,12 @@ ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).p
 def test_more_blocks_than_dynamos_recompile_limit_each_get_their_graph(form):
     """Each block routes over its own number of sources, so each needs its own graph; with
     one code object for all blocks, Dynamo's recompile limit (8 graphs per code object by
-    default; RECOMPILE_LIMIT here) stopped the block past it (an error with ``fullgraph=True``): each block has its own
-    (``runtime.block_class``). A block wrapped in ``checkpoint_wrapper`` is compiled
-    through the wrapper's ``forward``, torch's code shared by every wrapper: there the
-    limit must be raised to the number of blocks, or each block compiled with
-    ``isolate_recompiles=True`` where torch has it, as the README says."""
+    default; RECOMPILE_LIMIT here) stopped the block past it (an error with
+    ``fullgraph=True``): each block has its own (``runtime.block_class``). A block wrapped
+    in ``checkpoint_wrapper`` is compiled through the wrapper's ``forward``, torch's code
+    shared by every wrapper: there the limit must be raised to the number of blocks, or
+    each block compiled with ``isolate_recompiles=True`` where torch has it, as the README
+    says."""
     if form == "checkpointed, isolated" and not ISOLATES_RECOMPILES:
         pytest.skip(f"torch {torch.__version__}'s torch.compile has no isolate_recompiles")
     layers = RECOMPILE_LIMIT + 2

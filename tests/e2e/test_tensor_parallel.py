@@ -5,8 +5,8 @@ one process on the same batch (depthrewrite/tensor_parallel.py):
 - sequence parallelism trains like one process with
   ``parallelize_routing(..., sequence_parallel=True)`` (AdamW and gradient clipping with
   foreach kernels, which need every parameter a DTensor): eager, compiled whole, compiled block
-  by block, under FSDP2 on a 2 x 2 mesh and under HSDP on a 2 x 1 x 2 one; without it, it is refused eagerly and by the
-  backend, and its routing gradients would be wrong.
+  by block, under FSDP2 on a 2 x 2 mesh and under HSDP on a 2 x 1 x 2 one; without it, it is
+  refused eagerly and by the backend, and its routing gradients would be wrong.
 
 In float64, so that a tolerance tells rounding from a missing share: the ranks add their
 shards' products, and their shares of each sum over the tokens, in another order than one

@@ -124,6 +124,11 @@ KEY_CASES = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[4], CASES[5], CASES[-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [c + (False,) for c in CASES] + [c + (True,) for c in KEY_CASES])
 def test_route_many_kernels_match_float64(n, s, batch, d, heads, keys, dtype):
+    if d == MAX_ROW and dtype != torch.float32 and not torch.cuda.is_available():
+        # the widest row in float32 only through the interpreter (8 s a case on the 2-core
+        # CI machine); the half dtypes differ only in their loads' and stores' casts, which
+        # the narrower rows test, and run at this width on the GPU
+        pytest.skip("the widest row in half precision: on the GPU only")
     seed = n * 100 + s
     inp = _make(n, s, batch, d, heads, dtype, seed, keys)
     out, lse, grads, grad_out, grad_lse = _run(inp, dtype, seed)

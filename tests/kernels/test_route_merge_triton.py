@@ -101,6 +101,9 @@ CASES = [
                          f"{'-keys' if c[4] else ''}{'-shared' if c[5] else ''}")
 def test_kernels_match_float64_output_and_every_gradient(case, dtype, norm):
     j, batch, d, heads, keys, shared = case
+    if d == MAX_ROW and dtype != torch.float32 and not torch.cuda.is_available():
+        # as in test_route_many_triton.py: the widest row in half precision on the GPU only
+        pytest.skip("the widest row in half precision: on the GPU only")
     inp = _make(j, batch, d, heads, keys, dtype, seed=j * 100 + d, shared_keys=shared, norm=norm)
     gen = torch.Generator().manual_seed(7)
     grad = torch.randn(*batch, d, generator=gen).to(dtype)

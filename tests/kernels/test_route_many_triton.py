@@ -31,6 +31,7 @@ from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
 from depthrewrite.ops.route_many import stats_table  # noqa: E402
 # relative L2 error, and the error allowed against float64 by returned dtype: as for route
 from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
+from tests.conftest import skip_widest_row_in_half_precision  # noqa: E402
 
 
 def _make(n, s, batch, d, heads, dtype, seed, keys=False):
@@ -124,11 +125,7 @@ KEY_CASES = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[4], CASES[5], CASES[-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,s,batch,d,heads,keys", [c + (False,) for c in CASES] + [c + (True,) for c in KEY_CASES])
 def test_route_many_kernels_match_float64(n, s, batch, d, heads, keys, dtype):
-    if d == MAX_ROW and dtype != torch.float32 and not torch.cuda.is_available():
-        # the widest row in float32 only through the interpreter (8 s a case on the 2-core
-        # CI machine); the half dtypes differ only in their loads' and stores' casts, which
-        # the narrower rows test, and run at this width on the GPU
-        pytest.skip("the widest row in half precision: on the GPU only")
+    skip_widest_row_in_half_precision(d, dtype, MAX_ROW)
     seed = n * 100 + s
     inp = _make(n, s, batch, d, heads, dtype, seed, keys)
     out, lse, grads, grad_out, grad_lse = _run(inp, dtype, seed)

@@ -19,6 +19,7 @@ from depthrewrite.kernels import route_merge_triton  # noqa: E402
 from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
 from depthrewrite.ops import route_merge, route_merge_reference  # noqa: E402
 from tests.kernels.test_route_triton import DEVICE, TOL, _on, _rel  # noqa: E402
+from tests.conftest import skip_widest_row_in_half_precision  # noqa: E402
 
 
 def _make(j, batch, d, heads, keys, dtype, seed, shared_keys=False, norm=False):
@@ -101,9 +102,7 @@ CASES = [
                          f"{'-keys' if c[4] else ''}{'-shared' if c[5] else ''}")
 def test_kernels_match_float64_output_and_every_gradient(case, dtype, norm):
     j, batch, d, heads, keys, shared = case
-    if d == MAX_ROW and dtype != torch.float32 and not torch.cuda.is_available():
-        # as in test_route_many_triton.py: the widest row in half precision on the GPU only
-        pytest.skip("the widest row in half precision: on the GPU only")
+    skip_widest_row_in_half_precision(d, dtype, MAX_ROW)
     inp = _make(j, batch, d, heads, keys, dtype, seed=j * 100 + d, shared_keys=shared, norm=norm)
     gen = torch.Generator().manual_seed(7)
     grad = torch.randn(*batch, d, generator=gen).to(dtype)

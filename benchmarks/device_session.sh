@@ -174,7 +174,7 @@ kernel_test_file() {
 }
 # the C++ wrapper's GPU tests (at most $1 s), their last two lines printed and logged
 cpp_wrapper_gpu_tests() {
-  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k cuda \
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/compile/test_cpp_wrapper.py -k on_the_gpu \
       > "$OUT/cpp_wrapper.txt" 2>&1
   tail -2 "$OUT/cpp_wrapper.txt" | tee -a "$LOG"
 }

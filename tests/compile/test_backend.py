@@ -169,8 +169,12 @@ def test_routed_schemes_match_eager_through_inductor(scheme):
 
 
 def test_inductor_matches_eager():
+    """Full AttnRes through Inductor, with an Inductor setting scoped to the compilation; at
+    the batch of the tests above, whose kernels of the same shapes it finds in Inductor's
+    caches where they ran first."""
     before = torch._inductor.config.fallback_random
-    model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6)
+    model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6,
+                                          batch=(4, 64))
     report = reports[-1]
     assert report.inner == "inductor"
     op, expected = _expected_routing_calls("attnres", model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -91,54 +92,64 @@ def test_flat_results_compute_what_the_nested_ones_did(scheme):
     assert {name for name, n in replaced.items() if n} == set(expected[scheme])
 
 
-GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                    reason="needs a CUDA GPU (the device machine)"))
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device machine)")
+#: the backend's options for a compilation that must run the pass, whose report the tests
+#: read (a graph loaded from Inductor's caches skips the pass, and its report)
+UNCACHED = {"cpp_wrapper": True, "force_disable_caches": True}
 
 
-@pytest.mark.parametrize("device", ["cpu", GPU])
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_cpp_wrapper_compiles_and_matches_eager(scheme, device):
-    """Through Inductor with its wrapper in C++ (about 20-30 s cold on the CI machine),
-    float32; on the GPU the routing calls run the fused kernels, in eager too: loss and
-    gradients match eager's, the report counts the calls that got flat results, and the
-    setting stays scoped to the compilation. A torch whose C++ wrapper cannot call the
-    routing ops (2.11, the device's) refuses, naming the setting."""
+def _assert_reported(report, device: str, options: dict) -> None:
+    """What the report of a graph compiled with the C++ wrapper says: the implementation of
+    the routing calls, the options, the calls given flat results. DAR: route_many in the
+    forward (phase 1's calls, one a stream), and in the backward the recomputed ones with
+    every route_many_backward and route_merge_backward; WAV: the route_backward calls left
+    without a running sum (the rest became route_backward_into_)."""
+    assert set(report.implementation.values()) == {"reference" if device == "cpu" else "triton"}
+    assert report.config_patches.items() >= options.items()  # DAR's graph hint besides
+    assert report.flattened["backward"] > 0
+    assert report.flattened.get("forward", 0) == report.aot_graphs["forward"].get("depthrewrite::route_many", 0)
+
+
+def _compile_and_check(scheme: str, device: str, options: dict) -> float | None:
+    """Compiled whole through Inductor with its wrapper in C++, float32: loss and gradients
+    match eager's, the report counts the calls that got flat results, and the setting stays
+    scoped to the compilation; the compiled loss. A torch whose C++ wrapper cannot call the
+    routing ops (2.11, the device's) refuses, naming the setting: None."""
     model = _model(scheme).to(device)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     backend.clear_reports()
     torch._dynamo.reset()
-    # the caches off: a graph loaded from Inductor's caches skips the pass, and its report
-    options = {"cpp_wrapper": True, "force_disable_caches": True}
     compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options=options)
     if not cpp_wrapper_calls_list_arguments():
         with pytest.raises(Exception, match=r"cpp_wrapper.*needs a torch whose C\+\+ wrapper calls ops"):
             compiled(idx, idx)
-        return
+        return None
     # the CPU's reference ops in both; the GPU's kernels beside Inductor's own kernels
     rtol, atol = (1e-5, 1e-6) if device == "cpu" else (1e-4, 1e-5)
     _assert_matches_eager(model, compiled, idx, rtol=rtol, atol=atol)
-    report = backend.last_report()
-    assert set(report.implementation.values()) == {"reference" if device == "cpu" else "triton"}
-    assert report.config_patches.items() >= options.items()  # DAR's graph hint besides
-    # DAR: route_many in the forward (phase 1's calls, one a stream), and in the backward
-    # the recomputed ones with every route_many_backward and route_merge_backward; WAV: the
-    # route_backward calls left without a running sum (the rest became route_backward_into_)
-    assert report.flattened["backward"] > 0
-    assert report.flattened.get("forward", 0) == (report.aot_graphs["forward"].get("depthrewrite::route_many", 0))
+    _assert_reported(backend.last_report(), device, options)
     assert torch._inductor.config.cpp_wrapper is False
+    return _loss_and_grads(model, compiled, idx)[0].item()
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cpp_wrapper_compiles_and_matches_eager_on_the_gpu(scheme):
+    """On the GPU the routing calls run the fused kernels, in eager too."""
+    _compile_and_check(scheme, "cuda", UNCACHED)
 
 
 def test_blocks_compiled_one_by_one_with_the_cpp_wrapper_match_eager():
-    """torchtitan's per-block compile with the C++ wrapper: each block's graph gets its own
-    companions, and loss and gradients match eager's."""
+    """torchtitan's per-block compile with the C++ wrapper, DAR with its fused merge: each
+    block's graph gets its own companions, loss and gradients match eager's, and each
+    block's report says what the whole model's would."""
     model = _model("dar", layers=2)
     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     want_loss, want = _loss_and_grads(model, model, idx)
     torch._dynamo.reset()
     backend.clear_reports()
-    options = {"cpp_wrapper": True, "force_disable_caches": True}
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, backend="depthrewrite", fullgraph=True, options=options)
+        model.blocks[i] = torch.compile(block, backend="depthrewrite", fullgraph=True, options=UNCACHED)
     loss, got = _loss_and_grads(model, model, idx)
     got = {name.replace("._orig_mod", ""): grad for name, grad in got.items()}  # the compiled blocks' wrappers
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -146,7 +157,9 @@ def test_blocks_compiled_one_by_one_with_the_cpp_wrapper_match_eager():
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
     assert len(backend.reports()) == len(model.blocks)
-    assert all(r.flattened.get("backward", 0) > 0 for r in backend.reports())
+    for report in backend.reports():
+        _assert_reported(report, "cpu", UNCACHED)
+    assert torch._inductor.config.cpp_wrapper is False
 
 
 def test_a_torch_whose_cpp_wrapper_cannot_call_the_routing_ops_is_refused(monkeypatch):
@@ -185,29 +198,39 @@ def test_a_result_read_other_than_by_index_is_refused():
         flatten_nested_results(gm.graph)
 
 
+#: the second process: the model, tokens and options of the first compilation, loaded
 _CACHED_RUN = """
-import torch, depthrewrite
+import torch
 from depthrewrite import backend
-from depthrewrite.models.gpt import gpt_from_preset
-torch.manual_seed(0)
-model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=1), "dar").train()
-ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-_, loss = torch.compile(model, backend="depthrewrite", options={"cpp_wrapper": True})(ids, ids)
+from tests.compile.test_cpp_wrapper import CACHED, _model
+model = _model("wav")
+ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+_, loss = torch.compile(model, backend="depthrewrite", fullgraph=True, options=CACHED)(ids, ids)
 loss.backward()
 print(repr(loss.item()), sum(backend.last_report().flattened.values()))
 """
+#: the caches on: the test below gives Inductor an empty cache folder of its own
+CACHED = {"cpp_wrapper": True}
 
 
-def test_graphs_loaded_from_inductors_caches_in_a_new_process_find_their_companions(tmp_path):
-    """A second process loads the compiled graphs from Inductor's caches (no pass runs, so
-    nothing is flattened there) and calls the flat companions by name: they are defined
-    before the caches are read (without it: "Could not find schema for
-    depthrewrite::route_many_flat5")."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    runs = [subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True,
-                           timeout=600) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
-    (first_loss, first_flattened), (second_loss, second_flattened) = (run.stdout.split()[-2:] for run in runs)
-    assert int(first_flattened) > 0 and int(second_flattened) == 0  # compiled, then loaded
-    assert second_loss == first_loss
+def test_cpp_wrapper_compiles_matches_eager_and_loads_from_the_caches_in_a_new_process(monkeypatch, tmp_path):
+    """WAV on the CPU compiled whole with the C++ wrapper into an empty cache folder (so the
+    pass runs and is reported: _compile_and_check), then a second process loads the same
+    graphs from Inductor's caches (no pass runs, so nothing is flattened there) and calls
+    the flat companions by name: they are defined before the caches are read (without it
+    the load fails, "Could not find schema for depthrewrite::route_many_flat5" with DAR in
+    session 58, in ``findSchemaOrThrow`` with WAV here, checked in session 65). Until session
+    65 two new processes compiled and loaded DAR, and another test compiled WAV on the CPU
+    (about a minute of CI's time)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    first_loss = _compile_and_check("wav", "cpu", CACHED)
+    if first_loss is None:  # this torch refused the setting
+        return
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    second_loss, second_flattened = run.stdout.split()[-2:]
+    assert int(second_flattened) == 0  # loaded, not compiled
+    assert float(second_loss) == first_loss

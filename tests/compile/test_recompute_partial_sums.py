@@ -92,28 +92,6 @@ def test_a_policy_already_set_is_kept():
     assert chosen.meta["recompute"] == CheckpointPolicy.MUST_SAVE
 
 
-def test_inductor_compiles_again_when_only_the_option_changes(monkeypatch, tmp_path):
-    """Node metadata is not part of the compile caches' keys: without the marks in the
-    backend pass's key (installed in both compilations: the default options), the second
-    compilation below would load the first's partition from Inductor's caches and compile
-    nothing. With them it compiles, and keeps less."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty caches: the first compiles too
-
-    def compile_wav(recompute: bool):
-        torch.manual_seed(0)
-        torch._dynamo.reset()
-        model = depthrewrite.rewrite(GPT(GPTConfig(d_model=32, n_layer=2, n_head=2, max_seq_len=16)), "wav",
-                                     block_size=4).train()
-        compiled = torch.compile(model, backend="depthrewrite", options={"recompute_partial_sums": recompute})
-        idx = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-        compiled(idx, idx)[1].backward()
-        return backend.last_report()
-
-    kept, recomputed = compile_wav(False), compile_wav(True)
-    assert kept.saved_for_backward and recomputed.saved_for_backward  # both compiled their backward here
-    assert recomputed.saved_for_backward["bytes"] < kept.saved_for_backward["bytes"]
-
-
 @functools.cache
 def _sums_recomputed(scheme: str, scheme_options: tuple):
     """``_run`` with the defaults (partial sums recomputed, branch outputs saved): the

@@ -9,7 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import depthrewrite
-from depthrewrite import backend, inductor_pass, sum_fences
+from depthrewrite import backend, sum_fences
 from depthrewrite.models.gpt import gpt_from_preset
 
 FENCE = torch.ops.depthrewrite.fence_.default
@@ -130,29 +130,3 @@ def test_inductor_through_fences_matches_eager_and_user_passes_run_after_them(mo
     # forward then backward, each user pass given the graph with its fences in
     assert seen == [("a", report.fences["forward"]), ("b", report.fences["forward"]),
                     ("a", report.fences["backward"]), ("b", report.fences["backward"])]
-
-
-def test_settings_are_part_of_inductor_cache_keys(monkeypatch, tmp_path):
-    """A graph compiled with fences is not served from Inductor's caches to a compilation
-    without them (or with another max_sum_terms): the pass's uuid differs. To one with the
-    same settings it is: the pass does not make the graphs uncacheable."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(sum_fences, "MIN_NUMEL", 0)
-    assert inductor_pass.backend_pass(2, False).uuid() != inductor_pass.backend_pass(4, False).uuid()
-    assert inductor_pass.backend_pass(2, False, then=lambda g: None).uuid() is None  # unknown user pass: no caching
-    model = _dar_model()
-    idx = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    reports = []
-    for terms in (2, None, 2):
-        torch._dynamo.reset()
-        backend.clear_reports()
-        compiled = torch.compile(model, backend="depthrewrite", fullgraph=True, options={"max_sum_terms": terms})
-        compiled(idx, idx)[1].backward()
-        reports.append(backend.last_report())
-    # an empty cache: compiled here, fenced
-    assert "backward" in reports[0].aot_graphs and reports[0].fences["backward"] > 0
-    # other settings: compiled anew, not loaded from the entry the first one left
-    assert "backward" in reports[1].aot_graphs and reports[1].fences == {}
-    # the third has the first one's settings: served from the caches the first one filled
-    # (no graph compiled here, so no fences counted), and it runs forward and backward
-    assert reports[2].aot_graphs == {} and reports[2].fences == {}

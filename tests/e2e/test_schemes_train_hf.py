@@ -1,4 +1,4 @@
-"""Every scheme trains on the HF Llama and Mixtral configs of the core issue: 50 AdamW
+"""Every scheme trains on the HF Llama and Mixtral configs of the core issue: 30 AdamW
 steps on real text lower the loss, every new parameter receives a gradient (except the
 ones that structurally cannot: docs/spec.md section 2's ``x_1 = e``), and the model saves and loads back
 bit-identically."""
@@ -12,6 +12,9 @@ import depthrewrite
 from tests.conftest import corpus_bytes, hf_model
 
 LAYERS = 3
+#: AdamW steps: 30 lower every case's held-out loss by 1.99-2.10 nats (session 65; the test
+#: asks for 1.0); 50 until then
+STEPS = 30
 OPTIONS = {"dar": {"layers_per_block": 2}, "mhar": {"block_size": 2}}
 
 
@@ -57,7 +60,7 @@ def test_scheme_trains_on_hf_models(family, scheme):
         before = loss_of(model, held_out).item()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     got_grad = {n: False for n in new}
-    for chunk in batches(50, seed=0):
+    for chunk in batches(STEPS, seed=0):
         opt.zero_grad(set_to_none=True)
         loss_of(model, chunk).backward()
         for n, p in new.items():

@@ -259,9 +259,11 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}_{v}" for k, v in c.items()))
-@pytest.mark.parametrize("n,s,batch,d,heads,keys", [(1, 3, (5,), 24, 1, False), (9, 6, (5,), 100, 1, False),
-                                                     (3, 5, (3,), 48, 3, False), (3, 5, (3,), 48, 3, True),
-                                                     (1, 3, (5,), 24, 1, True), (9, 6, (5,), 100, 1, True)])
+# one shape of each kind: many sources without keys, several heads with keys, one source
+# with keys (each variant's branches for keys and for several heads are reached; CI's suite
+# ran all six combinations until session 65, 55 s through the interpreter)
+@pytest.mark.parametrize("n,s,batch,d,heads,keys", [(9, 6, (5,), 100, 1, False), (3, 5, (3,), 48, 3, True),
+                                                     (1, 3, (5,), 24, 1, True)])
 def test_kernel_variants_match_float64(n, s, batch, d, heads, keys, config):
     """Each backward kernel where the default would pick the other (per-token with several
     heads or with separate keys, tiled with one head and no keys), in chunks of queries,

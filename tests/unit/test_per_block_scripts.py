@@ -32,8 +32,10 @@ def test_the_guard_probe_checks_each_block_on_its_own_call():
     included); the guards hold on them, or it raises."""
     host = load_benchmark("per_block_host")
     torch._dynamo.reset()
-    run, model = host.build("dar_block", 2, per_block=True)
-    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    # the model and batch of the test above: its block graphs, from Inductor's caches where it ran first
+    run, model = host.build("dar_block", SMALL["layers"], per_block=True, d_model=SMALL["d_model"])
+    ids = torch.randint(0, model.config.vocab_size, (SMALL["batch"], SMALL["tokens"]),
+                        generator=torch.Generator().manual_seed(1))
 
     def step():
         _, loss = run(ids, ids)

@@ -46,13 +46,15 @@ def _loss_and_grads(model, fn, idx):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_matches_eager(model, compiled, idx, rtol, atol) -> None:
+def _assert_matches_eager(model, compiled, idx, rtol, atol) -> float:
+    """Loss and every gradient of ``compiled`` match eager's; the compiled loss."""
     want_loss, want = _loss_and_grads(model, model, idx)
     loss, got = _loss_and_grads(model, compiled, idx)
     torch.testing.assert_close(loss, want_loss, rtol=rtol, atol=atol)
     assert got.keys() == want.keys()
     for name in got:
         torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+    return loss.item()
 
 
 def _op_names(graph) -> collections.Counter:
@@ -126,10 +128,10 @@ def _compile_and_check(scheme: str, device: str, options: dict) -> float | None:
         return None
     # the CPU's reference ops in both; the GPU's kernels beside Inductor's own kernels
     rtol, atol = (1e-5, 1e-6) if device == "cpu" else (1e-4, 1e-5)
-    _assert_matches_eager(model, compiled, idx, rtol=rtol, atol=atol)
+    loss = _assert_matches_eager(model, compiled, idx, rtol=rtol, atol=atol)
     _assert_reported(backend.last_report(), device, options)
     assert torch._inductor.config.cpp_wrapper is False
-    return _loss_and_grads(model, compiled, idx)[0].item()
+    return loss
 
 
 @NEEDS_GPU

@@ -5,6 +5,8 @@
 #   OUT=... bash benchmarks/device_session.sh study    # validation study, all visible GPUs
 #   OUT=... bash benchmarks/device_session.sh fsdp59   # phase 1 on FSDP2's shards: GPU test, per-block + FSDP2 end to end (session 59)
 #   OUT=... bash benchmarks/device_session.sh table59  # every scheme end to end at HEAD (session 59)
+#   OUT=... bash benchmarks/device_session.sh host66   # the launchers' host time at HEAD against a copy of the base's package in .ab_base/ (carried), then their GPU kernel tests (session 66)
+#   OUT=... bash benchmarks/device_session.sh e2e66    # WAV and full AttnRes beside the baseline at HEAD, then the same in .ab_base/'s copy (session 66)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
@@ -1332,6 +1334,37 @@ fsdp2gpus60)
   timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/compile/test_per_block_compile.py \
       -k "on_the_gpu and fsdp2" > "$OUT/fsdp2_gpu_tests.txt" 2>&1
   tail -2 "$OUT/fsdp2_gpu_tests.txt"
+  ;;
+host66)
+  # session 66: the launchers with fewer ATen ops and host work a call. launcher_host.py in
+  # four processes, the base's copy (.ab_base/: `git archive` of the session's base, run's
+  # carry) and HEAD in turn, then the kernel tests of the changed launchers (~4 minutes)
+  export TRITON_DEFAULT_FP_FUSION=1
+  for label in base new base new; do
+    root=$PWD
+    [ "$label" = base ] && root=$PWD/.ab_base
+    PYTHONPATH=$root timeout 90 python3 "$root/benchmarks/launcher_host.py" --label $label \
+        >> "$OUT/launcher_host.jsonl" 2>> "$OUT/launcher_host_err.txt"
+  done
+  python3 benchmarks/launcher_host.py --summarize "$OUT/launcher_host.jsonl" | tee "$OUT/launcher_host.md"
+  export PYTHONPATH=$PWD
+  kernel_test_file 150 test_route_triton.py route_tests.txt
+  kernel_test_file 60 test_param_grads.py param_tests.txt
+  kernel_test_file 60 test_pointer_tables.py table_tests.txt
+  kernel_test_file 200 test_route_many_triton.py many_tests.txt -k "match or running or chunk or into or table"
+  ;;
+e2e66)
+  # session 66: WAV and full AttnRes beside the baseline, at HEAD and then in the base's
+  # copy (.ab_base/, carried), each version's own e2e_throughput.py run, one wave of 3
+  export TRITON_DEFAULT_FP_FUSION=1
+  for label in new base; do
+    root=$PWD
+    [ "$label" = base ] && root=$PWD/.ab_base
+    mkdir -p "$OUT/$label"
+    PYTHONPATH=$root timeout 280 python3 "$root/benchmarks/e2e_throughput.py" --out "$OUT/$label" --wave 3 \
+        --profile 12 --schemes baseline wav attnres > "$OUT/e2e_$label.txt" 2>&1
+    echo "== $label"; grep "^trials\|^launchers" "$OUT/e2e_$label.txt"; grep "^|" "$OUT/e2e_$label.txt" | head -6
+  done
   ;;
 table59)
   # session 59: every scheme end to end at HEAD, side by side in one run (the last such

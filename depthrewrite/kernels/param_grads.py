@@ -57,6 +57,8 @@ class PartialSums(NamedTuple):
 
     def total(self) -> Tensor:
         """The sum over the rows as a torch op (float32, flat ``(width,)``)."""
+        if self.stride == self.width and self.part.dim() == 2 and self.part.is_contiguous():
+            return self.part.sum(0)  # the rows as they lie: one op, not a view and a sum
         rows = self.part.as_strided((self.rows, self.width), (self.stride, 1))
         return rows.sum(0)
 
@@ -152,7 +154,17 @@ def _torch_products(r: PartialSums, query: Tensor, key_norm_weight: Tensor) -> t
     """``r``'s sum times ``key_norm_weight`` in ``query``'s dtype and shape, and times ``query``
     in ``key_norm_weight``'s: float32 products, each rounded once, one launch each."""
     total = r.total()
-    grad_query, grad_weight = _empty(query), _empty(key_norm_weight, query.device)
-    torch.mul(total, key_norm_weight.reshape(-1), out=grad_query.view(-1))
-    torch.mul(total, query.reshape(-1), out=grad_weight.view(-1))
-    return grad_query, grad_weight
+    return _product(total, key_norm_weight, query), _product(total, query, key_norm_weight)
+
+
+def _product(total: Tensor, factor: Tensor, like: Tensor) -> Tensor:
+    """``total * factor`` (float32 math) shaped and typed like ``like``. The common case (all
+    float32 and contiguous) is one op that allocates its result; otherwise the product is
+    written into a tensor of ``like``'s dtype, rounded once."""
+    if like.dtype == torch.float32 and factor.dtype == torch.float32 and factor.is_contiguous():
+        if like.shape == total.shape and factor.shape == total.shape:  # route's (d,) parameters: no views
+            return torch.mul(total, factor)
+        return torch.mul(total, factor.view(-1)).view(like.shape)
+    out = _empty(like, total.device)
+    torch.mul(total, factor.reshape(-1), out=out.view(-1))
+    return out

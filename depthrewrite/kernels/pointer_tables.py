@@ -34,13 +34,33 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["pointer_tables", "CACHE_ENTRIES", "clear_cache", "cache_counts"]
+__all__ = ["pointer_tables", "Tables", "CACHE_ENTRIES", "clear_cache", "cache_counts"]
 
 #: tables kept (a few hundred bytes each); a training step of the 24-layer DAR model of
 #: docs/benchmarks.md makes 196 routing calls, each with tables of its own
 CACHE_ENTRIES = 4096
 
-_cache: collections.OrderedDict[tuple, list[Tensor]] = collections.OrderedDict()
+
+
+class Tables(tuple):
+    """The tables of one call in the order of its groups (a tuple of int64 tensors: unpack
+    it), and per group whether every address in it is a multiple of 16 bytes (0 for None
+    counts as one): the kernels' ALIGNED hint, found with the table instead of asking each
+    tensor again at every call."""
+
+    aligned: tuple[bool, ...]
+
+    def __new__(cls, tables: Sequence[Tensor], aligned: tuple[bool, ...]) -> Tables:
+        self = super().__new__(cls, tables)
+        self.aligned = aligned
+        return self
+
+    def all_aligned(self, *groups: int) -> bool:
+        """Whether the groups at these positions (every group when none is named) are aligned."""
+        return all(self.aligned[g] for g in groups) if groups else all(self.aligned)
+
+
+_cache: collections.OrderedDict[tuple, Tables] = collections.OrderedDict()
 _cache_lock = threading.Lock()  # calls from several threads: a lookup and its refresh are one step
 _upload_streams: dict[torch.device, torch.cuda.Stream] = {}
 _allocator: concurrent.futures.ThreadPoolExecutor | None = None
@@ -63,12 +83,13 @@ def cache_counts() -> dict[str, int]:
         return dict(_counts)
 
 
-def _views(flat: Tensor, groups) -> list[Tensor]:
-    views, start = [], 0
+def _views(flat: Tensor, groups, ptrs: tuple[int, ...]) -> Tables:
+    views, aligned, start = [], [], 0
     for group in groups:
         views.append(flat[start : start + len(group)])
+        aligned.append(not any(p % 16 for p in ptrs[start : start + len(group)]))
         start += len(group)
-    return views
+    return Tables(views, tuple(aligned))
 
 
 def _allocate(size: int, device: torch.device, stream: torch.cuda.Stream) -> Tensor:
@@ -104,15 +125,16 @@ def _upload(ptrs: tuple[int, ...], device: torch.device, consumer: torch.cuda.St
     return flat
 
 
-def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> list[Tensor]:
+def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> Tables:
     """One int64 table of data pointers per group of tensors (0 for None): views of one
-    device tensor. The tables are read-only: kernels must not write them."""
+    device tensor, with each group's alignment (:class:`Tables`). The tables are read-only:
+    kernels must not write them."""
     ptrs = tuple(0 if t is None else t.data_ptr() for group in groups for t in group)
     cuda = device.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=True)
         _captured_host_tables.append(host)
-        return _views(host.to(device, non_blocking=True), groups)
+        return _views(host.to(device, non_blocking=True), groups, ptrs)
     stream = torch.cuda.current_stream(device) if cuda else None
     key = (device, stream and stream.cuda_stream, tuple(len(g) for g in groups), ptrs)
     with _cache_lock:
@@ -125,7 +147,7 @@ def pointer_tables(device: torch.device, *groups: Sequence[Tensor | None]) -> li
         flat = _upload(ptrs, device, stream)
     else:  # the Triton interpreter reads host memory
         flat = torch.tensor(ptrs, dtype=torch.int64, device=device)
-    tables = _views(flat, groups)
+    tables = _views(flat, groups, ptrs)
     with _cache_lock:  # two threads that missed the same key both store it: same content
         _counts["made"] += 1
         _cache[key] = tables

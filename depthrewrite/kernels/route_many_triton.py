@@ -101,7 +101,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .route_triton import (
-    NARROW_ROW, _aligned, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
+    NARROW_ROW, _backward_programs, _check_block_t, _check_saved, _check_stages, _check_supported,
     _configured, _contiguous, PREFETCH_DEPTHS, _check_prefetch, _forward_warps, _load_source, _next_pow2, _next_source,
     _normalized_sum, _positive_int, _register_cap, _row_blocks, _src_ptr, check_flag, check_gradient, running_sum_row,
     default_fused_sums, online_softmax_update, three_row_sums,
@@ -897,10 +897,11 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     if tokens == 0:
         return out, lse
     qw = _per_query_rows(queries, key_norm_weights)
-    vtab, otab, ltab, ktab = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
+    tables = pointer_tables(flat_v[0].device, flat_v, out, lse, flat_k)
+    vtab, otab, ltab, ktab = tables
     if not flat_k:  # the keys are the values (an empty table is never read)
         ktab = vtab
-    aligned = _aligned(flat_v, out, flat_k)
+    aligned = tables.all_aligned(0, 1, 3)  # the rows' tables: values, outputs, keys
     row = block_h * block_c
     block_q = _query_block(s, row, cfg, _many_forward_queries(heads, row))
     order = _checked_choice("order", cfg.get("order") or FORWARD_ORDER, FORWARD_ORDERS)
@@ -1145,20 +1146,20 @@ def _tiled_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights, hea
     sada = torch.empty((s, tokens, heads), dtype=torch.float32, device=device)
     coef = torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device)
     qw = _per_query_rows(queries, key_norm_weights)
-    gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, runtab, kruntab = pointer_tables(
-        device, g, o, ls, gl, flat_v, grad_v, flat_k, grad_k, *running.tables(flat_k))
+    tables = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, flat_k, grad_k, *running.tables(flat_k))
+    gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, runtab, kruntab = tables
     if not flat_k:  # the keys are the values (empty tables are never read)
         ktab, gktab, kruntab = vtab, gvtab, runtab
     _route_many_bwd_tiled_kernel[(cdiv(tokens, block_t),)](
         flat_v[0], gtab, otab, ltab, gltab, vtab, gvtab, ktab, gktab, qw, sada, coef, tokens, n, s, d, d // heads,
         heads, float(eps), runtab, kruntab, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
-        PREFETCH=cfg["prefetch"], ALIGNED=_aligned(flat_v, grad_v, flat_k, grad_k, g, o, running.present()),
+        PREFETCH=cfg["prefetch"], ALIGNED=tables.all_aligned(0, 1, 4, 5, 6, 7, 8, 9),  # all but the fp32 rows
         ONE_SOURCE=n == 1, HAS_KEYS=bool(flat_k), EXACT=cfg["exact_softmax_grad"], RUNNING=running.any,
         num_warps=cfg.get("num_warps") or max(TILED_WARPS, block_h * block_c // TILED_MAX_ROW),
         **_register_cap(cfg, "route_many"),
     )
     # the logits' normalized rows are the keys': the parameter reduction reads them
-    r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, _aligned(flat_k or flat_v), cfg)
+    r = _param_reduction(ktab, flat_v[0], coef, s, d, heads, tokens, n, tables.all_aligned(6 if flat_k else 4), cfg)
     return grad_v, grad_k, r
 
 
@@ -1226,17 +1227,19 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     one_pass = len(chunks) == 1 or (dtype == torch.float32 and not outputs.given)
     partial_v = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_v]
     partial_k = [] if one_pass else [torch.empty(t.shape, dtype=torch.float32, device=device) for t in grad_k]
-    gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, runtab, kruntab = pointer_tables(
-        device, g, o, ls, gl, flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, *running.tables(flat_k))
+    tables = pointer_tables(device, g, o, ls, gl, flat_v, grad_v, partial_v, flat_k, grad_k, partial_k,
+                            *running.tables(flat_k))
+    gtab, otab, ltab, gltab, vtab, gvtab, acctab, ktab, gktab, kacctab, runtab, kruntab = tables
     if one_pass:
         acctab, kacctab = gvtab, gktab
     if not flat_k:  # no separate keys (empty tables are never read)
         ktab, gktab, kacctab, kruntab = vtab, gvtab, acctab, runtab
-    aligned = _aligned(flat_v, grad_v, partial_v, flat_k, grad_k, partial_k, g, o, running.present())
+    aligned = tables.all_aligned(0, 1, 4, 5, 6, 7, 8, 9, 10, 11)  # all but the fp32 log-sum-exps' tables
     for c, q0 in enumerate(chunks):
         _route_many_bwd_kernel[(programs,)](
-            flat_v[0], gtab[q0:], otab[q0:], ltab[q0:], gltab[q0:], vtab, gvtab, acctab, ktab, gktab, kacctab,
-            qw[q0:], param[:, q0:] if param_table else param[c], tokens, n, s, d, d // heads, heads,
+            flat_v[0], _rows_from(gtab, q0), _rows_from(otab, q0), _rows_from(ltab, q0), _rows_from(gltab, q0),
+            vtab, gvtab, acctab, ktab, gktab, kacctab, _rows_from(qw, q0),
+            _chunk_sums(param, c, q0, param_table), tokens, n, s, d, d // heads, heads,
             min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, runtab, kruntab, BLOCK_Q=block_q,
             BLOCK_H=block_h, BLOCK_C=block_c, RUNNING=running.any and c == len(chunks) - 1,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
@@ -1246,11 +1249,26 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         )
     if param_table:  # the normalized rows are the keys' (the values without separate keys)
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,
-                                                _aligned(flat_k or flat_v), cfg)
+                                                tables.all_aligned(7 if flat_k else 4), cfg)
     # the second pass of the deterministic reduction sums over the programs, in order
-    if len(chunks) == 1:  # the first s of each program's block_q rows
-        return grad_v, grad_k, PartialSums(param[0], programs, block_q * d, s * d)
+    if len(chunks) == 1:  # the first s of each program's block_q rows (param[0] starts where param does)
+        return grad_v, grad_k, PartialSums(param, programs, block_q * d, s * d)
     return grad_v, grad_k, PartialSums.of(param.sum(1).reshape(1, -1)[:, : s * d])
+
+
+def _rows_from(t: Tensor, start: int) -> Tensor:
+    """``t[start:]``: the rows a chunk of queries starts at. The kernels take only its
+    address, and the first chunk's is ``t``'s own, so ``t`` itself then (no slice op on the host)."""
+    return t[start:] if start else t
+
+
+def _chunk_sums(param: Tensor, c: int, q0: int, table: bool) -> Tensor:
+    """Where chunk ``c`` (its first query ``q0``) writes its parameter terms: the ``(N, S, T, H)``
+    table from query ``q0``, or the chunk's own ``(programs, block_q, d)`` partial sums, whose
+    address for the first chunk is ``param``'s (:func:`_rows_from`)."""
+    if table:
+        return param[:, q0:] if q0 else param
+    return param[c] if c else param
 
 
 def _per_token_launch(block_q: int, heads: int, row: int) -> tuple[int, int | None]:

@@ -306,13 +306,14 @@ def route_merge_forward(outs: Sequence[Tensor], lses: Sequence[Tensor], values: 
     launch = _launch(config, block_h * block_c, heads, len(outs), out_norm_weight is not None)
     flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
     flat_k = _contiguous(keys) if keys is not None else []
-    otab, ltab, vtab, ktab = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
+    tables = pointer_tables(device, flat_o, flat_l, flat_v, flat_k)
+    otab, ltab, vtab, ktab = tables
     _route_merge_fwd_kernel[(cdiv(tokens, launch["block_t"]),)](
         otab, ltab, vtab, ktab if flat_k else vtab, queries.contiguous(), key_norm_weights.contiguous(),
         mix.contiguous(), queries if out_norm_weight is None else out_norm_weight.contiguous(), x, tokens, d,
         d // heads, heads, float(eps), float(out_norm_eps),
         J=len(outs), HAS_KEYS=bool(flat_k), HAS_NORM=out_norm_weight is not None, BLOCK_T=launch["block_t"],
-        BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=_aligned(flat_o, flat_v, flat_k, [x]),
+        BLOCK_H=block_h, BLOCK_C=block_c, ALIGNED=tables.all_aligned(0, 2, 3) and _aligned([x]),  # all but the fp32 lses
         num_warps=launch["num_warps"],
     )
     return x
@@ -348,13 +349,14 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
     part_r = new((programs, j, d), dtype=torch.float32, device=device)
     part_m = new((programs, j), dtype=torch.float32, device=device)
     has_norm = out_norm_weight is not None
-    part_n = new((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
+    # without the norm the kernel writes no part_n: part_r stands in for the unread pointer
+    part_n = new((programs, d), dtype=torch.float32, device=device) if has_norm else part_r
     if tokens > 0:
         flat_o, flat_l, flat_v = _contiguous(outs), _contiguous(lses), _contiguous(values)
         flat_k = _contiguous(keys) if keys is not None else []
         g = grad.to(act).contiguous()
-        otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab = pointer_tables(
-            device, flat_o, flat_l, flat_v, flat_k, grad_outs, grad_lses, grad_values, grad_keys)
+        tables = pointer_tables(device, flat_o, flat_l, flat_v, flat_k, grad_outs, grad_lses, grad_values, grad_keys)
+        otab, ltab, vtab, ktab, gotab, gltab, gvtab, gktab = tables
         if not flat_k:
             ktab, gktab = vtab, gvtab
         _route_merge_bwd_kernel[(programs,)](
@@ -362,7 +364,7 @@ def route_merge_backward(grad: Tensor, outs: Sequence[Tensor], lses: Sequence[Te
             key_norm_weights.contiguous(), mix.contiguous(), out_norm_weight.contiguous() if has_norm else queries,
             part_r, part_m, part_n, tokens, d, d // heads, heads, float(eps), float(out_norm_eps), num_blocks,
             J=j, HAS_KEYS=bool(flat_k), HAS_NORM=has_norm, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
-            ALIGNED=_aligned(flat_o, flat_v, flat_k, grad_outs, grad_values, grad_keys, [g]),
+            ALIGNED=tables.all_aligned(0, 2, 3, 4, 6, 7) and _aligned([g]),  # all but the fp32 lses' tables
             STAGES=launch["stages"], num_warps=launch["num_warps"],
         )
     # second pass of the deterministic reductions: fixed-order sums over the programs

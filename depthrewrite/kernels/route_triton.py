@@ -484,7 +484,8 @@ def _route_bwd_source(v_cur, k_cur, i, tok, tmask, offs, mask, hmask, g, s_ada, 
         dz = a * (da - s_ada)
         # padded tokens/heads may carry NaN (eps = 0 on a zero row): keep them out of the sums
         dz = tl.where(hmask, dz, 0.0)
-        tl.store(part_b_ptr + _row64(tok, i, T), tl.sum(dz, 1), mask=tmask)
+        if HAS_BIAS:
+            tl.store(part_b_ptr + _row64(tok, i, T), tl.sum(dz, 1), mask=tmask)
         mt = tl.sum(dz * zr, 1) / D  # mean_c(d_norm * norm) of the RMSNorm backward
         norm = k * rstd[:, None, None]
         r_acc += tl.sum(tl.where(mask, dz[:, :, None] * norm, 0.0), 0)
@@ -881,10 +882,13 @@ def _contiguous(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
     return [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
 
 
-def _scale_table(source_scale: Tensor | None, n: int, tokens: int) -> Tensor | None:
-    if source_scale is None:
-        return None
-    return source_scale.detach().to(torch.float32).contiguous().reshape(n, tokens)
+def _scale_table(source_scale: Tensor | None) -> Tensor | None:
+    """The kernels read source ``i``'s scale of token ``t`` at ``i * tokens + t`` of a float32
+    buffer: ``source_scale`` (checked ``(N, *batch)``) as it is where it already is one (no op
+    on the host), else a float32 copy."""
+    if source_scale is None or (source_scale.dtype == torch.float32 and source_scale.is_contiguous()):
+        return source_scale
+    return source_scale.detach().to(torch.float32).contiguous()
 
 
 def route_forward(
@@ -915,10 +919,11 @@ def route_forward(
     if tokens == 0:
         return out, lse, normed
     flat_k = _contiguous(keys) if keys is not None else None
-    vtab, ktab = pointer_tables(device, flat_v, flat_k if flat_k is not None else [])
+    tables = pointer_tables(device, flat_v, flat_k if flat_k is not None else [])
+    vtab, ktab = tables
     if flat_k is None:
         ktab = vtab
-    scale = _scale_table(source_scale, n, tokens)
+    scale = _scale_table(source_scale)
     launch = _forward_launch(config, heads, block_h * block_c, flat_k is not None, has_norm)
     # per pipeline stage: a tile of each source row (and key row) the loop loads
     stage_bytes = launch["block_t"] * block_h * block_c * (1 + (flat_k is not None)) * values[0].dtype.itemsize
@@ -932,7 +937,7 @@ def route_forward(
         tokens, n, d, d // heads, heads, float(eps), float(out_norm_eps),
         HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
         ONE_SOURCE=n == 1, BLOCK_T=launch["block_t"], BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=launch["prefetch"],
-        ALIGNED=_aligned(flat_v, flat_k), HAS_NORM=fused_norm, PAIR_REDUCE=launch["pair_reduce"],
+        ALIGNED=tables.all_aligned(), HAS_NORM=fused_norm, PAIR_REDUCE=launch["pair_reduce"],
         STAGES=launch["stages"], LAZY=launch["lazy_rescale"], num_warps=launch["num_warps"],
         **_register_cap(launch),
     )
@@ -1077,11 +1082,15 @@ def route_backward(
     # per source and token), except with no tokens (no launch) or one source (no logits)
     new_part = torch.zeros if tokens == 0 else torch.empty
     part_r = new_part((programs, d), dtype=torch.float32, device=device)
-    # per source and token: sum over heads of d z (the bias gradient before the token sum)
-    part_b = (torch.zeros if n == 1 else new_part)((n, tokens), dtype=torch.float32, device=device)
+    # per source and token: sum over heads of d z (the bias gradient before the token sum);
+    # without a bias the kernel writes none, and part_r stands in for the unread pointer
+    part_b = part_r
+    if logit_bias is not None:
+        part_b = (torch.zeros if n == 1 else new_part)((n, tokens), dtype=torch.float32, device=device)
     has_norm = out_norm_weight is not None and grad_normed is not None
-    # per program: sum over its tokens of grad_normed * rms_norm(out) (the norm weight's gradient)
-    part_n = new_part((programs, d) if has_norm else (1,), dtype=torch.float32, device=device)
+    # per program: sum over its tokens of grad_normed * rms_norm(out) (the norm weight's
+    # gradient); without the norm the kernel writes none (part_r again stands in)
+    part_n = new_part((programs, d), dtype=torch.float32, device=device) if has_norm else part_r
     gn = grad_normed.to(dtype).contiguous() if has_norm else g
     fused_norm = has_norm and launch["fuse_norm"]
     if has_norm and not fused_norm and tokens > 0:
@@ -1092,11 +1101,11 @@ def route_backward(
     if tokens > 0:
         # running sums as rows; no list given: a table of 0 entries (no source has one)
         acc_v, acc_k = (_contiguous(acc or [None] * n) for acc in (grad_values_acc, grad_keys_acc))
-        vtab, gvtab, ktab, gktab, vacc, kacc = pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k,
-                                                               acc_v, acc_k)
+        tables = pointer_tables(device, flat_v, grad_v, flat_k or [], grad_k, acc_v, acc_k)
+        vtab, gvtab, ktab, gktab, vacc, kacc = tables
         if flat_k is None:
             ktab, gktab = vtab, gvtab
-        scale = _scale_table(source_scale, n, tokens)
+        scale = _scale_table(source_scale)
         _route_bwd_kernel[(programs,)](
             g, flat_out, flat_lse, vtab, ktab, gvtab, gktab, vacc if has_acc else vtab, kacc if has_acc else vtab,
             query.contiguous(), key_norm_weight.contiguous(),
@@ -1105,7 +1114,7 @@ def route_backward(
             tokens, n, d, d // heads, heads, float(eps), num_blocks, float(out_norm_eps),
             HAS_KEYS=flat_k is not None, HAS_BIAS=logit_bias is not None, HAS_SCALE=scale is not None,
             ONE_SOURCE=n == 1, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_C=block_c,
-            ALIGNED=_aligned(flat_v, flat_k, grad_v, grad_k, [t for t in acc_v + acc_k if t is not None]),
+            ALIGNED=tables.all_aligned(),
             PREFETCH=launch["prefetch"], HAS_NORM=fused_norm, HAS_ACC=has_acc, STAGES=launch["stages"],
             EXACT=launch["exact_softmax_grad"], FUSED_SUMS=launch["fused_sums"], num_warps=launch["num_warps"],
             **_register_cap(launch),
@@ -1174,7 +1183,9 @@ def _parameter_grads(part_r, part_b, part_n, query, key_norm_weight, logit_bias,
     if logit_bias is None:
         grad_bias = query.new_empty((0,))
     else:
-        grad_bias = part_b.sum(1).to(logit_bias.dtype)
+        grad_bias = part_b.sum(1)
+        if logit_bias.dtype != grad_bias.dtype:
+            grad_bias = grad_bias.to(logit_bias.dtype)
     if out_norm_weight is None:
         grad_norm_weight = query.new_empty((0,))
     elif has_norm:

@@ -141,13 +141,18 @@ def _split_fresh(stacked: Tensor, dtype: torch.dtype, acc: Sequence[Tensor | Non
 
 def _check_acc(name: str, acc, like: Sequence[Tensor] | None, op: str = "route_backward") -> None:
     """``grad_values_acc`` / ``grad_keys_acc`` of ``op``: None, or one entry per source, each
-    None or a tensor shaped and typed like that source's gradient."""
+    None or a tensor shaped and typed like that source's gradient. ``like``: the sources,
+    already checked alike (the op's input checks), so every entry is held against the first."""
     if acc is None:
         return
     if like is None:
         raise ValueError(f"{op}: `{name}` must be None when there are no keys; found {len(acc)} entries")
     if len(acc) != len(like):
         raise ValueError(f"{op}: `{name}` must have one entry per source ({len(like)}); found {len(acc)}")
+    # every launch pays this: one pass of quick tests, the loop below only names the culprit
+    shape, dtype, device = like[0].shape, like[0].dtype, like[0].device
+    if all(a is None or (a.shape == shape and a.dtype is dtype and a.device == device) for a in acc):
+        return
     for i, (a, t) in enumerate(zip(acc, like)):
         if a is not None and (a.shape != t.shape or a.dtype != t.dtype or a.device != t.device):
             raise ValueError(f"{op}: `{name}[{i}]` must be None or shaped and typed like source {i} "
@@ -226,7 +231,9 @@ def _route_backward_op(
 ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     # the reference recomputes everything and ignores out and lse (the fused kernel's
     # shortcut), so that it stays an independent check of the kernel. grad_*_acc: running
-    # sums the gradients are added to (depthrewrite.grad_accumulation puts them there)
+    # sums the gradients are added to (depthrewrite.grad_accumulation puts them there),
+    # checked against the sources once those are
+    _check_inputs(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)
     _check_acc("grad_values_acc", grad_values_acc, values)
     _check_acc("grad_keys_acc", grad_keys_acc, keys)
     p = _forward_parts(values, keys, query, key_norm_weight, logit_bias, source_scale, heads, eps)

@@ -179,7 +179,9 @@ def _route_many_backward_op(grad_out: list[Tensor], grad_lse: list[Tensor], out:
                             ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
     # the reference recomputes the forward and ignores out, lse and stats (the fused
     # kernel's shortcuts), so that it stays an independent check of the kernel.
-    # grad_*_acc: running sums the gradients are added to (depthrewrite.grad_accumulation)
+    # grad_*_acc: running sums the gradients are added to (depthrewrite.grad_accumulation),
+    # checked against the sources once those are
+    _check_inputs(values, queries, key_norm_weights, heads, eps, keys)
     _check_acc("grad_values_acc", grad_values_acc, values, "route_many_backward")
     _check_acc("grad_keys_acc", grad_keys_acc, keys, "route_many_backward")
     return reference_backward(grad_out, grad_lse, values, queries, key_norm_weights, heads, eps, keys,

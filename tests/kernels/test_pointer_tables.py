@@ -200,3 +200,16 @@ def test_cache_counts_say_which_lookups_found_their_table():
     pt.pointer_tables(DEVICE, a)
     after = pt.cache_counts()
     assert (after["made"] - before["made"], after["hits"] - before["hits"]) == (3, 1)
+
+
+def test_tables_report_each_groups_alignment_and_a_hit_keeps_it():
+    """The kernels' ALIGNED hint comes from the tables: a group is aligned when every
+    address in it is a multiple of 16 bytes (0 for None counts as one). A contiguous view one
+    element into its storage is 4 bytes off for float32, so its group alone is not."""
+    a, b = _tensors(2), _tensors(2)
+    shifted = torch.randn(33, device=DEVICE)[1:].view(4, 8)
+    tables = pt.pointer_tables(DEVICE, a, [b[0], shifted], [None, b[1]], [])
+    assert tables.aligned == (True, False, True, True)
+    assert tables.all_aligned(0, 2, 3) and not tables.all_aligned(1) and not tables.all_aligned()
+    again = pt.pointer_tables(DEVICE, a, [b[0], shifted], [None, b[1]], [])
+    assert again is tables and again.aligned == (True, False, True, True)

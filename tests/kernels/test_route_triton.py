@@ -538,3 +538,41 @@ def test_bad_running_sums_are_value_errors():
                                     grad_values_acc=[None, torch.zeros(4, 8, device=DEVICE), None])
     with pytest.raises(ValueError, match="no keys"):
         route_triton.route_backward(grad_out, out, lse, *_args(inp), grad_keys_acc=[None, None, None])
+
+
+class _Launch:
+    """Stands in for a Triton kernel: records each launch's keyword arguments."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(kw)
+
+
+def test_alignment_hint_covers_every_row_read_through_a_table(monkeypatch):
+    """The kernels read rows through pointer tables and tell the compiler those rows are
+    16-byte aligned only when every tensor behind the tables is: the sources (forward), and
+    the sources, the gradients written and the running sums read (backward). A contiguous
+    view one element into its storage (2 bytes off in bf16) must turn the hint off."""
+    calls = []
+    for name in ("_route_fwd_kernel", "_route_bwd_kernel"):
+        monkeypatch.setattr(route_triton, name, _Launch(calls))
+    inp = _make(3, (4,), 64, 1, False, True, True, torch.bfloat16, 5)
+    values = [v.to(DEVICE) for v in inp["values"]]
+    query, weight = inp["query"].to(DEVICE), inp["key_norm_weight"].to(DEVICE)
+    bias, scale = inp["logit_bias"].to(DEVICE), inp["source_scale"].to(DEVICE)
+
+    def shifted(t):  # same values, one element further into a bigger storage
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+
+    out, lse = torch.randn_like(values[0]), torch.zeros(4, 1, device=DEVICE)
+    grad = torch.randn_like(values[0])
+    sums = [torch.randn_like(v) for v in values]
+    for srcs, acc, aligned in ((values, sums, True), ([values[0], shifted(values[1]), values[2]], sums, False),
+                               (values, [sums[0], None, shifted(sums[2])], False)):
+        calls.clear()
+        route_triton.route_forward(srcs, None, query, weight, bias, scale, 1, 1e-6)
+        route_triton.route_backward(grad, out, lse, srcs, None, query, weight, bias, scale, 1, 1e-6,
+                                    grad_values_acc=acc)
+        assert [c["ALIGNED"] for c in calls] == [srcs is values, aligned]

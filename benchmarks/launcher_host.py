@@ -152,9 +152,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--label", default="", help="a name for this process's version of the package")
     ap.add_argument("--summarize", metavar="FILE", help="print the table of a file of this script's lines, and stop")
-    args_ = ap.parse_args()
-    if args_.summarize:
-        print(summarize(args_.summarize))
+    opts = ap.parse_args()
+    if opts.summarize:
+        print(summarize(opts.summarize))
         return 0
     import torch
 
@@ -175,9 +175,9 @@ def main() -> int:
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
-        for name, (op, args) in cases(args_.tokens, device, call).items():
-            row = {"label": args_.label, "package": str(Path(depthrewrite.__file__).parent), "case": name,
-                   "us": round(per_call_us(lambda: call(op, args), args_.calls, args_.repeats, sync), 1),
+        for name, (op, args) in cases(opts.tokens, device, call).items():
+            row = {"label": opts.label, "package": str(Path(depthrewrite.__file__).parent), "case": name,
+                   "us": round(per_call_us(lambda: call(op, args), opts.calls, opts.repeats, sync), 1),
                    "aten_ops": aten_ops(lambda: CUDA_KERNELS[op](*args)),
                    "device": torch.cuda.get_device_name() if cuda else "cpu (kernels not launched)"}
             print(json.dumps(row), flush=True)

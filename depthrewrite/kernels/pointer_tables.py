@@ -41,7 +41,6 @@ __all__ = ["pointer_tables", "Tables", "CACHE_ENTRIES", "clear_cache", "cache_co
 CACHE_ENTRIES = 4096
 
 
-
 class Tables(tuple):
     """The tables of one call in the order of its groups (a tuple of int64 tensors: unpack
     it), and per group whether every address in it is a multiple of 16 bytes (0 for None

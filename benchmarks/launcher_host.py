@@ -29,8 +29,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch_parts import aten_op_count  # noqa: E402
 
 if not Path("/dev/nvidia0").exists() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported: the launchers' CPU path
@@ -90,22 +94,6 @@ def cases(tokens: int, device: str, call) -> dict:
         else:
             found[f"{name}: route_many_backward, N={n}, S={s}"] = ("route_many_backward", backward)
     return found
-
-
-def aten_ops(fn) -> int:
-    """ATen ops one call of ``fn`` dispatches (allocations included)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
 
 
 def per_call_us(fn, calls: int, repeats: int, sync) -> float:
@@ -178,7 +166,7 @@ def main() -> int:
         for name, (op, args) in cases(opts.tokens, device, call).items():
             row = {"label": opts.label, "package": str(Path(depthrewrite.__file__).parent), "case": name,
                    "us": round(per_call_us(lambda: call(op, args), opts.calls, opts.repeats, sync), 1),
-                   "aten_ops": aten_ops(lambda: CUDA_KERNELS[op](*args)),
+                   "aten_ops": aten_op_count(lambda: CUDA_KERNELS[op](*args)),
                    "device": torch.cuda.get_device_name() if cuda else "cpu (kernels not launched)"}
             print(json.dumps(row), flush=True)
     return 0

@@ -910,8 +910,7 @@ def route_many_forward(values: Sequence[Tensor], queries: Tensor, key_norm_weigh
     per_program = _positive_int("route_many", "tokens_per_program",
                                 _many_forward_tokens(heads) if per_program is None else per_program)
     runs = cdiv(tokens, per_program)
-    _check_grid(runs * chunks, f"{tokens} tokens in {runs} runs of at most {per_program} x {chunks} chunks "
-                              f"of {block_q} queries")
+    _check_grid(tokens, runs, per_program, chunks, block_q)
     # per pipeline stage: one token's source row (and key row), which the program's queries share
     stage_bytes = row * (1 + bool(flat_k)) * flat_v[0].dtype.itemsize
     stages = fit_stages("route_many", _check_stages(cfg.get("stages"), _many_forward_stages(heads), "route_many"),
@@ -948,10 +947,14 @@ def _checked_choice(name: str, choice: str, choices: tuple) -> str:
     return choice
 
 
-def _check_grid(programs: int, what: str) -> None:
-    """A one-dimensional launch holds at most 2**31 - 1 programs (CUDA's grid limit)."""
+def _check_grid(tokens: int, runs: int, per_program: int, chunks: int, block_q: int) -> None:
+    """A one-dimensional launch holds at most 2**31 - 1 programs (CUDA's grid limit): the
+    forward's ``runs`` runs of tokens times its ``chunks`` chunks of queries (the message is
+    made only when it is raised: every call pays this check)."""
+    programs = runs * chunks
     if programs > MAX_PROGRAMS:
-        raise ValueError(f"route_many (Triton): a forward launch of {what} = {programs} programs; "
+        raise ValueError(f"route_many (Triton): a forward launch of {tokens} tokens in {runs} runs of at most "
+                         f"{per_program} x {chunks} chunks of {block_q} queries = {programs} programs; "
                          f"at most {MAX_PROGRAMS} are supported (pass fewer tokens per call)")
 
 

@@ -305,6 +305,9 @@ LAUNCH_VARIANTS = {
     # route_many without the forward's statistics table: the backward forms the logits and
     # rstd from the rows (before session 34; Block AttnRes keeps one for its readout only)
     "nostats": (("attnres", "block_attnres"), {"route_many.SAVE_STATS": False}),
+    # route_many's per-token backward holding 6 queries as 8 padded rows (before session 66;
+    # since, as two tiles of 4 + 2 rows: route_many_triton.SPLIT_QUERIES)
+    "nosplit": (("block_attnres",), {"route_many_triton.SPLIT_QUERIES": False}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count

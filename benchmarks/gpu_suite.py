@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_suite.py [--out DIR] [--budget-s 520] [--no-e2e] [--no-compile-ref]
                                     [--quick] [--e2e-only] [--scheme-check] [--block-phase-only]
                                     [--no-block-phase] [--design-launch-only] [--launch-ab [ROUNDS]]
-                                    [--phase-shapes {block,full_attnres}] [--phase-registers]
+                                    [--phase-shapes {block,block_attnres,full_attnres,grouped_mhar}] [--phase-registers]
                                     [--e2e-schemes baseline,block_attnres,mhar_block,wav,dar_block,attnres,mhar]
 
 On the device machine, carry the FLA wheel (``.whl/``) and start with
@@ -402,7 +402,12 @@ FULL_ATTNRES_PHASE_SHAPES = [(16384, 1024, 13, 4, 1, False), (16384, 1024, 29, 4
 GROUPED_MHAR_PHASE_SHAPES = [(16384, 1024, 13, 4, 16, False), (16384, 1024, 29, 4, 16, False),
                              (16384, 1024, 45, 4, 16, False), (16384, 1024, 4, 6, 16, False),
                              (16384, 1024, 8, 6, 16, False)]
-PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "full_attnres": FULL_ATTNRES_PHASE_SHAPES,
+#: Block AttnRes's phase-1 calls at 350M (8 blocks of 6 sites: 6 queries over the blocks
+#: completed so far), a few of them (session 66)
+BLOCK_ATTNRES_PHASE_SHAPES = [(16384, 1024, 2, 6, 1, False), (16384, 1024, 4, 6, 1, False),
+                              (16384, 1024, 7, 6, 1, False)]
+PHASE_SHAPES = {"block": BLOCK_PHASE_SHAPES, "block_attnres": BLOCK_ATTNRES_PHASE_SHAPES,
+                "full_attnres": FULL_ATTNRES_PHASE_SHAPES,
                 "grouped_mhar": GROUPED_MHAR_PHASE_SHAPES}
 #: launch variants of route_many timed at each shape (the defaults are chosen from them):
 #: forward queries per program and warps; backward tokens per program (tiled) and warps,
@@ -516,6 +521,13 @@ BLOCK_PHASE_BWD_VARIANTS = {"": None, "_nostats": NO_STATS, "_running": RUNNING_
                             # a source's three row sums reduced one by one (before session 33;
                             # since, joined in one reduction: route_many_triton.PER_TOKEN_FUSED_SUMS)
                             "_pertoken_sums1": {"backward": "per_token", "fused_sums": False},
+                            # a call's 6 queries as 8 padded rows (before session 66; since, two
+                            # tiles of 4 + 2: route_many_triton.SPLIT_QUERIES), and the two tiles'
+                            # launch choices (session 66: 2 sources ahead, 2 programs per SM)
+                            "_nosplit": {"split_queries": False},
+                            **{f"_split_pf{k}": {"prefetch": {1: True}.get(k, k)} for k in (1, 2, 3, 4)},
+                            "_split_cap168_pp3": {"maxnreg": 168, "per_sm": 3},
+                            "_split_cap200": {"maxnreg": 200},
                             # the launch choices again with a running sum for every source, as full
                             # AttnRes's calls run since session 36 (grad_accumulation; its launches
                             # were chosen without them): each sum read one source ahead (a

@@ -63,9 +63,10 @@ one host-to-device copy.
 Speed, measured (H200, docs/benchmarks.md): forward + backward at 3-5x the memory floor.
 Both backward kernels are latency-bound: per (source, query) pair a token needs two row
 reductions before its gradient can be formed, and few tokens are in flight per SM (the
-per-token kernel holds ``(Q, H, C)`` fp32 tiles: 255 registers and spills at one head,
-d = 1024, 6 queries padded to 8, 4 warps; the tiled one walks its
-pairs one after another). A tensor-core formulation (tiles of tokens, the reductions as
+per-token kernel holds ``(Q, H, C)`` fp32 tiles: 250 registers at one head, d = 1024, 4
+warps, with 6 queries as two tiles of 4 + 2 rows since session 66, 255 and a spill as one
+tile of 8 padded rows before (SPLIT_QUERIES); the tiled one walks its pairs one after
+another). A tensor-core formulation (tiles of tokens, the reductions as
 ``tl.dot``) was built and measured slower (2x in the backward at these shapes: N and S
 padded to 16, split fp32 factors); it is in the history (commit 9091829), not here. So
 is a split forward (commit 5112666: the logits and log-sum-exps of all queries in one
@@ -258,6 +259,20 @@ PER_TOKEN_PARAM = "registers"
 #: config's ``fused_sums``); the interpreter's default is False (route_triton.default_fused_sums)
 PER_TOKEN_FUSED_SUMS = True
 PARAM_CHOICES = ("registers", "table")
+#: the per-token backward holds a call's queries as two tiles where that pads fewer rows than
+#: one (6 queries, Block AttnRes's block phase: 4 + 2 rows, not 8; :func:`_query_tile_pair`),
+#: the second tile's row sums joined in a reduction of their own (the config's
+#: ``split_queries``). Session 66 (H100, bf16, 16384 tokens, d = 1024, docs/benchmarks.md; the
+#: kernel alone): 0.314 / 0.448 / 0.658 ms against 0.325 / 0.488 / 0.796 at N = 2 / 4 / 7 with
+#: 4 sources ahead for both, no register spilled against 30 bytes (250 against 255 registers,
+#: the device's Triton 3.6); Block AttnRes's step 93.3 against 94.1 ms, its routing kernels 7.1
+#: against 7.8 ms a step
+SPLIT_QUERIES = True
+#: the per-token backward's prefetch depth with two tiles (session 66, as SPLIT_QUERIES' comment,
+#: two runs: 2 ahead 0.308-0.309 / 0.436 / 0.635-0.636 ms against 4 ahead's 0.314-0.316 / 0.447-0.448
+#: / 0.657-0.658 at N = 2 / 4 / 7, 3 ahead 0.310 / 0.468 / 0.663, 1 ahead 0.348 / 0.489 / 0.695;
+#: capped at 168 registers for 3 programs per SM 1.31-1.41x, at 200 1.09-1.22x, both spilling)
+TWO_TILE_PREFETCH = 2
 #: the per-token backward requests two or more sources ahead (PER_TOKEN_PREFETCH) for padded
 #: rows of at most this many elements, one ahead for wider rows (H200, bf16, 16384 tokens, S = 6, one
 #: head, docs/benchmarks.md session 11 run 1: 0.606 / 1.058 / 1.249 ms against 0.640 / 1.095
@@ -477,7 +492,7 @@ def _route_many_bwd_kernel(
     ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, ONE_SOURCE: tl.constexpr,
     HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr = False, STAGES: tl.constexpr = 0,
     EXACT: tl.constexpr = False, FUSED_SUMS: tl.constexpr = False, SAVED_STATS: tl.constexpr = False,
-    RUNNING: tl.constexpr = False,
+    RUNNING: tl.constexpr = False, BLOCK_Q2: tl.constexpr = 0,
 ):
     """The one-pass backward: one token at a time per program, all queries of the chunk
     at once, each source (and its key, with HAS_KEYS) read once; ``param_ptr`` takes the
@@ -493,7 +508,11 @@ def _route_many_bwd_kernel(
     forward's stats table at ``stats_ptr`` (queries from ``Q0``) instead of two of the three
     row sums (:func:`_per_token_sums`). RUNNING (the last chunk of queries): each gradient
     is stored plus its running sum (tables ``runtab``, ``kruntab``); a value's running sum is
-    requested one source ahead, as the source rows are, not at its store."""
+    requested one source ahead, as the source rows are, not at its store. BLOCK_Q2 > 0: the
+    chunk's queries past the first BLOCK_Q are a second tile of BLOCK_Q2 (6 queries as 4 + 2
+    rows, not 8 padded ones), its parameter sums the program's rows BLOCK_Q onwards; not with
+    EXACT or PARAM_TABLE."""
+    tl.static_assert(BLOCK_Q2 == 0 or not (EXACT or PARAM_TABLE), "a second tile of queries takes neither")
     pid = tl.program_id(0)
     act = like_ptr.dtype.element_ty
     ptr_ty = tl.pointer_type(act)
@@ -504,6 +523,17 @@ def _route_many_bwd_kernel(
     l_ptrs = _table_ptrs(ltab, qq, qmask, f32_ty)
     gl_ptrs = _table_ptrs(gltab, qq, qmask, f32_ty)
     r_acc = tl.zeros((BLOCK_Q, BLOCK_H, BLOCK_C), tl.float32)  # sum over tokens, sources of dz * norm
+    # the second tile's (with BLOCK_Q2 = 0 the first tile's, passed along and unused)
+    qq2, qmask2, qmask32, hq2, qw2, r_acc2 = qq, qmask, qmask3, hq, qw, r_acc
+    g2_ptrs, o2_ptrs, l2_ptrs, gl2_ptrs = g_ptrs, o_ptrs, l_ptrs, gl_ptrs
+    if BLOCK_Q2 > 0:
+        tile2 = _query_tiles(qw_ptr + BLOCK_Q * D, D, C, H, S_CHUNK - BLOCK_Q, BLOCK_Q2, BLOCK_H, BLOCK_C)
+        qq2, qmask2, qmask32, hq2, qw2 = tile2[0], tile2[4], tile2[5], tile2[6], tile2[7]
+        g2_ptrs = _table_ptrs(gtab + BLOCK_Q, qq2, qmask2, ptr_ty, ALIGNED)
+        o2_ptrs = _table_ptrs(otab + BLOCK_Q, qq2, qmask2, ptr_ty, ALIGNED)
+        l2_ptrs = _table_ptrs(ltab + BLOCK_Q, qq2, qmask2, f32_ty)
+        gl2_ptrs = _table_ptrs(gltab + BLOCK_Q, qq2, qmask2, f32_ty)
+        r_acc2 = tl.zeros((BLOCK_Q2, BLOCK_H, BLOCK_C), tl.float32)
     REGISTER_PREFETCH: tl.constexpr = PREFETCH if STAGES < 2 else 0
 
     for t in range(pid, T, tl.num_programs(0)):
@@ -537,6 +567,10 @@ def _route_many_bwd_kernel(
                 o = tl.load(o_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
                 # sum_j a_j <v_j, g> = <out, g> per query and head; d lse / d z_j = a_j joins it
                 s_ada = tl.sum(g * o, 2) - g_lse
+        g2, g_lse2, lse2, s_ada2 = g, g_lse, lse, s_ada
+        if BLOCK_Q2 > 0:
+            g2, g_lse2, lse2, s_ada2 = _second_tile_rows(g2_ptrs, o2_ptrs, l2_ptrs, gl2_ptrs, offs, hoffs, qmask32,
+                                                         hq2, ONE_SOURCE)
         if STAGES >= 2:
             for i in tl.range(0, N, num_stages=STAGES):
                 v_raw, k_raw = _load_source(vtab, ktab, i, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -544,10 +578,18 @@ def _route_many_bwd_kernel(
                 if RUNNING:
                     run_v = _running_row(runtab, i, N, offs, cmask, ptr_ty, ALIGNED)
                 z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
-                r_acc = _per_token_source_grads(
-                    v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
-                    gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
+                if BLOCK_Q2 > 0:
+                    z_rows2 = _stats_rows(stats_ptr, tok, i, N, S, H, Q0 + BLOCK_Q, qq2, hh)[0]
+                    r_acc, r_acc2 = _per_token_source_grads2(
+                        v_raw, k_raw, i, offs, g, g_lse, lse, s_ada, qw, r_acc, hq, g2, g_lse2, lse2, s_ada2, qw2,
+                        r_acc2, hq2, cmask, gvtab, acctab, gktab, kacctab, N, D, eps, ptr_ty, ALIGNED, ACC_IN,
+                        ACC_OUT, ONE_SOURCE, HAS_KEYS, FUSED_SUMS, z_rows, z_rows2, r_row, SAVED_STATS, kruntab,
+                        RUNNING, run_v)
+                else:
+                    r_acc = _per_token_source_grads(
+                        v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
+                        gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
+                        HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -579,14 +621,39 @@ def _route_many_bwd_kernel(
                     run_v = run_nx
                     run_nx = _running_row(runtab, i + 1, N, offs, cmask, ptr_ty, ALIGNED)
                 z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
-                r_acc = _per_token_source_grads(
-                    v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
-                    gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                    HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
+                if BLOCK_Q2 > 0:
+                    z_rows2 = _stats_rows(stats_ptr, tok, i, N, S, H, Q0 + BLOCK_Q, qq2, hh)[0]
+                    r_acc, r_acc2 = _per_token_source_grads2(
+                        v_raw, k_raw, i, offs, g, g_lse, lse, s_ada, qw, r_acc, hq, g2, g_lse2, lse2, s_ada2, qw2,
+                        r_acc2, hq2, cmask, gvtab, acctab, gktab, kacctab, N, D, eps, ptr_ty, ALIGNED, ACC_IN,
+                        ACC_OUT, ONE_SOURCE, HAS_KEYS, FUSED_SUMS, z_rows, z_rows2, r_row, SAVED_STATS, kruntab,
+                        RUNNING, run_v)
+                else:
+                    r_acc = _per_token_source_grads(
+                        v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
+                        gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
+                        HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
 
     if not PARAM_TABLE:
-        part = param_ptr + pid.to(tl.int64) * BLOCK_Q * D
+        part = param_ptr + pid.to(tl.int64) * (BLOCK_Q + BLOCK_Q2) * D
         tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
+        if BLOCK_Q2 > 0:
+            tl.store(part + (BLOCK_Q + qq2)[:, None, None] * D + col[None, :, :], r_acc2, mask=qmask32)
+
+
+@triton.jit
+def _second_tile_rows(g_ptrs, o_ptrs, l_ptrs, gl_ptrs, offs, hoffs, qmask3, hq, ONE_SOURCE: tl.constexpr):
+    """A token's output gradients, log-sum-exp gradients and log-sum-exps of the second tile
+    of queries, and ``<out, g> - d lse`` per query and head (the first tile's loads, without
+    EXACT)."""
+    g = tl.load(g_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
+    g_lse = tl.load(gl_ptrs[:, None] + hoffs, mask=hq, other=0.0)
+    lse, s_ada = g_lse, g_lse  # only read with several sources
+    if not ONE_SOURCE:
+        lse = tl.load(l_ptrs[:, None] + hoffs, mask=hq, other=0.0)
+        o = tl.load(o_ptrs[:, None, None] + offs[None, :, :], mask=qmask3, other=0.0).to(tl.float32)
+        s_ada = tl.sum(g * o, 2) - g_lse
+    return g, g_lse, lse, s_ada
 
 
 @triton.jit
@@ -661,6 +728,16 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
         r_acc += dz[:, :, None] * norm[None, :, :]
     d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) - norm * mt)
     d_value = tl.sum(a[:, :, None] * g, 0)
+    _store_source_grads(d_value, d_key, i, offs, cmask, gvtab, acctab, gktab, kacctab, N, ptr_ty, ALIGNED, ACC_IN,
+                        ACC_OUT, HAS_KEYS, kruntab, RUNNING, run_v)
+    return r_acc
+
+
+@triton.jit
+def _store_source_grads(d_value, d_key, i, offs, cmask, gvtab, acctab, gktab, kacctab, N, ptr_ty,
+                        ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr, HAS_KEYS: tl.constexpr,
+                        kruntab, RUNNING: tl.constexpr, run_v):
+    """Source ``i``'s value and key gradients stored (one sum without separate keys)."""
     if HAS_KEYS:
         _store_source_grad(gvtab, acctab, i, offs, cmask, d_value, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, RUNNING, run_v)
         run_k = run_v
@@ -670,7 +747,51 @@ def _per_token_source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw
     else:
         _store_source_grad(gvtab, acctab, i, offs, cmask, d_value + d_key, ptr_ty, ALIGNED, ACC_IN, ACC_OUT,
                            RUNNING, run_v)
-    return r_acc
+
+
+@triton.jit
+def _per_token_source_grads2(v_raw, k_raw, i, offs, g, g_lse, lse, s_ada, qw, r_acc, hq, g2, g_lse2, lse2, s_ada2,
+                             qw2, r_acc2, hq2, cmask, gvtab, acctab, gktab, kacctab, N, D, eps, ptr_ty,
+                             ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr,
+                             ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr, FUSED_SUMS: tl.constexpr, z_rows,
+                             z_rows2, r_row, SAVED_STATS: tl.constexpr, kruntab, RUNNING: tl.constexpr, run_v):
+    """:func:`_per_token_source_grads` for a chunk of queries held as two tiles (the second's
+    tensors suffixed 2), each with its own parameter-sum accumulator (returned as a pair);
+    the key's ``rstd`` comes from the first tile's row sums."""
+    v, k = _fp32_rows(v_raw, k_raw, HAS_KEYS)
+    a, zr, rstd, da = _per_token_sums(v, k, g, qw, lse, hq, D, eps, FUSED_SUMS, z_rows, r_row, SAVED_STATS)
+    a2, zr2, da2 = _second_tile_sums(v, k, g2, qw2, lse2, hq2, rstd, FUSED_SUMS, z_rows2, SAVED_STATS)
+    if ONE_SOURCE:  # as in _per_token_source_grads: dz is d lse exactly
+        a, a2 = tl.where(hq, 1.0, 0.0), tl.where(hq2, 1.0, 0.0)
+        dz, dz2 = g_lse, g_lse2
+    else:
+        dz, dz2 = a * (da - s_ada), a2 * (da2 - s_ada2)
+    mt = (tl.sum(tl.sum(dz * zr, 1), 0) + tl.sum(tl.sum(dz2 * zr2, 1), 0)) / D  # mean_c(d_norm * norm), all queries
+    norm = k * rstd
+    r_acc += dz[:, :, None] * norm[None, :, :]
+    r_acc2 += dz2[:, :, None] * norm[None, :, :]
+    d_key = rstd * (tl.sum(dz[:, :, None] * qw, 0) + tl.sum(dz2[:, :, None] * qw2, 0) - norm * mt)
+    d_value = tl.sum(a[:, :, None] * g, 0) + tl.sum(a2[:, :, None] * g2, 0)
+    _store_source_grads(d_value, d_key, i, offs, cmask, gvtab, acctab, gktab, kacctab, N, ptr_ty, ALIGNED, ACC_IN,
+                        ACC_OUT, HAS_KEYS, kruntab, RUNNING, run_v)
+    return r_acc, r_acc2
+
+
+@triton.jit
+def _second_tile_sums(v, k, g, qw, lse, hq, rstd, FUSED_SUMS: tl.constexpr, z_rows, SAVED_STATS: tl.constexpr):
+    """The second tile's weights ``a``, logits ``zr`` and ``<v, g>`` per query and head, with the
+    key's ``rstd`` given: its two row sums (``<k, qw>``, ``<v, g>``) joined in one reduction with
+    FUSED_SUMS, or with SAVED_STATS the logits from the forward's table and ``<v, g>`` alone."""
+    if SAVED_STATS:
+        zr = tl.load(z_rows, mask=hq, other=0.0)
+        da = tl.sum(v[None, :, :] * g, 2)
+    else:
+        if FUSED_SUMS:
+            dots, da = tl.split(tl.sum(tl.join(k[None, :, :] * qw, v[None, :, :] * g), 2))
+        else:
+            dots, da = tl.sum(k[None, :, :] * qw, 2), tl.sum(v[None, :, :] * g, 2)
+        zr = dots * rstd
+    return tl.where(hq, tl.exp(zr - lse), 0.0), zr, da
 
 
 @triton.jit
@@ -1037,6 +1158,7 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     cfg["exact_softmax_grad"] = check_flag(cfg.get("exact_softmax_grad", False), "exact_softmax_grad", "route_many")
     cfg["fused_sums"] = check_flag(cfg.get("fused_sums", default_fused_sums(PER_TOKEN_FUSED_SUMS)), "fused_sums",
                                    "route_many")
+    cfg["split_queries"] = check_flag(cfg.get("split_queries", SPLIT_QUERIES), "split_queries", "route_many")
     s = queries.shape[0]
     _check_saved_many(out, lse, values, s, heads, grad_out, grad_lse)
     _check_stats(stats, _tokens(values), len(values), s, heads, values[0].device)
@@ -1051,8 +1173,9 @@ def route_many_backward(grad_out: Sequence[Tensor], grad_lse: Sequence[Tensor], 
     kernel = _backward_kernel(heads, cfg, bool(flat_k), s)
     row = math.prod(_row_blocks(queries.shape[1], heads, "route_many"))
     block_q = _per_token_block_q(s, heads, row, cfg)
+    cfg["tiles"] = _query_tile_pair(s, block_q, cfg) if kernel == "per_token" else (block_q, 0)
     if cfg["prefetch"] is None:
-        cfg["prefetch"] = _backward_prefetch(kernel, row, block_q)
+        cfg["prefetch"] = _backward_prefetch(kernel, row, block_q, two_tiles=cfg["tiles"][1] > 0)
     allowed = PREFETCH_DEPTHS + PER_TOKEN_PREFETCH_DEPTHS if kernel == "per_token" else PREFETCH_DEPTHS
     cfg["prefetch"] = _check_prefetch(cfg["prefetch"], "route_many", allowed, f"the {kernel} backward")
     running = RunningSums.of(grad_values_acc, grad_keys_acc, len(flat_v))
@@ -1089,13 +1212,16 @@ def _backward_kernel(heads: int, cfg: dict, has_keys: bool, queries: int) -> str
     return _checked_choice("backward", choice, BACKWARD_CHOICES)
 
 
-def _backward_prefetch(kernel: str, row: int, block_q: int) -> int:
+def _backward_prefetch(kernel: str, row: int, block_q: int, two_tiles: bool = False) -> int:
     """The prefetch depth a backward kernel takes for rows of ``row`` padded elements and
     ``block_q`` padded queries a program unless a config sets it (measured): in the
-    per-token backward up to PER_TOKEN_PREFETCH2_ROW, PER_TOKEN_PREFETCH's entry (that of the
-    largest listed block size up to ``block_q``), else one."""
+    per-token backward up to PER_TOKEN_PREFETCH2_ROW, TWO_TILE_PREFETCH for queries held as
+    two tiles, else PER_TOKEN_PREFETCH's entry (that of the largest listed block size up to
+    ``block_q``); one elsewhere."""
     if kernel != "per_token" or row > PER_TOKEN_PREFETCH2_ROW:
         return 1
+    if two_tiles:
+        return TWO_TILE_PREFETCH
     return _entry_by_queries(PER_TOKEN_PREFETCH, block_q)
 
 
@@ -1214,6 +1340,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     cfg = {"per_sm": per_sm, "maxnreg": cap, **cfg}
     programs = _backward_programs(device, tokens, cfg["per_sm"])
     param_table = cfg["param"] == "table"
+    tile_q, tile_q2 = cfg["tiles"]
     n = len(flat_v)
     # the parameter gradients' (N, S, T, H) dz * rstd table, or per chunk of queries the
     # per-program partial sums. With several chunks they are zeroed: the padded query rows of
@@ -1221,7 +1348,7 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
     # its padded rows are never read (PartialSums below reads the first s rows of each program)
     sums = torch.zeros if len(chunks) > 1 else torch.empty
     param = (torch.empty((n, s, tokens, heads), dtype=torch.float32, device=device) if param_table else
-             sums((len(chunks), programs, block_q, d), dtype=torch.float32, device=device))
+             sums((len(chunks), programs, tile_q + tile_q2, d), dtype=torch.float32, device=device))
     qw = _per_query_rows(queries, key_norm_weights)
     # fp32 partial gradients between chunks of queries (the gradients themselves if fp32:
     # then the gradients' tables are theirs, not uploaded twice; not where the outputs were
@@ -1243,7 +1370,8 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
             flat_v[0], _rows_from(gtab, q0), _rows_from(otab, q0), _rows_from(ltab, q0), _rows_from(gltab, q0),
             vtab, gvtab, acctab, ktab, gktab, kacctab, _rows_from(qw, q0),
             _chunk_sums(param, c, q0, param_table), tokens, n, s, d, d // heads, heads,
-            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, runtab, kruntab, BLOCK_Q=block_q,
+            min(block_q, s - q0), float(eps), qw if stats is None else stats, q0, runtab, kruntab, BLOCK_Q=tile_q,
+            BLOCK_Q2=tile_q2,
             BLOCK_H=block_h, BLOCK_C=block_c, RUNNING=running.any and c == len(chunks) - 1,
             PREFETCH=cfg["prefetch"], ALIGNED=aligned, ACC_IN=c > 0, ACC_OUT=c < len(chunks) - 1, ONE_SOURCE=n == 1,
             HAS_KEYS=bool(flat_k), PARAM_TABLE=param_table, STAGES=cfg["stages"], EXACT=cfg["exact_softmax_grad"],
@@ -1254,9 +1382,22 @@ def _per_token_backward(g, gl, o, ls, flat_v, flat_k, queries, key_norm_weights,
         return grad_v, grad_k, _param_reduction(ktab, flat_v[0], param, s, d, heads, tokens, n,
                                                 tables.all_aligned(7 if flat_k else 4), cfg)
     # the second pass of the deterministic reduction sums over the programs, in order
-    if len(chunks) == 1:  # the first s of each program's block_q rows (param[0] starts where param does)
-        return grad_v, grad_k, PartialSums(param, programs, block_q * d, s * d)
+    if len(chunks) == 1:  # the first s of each program's rows (param[0] starts where param does)
+        return grad_v, grad_k, PartialSums(param, programs, (tile_q + tile_q2) * d, s * d)
     return grad_v, grad_k, PartialSums.of(param.sum(1).reshape(1, -1)[:, : s * d])
+
+
+def _query_tile_pair(s: int, block_q: int, cfg: dict) -> tuple[int, int]:
+    """The per-token backward's padded query rows as (first tile, second tile): a call of one
+    chunk (``s`` queries padded to ``block_q``) as ``block_q / 2`` and the rest padded on its
+    own where that holds fewer rows (6 queries as 4 + 2, 5 as 4 + 1, 3 as 2 + 1), with the
+    config's ``split_queries`` (SPLIT_QUERIES) and neither ``exact_softmax_grad`` nor
+    ``param="table"``; else ``(block_q, 0)``, one tile."""
+    if not cfg["split_queries"] or s > block_q or cfg["exact_softmax_grad"] or cfg["param"] == "table":
+        return block_q, 0
+    first = block_q // 2
+    second = _next_pow2(s - first) if s > first else 0
+    return (first, second) if 0 < second and first + second < block_q else (block_q, 0)
 
 
 def _rows_from(t: Tensor, start: int) -> Tensor:

@@ -106,7 +106,9 @@ SAVE_STATS = True
 #: the most queries a call keeps the table for: the measured calls (1-4 queries). With more
 #: (Block AttnRes's 6-7, padded to 8) the per-token backward already spills, and in the sm_90
 #: code of the device's Triton the table's loads raise its spills (184 bytes against 108 at
-#: 6 queries, kernel_registers.py), unmeasured on the GPU
+#: 6 queries, kernel_registers.py), unmeasured on the GPU. Since session 66 its 6 queries are
+#: two tiles of 4 + 2 rows that do not spill (route_many_triton.SPLIT_QUERIES); with the table
+#: they would again (64 bytes in the sm_90 code of the dev VM's Triton 3.9), not timed
 STATS_MAX_QUERIES = 4
 
 

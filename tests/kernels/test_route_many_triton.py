@@ -160,6 +160,25 @@ def test_query_chunks_match_one_launch():
         assert _rel(b, a) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("s,keys,tiles", [(6, False, (4, 2)), (5, False, (4, 1)), (3, True, (2, 1)),
+                                          (6, True, (4, 2)), (7, False, (8, 0))])
+def test_queries_in_two_tiles_match_one_padded_tile_and_float64(s, keys, tiles):
+    """The per-token backward holds a call's queries as two tiles where that pads fewer rows
+    than one (route_many_triton.SPLIT_QUERIES: 6 as 4 + 2, not 8; 7 stays one tile of 8):
+    the same gradients as one tile of padded rows, up to the order of the fp32 sums, and as
+    float64 given the saved output."""
+    assert route_many_triton._query_tile_pair(s, 8 if s > 4 else 4, {
+        "split_queries": True, "exact_softmax_grad": False, "param": "registers"}) == tiles
+    inp = _make(4, s, (5,), 48, 1, torch.float32, 60 + s, keys)
+    one = _run(inp, torch.float32, 60 + s, config={"backward": "per_token", "split_queries": False})
+    split = _run(inp, torch.float32, 60 + s, config={"backward": "per_token"})
+    for a, b in zip(one[2], split[2]):
+        assert _rel(b, a) < 1e-6
+    _, _, oracle = _oracle_f64(inp, split[3], split[4], saved_out=split[0])
+    for got, want in zip(split[2], oracle):
+        assert _rel(got, want) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("keys", [False, True])
 def test_forward_program_orders_and_token_runs_give_the_same_bits(keys):
     """One launch holds every chunk of queries; its two program orders (chunks of a token
@@ -485,6 +504,9 @@ def test_per_token_prefetch_follows_the_queries_a_program_holds(monkeypatch):
     assert [depth("per_token", 1024, q) for q in (1, 2, 4, 8, 16)] == [3, 3, 3, 4, 4]
     # rows wider than PER_TOKEN_PREFETCH2_ROW, and the tiled backward, take one ahead
     assert depth("per_token", 4096, 8) == depth("tiled", 1024, 8) == 1
+    # queries held as two tiles take TWO_TILE_PREFETCH, up to PER_TOKEN_PREFETCH2_ROW
+    monkeypatch.setattr(route_many_triton, "TWO_TILE_PREFETCH", 3)
+    assert depth("per_token", 1024, 8, two_tiles=True) == 3 and depth("per_token", 4096, 8, two_tiles=True) == 1
     # a call's padded queries: 6 queries in one chunk of 8; 16 heads in chunks of 2
     assert route_many_triton._per_token_block_q(6, 1, 1024, {}) == 8
     assert route_many_triton._per_token_block_q(6, 16, 1024, {}) == route_many_triton.MULTI_HEAD_BACKWARD_QUERIES

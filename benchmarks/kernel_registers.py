@@ -176,15 +176,17 @@ def compile_many_forward(d: int, heads: int, has_keys: bool, stages: int | None 
 
 def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch: int | None = None,
                                     queries: int = 6, param_table: bool = False, stages: int = 0,
-                                    fused_sums: bool | None = None, saved_stats: bool | None = None):
+                                    fused_sums: bool | None = None, saved_stats: bool | None = None,
+                                    split: bool | None = None):
     """The per-token backward for ``queries`` queries in one chunk, as ``route_many_backward``
     launches it (one head: all queries that MANY_ELEMS allows; several heads: 2; ``prefetch``
     None: the default depth; the register cap of PER_TOKEN_LAUNCH); with ``param_table``, its
     ``param="table"`` form; ``fused_sums`` None: PER_TOKEN_FUSED_SUMS; ``saved_stats`` None:
-    the forward's statistics read where the op keeps them (route_many.saves_stats)."""
+    the forward's statistics read where the op keeps them (route_many.saves_stats); ``split``
+    None: the queries as two tiles where the launcher takes them so (SPLIT_QUERIES)."""
     from depthrewrite.kernels.route_many_triton import (
-        MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, PER_TOKEN_FUSED_SUMS, _backward_prefetch, _per_token_block_q,
-        _per_token_launch, _route_many_bwd_kernel,
+        MULTI_HEAD_BACKWARD_WARPS, NUM_WARPS, PER_TOKEN_FUSED_SUMS, SPLIT_QUERIES, _backward_prefetch,
+        _per_token_block_q, _per_token_launch, _query_tile_pair, _route_many_bwd_kernel,
     )
     from depthrewrite.kernels.route_triton import _row_blocks
     from depthrewrite.ops.route_many import saves_stats
@@ -192,9 +194,13 @@ def compile_many_per_token_backward(d: int, heads: int, has_keys: bool, prefetch
     block_h, block_c = _row_blocks(d, heads)
     multi = heads > 1
     block_q = _per_token_block_q(queries, heads, block_h * block_c, {})
+    tile_q, tile_q2 = _query_tile_pair(queries, block_q, {
+        "split_queries": SPLIT_QUERIES if split is None else split, "exact_softmax_grad": False,
+        "param": "table" if param_table else "registers"})
     if prefetch is None:
-        prefetch = _backward_prefetch("per_token", block_h * block_c, block_q)
-    constexprs = dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch, ALIGNED=True, ACC_IN=False,
+        prefetch = _backward_prefetch("per_token", block_h * block_c, block_q, two_tiles=tile_q2 > 0)
+    constexprs = dict(BLOCK_Q=tile_q, BLOCK_Q2=tile_q2, BLOCK_H=block_h, BLOCK_C=block_c, PREFETCH=prefetch,
+                      ALIGNED=True, ACC_IN=False,
                       ACC_OUT=False, ONE_SOURCE=False, HAS_KEYS=has_keys, PARAM_TABLE=param_table,
                       STAGES=stages, FUSED_SUMS=PER_TOKEN_FUSED_SUMS if fused_sums is None else fused_sums,
                       SAVED_STATS=(saves_stats(heads, True if has_keys else None, queries) if saved_stats is None
@@ -278,7 +284,8 @@ def main() -> int:
                    functools.partial(per_token, fused_sums=False, saved_stats=False)),
                   (f"per-token backward S={queries}, no saved stats", functools.partial(per_token, saved_stats=False)),
                   (f"per-token backward S={queries}, saved stats", functools.partial(per_token, saved_stats=True)),
-                  (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True))]
+                  (f"per-token backward S={queries}, param table", functools.partial(per_token, param_table=True)),
+                  (f"per-token backward S={queries}, one tile", functools.partial(per_token, split=False))]
     for name, compile_fn in kinds:
         for heads in args.heads:
             for has_keys in (False, True):

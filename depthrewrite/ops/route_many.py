@@ -107,8 +107,9 @@ SAVE_STATS = True
 #: (Block AttnRes's 6-7, padded to 8) the per-token backward already spills, and in the sm_90
 #: code of the device's Triton the table's loads raise its spills (184 bytes against 108 at
 #: 6 queries, kernel_registers.py), unmeasured on the GPU. Since session 66 its 6 queries are
-#: two tiles of 4 + 2 rows that do not spill (route_many_triton.SPLIT_QUERIES); with the table
-#: they would again (64 bytes in the sm_90 code of the dev VM's Triton 3.9), not timed
+#: two tiles of 4 + 2 rows that do not spill (route_many_triton.SPLIT_QUERIES), and with the
+#: table they would not either (the sm_90 code of the dev VM's Triton 3.9: 253 registers,
+#: 1,512 SASS instructions and 20 barriers against 250, 1,688 and 22): not yet timed
 STATS_MAX_QUERIES = 4
 
 

@@ -577,19 +577,11 @@ def _route_many_bwd_kernel(
                 run_v = v_raw  # read only with RUNNING
                 if RUNNING:
                     run_v = _running_row(runtab, i, N, offs, cmask, ptr_ty, ALIGNED)
-                z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
-                if BLOCK_Q2 > 0:
-                    z_rows2 = _stats_rows(stats_ptr, tok, i, N, S, H, Q0 + BLOCK_Q, qq2, hh)[0]
-                    r_acc, r_acc2 = _per_token_source_grads2(
-                        v_raw, k_raw, i, offs, g, g_lse, lse, s_ada, qw, r_acc, hq, g2, g_lse2, lse2, s_ada2, qw2,
-                        r_acc2, hq2, cmask, gvtab, acctab, gktab, kacctab, N, D, eps, ptr_ty, ALIGNED, ACC_IN,
-                        ACC_OUT, ONE_SOURCE, HAS_KEYS, FUSED_SUMS, z_rows, z_rows2, r_row, SAVED_STATS, kruntab,
-                        RUNNING, run_v)
-                else:
-                    r_acc = _per_token_source_grads(
-                        v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
-                        gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                        HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
+                r_acc, r_acc2 = _source_grads(
+                    v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, g2, g_lse2, lse2, s_ada2, qw2,
+                    r_acc2, qq2, hq2, hh, cmask, gvtab, acctab, gktab, kacctab, param_ptr, stats_ptr, Q0, T, N, S, D, H,
+                    eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE, HAS_KEYS, PARAM_TABLE, FUSED_SUMS, SAVED_STATS,
+                    kruntab, RUNNING, run_v, BLOCK_Q, BLOCK_Q2)
         else:
             if REGISTER_PREFETCH == 1:
                 v_nx, k_nx = _load_source(vtab, ktab, 0, offs, cmask, ptr_ty, ALIGNED, HAS_KEYS)
@@ -620,25 +612,42 @@ def _route_many_bwd_kernel(
                 if RUNNING:  # this source's running sum, the next one's requested
                     run_v = run_nx
                     run_nx = _running_row(runtab, i + 1, N, offs, cmask, ptr_ty, ALIGNED)
-                z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
-                if BLOCK_Q2 > 0:
-                    z_rows2 = _stats_rows(stats_ptr, tok, i, N, S, H, Q0 + BLOCK_Q, qq2, hh)[0]
-                    r_acc, r_acc2 = _per_token_source_grads2(
-                        v_raw, k_raw, i, offs, g, g_lse, lse, s_ada, qw, r_acc, hq, g2, g_lse2, lse2, s_ada2, qw2,
-                        r_acc2, hq2, cmask, gvtab, acctab, gktab, kacctab, N, D, eps, ptr_ty, ALIGNED, ACC_IN,
-                        ACC_OUT, ONE_SOURCE, HAS_KEYS, FUSED_SUMS, z_rows, z_rows2, r_row, SAVED_STATS, kruntab,
-                        RUNNING, run_v)
-                else:
-                    r_acc = _per_token_source_grads(
-                        v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab,
-                        gktab, kacctab, param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE,
-                        HAS_KEYS, PARAM_TABLE, FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
+                r_acc, r_acc2 = _source_grads(
+                    v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, g2, g_lse2, lse2, s_ada2, qw2,
+                    r_acc2, qq2, hq2, hh, cmask, gvtab, acctab, gktab, kacctab, param_ptr, stats_ptr, Q0, T, N, S, D, H,
+                    eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE, HAS_KEYS, PARAM_TABLE, FUSED_SUMS, SAVED_STATS,
+                    kruntab, RUNNING, run_v, BLOCK_Q, BLOCK_Q2)
 
     if not PARAM_TABLE:
         part = param_ptr + pid.to(tl.int64) * (BLOCK_Q + BLOCK_Q2) * D
         tl.store(part + qq[:, None, None] * D + col[None, :, :], r_acc, mask=qmask3)
         if BLOCK_Q2 > 0:
             tl.store(part + (BLOCK_Q + qq2)[:, None, None] * D + col[None, :, :], r_acc2, mask=qmask32)
+
+
+@triton.jit
+def _source_grads(v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, g2, g_lse2, lse2, s_ada2, qw2,
+                  r_acc2, qq2, hq2, hh, cmask, gvtab, acctab, gktab, kacctab, param_ptr, stats_ptr, Q0, T, N, S, D, H,
+                  eps, ptr_ty, ALIGNED: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr,
+                  ONE_SOURCE: tl.constexpr, HAS_KEYS: tl.constexpr, PARAM_TABLE: tl.constexpr,
+                  FUSED_SUMS: tl.constexpr, SAVED_STATS: tl.constexpr, kruntab, RUNNING: tl.constexpr, run_v,
+                  BLOCK_Q: tl.constexpr, BLOCK_Q2: tl.constexpr):
+    """Source ``i``'s part of the per-token backward for the chunk's queries in one tile
+    (:func:`_per_token_source_grads`) or, with BLOCK_Q2 > 0, two (:func:`_per_token_source_grads2`);
+    returns both tiles' parameter-sum accumulators (the second passed through with one tile)."""
+    z_rows, r_row = _stats_rows(stats_ptr, tok, i, N, S, H, Q0, qq, hh)
+    if BLOCK_Q2 > 0:
+        z_rows2 = _stats_rows(stats_ptr, tok, i, N, S, H, Q0 + BLOCK_Q, qq2, hh)[0]
+        r_acc, r_acc2 = _per_token_source_grads2(
+            v_raw, k_raw, i, offs, g, g_lse, lse, s_ada, qw, r_acc, hq, g2, g_lse2, lse2, s_ada2, qw2, r_acc2, hq2,
+            cmask, gvtab, acctab, gktab, kacctab, N, D, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE, HAS_KEYS,
+            FUSED_SUMS, z_rows, z_rows2, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
+    else:
+        r_acc = _per_token_source_grads(
+            v_raw, k_raw, i, tok, offs, g, g_lse, lse, s_ada, qw, r_acc, qq, hq, cmask, gvtab, acctab, gktab, kacctab,
+            param_ptr, T, N, S, D, H, eps, ptr_ty, ALIGNED, ACC_IN, ACC_OUT, ONE_SOURCE, HAS_KEYS, PARAM_TABLE,
+            FUSED_SUMS, z_rows, r_row, SAVED_STATS, kruntab, RUNNING, run_v)
+    return r_acc, r_acc2
 
 
 @triton.jit

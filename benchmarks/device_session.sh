@@ -7,6 +7,7 @@
 #   OUT=... bash benchmarks/device_session.sh table59  # every scheme end to end at HEAD (session 59)
 #   OUT=... bash benchmarks/device_session.sh host66   # the launchers' host time at HEAD against a copy of the base's package in .ab_base/ (carried), then their GPU kernel tests (session 66)
 #   OUT=... bash benchmarks/device_session.sh e2e66    # WAV and full AttnRes beside the baseline at HEAD, then the same in .ab_base/'s copy (session 66)
+#   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table
@@ -1365,6 +1366,16 @@ e2e66)
         --profile 12 --schemes baseline wav attnres > "$OUT/e2e_$label.txt" 2>&1
     echo "== $label"; grep "^trials\|^launchers" "$OUT/e2e_$label.txt"; grep "^|" "$OUT/e2e_$label.txt" | head -6
   done
+  ;;
+stats67)
+  # prepared in session 66: route_many's statistics table for Block AttnRes's 6-query calls
+  # (STATS_MAX_QUERIES 8 against 4), now that their two tiles leave registers for it; the
+  # interpreter's and the GPU's tests of the saved-statistics backward first (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  kernel_test_file 120 test_route_many_triton.py stats_tests.txt -k "two_tiles or stats or match_float64"
+  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline block_attnres block_attnres_stats8 > "$OUT/e2e.txt" 2>&1
+  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
   ;;
 table59)
   # session 59: every scheme end to end at HEAD, side by side in one run (the last such

@@ -308,6 +308,10 @@ LAUNCH_VARIANTS = {
     # route_many's per-token backward holding 6 queries as 8 padded rows (before session 66;
     # since, as two tiles of 4 + 2 rows: route_many_triton.SPLIT_QUERIES)
     "nosplit": (("block_attnres",), {"route_many_triton.SPLIT_QUERIES": False}),
+    # route_many keeping its statistics table for calls of up to 8 queries (since session 34:
+    # up to 4, route_many.STATS_MAX_QUERIES): Block AttnRes's 6-query backwards then read the
+    # logits and rstd (as two tiles, its sm_90 code does not spill with them; session 66, untimed)
+    "stats8": (("block_attnres",), {"route_many.STATS_MAX_QUERIES": 8}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count

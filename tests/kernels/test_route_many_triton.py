@@ -12,6 +12,7 @@ GPU the kernels run in Triton's interpreter.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 
@@ -28,6 +29,7 @@ triton = pytest.importorskip("triton")
 from depthrewrite.kernels import route_many_triton  # noqa: E402
 from depthrewrite.kernels.pointer_tables import pointer_tables  # noqa: E402
 from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
+route_many_ops = importlib.import_module("depthrewrite.ops.route_many")  # the module (the package exports a function)
 from depthrewrite.ops.route_many import stats_table  # noqa: E402
 # relative L2 error, and the error allowed against float64 by returned dtype: as for route
 from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
@@ -160,13 +162,17 @@ def test_query_chunks_match_one_launch():
         assert _rel(b, a) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("s,keys,tiles", [(6, False, (4, 2)), (5, False, (4, 1)), (3, True, (2, 1)),
-                                          (6, True, (4, 2)), (7, False, (8, 0))])
-def test_queries_in_two_tiles_match_one_padded_tile_and_float64(s, keys, tiles):
+@pytest.mark.parametrize("s,keys,tiles,stats", [(6, False, (4, 2), False), (5, False, (4, 1), False),
+                                                (3, True, (2, 1), False), (6, True, (4, 2), False),
+                                                (7, False, (8, 0), False), (6, False, (4, 2), True)])
+def test_queries_in_two_tiles_match_one_padded_tile_and_float64(s, keys, tiles, stats, monkeypatch):
     """The per-token backward holds a call's queries as two tiles where that pads fewer rows
     than one (route_many_triton.SPLIT_QUERIES: 6 as 4 + 2, not 8; 7 stays one tile of 8):
     the same gradients as one tile of padded rows, up to the order of the fp32 sums, and as
-    float64 given the saved output."""
+    float64 given the saved output; ``stats``: the forward's statistics table kept for 6
+    queries too, each tile reading its own logits from it."""
+    if stats:
+        monkeypatch.setattr(route_many_ops, "STATS_MAX_QUERIES", 8)
     assert route_many_triton._query_tile_pair(s, 8 if s > 4 else 4, {
         "split_queries": True, "exact_softmax_grad": False, "param": "registers"}) == tiles
     inp = _make(4, s, (5,), 48, 1, torch.float32, 60 + s, keys)

@@ -57,8 +57,8 @@ class PartialSums(NamedTuple):
 
     def total(self) -> Tensor:
         """The sum over the rows as a torch op (float32, flat ``(width,)``)."""
-        if self.stride == self.width and self.part.dim() == 2 and self.part.is_contiguous():
-            return self.part.sum(0)  # the rows as they lie: one op, not a view and a sum
+        if self.part.shape == (self.rows, self.width) and self.part.is_contiguous():
+            return self.part.sum(0)  # exactly these rows as they lie: one op, not a view and a sum
         rows = self.part.as_strided((self.rows, self.width), (self.stride, 1))
         return rows.sum(0)
 

@@ -32,7 +32,7 @@ from depthrewrite.kernels.route_triton import MAX_ROW  # noqa: E402
 route_many_ops = importlib.import_module("depthrewrite.ops.route_many")  # the module (the package exports a function)
 from depthrewrite.ops.route_many import stats_table  # noqa: E402
 # relative L2 error, and the error allowed against float64 by returned dtype: as for route
-from tests.kernels.test_route_triton import DEVICE, TOL, _rel  # noqa: E402
+from tests.kernels.test_route_triton import DEVICE, TOL, _Launch, _rel, _shifted  # noqa: E402
 from tests.conftest import skip_widest_row_in_half_precision  # noqa: E402
 
 
@@ -565,16 +565,6 @@ def test_backward_refuses_saved_tensors_that_are_not_the_forward_outputs():
         route_many_triton.route_many_backward(*grads, out[:1], lse, values, q, w, 1, 1e-6)
 
 
-class _Launch:
-    """Stands in for a Triton kernel: records each launch's keyword arguments."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append(kw)
-
-
 @pytest.mark.parametrize("backward", ["tiled", "per_token"])
 def test_alignment_hint_covers_every_row_read_through_a_table(backward, monkeypatch):
     """The kernels read rows through pointer tables and tell the compiler those rows are
@@ -588,21 +578,18 @@ def test_alignment_hint_covers_every_row_read_through_a_table(backward, monkeypa
     inp = _make(3, 2, (4,), 64, 1, torch.bfloat16, 3)
     values, q, w = [v.to(DEVICE) for v in inp["values"]], inp["queries"].to(DEVICE), inp["key_norm_weights"].to(DEVICE)
 
-    def shifted(t):  # same values, one element further into a bigger storage: 2 bytes off alignment
-        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
-
     out = [torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     lse = [torch.randn(4, 1, device=DEVICE) for _ in range(2)]
     grads = [torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     gl = [torch.zeros(4, 1, device=DEVICE) for _ in range(2)]
     config = {"backward": backward}
-    for g, o, aligned in ((grads, out, True), ([shifted(grads[0]), grads[1]], out, False),
-                          (grads, [out[0], shifted(out[1])], False)):
+    for g, o, aligned in ((grads, out, True), ([_shifted(grads[0]), grads[1]], out, False),
+                          (grads, [out[0], _shifted(out[1])], False)):
         calls.clear()
         route_many_triton.route_many_backward(g, gl, o, lse, values, q, w, 1, 1e-6, config)
         assert calls[0]["ALIGNED"] is aligned
     calls.clear()
-    route_many_triton.route_many_forward([shifted(values[0])] + values[1:], q, w, 1, 1e-6)
+    route_many_triton.route_many_forward([_shifted(values[0])] + values[1:], q, w, 1, 1e-6)
     assert calls and not calls[0]["ALIGNED"]
 
 

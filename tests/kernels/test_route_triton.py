@@ -550,6 +550,12 @@ class _Launch:
         return lambda *args, **kw: self.calls.append(kw)
 
 
+def _shifted(t):
+    """``t``'s values in a contiguous view one element into a bigger storage: off 16-byte
+    alignment (2 bytes in bf16)."""
+    return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+
+
 def test_alignment_hint_covers_every_row_read_through_a_table(monkeypatch):
     """The kernels read rows through pointer tables and tell the compiler those rows are
     16-byte aligned only when every tensor behind the tables is: the sources (forward), and
@@ -563,14 +569,11 @@ def test_alignment_hint_covers_every_row_read_through_a_table(monkeypatch):
     query, weight = inp["query"].to(DEVICE), inp["key_norm_weight"].to(DEVICE)
     bias, scale = inp["logit_bias"].to(DEVICE), inp["source_scale"].to(DEVICE)
 
-    def shifted(t):  # same values, one element further into a bigger storage
-        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
-
     out, lse = torch.randn_like(values[0]), torch.zeros(4, 1, device=DEVICE)
     grad = torch.randn_like(values[0])
     sums = [torch.randn_like(v) for v in values]
-    for srcs, acc, aligned in ((values, sums, True), ([values[0], shifted(values[1]), values[2]], sums, False),
-                               (values, [sums[0], None, shifted(sums[2])], False)):
+    for srcs, acc, aligned in ((values, sums, True), ([values[0], _shifted(values[1]), values[2]], sums, False),
+                               (values, [sums[0], None, _shifted(sums[2])], False)):
         calls.clear()
         route_triton.route_forward(srcs, None, query, weight, bias, scale, 1, 1e-6)
         route_triton.route_backward(grad, out, lse, srcs, None, query, weight, bias, scale, 1, 1e-6,

@@ -7,6 +7,7 @@
 #   OUT=... bash benchmarks/device_session.sh table59  # every scheme end to end at HEAD (session 59)
 #   OUT=... bash benchmarks/device_session.sh host66   # the launchers' host time at HEAD against a copy of the base's package in .ab_base/ (carried), then their GPU kernel tests (session 66)
 #   OUT=... bash benchmarks/device_session.sh e2e66    # WAV and full AttnRes beside the baseline at HEAD, then the same in .ab_base/'s copy (session 66)
+#   OUT=... bash benchmarks/device_session.sh host67   # a launcher call's host time in parts: dispatch, Triton's launches, our launcher's own work; cProfile tables (session 67)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
@@ -1366,6 +1367,20 @@ e2e66)
         --profile 12 --schemes baseline wav attnres > "$OUT/e2e_$label.txt" 2>&1
     echo "== $label"; grep "^trials\|^launchers" "$OUT/e2e_$label.txt"; grep "^|" "$OUT/e2e_$label.txt" | head -6
   done
+  ;;
+host67)
+  # session 67: where a routing op call's host time goes on the GPU machine's host: the op,
+  # our launcher called directly and without its Triton launches (launcher_host.py --parts),
+  # with each registration of the kernels in a process of its own; then cProfile's tables
+  # (~1 minute)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  for registration in custom_op dispatcher; do
+    DEPTHREWRITE_KERNEL_REGISTRATION=$registration timeout 150 python3 benchmarks/launcher_host.py --calls 200 \
+        --repeats 7 --parts --label "$registration" >> "$OUT/launcher_parts.jsonl"
+  done
+  timeout 240 python3 benchmarks/launcher_host.py --calls 200 --repeats 5 --profile 35 > "$OUT/launcher_host.jsonl" \
+      2> "$OUT/launcher_profile.txt"
+  cat "$OUT/launcher_parts.jsonl"
   ;;
 stats67)
   # prepared in session 66: route_many's statistics table for Block AttnRes's 6-query calls

@@ -6,6 +6,8 @@ processes in turn (session 66).
 
     python3 benchmarks/launcher_host.py [--tokens 16] [--calls 100] [--repeats 9] [--label NAME]
     python3 benchmarks/launcher_host.py --summarize FILE.jsonl   # a table: each case's median per label
+    python3 benchmarks/launcher_host.py --profile 25   # and each case's 25 costliest functions (cProfile) on stderr
+    python3 benchmarks/launcher_host.py --parts   # with CUDA: also the launcher called directly, and without its launches
 
 Cases (d = 1024, bf16, few tokens so that the host sets the pace):
 
@@ -17,6 +19,10 @@ Cases (d = 1024, bf16, few tokens so that the host sets the pace):
 - full AttnRes's group call (``route_many_backward_into_``): 13 sources, 4 sites, running sums.
 
 With CUDA: us per call, median over ``repeats`` of ``calls`` calls and a synchronisation.
+``--parts`` adds, per case, the same calls of our launcher directly (``launcher_us``: no
+dispatcher, no custom-op wrapper) and of the launcher with its Triton launches replaced by
+no-ops (``no_launch_us``): the op's time less ``launcher_us`` is the dispatch's share,
+``launcher_us`` less ``no_launch_us`` Triton's launches'.
 Without CUDA (this repository's CI machines): the same calls through the launchers on the
 CPU in Triton's interpreter with every kernel launch replaced by a no-op, so the figure is
 the launchers' own host work (Python and the ATen ops they issue, on CPU tensors), not a
@@ -40,18 +46,28 @@ if not Path("/dev/nvidia0").exists() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported: the launchers' CPU path
 
 
-def _stub_kernel_launches() -> None:
-    """Every ``@triton.jit`` kernel of the launchers replaced by a no-op (CPU only)."""
+def _stub_kernel_launches() -> dict:
+    """Every ``@triton.jit`` kernel of the launchers replaced by a no-op; returns what was
+    replaced ((module, name) -> kernel) for :func:`_restore`."""
     from depthrewrite.kernels import param_grads, route_many_triton, route_merge_triton, route_triton
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
+    replaced = {}
     for module in (route_triton, route_many_triton, route_merge_triton, param_grads):
         for name in dir(module):
             if name.endswith("_kernel") and hasattr(getattr(module, name), "__getitem__"):
+                replaced[module, name] = getattr(module, name)
                 setattr(module, name, NoLaunch())
+    return replaced
+
+
+def _restore(replaced: dict) -> None:
+    """The kernels :func:`_stub_kernel_launches` replaced, put back."""
+    for (module, name), kernel in replaced.items():
+        setattr(module, name, kernel)
 
 
 def cases(tokens: int, device: str, call) -> dict:
@@ -111,6 +127,23 @@ def per_call_us(fn, calls: int, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
+def profile_calls(fn, calls: int, top: int) -> str:
+    """cProfile's table of ``calls`` calls of ``fn``: the ``top`` functions by their own time
+    (where a launcher call's host time goes: our Python, ATen, Triton's launch path)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def summarize(path: str) -> str:
     """A markdown table of the JSON lines in ``path``: per case, each label's median us over
     its processes (their figures beside it) and its ATen ops a call."""
@@ -140,6 +173,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--label", default="", help="a name for this process's version of the package")
     ap.add_argument("--summarize", metavar="FILE", help="print the table of a file of this script's lines, and stop")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="also print each case's TOP costliest functions over its calls (cProfile) on stderr")
+    ap.add_argument("--parts", action="store_true",
+                    help="with CUDA, also time the launcher called directly and without its kernel launches")
     opts = ap.parse_args()
     if opts.summarize:
         print(summarize(opts.summarize))
@@ -168,7 +205,18 @@ def main() -> int:
                    "us": round(per_call_us(lambda: call(op, args), opts.calls, opts.repeats, sync), 1),
                    "aten_ops": aten_op_count(lambda: CUDA_KERNELS[op](*args)),
                    "device": torch.cuda.get_device_name() if cuda else "cpu (kernels not launched)"}
+            if opts.parts and cuda:
+                direct = lambda: CUDA_KERNELS[op](*args)  # noqa: E731
+                row["launcher_us"] = round(per_call_us(direct, opts.calls, opts.repeats, sync), 1)
+                replaced = _stub_kernel_launches()
+                try:
+                    row["no_launch_us"] = round(per_call_us(direct, opts.calls, opts.repeats, sync), 1)
+                finally:
+                    _restore(replaced)
             print(json.dumps(row), flush=True)
+            if opts.profile:
+                print(f"== {name}\n" + profile_calls(lambda: call(op, args), opts.calls, opts.profile),
+                      file=sys.stderr, flush=True)
     return 0
 
 

@@ -16,12 +16,16 @@ CASES = 8
 def test_the_cpu_run_times_every_case_and_the_summary_sets_labels_side_by_side(tmp_path):
     script = str(BENCHMARKS / "launcher_host.py")
     lines = []
-    for label in ("a", "b"):
-        run = subprocess.run([sys.executable, script, "--calls", "2", "--repeats", "1", "--label", label],
+    for label, extra in (("a", []), ("b", ["--profile", "5"])):
+        run = subprocess.run([sys.executable, script, "--calls", "2", "--repeats", "1", "--label", label, *extra],
                              capture_output=True, text=True, timeout=300,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert run.returncode == 0, run.stderr[-2000:]
         lines += [line for line in run.stdout.splitlines() if line.startswith("{")]
+    # b's profiles: one a case, each of its calls counted, our launchers among the functions
+    profiles = run.stderr.split("== ")[1:]
+    assert [p.splitlines()[0] for p in profiles] == [json.loads(line)["case"] for line in lines[CASES:]]
+    assert all("function calls" in p and "depthrewrite/kernels/" in p for p in profiles)
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 2 * CASES
     assert all(r["device"] == "cpu (kernels not launched)" and r["us"] > 0 and r["aten_ops"] >= 1 for r in rows)
@@ -33,3 +37,24 @@ def test_the_cpu_run_times_every_case_and_the_summary_sets_labels_side_by_side(t
                            timeout=60, check=True).stdout.splitlines()
     assert table[0].startswith("| case | a us (processes) | a ATen ops | b us (processes) | b ATen ops |")
     assert len(table) == 2 + CASES
+
+
+def test_the_parts_run_puts_every_stubbed_kernel_back():
+    """``--parts`` times the launchers without their launches, then with them again in the
+    same process: every kernel it replaced is the same object afterwards."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import launcher_host
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from depthrewrite.kernels import param_grads, route_many_triton, route_triton
+
+    kernels = (route_triton._route_bwd_kernel, route_many_triton._route_many_fwd_kernel, param_grads._finish_kernel)
+    replaced = launcher_host._stub_kernel_launches()
+    try:
+        assert route_triton._route_bwd_kernel is not kernels[0]
+        assert set(replaced.values()) >= set(kernels)
+    finally:
+        launcher_host._restore(replaced)
+    assert (route_triton._route_bwd_kernel, route_many_triton._route_many_fwd_kernel,
+            param_grads._finish_kernel) == kernels

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.benchmark_scripts import BENCHMARKS
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark
 
 CASES = 8
 
@@ -42,11 +42,7 @@ def test_the_cpu_run_times_every_case_and_the_summary_sets_labels_side_by_side(t
 def test_the_parts_run_puts_every_stubbed_kernel_back():
     """``--parts`` times the launchers without their launches, then with them again in the
     same process: every kernel it replaced is the same object afterwards."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import launcher_host
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    launcher_host = load_benchmark("launcher_host")
     from depthrewrite.kernels import param_grads, route_many_triton, route_triton
 
     kernels = (route_triton._route_bwd_kernel, route_many_triton._route_many_fwd_kernel, param_grads._finish_kernel)

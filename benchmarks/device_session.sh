@@ -8,7 +8,7 @@
 #   OUT=... bash benchmarks/device_session.sh host66   # the launchers' host time at HEAD against a copy of the base's package in .ab_base/ (carried), then their GPU kernel tests (session 66)
 #   OUT=... bash benchmarks/device_session.sh e2e66    # WAV and full AttnRes beside the baseline at HEAD, then the same in .ab_base/'s copy (session 66)
 #   OUT=... bash benchmarks/device_session.sh host67   # a launcher call's host time in parts: dispatch, Triton's launches, our launcher's own work; cProfile tables (session 67)
-#   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66)
+#   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
 #   OUT=... bash benchmarks/device_session.sh kernels  # kernel tests, op table

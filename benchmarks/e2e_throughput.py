@@ -310,7 +310,8 @@ LAUNCH_VARIANTS = {
     "nosplit": (("block_attnres",), {"route_many_triton.SPLIT_QUERIES": False}),
     # route_many keeping its statistics table for calls of up to 8 queries (since session 34:
     # up to 4, route_many.STATS_MAX_QUERIES): Block AttnRes's 6-query backwards then read the
-    # logits and rstd (as two tiles, its sm_90 code does not spill with them; session 66, untimed)
+    # logits and rstd (as two tiles, its sm_90 code does not spill with them; session 66), level
+    # end to end in session 67 (0.883x against 0.886x, docs/benchmarks.md)
     "stats8": (("block_attnres",), {"route_many.STATS_MAX_QUERIES": 8}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).

@@ -8,6 +8,11 @@
 #   OUT=... bash benchmarks/device_session.sh host66   # the launchers' host time at HEAD against a copy of the base's package in .ab_base/ (carried), then their GPU kernel tests (session 66)
 #   OUT=... bash benchmarks/device_session.sh e2e66    # WAV and full AttnRes beside the baseline at HEAD, then the same in .ab_base/'s copy (session 66)
 #   OUT=... bash benchmarks/device_session.sh host67   # a launcher call's host time in parts: dispatch, Triton's launches, our launcher's own work; cProfile tables (session 67)
+#   OUT=... bash benchmarks/device_session.sh code68   # what Block AttnRes's Inductor kernels read and write, with their code (session 68)
+#   OUT=... bash benchmarks/device_session.sh logit68  # Block AttnRes's Inductor kernels with the merges' logit backward as a matrix product (session 68)
+#   OUT=... bash benchmarks/device_session.sh ab68     # the token sum's product layouts; Block AttnRes with it beside the plain ops' form (session 68)
+#   OUT=... bash benchmarks/device_session.sh ab68b    # the same for block MHAR and DAR block, the layouts inside CUDA graphs (session 68)
+#   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
@@ -668,6 +673,59 @@ algorithms)
   timeout "${E2E_SECONDS:-560}" python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 5 --compile-timeout-s 300 \
       --profile 40 --schemes baseline wav wav_2p mhar mhar_g6 > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -12
+  ;;
+code68)
+  # what Block AttnRes's Inductor kernels read and write, and the bandwidth each reaches
+  # (session 68, ~3 minutes): its merges' query and key-norm-weight gradients, reductions
+  # over the tokens, took 2.1 ms in 40 launches (session 19)
+  export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
+  inductor_code block_attnres 40 300
+  head -1 "$OUT/block_attnres_profile.txt"; grep "triton_" "$OUT/block_attnres_kernels.md" | head -25 | cut -c1-260
+  ;;
+logit68)
+  # the merges' logit with its sum over the tokens as a matrix product (session 68): what
+  # torch's Inductor here allows a mix-order reduction, that the product runs, then Block
+  # AttnRes's Inductor kernels with it (~3 minutes)
+  export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
+  python3 - <<'PY'
+import torch, torch._inductor.config as c
+print("torch", torch.__version__, "mix_order_reduction", c.triton.mix_order_reduction,
+      "max_reads", getattr(c.triton, "mix_order_reduction_max_reads", "absent"))
+a = torch.randn(2, 16384, device="cuda").bfloat16(); b = torch.randn(16384, 1024, device="cuda").bfloat16()
+r = torch.mm(a, b, out_dtype=torch.float32)
+print("mm out_dtype:", r.dtype, (r.double() - a.double() @ b.double()).abs().max().item())
+PY
+  inductor_code block_attnres 40 300
+  head -1 "$OUT/block_attnres_profile.txt"; grep "triton_\|gemv\|gemm\|nvjet" "$OUT/block_attnres_kernels.md" | head -30 | cut -c1-240
+  ;;
+ab68)
+  # session 68: the token sum's layouts as products (token_sum_speed.py), then Block AttnRes
+  # with the merges' logit backward as a matrix product (the default) beside the plain ops'
+  # form (_plainlogit) and the baseline (~6 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 90 python3 benchmarks/token_sum_speed.py | tee "$OUT/token_sum_speed.txt"
+  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline block_attnres block_attnres_plainlogit > "$OUT/e2e.txt" 2>&1
+  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
+  ;;
+ab68b)
+  # session 68: the token sum's layouts timed inside CUDA graphs, then block MHAR and DAR
+  # block with the merges' logit backward as a matrix product beside the plain ops' form
+  # and the baseline (~7 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 90 python3 benchmarks/token_sum_speed.py | tee "$OUT/token_sum_speed.txt"
+  timeout 420 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline mhar_block mhar_block_plainlogit dar_block dar_block_plainlogit > "$OUT/e2e.txt" 2>&1
+  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -16
+  ;;
+logit68gpu)
+  # session 68, the three-part weights: source_logit's tests on the GPU (torch.mm with
+  # out_dtype), then Block AttnRes beside its plain-ops form and the baseline (~4 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/unit/test_source_logit.py 2>&1 | tail -3 | tee "$OUT/source_logit_tests.txt"
+  timeout 240 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
+      --schemes baseline block_attnres block_attnres_plainlogit > "$OUT/e2e.txt" 2>&1
+  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
   ;;
 inductorcode)
   # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth

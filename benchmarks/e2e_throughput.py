@@ -313,6 +313,10 @@ LAUNCH_VARIANTS = {
     # logits and rstd (as two tiles, its sm_90 code does not spill with them; session 66), level
     # end to end in session 67 (0.883x against 0.886x, docs/benchmarks.md)
     "stats8": (("block_attnres",), {"route_many.STATS_MAX_QUERIES": 8}),
+    # the merges' logit differentiated by autograd through plain torch ops, its sum over the
+    # tokens one of Inductor's reductions (before session 68; since, a matrix product in its
+    # own backward: source_logit.MATMUL_TOKEN_SUM)
+    "plainlogit": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.MATMUL_TOKEN_SUM": False}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count
@@ -470,10 +474,12 @@ def apply_launch_patches(name: str) -> list[tuple]:
 
     # the module, not the function depthrewrite.ops exports under its name
     route_many = importlib.import_module("depthrewrite.ops.route_many")
+    from depthrewrite.ops import source_logit
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
                "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton,
-               "route_many": route_many, "grad_accumulation": grad_accumulation, "dar": dar}
+               "route_many": route_many, "grad_accumulation": grad_accumulation, "dar": dar,
+               "source_logit": source_logit}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

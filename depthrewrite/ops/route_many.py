@@ -35,12 +35,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..recompute import recomputable
 from .flat_autograd import register_autograd
 from .route import _check_acc, _check_eps, _check_sources, _compute_dtype, _describe, _split_fresh
+from .source_logit import source_logit
 
 __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
 
@@ -339,7 +339,10 @@ def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, k
         _check_merge_inputs(out, lse, partial_key, query, key_norm_weight, heads, eps, partial_name="partial_key")
     dtype = _compute_dtype(out, partial, query, key_norm_weight)
     p = partial.to(dtype)
-    z = _source_logit(p if partial_key is None else partial_key.to(dtype), query, key_norm_weight, heads, eps)
+    if partial_key is None:
+        z = source_logit(p, partial, query, key_norm_weight, heads, eps)
+    else:
+        z = source_logit(partial_key.to(dtype), partial_key, query, key_norm_weight, heads, eps)
     weight = torch.sigmoid(z - lse.to(dtype)).unsqueeze(-1)  # (*batch, H, 1)
     # the float32 copy of `out` made again in the backward from `out` itself (recompute.py,
     # with the backend's recompute_partial_sums): saved, it is twice the bytes (DAR block,
@@ -385,7 +388,7 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
         values.append(out.to(dtype))
     for value, bias, scale in sources:
         v = value.to(dtype) if scale is None else value.to(dtype) * scale.to(dtype).unsqueeze(-1)
-        z = _source_logit(v, query, key_norm_weight, heads, eps)
+        z = source_logit(v, value if scale is None else None, query, key_norm_weight, heads, eps)
         logits.append(z if bias is None else z + bias.to(dtype))
         values.append(v)
     weights = torch.softmax(torch.stack(logits), dim=0).unsqueeze(-1)  # (K, *batch, H, 1)
@@ -398,14 +401,6 @@ def _check_bias(bias: object, where: str) -> None:
         found = _describe(bias) if isinstance(bias, Tensor) else type(bias).__name__
         raise ValueError(f"merge_routes: the bias of {where} must be None or a floating-point scalar tensor; "
                          f"found {found}")
-
-
-def _source_logit(value: Tensor, query: Tensor, key_norm_weight: Tensor, heads: int, eps: float) -> Tensor:
-    """``z[..., h] = sum_{c in head h} w[c] RMSNorm_g(value)[c]`` (statistic over the full
-    width), in ``value``'s dtype: one source's logit, as ``route`` computes it."""
-    dtype = value.dtype
-    normed = F.rms_norm(value, (value.shape[-1],), eps=float(eps))
-    return (normed * (key_norm_weight.to(dtype) * query.to(dtype))).unflatten(-1, (heads, -1)).sum(-1)
 
 
 def _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps, op="merge_partial",

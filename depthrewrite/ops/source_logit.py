@@ -1,0 +1,138 @@
+"""One source's routing logit in the two-phase merges, with a backward whose sum over the
+tokens is a matrix product.
+
+For one source ``v`` of a merge (the partial block's sum, or DAR's partial key), per head
+``h`` (the RMS statistic over the full width ``d``)::
+
+    z[t, h] = sum_{c in head h} q[c] g[c] v[t, c] rstd[t],   rstd[t] = (mean_c v[t, c]^2 + eps)^-1/2
+
+The gradient of the pseudo-query ``q`` and the key-norm weight ``g`` is one sum over every
+token, ``sum_t dz[t, h(c)] rstd[t] v[t, c]`` times ``g[c]`` or ``q[c]``. Written as plain
+torch ops, Inductor makes that sum a kernel of its own: ``dz`` comes from a reduction over
+each token's row (the merge weight's gradient), and Inductor fuses a reduction over the
+tokens into the pass over the rows only where the two are siblings (its mix-order
+reductions). The kernel of its own reads ``v`` again, and with it everything the sums
+over the tokens it shares a kernel with read: at Block AttnRes's merges the branch norm's
+weight gradient, whose inputs are four activations a site (H100, 350M GPT, session 68:
+40 such kernels a step, 2.2 ms; docs/benchmarks.md).
+
+:func:`source_logit` computes the same logit forward (plain torch ops, fused by Inductor
+with the merge), and its backward forms the sum over the tokens as a matrix product of the
+per-token weights ``dz * rstd`` with ``v`` as stored (bf16), in float32: one read of ``v``,
+outside Inductor's reductions, so that the norm's weight gradient becomes a sibling that
+Inductor folds into the pass over the rows. The per-token weights are float32; to keep them
+so through a bf16 product each goes in as three bf16 parts (its rounding, the rounding of
+the rest, and of what is left then: 24 significant bits, where one bf16 has 8), and the
+product accumulates in float32 (``torch.mm(..., out_dtype=torch.float32)`` on CUDA; float32
+arithmetic on the bf16 values elsewhere, the same numbers).
+
+Used where the source is a bf16 tensor upcast to float32 and nothing else (Block AttnRes,
+block MHAR and DAR's merges); other dtypes, and WAV's scaled detail sources, keep the plain
+ops. ``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "split_into_rows", "MATMUL_TOKEN_SUM"]
+
+#: the backward's sum over the tokens as a matrix product (see the module docstring); False:
+#: the logit as plain torch ops, differentiated by autograd
+MATMUL_TOKEN_SUM = True
+
+#: the stored dtypes whose sources take the matrix-product backward: bf16's exponent range is
+#: float32's, so its rows keep any float32 weight; fp16's would overflow or flush
+MATMUL_DTYPES = (torch.bfloat16,)
+
+#: bf16 rows a float32 weight is split into for the product: 3 x 8 significant bits hold
+#: float32's 24, so the sum is the plain ops' up to the order of the float32 additions
+WEIGHT_ROWS = 3
+
+
+def source_logit_reference(value: Tensor, query: Tensor, key_norm_weight: Tensor, heads: int, eps: float) -> Tensor:
+    """``z[..., h] = sum_{c in head h} q[c] RMSNorm_g(value)[c]`` (statistic over the full
+    width), in ``value``'s dtype, as plain torch ops: one source's logit, as ``route``
+    computes it."""
+    dtype = value.dtype
+    normed = F.rms_norm(value, (value.shape[-1],), eps=float(eps))
+    return (normed * (key_norm_weight.to(dtype) * query.to(dtype))).unflatten(-1, (heads, -1)).sum(-1)
+
+
+def source_logit(value: Tensor, stored: Tensor | None, query: Tensor, key_norm_weight: Tensor, heads: int,
+                 eps: float) -> Tensor:
+    """:func:`source_logit_reference` of ``value``, with the sum over the tokens of its
+    backward as a matrix product where ``stored`` (the tensor ``value`` is the float32
+    upcast of, exactly) is bf16; ``stored`` None, or another dtype: the reference."""
+    if (MATMUL_TOKEN_SUM and stored is not None and stored.dtype in MATMUL_DTYPES
+            and value.dtype == torch.float32):
+        return _SourceLogit.apply(value, stored, query, key_norm_weight, heads, float(eps))
+    return source_logit_reference(value, query, key_norm_weight, heads, eps)
+
+
+def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
+    """``out[c] = sum_t weights[t, c // (d / heads)] * stored[t, c]`` in float32, over every
+    token ``t`` (all leading dimensions): ``weights`` float32 of shape ``(*batch, heads)``,
+    ``stored`` bf16 of shape ``(*batch, d)``. One matrix product reading ``stored`` once,
+    the weights as :data:`WEIGHT_ROWS` bf16 rows, the sums in float32."""
+    d = stored.shape[-1]
+    rows = split_into_rows(weights.reshape(-1, heads), stored.dtype)  # (T, rows * H)
+    flat = stored.reshape(-1, d)
+    if stored.is_cuda:
+        sums = torch.mm(rows.t(), flat, out_dtype=torch.float32)  # (rows * H, d)
+    else:  # no such product on the CPU: the same float32 arithmetic on the same bf16 values
+        sums = rows.t().float() @ flat.float()
+    sums = sums.view(WEIGHT_ROWS, heads, heads, d // heads)
+    # head h's columns take head h's weights: the diagonal blocks, the rows added
+    return torch.diagonal(sums, dim1=1, dim2=2).sum(0).transpose(0, 1).reshape(d)
+
+
+def split_into_rows(weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """float32 ``weights`` ``(T, H)`` as :data:`WEIGHT_ROWS` ``dtype`` parts side by side,
+    ``(T, rows * H)``, whose sum is each weight: the rounding, then the rounding of what is
+    left, and so on (each subtraction exact in float32)."""
+    parts, rest = [], weights
+    for _ in range(WEIGHT_ROWS):
+        part = rest.to(dtype)
+        parts.append(part)
+        rest = rest - part.float()
+    return torch.cat(parts, dim=1)
+
+
+class _SourceLogit(torch.autograd.Function):
+    """The logit of ``value`` (float32, ``stored`` upcast) with a matrix-product backward
+    for the sum over the tokens; ``stored`` gets no gradient (``value`` does)."""
+
+    @staticmethod
+    def forward(ctx, value, stored, query, key_norm_weight, heads, eps):
+        rstd = torch.rsqrt(value.pow(2).mean(-1, keepdim=True) + eps)
+        scale = key_norm_weight.to(value.dtype) * query.to(value.dtype)
+        z = (value * rstd * scale).unflatten(-1, (heads, -1)).sum(-1)
+        # the stored tensor, not its float32 upcast: half the bytes, and the upcast is exact
+        ctx.save_for_backward(stored, rstd, z, query, key_norm_weight)
+        ctx.heads = heads
+        return z
+
+    @staticmethod
+    def backward(ctx, grad_z):
+        stored, rstd, z, query, key_norm_weight = ctx.saved_tensors
+        heads = ctx.heads
+        grad_value = grad_query = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            value = stored.to(z.dtype)
+            d = value.shape[-1]
+            normed = value * rstd
+            scale = key_norm_weight.to(z.dtype) * query.to(z.dtype)
+            grad_normed = (grad_z.unsqueeze(-1) * scale.unflatten(-1, (heads, -1))).flatten(-2)
+            # RMSNorm's backward; sum_c grad_normed[c] normed[c] = sum_h grad_z[h] z[h]
+            projection = (grad_z * z).sum(-1, keepdim=True) / d
+            grad_value = rstd * (grad_normed - normed * projection)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            grad_scale = token_weighted_sum(grad_z * rstd, stored, heads)
+            if ctx.needs_input_grad[2]:
+                grad_query = (grad_scale * key_norm_weight.to(grad_scale.dtype)).to(query.dtype)
+            if ctx.needs_input_grad[3]:
+                grad_weight = (grad_scale * query.to(grad_scale.dtype)).to(key_norm_weight.dtype)
+        return grad_value, None, grad_query, grad_weight, None, None

@@ -1,0 +1,169 @@
+"""The merges' source logit with its sum over the tokens as a matrix product
+(depthrewrite/ops/source_logit.py): its sum, its gradients against autograd through the
+plain ops, where it applies, and that a compiled backward takes the product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthrewrite.ops import merge_partial, source_logit as sl
+
+
+#: the CUDA product (torch.mm with out_dtype) where a GPU is present; the CPU's float32 form always
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture
+def plain_ops(monkeypatch):
+    """Switch the matrix-product backward off (the form before session 68)."""
+    monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", False)
+
+
+def _stored(batch, d, dtype=torch.bfloat16, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*batch, d, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
+
+
+def _float64_sum(weights, stored, heads):
+    d = stored.shape[-1]
+    w = weights.double().reshape(-1, heads).repeat_interleave(d // heads, dim=1)
+    return (w * stored.double().reshape(-1, d)).sum(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [1, 4])
+def test_token_weighted_sum_keeps_the_weights_float32(heads, device):
+    """Three bf16 parts keep each float32 weight: the sum is the float64 one to within the
+    float32 additions' rounding (at most T unit roundoffs of the sum of the terms' sizes).
+    With each weight one bf16 (8 significant bits) it is not: the test fails if the parts
+    after the first are dropped."""
+    stored = _stored((3, 37), 48, device=device)
+    weights = torch.randn(3, 37, heads, generator=torch.Generator().manual_seed(1)).to(device)
+    exact = _float64_sum(weights, stored, heads)
+    bound = 111 * 2.0 ** -24 * _float64_sum(weights.abs(), stored.abs(), heads)
+    got = sl.token_weighted_sum(weights, stored, heads)
+    assert got.dtype == torch.float32 and got.shape == (48,)
+    assert got.device == stored.device
+    assert ((got.double() - exact).abs() <= bound).all()
+    one_part = _float64_sum(weights.bfloat16().float(), stored, heads)
+    assert ((one_part - exact).abs() > bound).any()
+
+
+def test_the_parts_add_up_to_each_weight():
+    weights = torch.randn(500, 3, generator=torch.Generator().manual_seed(8)) * 1e3
+    parts = sl.split_into_rows(weights, torch.bfloat16)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (500, 3 * sl.WEIGHT_ROWS)
+    rebuilt = parts.double().view(500, sl.WEIGHT_ROWS, 3).sum(1)
+    assert ((rebuilt - weights.double()).abs() <= 2.0 ** -26 * weights.double().abs()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("batch", [(29,), (2, 17)])
+def test_gradients_match_autograd_through_the_plain_ops(heads, batch, device):
+    """Forward and every gradient (the float32 value, query, key-norm weight) of the
+    matrix-product form against autograd through the reference, all in float32 from the
+    same bf16 source: equal to float32 rounding."""
+    d = 40
+    stored = _stored(batch, d, device=device)
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(d, generator=g).to(device).requires_grad_()
+    weight = (1 + 0.2 * torch.randn(d, generator=g)).to(device).requires_grad_()
+    grad_z = torch.randn(*batch, heads, generator=g).to(device)
+    results = []
+    for form in (sl.source_logit, lambda v, s, *a: sl.source_logit_reference(v, *a)):
+        value = stored.float().requires_grad_()
+        z = form(value, stored, query, weight, heads, 1e-6)
+        results.append((z, *torch.autograd.grad(z, (value, query, weight), grad_z)))
+    assert results[0][0].grad_fn is not None and "SourceLogit" in type(results[0][0].grad_fn).__name__
+    for name, got, expected in zip(("z", "value", "query", "key_norm_weight"), *results):
+        assert got.dtype == expected.dtype, name
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item(), msg=name)
+
+
+def test_only_the_inputs_that_need_a_gradient_get_one():
+    d, stored = 16, _stored((9,), 16)
+    query = torch.randn(d, requires_grad=True)
+    weight = torch.ones(d)
+    value = stored.float()  # no gradient for the value
+    z = sl.source_logit(value, stored, query, weight, 1, 1e-6)
+    (grad_query,) = torch.autograd.grad(z.sum(), (query,))
+    expected = torch.autograd.grad(sl.source_logit_reference(value, query, weight, 1, 1e-6).sum(), (query,))[0]
+    torch.testing.assert_close(grad_query, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_stored_dtypes_take_the_plain_ops(dtype):
+    """fp16's exponent range cannot hold every float32 weight, and float32 sources need no
+    split: both are differentiated through the plain ops."""
+    stored = _stored((5,), 8, dtype)
+    z = sl.source_logit(stored.float().requires_grad_(), stored, torch.randn(8), torch.ones(8), 1, 1e-6)
+    assert "SourceLogit" not in type(z.grad_fn).__name__
+
+
+def test_the_switch_restores_the_plain_ops(plain_ops):
+    stored = _stored((5,), 8)
+    z = sl.source_logit(stored.float().requires_grad_(), stored, torch.randn(8), torch.ones(8), 1, 1e-6)
+    assert "SourceLogit" not in type(z.grad_fn).__name__
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_merge_partial_in_bf16_gives_the_plain_ops_gradients(heads, monkeypatch):
+    """merge_partial with bf16 activations: every gradient with the matrix product equals
+    the plain ops' to within one bf16 rounding of the result."""
+    g = torch.Generator().manual_seed(3)
+    batch, d = (3, 11), 32
+    out, partial = _stored(batch, d, seed=4), _stored(batch, d, seed=5)
+    lse = torch.randn(*batch, heads, generator=g)
+    query, weight = torch.randn(d, generator=g) * 0.3, 1 + 0.1 * torch.randn(d, generator=g)
+    grad = torch.randn(*batch, d, generator=g).bfloat16()
+    results = []
+    for matmul in (True, False):
+        monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)
+        leaves = [t.clone().requires_grad_() for t in (out, lse, partial, query, weight)]
+        merged = merge_partial(leaves[0], leaves[1], leaves[2], query=leaves[3], key_norm_weight=leaves[4],
+                               heads=heads)
+        results.append((merged, *torch.autograd.grad(merged, leaves, grad)))
+    names = ("merged", "out", "lse", "partial", "query", "key_norm_weight")
+    for name, got, expected in zip(names, *results):
+        ulp = 2.0 ** -7 if got.dtype == torch.bfloat16 else 1e-5  # bf16: 8 significant bits
+        torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=ulp * expected.abs().max().item(),
+                                   msg=name)
+
+
+def _backward_mm_count(matmul: bool, monkeypatch) -> int:
+    """aten.mm nodes in the backward graph AOTAutograd makes of merge_partial (bf16)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)
+    counts = []
+
+    def count_backward(gm, _inputs):
+        counts.append(sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype)
+                          for n in gm.graph.nodes))
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=count_backward)
+    out, partial = _stored((4, 6), 16, seed=6), _stored((4, 6), 16, seed=7)
+    lse = torch.randn(4, 6, 1)
+    query = torch.randn(16, requires_grad=True)
+    weight = torch.ones(16, requires_grad=True)
+
+    def merge(o, p, q, w):
+        return merge_partial(o, lse, p, query=q, key_norm_weight=w).float().sum()
+
+    torch._dynamo.reset()
+    loss = torch.compile(merge, backend=backend, fullgraph=True)(out.requires_grad_(), partial.requires_grad_(),
+                                                                  query, weight)
+    loss.backward()
+    torch._dynamo.reset()
+    return counts[0]
+
+
+def test_a_compiled_backward_forms_the_token_sum_as_one_product(monkeypatch):
+    """Traced by Dynamo and AOTAutograd (fullgraph), the backward holds one matrix product
+    (the query and key-norm-weight gradients' sum over the tokens); the plain ops' holds none."""
+    assert _backward_mm_count(True, monkeypatch) == 1
+    assert _backward_mm_count(False, monkeypatch) == 0

@@ -317,6 +317,9 @@ LAUNCH_VARIANTS = {
     # tokens one of Inductor's reductions (before session 68; since, a matrix product in its
     # own backward: source_logit.MATMUL_TOKEN_SUM)
     "plainlogit": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.MATMUL_TOKEN_SUM": False}),
+    # the product's per-token weights as two bf16 parts (16 significant bits), the form
+    # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
+    "rows2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_ROWS": 2}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count

@@ -44,7 +44,9 @@ __all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "spli
 MATMUL_TOKEN_SUM = True
 
 #: the stored dtypes whose sources take the matrix-product backward: bf16's exponent range is
-#: float32's, so its rows keep any float32 weight; fp16's would overflow or flush
+#: float32's, so a weight's parts neither overflow nor flush to zero (but for weights within
+#: 2**16 of float32's smallest normal number, whose last parts do); in fp16 (6e-8 to 65504)
+#: gradient-sized weights would
 MATMUL_DTYPES = (torch.bfloat16,)
 
 #: bf16 rows a float32 weight is split into for the product: 3 x 8 significant bits hold

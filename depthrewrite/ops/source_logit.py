@@ -26,9 +26,9 @@ the rest, and of what is left then: 24 significant bits, where one bf16 has 8), 
 product accumulates in float32 (``torch.mm(..., out_dtype=torch.float32)`` on CUDA; float32
 arithmetic on the bf16 values elsewhere, the same numbers).
 
-Used where the source is a bf16 tensor upcast to float32 and nothing else (Block AttnRes,
-block MHAR and DAR's merges); other dtypes, and WAV's scaled detail sources, keep the plain
-ops. ``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
+Used where the source is a bf16 tensor upcast to float32 and nothing else (the merges of
+Block AttnRes, block MHAR, DAR, and full AttnRes's merges of one entry); other dtypes, and
+WAV's scaled detail sources, keep the plain ops. ``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
 """
 
 from __future__ import annotations
@@ -78,29 +78,29 @@ def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
     """``out[c] = sum_t weights[t, c // (d / heads)] * stored[t, c]`` in float32, over every
     token ``t`` (all leading dimensions): ``weights`` float32 of shape ``(*batch, heads)``,
     ``stored`` bf16 of shape ``(*batch, d)``. One matrix product reading ``stored`` once,
-    the weights as :data:`WEIGHT_ROWS` bf16 rows, the sums in float32."""
-    d = stored.shape[-1]
-    rows = split_into_rows(weights.reshape(-1, heads), stored.dtype)  # (T, rows * H)
+    the weights as :data:`WEIGHT_ROWS` bf16 parts each, the sums in float32."""
+    d, parts = stored.shape[-1], WEIGHT_ROWS
+    rows = split_into_rows(weights.reshape(-1, heads), stored.dtype, parts)  # (T, parts * H)
     flat = stored.reshape(-1, d)
     if stored.is_cuda:
-        sums = torch.mm(rows.t(), flat, out_dtype=torch.float32)  # (rows * H, d)
+        sums = torch.mm(rows.t(), flat, out_dtype=torch.float32)  # (parts * H, d)
     else:  # no such product on the CPU: the same float32 arithmetic on the same bf16 values
         sums = rows.t().float() @ flat.float()
-    sums = sums.view(WEIGHT_ROWS, heads, heads, d // heads)
-    # head h's columns take head h's weights: the diagonal blocks, the rows added
+    sums = sums.view(parts, heads, heads, d // heads)
+    # head h's columns take head h's weights: the diagonal blocks, the parts added
     return torch.diagonal(sums, dim1=1, dim2=2).sum(0).transpose(0, 1).reshape(d)
 
 
-def split_into_rows(weights: Tensor, dtype: torch.dtype) -> Tensor:
-    """float32 ``weights`` ``(T, H)`` as :data:`WEIGHT_ROWS` ``dtype`` parts side by side,
-    ``(T, rows * H)``, whose sum is each weight: the rounding, then the rounding of what is
+def split_into_rows(weights: Tensor, dtype: torch.dtype, parts: int) -> Tensor:
+    """float32 ``weights`` ``(T, H)`` as ``parts`` ``dtype`` parts side by side,
+    ``(T, parts * H)``, whose sum is each weight: the rounding, then the rounding of what is
     left, and so on (each subtraction exact in float32)."""
-    parts, rest = [], weights
-    for _ in range(WEIGHT_ROWS):
-        part = rest.to(dtype)
-        parts.append(part)
-        rest = rest - part.float()
-    return torch.cat(parts, dim=1)
+    pieces, rest = [], weights
+    for _ in range(parts):
+        piece = rest.to(dtype)
+        pieces.append(piece)
+        rest = rest - piece.float()
+    return torch.cat(pieces, dim=1)
 
 
 class _SourceLogit(torch.autograd.Function):

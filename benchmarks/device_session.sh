@@ -699,11 +699,13 @@ PY
   head -1 "$OUT/block_attnres_profile.txt"; grep "triton_\|gemv\|gemm\|nvjet" "$OUT/block_attnres_kernels.md" | head -30 | cut -c1-240
   ;;
 ab68)
-  # session 68: the token sum's layouts as products (token_sum_speed.py), then Block AttnRes
-  # with the merges' logit backward as a matrix product (the default) beside the plain ops'
-  # form (_plainlogit) and the baseline (~6 minutes)
+  # session 68: the token sum's layouts as products (token_sum_speed.py; run 3 ran its first
+  # form, timed with the host between the kernels: dropped), then Block AttnRes with the
+  # merges' logit backward as a matrix product (the default) beside the plain ops' form
+  # (_plainlogit) and the baseline (~6 minutes; runs 3 and 5 ran two parts a weight: add
+  # block_attnres_rows2 for that form)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 90 python3 benchmarks/token_sum_speed.py | tee "$OUT/token_sum_speed.txt"
+  timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
       --schemes baseline block_attnres block_attnres_plainlogit > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
@@ -711,9 +713,9 @@ ab68)
 ab68b)
   # session 68: the token sum's layouts timed inside CUDA graphs, then block MHAR and DAR
   # block with the merges' logit backward as a matrix product beside the plain ops' form
-  # and the baseline (~7 minutes)
+  # and the baseline (~7 minutes; run 4 ran two parts a weight: the _rows2 variants)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 90 python3 benchmarks/token_sum_speed.py | tee "$OUT/token_sum_speed.txt"
+  timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   timeout 420 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
       --schemes baseline mhar_block mhar_block_plainlogit dar_block dar_block_plainlogit > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -16

@@ -320,6 +320,9 @@ LAUNCH_VARIANTS = {
     # the product's per-token weights as two bf16 parts (16 significant bits), the form
     # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
     "rows2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_ROWS": 2}),
+    # DAR's gate, transport and beta scalars as per-token factors, their gradients summed
+    # over each row first (dar.PER_TOKEN_SCALARS; prepared in session 68, not yet timed)
+    "pertoken": (("dar_block",), {"dar.PER_TOKEN_SCALARS": True}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count

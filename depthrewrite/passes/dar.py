@@ -58,6 +58,15 @@ MIX_FORMS = ("weights", "difference")
 #: partitioner kept a float32 copy of that site's routed input for the branch's norm
 #: instead: two activations a block (at 350M, 0.44 GiB of DAR block's peak, session 43).
 TAG_CLOSING_TRANSPORT = True
+#: Whether the gate's, the transport's and the betas' scalars multiply the streams as a
+#: per-token factor (a view of the scalar expanded to ``(*batch, 1)``), so that autograd
+#: sums each product's gradient over each token's row first and then over the tokens: the
+#: row sums are reductions over the rows that Inductor can fold into the passes over the
+#: same rows (as the merges' sums in session 68), where a sum over every element at once is
+#: a split reduction of its own that reads its tensors again. False (the default): the
+#: scalars as they are, the form measured so far. Prepared in session 68, not yet timed
+#: (``e2e_throughput.py``'s ``dar_block_pertoken``); the gradients agree up to rounding.
+PER_TOKEN_SCALARS = False
 
 
 def _weights_form() -> bool:
@@ -66,8 +75,17 @@ def _weights_form() -> bool:
     return MIX_FORM == "weights"
 
 
+def _per_token(scalar: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``scalar`` (one element) as the factor it multiplies ``like`` by: itself, or with
+    :data:`PER_TOKEN_SCALARS` a view expanded to one value per token, ``(*batch, 1)``."""
+    if not PER_TOKEN_SCALARS:
+        return scalar
+    return scalar.reshape((1,) * like.dim()).expand(*like.shape[:-1], 1)
+
+
 def _mix(weight: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """``weight first + (1 - weight) second`` in the form :data:`MIX_FORM` names."""
+    weight = _per_token(weight, first)
     if _weights_form():
         return weight * first + (1 - weight) * second
     return second + weight * (first - second)
@@ -78,6 +96,7 @@ def _transport(rho: torch.Tensor, q0: torch.Tensor, q1: torch.Tensor) -> tuple[t
     :data:`MIX_FORM` names (as differences, ``rho`` multiplies one tensor, ``q^0 - q^1``),
     tagged for recomputation where :data:`TAG_CLOSING_TRANSPORT` says (the caller tags a
     site that does not close its block)."""
+    rho = _per_token(rho, q0)
     with recomputable() if TAG_CLOSING_TRANSPORT else contextlib.nullcontext():
         if _weights_form():
             return rho * q0 + (1 - rho) * q1, (1 - rho) * q0 + rho * q1
@@ -188,12 +207,12 @@ class DarRouter(DualRoute):
         with recomputable(partial=not self.closes_block), hinted("dar_transport"):
             if partial is None:  # a fresh block: nothing to transport yet (a zero from it, for DDP)
                 beta = self.beta + zero_from(self.transport)
-                p0, p1 = beta[0] * u, beta[1] * u
+                p0, p1 = _per_token(beta[0], u) * u, _per_token(beta[1], u) * u
             else:
                 rho = torch.sigmoid(self.transport)
                 q0, q1 = partial
                 p0, p1 = _transport(rho, q0, q1)
-                p0, p1 = p0 + self.beta[0] * u, p1 + self.beta[1] * u
+                p0, p1 = p0 + _per_token(self.beta[0], u) * u, p1 + _per_token(self.beta[1], u) * u
             # the scalars are float32 parameters: keep the streams in the sources' dtype
             # (bf16 under autocast), as routing reads all sources in one dtype
             p0, p1 = p0.to(u.dtype), p1.to(u.dtype)

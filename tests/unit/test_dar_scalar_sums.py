@@ -19,22 +19,26 @@ D, LAYERS, BATCH, TOKENS = 32, 4, 2, 8
 
 
 class ScalarSums(TorchDispatchMode):
-    """Counts the sums of a ``(BATCH, TOKENS, D)`` tensor down to at most two numbers."""
+    """Counts the sums of a ``(BATCH, TOKENS, D)`` tensor down to at most two numbers
+    (``count``), and those down to one number per token (``rows``)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.rows = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket is torch.ops.aten.sum and tuple(args[0].shape) == (BATCH, TOKENS, D) \
-                and out.numel() <= 2:
-            self.count += 1
+        if func.overloadpacket is torch.ops.aten.sum and tuple(args[0].shape) == (BATCH, TOKENS, D):
+            self.count += out.numel() <= 2
+            self.rows += tuple(out.shape) == (BATCH, TOKENS, 1)
         return out
 
 
-def _backward_sums(form: str, layers_per_block: int, two_phase: bool, monkeypatch) -> tuple[int, torch.Tensor, dict]:
+def _backward_sums(form: str, layers_per_block: int, two_phase: bool, monkeypatch,
+                   per_token: bool = False, rows: bool = False) -> tuple:
     monkeypatch.setattr(dar, "MIX_FORM", form)
+    monkeypatch.setattr(dar, "PER_TOKEN_SCALARS", per_token)
     torch.manual_seed(0)
     model = GPT(GPTConfig(d_model=D, n_layer=LAYERS, n_head=2, max_seq_len=TOKENS))
     model = depthrewrite.rewrite(model, "dar", layers_per_block=layers_per_block, two_phase=two_phase)
@@ -44,7 +48,8 @@ def _backward_sums(form: str, layers_per_block: int, two_phase: bool, monkeypatc
     counter = ScalarSums()
     with counter:
         loss.backward()
-    return counter.count, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return (counter.count, counter.rows) if rows else counter.count, loss.detach(), grads
 
 
 @pytest.mark.parametrize("layers_per_block,two_phase", [(1, True), (2, True), (2, False)])
@@ -63,6 +68,24 @@ def test_one_sum_per_scalar_use_and_the_same_gradients(layers_per_block, two_pha
     assert grads.keys() == grads_w.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], grads_w[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("form", ["weights", "difference"])
+@pytest.mark.parametrize("layers_per_block,two_phase", [(2, True), (2, False)])
+def test_per_token_scalars_sum_each_row_first(form, layers_per_block, two_phase, monkeypatch):
+    """With ``dar.PER_TOKEN_SCALARS`` no gradient sums a whole stream to a number: each
+    scalar use sums every token's row instead (one row sum more for each whole sum of the
+    form without it; the norms' backwards make the others), then the tokens; the
+    gradients are the same up to rounding."""
+    (whole, rows), loss, grads = _backward_sums(form, layers_per_block, two_phase, monkeypatch, rows=True)
+    (left, rows_t), loss_t, grads_t = _backward_sums(form, layers_per_block, two_phase, monkeypatch,
+                                                     per_token=True, rows=True)
+    assert whole > 0 and left == 0
+    assert rows_t - rows == whole
+    torch.testing.assert_close(loss_t, loss, rtol=1e-6, atol=1e-6)
+    assert grads_t.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_t[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_an_unknown_form_is_refused(monkeypatch):

@@ -704,7 +704,7 @@ ab68)
   # form, timed with the host between the kernels: dropped), then Block AttnRes with the
   # merges' logit backward as a matrix product (the default) beside the plain ops' form
   # (_plainlogit) and the baseline (~6 minutes; runs 3 and 5 ran two parts a weight: add
-  # block_attnres_rows2 for that form)
+  # block_attnres_parts2 for that form)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
@@ -714,7 +714,7 @@ ab68)
 ab68b)
   # session 68: the token sum's layouts timed inside CUDA graphs, then block MHAR and DAR
   # block with the merges' logit backward as a matrix product beside the plain ops' form
-  # and the baseline (~7 minutes; run 4 ran two parts a weight: the _rows2 variants)
+  # and the baseline (~7 minutes; run 4 ran two parts a weight: the _parts2 variants)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   timeout 420 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \

@@ -319,7 +319,7 @@ LAUNCH_VARIANTS = {
     "plainlogit": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.MATMUL_TOKEN_SUM": False}),
     # the product's per-token weights as two bf16 parts (16 significant bits), the form
     # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
-    "rows2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_ROWS": 2}),
+    "parts2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_PARTS": 2}),
     # DAR's gate, transport and beta scalars as per-token factors, their gradients summed
     # over each row first (dar.PER_TOKEN_SCALARS; prepared in session 68, not yet timed)
     "pertoken": (("dar_block",), {"dar.PER_TOKEN_SCALARS": True}),

@@ -5,7 +5,7 @@ product, in each operand layout, beside Inductor's reduction of the same sum (se
 
 For H = 1 (Block AttnRes, DAR) and 16 heads (block MHAR): the sum of ``stored`` (bf16,
 ``(T, d)``) weighted per token and head by float32 weights, each weight as ``--parts``
-bf16 parts (``source_logit.split_into_rows``; the library's ``WEIGHT_ROWS`` by default;
+bf16 parts (``source_logit.split_into_parts``; the library's ``WEIGHT_PARTS`` by default;
 session 68's run 4 timed 2), accumulated in float32. Each layout's median over
 ``--repeats`` timings of a CUDA graph that calls it on each of a pool of distinct random
 inputs larger than the L2 cache (so each call reads its ``stored`` from HBM, and no host
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from depthrewrite.ops import source_logit
-from depthrewrite.ops.source_logit import split_into_rows
+from depthrewrite.ops.source_logit import split_into_parts
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # gpu_suite, beside this script
 
@@ -34,7 +34,7 @@ def layouts(parts: int) -> dict:
     """name -> function(weights (T, H) float32, stored (T, d) bf16) -> the sums, float32:
     ``(parts * H, d)``, or ``(d, parts * H)`` for the transposed source."""
     def split(w):
-        return split_into_rows(w, torch.bfloat16, parts)  # (T, parts * H)
+        return split_into_parts(w, torch.bfloat16, parts)  # (T, parts * H)
 
     def padded(w, s):  # the weight rows padded to 8 columns: 16-byte aligned rows
         rows = split(w)
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--parts", type=int, default=source_logit.WEIGHT_ROWS,
+    parser.add_argument("--parts", type=int, default=source_logit.WEIGHT_PARTS,
                         help="bf16 parts a weight is split into (default: the library's)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -37,21 +37,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "split_into_rows", "MATMUL_TOKEN_SUM"]
+__all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "split_into_parts", "MATMUL_TOKEN_SUM"]
 
 #: the backward's sum over the tokens as a matrix product (see the module docstring); False:
 #: the logit as plain torch ops, differentiated by autograd
 MATMUL_TOKEN_SUM = True
 
 #: the stored dtypes whose sources take the matrix-product backward: bf16's exponent range is
-#: float32's, so a weight's parts neither overflow nor flush to zero (but for weights within
-#: 2**16 of float32's smallest normal number, whose last parts do); in fp16 (6e-8 to 65504)
-#: gradient-sized weights would
+#: float32's, so no weight of a gradient's size overflows or flushes to zero in its parts, as
+#: it could in fp16's range (6e-8 to 65504)
 MATMUL_DTYPES = (torch.bfloat16,)
 
-#: bf16 rows a float32 weight is split into for the product: 3 x 8 significant bits hold
+#: bf16 parts a float32 weight is split into for the product: 3 x 8 significant bits hold
 #: float32's 24, so the sum is the plain ops' up to the order of the float32 additions
-WEIGHT_ROWS = 3
+WEIGHT_PARTS = 3
 
 
 def source_logit_reference(value: Tensor, query: Tensor, key_norm_weight: Tensor, heads: int, eps: float) -> Tensor:
@@ -78,9 +77,9 @@ def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
     """``out[c] = sum_t weights[t, c // (d / heads)] * stored[t, c]`` in float32, over every
     token ``t`` (all leading dimensions): ``weights`` float32 of shape ``(*batch, heads)``,
     ``stored`` bf16 of shape ``(*batch, d)``. One matrix product reading ``stored`` once,
-    the weights as :data:`WEIGHT_ROWS` bf16 parts each, the sums in float32."""
-    d, parts = stored.shape[-1], WEIGHT_ROWS
-    rows = split_into_rows(weights.reshape(-1, heads), stored.dtype, parts)  # (T, parts * H)
+    the weights as :data:`WEIGHT_PARTS` bf16 parts each, the sums in float32."""
+    d, parts = stored.shape[-1], WEIGHT_PARTS
+    rows = split_into_parts(weights.reshape(-1, heads), stored.dtype, parts)  # (T, parts * H)
     flat = stored.reshape(-1, d)
     if stored.is_cuda:
         sums = torch.mm(rows.t(), flat, out_dtype=torch.float32)  # (parts * H, d)
@@ -91,7 +90,7 @@ def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
     return torch.diagonal(sums, dim1=1, dim2=2).sum(0).transpose(0, 1).reshape(d)
 
 
-def split_into_rows(weights: Tensor, dtype: torch.dtype, parts: int) -> Tensor:
+def split_into_parts(weights: Tensor, dtype: torch.dtype, parts: int) -> Tensor:
     """float32 ``weights`` ``(T, H)`` as ``parts`` ``dtype`` parts side by side,
     ``(T, parts * H)``, whose sum is each weight: the rounding, then the rounding of what is
     left, and so on (each subtraction exact in float32)."""

@@ -52,9 +52,9 @@ def test_token_weighted_sum_keeps_the_weights_float32(heads, device):
 
 def test_the_parts_add_up_to_each_weight():
     weights = torch.randn(500, 3, generator=torch.Generator().manual_seed(8)) * 1e3
-    parts = sl.split_into_rows(weights, torch.bfloat16, sl.WEIGHT_ROWS)
-    assert parts.dtype == torch.bfloat16 and parts.shape == (500, 3 * sl.WEIGHT_ROWS)
-    rebuilt = parts.double().view(500, sl.WEIGHT_ROWS, 3).sum(1)
+    parts = sl.split_into_parts(weights, torch.bfloat16, sl.WEIGHT_PARTS)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (500, 3 * sl.WEIGHT_PARTS)
+    rebuilt = parts.double().view(500, sl.WEIGHT_PARTS, 3).sum(1)
     assert ((rebuilt - weights.double()).abs() <= 2.0 ** -26 * weights.double().abs()).all()
 
 

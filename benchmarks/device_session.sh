@@ -13,7 +13,7 @@
 #   OUT=... bash benchmarks/device_session.sh ab68     # the token sum's product layouts; Block AttnRes with it beside the plain ops' form (session 68)
 #   OUT=... bash benchmarks/device_session.sh ab68b    # the same for block MHAR and DAR block, the layouts inside CUDA graphs (session 68)
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
-#   OUT=... bash benchmarks/device_session.sh pertoken68  # DAR block with its scalars as per-token factors, beside its default (prepared in session 68)
+#   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside its default (prepared in session 68)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
@@ -730,16 +730,16 @@ logit68gpu)
       --schemes baseline block_attnres block_attnres_plainlogit > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
   ;;
-pertoken68)
+rowsums68)
   # prepared in session 68 (not yet run): DAR block with its scalars as per-token factors
   # (dar.PER_TOKEN_SCALARS) beside its default and the baseline, then its Inductor kernels
   # with that form (~7 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 330 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline dar_block dar_block_pertoken > "$OUT/e2e.txt" 2>&1
+      --schemes baseline dar_block dar_block_rowsums > "$OUT/e2e.txt" 2>&1
   grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
-  TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code dar_block_pertoken 60 200
-  grep "triton_" "$OUT/dar_block_pertoken_kernels.md" | head -25 | cut -c1-220
+  TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code dar_block_rowsums 60 200
+  grep "triton_" "$OUT/dar_block_rowsums_kernels.md" | head -25 | cut -c1-220
   ;;
 inductorcode)
   # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth

@@ -65,7 +65,7 @@ TAG_CLOSING_TRANSPORT = True
 #: same rows (as the merges' sums in session 68), where a sum over every element at once is
 #: a split reduction of its own that reads its tensors again. False (the default): the
 #: scalars as they are, the form measured so far. Prepared in session 68, not yet timed
-#: (``e2e_throughput.py``'s ``dar_block_pertoken``); the gradients agree up to rounding.
+#: (``e2e_throughput.py``'s ``dar_block_rowsums``); the gradients agree up to rounding.
 PER_TOKEN_SCALARS = False
 
 

@@ -244,6 +244,13 @@ inductor_code() {
   python3 benchmarks/kernel_inputs.py "$OUT/${model}_code.txt" "$OUT/${model}_profile.txt" \
       > "$OUT/${model}_kernels.md" 2>&1
 }
+# inductor_code's run of model $1 ($2 kernels, at most $3 s), then its kernel categories and
+# the rows of its Inductor kernels and matmuls printed
+inductor_code_summary() {
+  inductor_code "$@"
+  echo "== $1"; head -1 "$OUT/$1_profile.txt"
+  grep "triton_\|gemv\|gemm\|nvjet" "$OUT/$1_kernels.md" | head -30 | cut -c1-240
+}
 # host_overhead.py's two-phase table (3 sources, 100 calls a repeat, at most $1 s a process,
 # the rest of the arguments passed on) with the kernels registered each way, a process each:
 # $OUT/host_overhead_{custom_op,dispatcher}.txt
@@ -680,8 +687,7 @@ code68)
   # (session 68, ~3 minutes): its merges' query and key-norm-weight gradients, reductions
   # over the tokens, took 2.1 ms in 40 launches (session 19)
   export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
-  inductor_code block_attnres 40 300
-  head -1 "$OUT/block_attnres_profile.txt"; grep "triton_" "$OUT/block_attnres_kernels.md" | head -25 | cut -c1-260
+  inductor_code_summary block_attnres 40 300
   ;;
 logit68)
   # the merges' logit with its sum over the tokens as a matrix product (session 68): what
@@ -696,8 +702,7 @@ a = torch.randn(2, 16384, device="cuda").bfloat16(); b = torch.randn(16384, 1024
 r = torch.mm(a, b, out_dtype=torch.float32)
 print("mm out_dtype:", r.dtype, (r.double() - a.double() @ b.double()).abs().max().item())
 PY
-  inductor_code block_attnres 40 300
-  head -1 "$OUT/block_attnres_profile.txt"; grep "triton_\|gemv\|gemm\|nvjet" "$OUT/block_attnres_kernels.md" | head -30 | cut -c1-240
+  inductor_code_summary block_attnres 40 300
   ;;
 ab68)
   # session 68: the token sum's layouts as products (token_sum_speed.py; run 3 ran its first
@@ -705,41 +710,31 @@ ab68)
   # merges' logit backward as a matrix product (the default) beside the plain ops' form
   # (_plainlogit) and the baseline (~6 minutes; runs 3 and 5 ran two parts a weight: add
   # block_attnres_parts2 for that form)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  export PYTHONPATH=$PWD
   timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
-  timeout 400 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline block_attnres block_attnres_plainlogit > "$OUT/e2e.txt" 2>&1
-  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
+  e2e_run 400 3 10 baseline block_attnres block_attnres_plainlogit
   ;;
 ab68b)
   # session 68: the token sum's layouts timed inside CUDA graphs, then block MHAR and DAR
   # block with the merges' logit backward as a matrix product beside the plain ops' form
   # and the baseline (~7 minutes; run 4 ran two parts a weight: the _parts2 variants)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  export PYTHONPATH=$PWD
   timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
-  timeout 420 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline mhar_block mhar_block_plainlogit dar_block dar_block_plainlogit > "$OUT/e2e.txt" 2>&1
-  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -16
+  e2e_run 420 3 14 baseline mhar_block mhar_block_plainlogit dar_block dar_block_plainlogit
   ;;
 logit68gpu)
   # session 68, the three-part weights: source_logit's tests on the GPU (torch.mm with
   # out_dtype), then Block AttnRes beside its plain-ops form and the baseline (~4 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/unit/test_source_logit.py 2>&1 | tail -3 | tee "$OUT/source_logit_tests.txt"
-  timeout 240 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline block_attnres block_attnres_plainlogit > "$OUT/e2e.txt" 2>&1
-  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
+  e2e_run 240 3 10 baseline block_attnres block_attnres_plainlogit
   ;;
 rowsums68)
   # prepared in session 68 (not yet run): DAR block with its scalars as per-token factors
   # (dar.PER_TOKEN_SCALARS) beside its default and the baseline, then its Inductor kernels
   # with that form (~7 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 330 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline dar_block dar_block_rowsums > "$OUT/e2e.txt" 2>&1
-  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
-  TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code dar_block_rowsums 60 200
-  grep "triton_" "$OUT/dar_block_rowsums_kernels.md" | head -25 | cut -c1-220
+  e2e_run 330 3 10 baseline dar_block dar_block_rowsums
+  TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary dar_block_rowsums 60 200
   ;;
 inductorcode)
   # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth
@@ -747,8 +742,7 @@ inductorcode)
   # profiled in one process with Inductor's code logged and its bytes estimated
   export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
   for model in dar_block mhar_block; do
-    inductor_code "$model" 60 270
-    echo "== $model"; head -1 "$OUT/${model}_profile.txt"; grep "triton_" "$OUT/${model}_kernels.md" | head -25 | cut -c1-220
+    inductor_code_summary "$model" 60 270
   done
   ;;
 opwide)
@@ -1460,9 +1454,7 @@ stats67)
   # interpreter's and the GPU's tests of the saved-statistics backward first (~4 minutes)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   kernel_test_file 120 test_route_many_triton.py stats_tests.txt -k "two_tiles or stats or match_float64"
-  timeout 300 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 3 --profile 12 \
-      --schemes baseline block_attnres block_attnres_stats8 > "$OUT/e2e.txt" 2>&1
-  grep "^trials" "$OUT/e2e.txt"; grep "^|" "$OUT/e2e.txt" | head -12
+  e2e_run 300 3 10 baseline block_attnres block_attnres_stats8
   ;;
 table59)
   # session 59: every scheme end to end at HEAD, side by side in one run (the last such

@@ -36,7 +36,7 @@ class ScalarSums(TorchDispatchMode):
 
 
 def _backward_sums(form: str, layers_per_block: int, two_phase: bool, monkeypatch,
-                   per_token: bool = False, rows: bool = False) -> tuple:
+                   per_token: bool = False) -> tuple["ScalarSums", torch.Tensor, dict]:
     monkeypatch.setattr(dar, "MIX_FORM", form)
     monkeypatch.setattr(dar, "PER_TOKEN_SCALARS", per_token)
     torch.manual_seed(0)
@@ -48,14 +48,14 @@ def _backward_sums(form: str, layers_per_block: int, two_phase: bool, monkeypatc
     counter = ScalarSums()
     with counter:
         loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    return (counter.count, counter.rows) if rows else counter.count, loss.detach(), grads
+    return counter, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("layers_per_block,two_phase", [(1, True), (2, True), (2, False)])
 def test_one_sum_per_scalar_use_and_the_same_gradients(layers_per_block, two_phase, monkeypatch):
     sums, loss, grads = _backward_sums("difference", layers_per_block, two_phase, monkeypatch)
     sums_w, loss_w, grads_w = _backward_sums("weights", layers_per_block, two_phase, monkeypatch)
+    sums, sums_w = sums.count, sums_w.count
     sites, blocks = 2 * LAYERS, LAYERS // layers_per_block
     later_sites = sites - blocks  # the sites that transport their block's partial entries
     gates = sites + 1  # every site's and the readout's mix
@@ -77,11 +77,10 @@ def test_per_token_scalars_sum_each_row_first(form, layers_per_block, two_phase,
     scalar use sums every token's row instead (one row sum more for each whole sum of the
     form without it; the norms' backwards make the others), then the tokens; the
     gradients are the same up to rounding."""
-    (whole, rows), loss, grads = _backward_sums(form, layers_per_block, two_phase, monkeypatch, rows=True)
-    (left, rows_t), loss_t, grads_t = _backward_sums(form, layers_per_block, two_phase, monkeypatch,
-                                                     per_token=True, rows=True)
-    assert whole > 0 and left == 0
-    assert rows_t - rows == whole
+    plain, loss, grads = _backward_sums(form, layers_per_block, two_phase, monkeypatch)
+    per_token, loss_t, grads_t = _backward_sums(form, layers_per_block, two_phase, monkeypatch, per_token=True)
+    assert plain.count > 0 and per_token.count == 0
+    assert per_token.rows - plain.rows == plain.count
     torch.testing.assert_close(loss_t, loss, rtol=1e-6, atol=1e-6)
     assert grads_t.keys() == grads.keys()
     for name in grads:

@@ -82,7 +82,9 @@ def test_gradients_match_autograd_through_the_plain_ops(heads, batch, device):
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item(), msg=name)
 
 
-def test_only_the_inputs_that_need_a_gradient_get_one():
+def test_the_query_gradient_alone_is_the_plain_ops():
+    """The backward's branch where neither the value nor the key-norm weight needs a
+    gradient still gives the query's."""
     d, stored = 16, _stored((9,), 16)
     query = torch.randn(d, requires_grad=True)
     weight = torch.ones(d)

@@ -72,11 +72,11 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", type=int, default=source_logit.WEIGHT_PARTS,
                         help="bf16 parts a weight is split into (default: the library's)")
     args = parser.parse_args(argv)
+    if args.parts < 1:
+        raise SystemExit(f"token_sum_speed.py: --parts must be at least 1; found {args.parts}")
     if not torch.cuda.is_available():
         raise SystemExit("token_sum_speed.py: needs CUDA (torch.mm with out_dtype is a CUDA product)")
     gb = args.tokens * args.width * 2 / 1e9
-    if args.parts < 1:
-        raise SystemExit(f"token_sum_speed.py: --parts must be at least 1; found {args.parts}")
     print(f"{torch.cuda.get_device_name()}, T = {args.tokens}, d = {args.width}, {args.parts} parts, "
           f"median of {args.repeats}")
     print("| heads | layout | us | TB/s (stored once) |")

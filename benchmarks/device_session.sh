@@ -13,6 +13,7 @@
 #   OUT=... bash benchmarks/device_session.sh ab68     # the token sum's product layouts; Block AttnRes with it beside the plain ops' form (session 68)
 #   OUT=... bash benchmarks/device_session.sh ab68b    # the same for block MHAR and DAR block, the layouts inside CUDA graphs (session 68)
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
+#   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside its default (prepared in session 68)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
@@ -728,6 +729,12 @@ logit68gpu)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/unit/test_source_logit.py 2>&1 | tail -3 | tee "$OUT/source_logit_tests.txt"
   e2e_run 240 3 10 baseline block_attnres block_attnres_plainlogit
+  ;;
+wav69)
+  # session 69: DAR block with its scalars as per-token factors (dar.PER_TOKEN_SCALARS,
+  # prepared in session 68) and two-phase WAV at HEAD (last timed in session 21), each beside
+  # its default and the baseline; two waves of 3 and 2 (~7 minutes)
+  e2e_run 560 3 14 baseline dar_block dar_block_rowsums wav wav_2p
   ;;
 rowsums68)
   # prepared in session 68 (not yet run): DAR block with its scalars as per-token factors

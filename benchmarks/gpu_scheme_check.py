@@ -438,6 +438,9 @@ def main() -> int:
     ap.add_argument("--json", type=pathlib.Path, help="write every row here, each gradient's errors included")
     ap.add_argument("--exact-softmax-grad", action="store_true",
                     help="the kernels' backward forms sum_j a_j <v_j, g> from the sources (set_exact_softmax_grad)")
+    ap.add_argument("--patches", metavar="VARIANT",
+                    help="check with an e2e_throughput.py variant's module constants set (its LAUNCH_PATCHES, "
+                         "e.g. dar_block_rowsums: dar.PER_TOKEN_SCALARS)")
     args = ap.parse_args()
     if args.layers < 0 or args.detail < 0 or min(args.batch) < 1 or args.query_std <= 0:
         ap.error(f"--layers and --detail must be >= 0, --batch and --query-std positive; found {args.layers}, "
@@ -445,6 +448,13 @@ def main() -> int:
     setup = Setup(inner=args.inner, preset=args.preset, layers=args.layers or None, batch=tuple(args.batch),
                   query_std=args.query_std)
     set_exact_softmax_grad(args.exact_softmax_grad)
+    if args.patches:
+        from e2e_throughput import LAUNCH_PATCHES, apply_launch_patches
+
+        if args.patches not in LAUNCH_PATCHES:
+            ap.error(f"--patches: {args.patches!r} is not one of e2e_throughput.py's variants with patches")
+        for module, constant, _ in apply_launch_patches(args.patches):
+            print(f"patched: {module.__name__}.{constant} = {getattr(module, constant)!r}")
     rows = run(args.schemes, args.device, setup=setup, detail=args.detail, precisions=tuple(args.precisions),
                json_path=args.json)
     bad = [f"{r['scheme']}/{r['precision']}" for r in rows if not r["ok"]]

@@ -14,6 +14,7 @@
 #   OUT=... bash benchmarks/device_session.sh ab68b    # the same for block MHAR and DAR block, the layouts inside CUDA graphs (session 68)
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
+#   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's per-token scalars beside (session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU (tiny and 350M bf16), then end to end again (session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside its default (prepared in session 68)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
@@ -736,6 +737,15 @@ wav69)
   # prepared in session 68) and two-phase WAV at HEAD (last timed in session 21), each beside
   # its default and the baseline; two waves of 3 and 2 (~7 minutes)
   e2e_run 560 3 14 baseline dar_block dar_block_rowsums wav wav_2p
+  ;;
+table69)
+  # session 69: every scheme at HEAD with its defaults, and DAR block with its scalars as
+  # per-token factors beside them, in two waves of 4, each model's 30 largest kernels (at
+  # most 570 s)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
+      --schemes baseline block_attnres mhar_block dar_block wav dar_block_rowsums attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -22
   ;;
 rowsums69)
   # session 69: DAR with its scalars as per-token factors against eager (the tiny model

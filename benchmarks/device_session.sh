@@ -15,7 +15,7 @@
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's per-token scalars beside (session 69)
-#   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU (tiny and 350M bf16), then end to end again (session 69)
+#   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside its default (prepared in session 68)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
@@ -750,7 +750,7 @@ table69)
 rowsums69)
   # session 69: DAR with its scalars as per-token factors against eager (the tiny model
   # through aot_eager; the 350M model in bf16 through Inductor at the trained routers' query
-  # scale, as session 26), then DAR block beside its default and the baseline (~9 minutes)
+  # scale, as session 26; ~5 minutes). table69 times it end to end
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 100 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes dar dar_fm dar_narrow \
       --patches dar_block_rowsums --detail 3 > "$OUT/scheme_check_rowsums.txt" 2>&1
@@ -759,7 +759,6 @@ rowsums69)
       --batch 2 1024 --query-std 0.0156 --detail 6 --schemes dar --precisions bf16 --patches dar_block_rowsums \
       > "$OUT/scheme_check_rowsums_350m.txt" 2>&1
   grep -v "Warn\|warn" "$OUT/scheme_check_rowsums_350m.txt" | tail -9 | cut -c1-200
-  e2e_run 240 3 10 baseline dar_block dar_block_rowsums
   ;;
 rowsums68)
   # prepared in session 68 (not yet run): DAR block with its scalars as per-token factors

@@ -17,13 +17,18 @@ per token and head). Rows are priced at 8 x 2048 tokens, d = 1024, bf16 (32 MiB)
 same calls (but for ``route_merge``'s recomputation, :func:`count`): the backend lowers
 each routing op to one kernel call (``route_backward_into_`` for ``route_backward`` with
 running sums). ``route_merge`` (the ``_fm`` configurations) prices the second phase too,
-which the other configurations leave to Inductor's kernels (not counted).
+which the other configurations leave to Inductor's kernels: their merges
+(``merge_partial``, ``merge_routes``) are counted as a column of their own, each call's
+rows as a fused merge would move them (the forward reads each result and source once and
+writes one row; the backward reads the result's gradient and those rows again and writes
+a gradient for each).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import pathlib
 import sys
 
@@ -83,6 +88,46 @@ class RoutingCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class MergeCalls:
+    """Counts the second phase's merges made of torch ops (``merge_partial``,
+    ``merge_routes``), wrapped where the schemes look them up: ``calls`` and ``rows``."""
+
+    SITES = (("attnres", "merge_partial"), ("attnres", "merge_routes"), ("dar", "merge_partial"),
+             ("wav", "merge_routes"))
+
+    def __init__(self):
+        self.calls = 0
+        self.rows = 0
+
+    def _wrap(self, merge, rows_read):
+        def counted(*args, **kwargs):
+            read = rows_read(*args, **kwargs)
+            self.calls += 1
+            self.rows += (read + 1) + (1 + 2 * read)  # forward; backward
+            return merge(*args, **kwargs)
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self):
+        import importlib
+
+        def partial_rows(out, lse, partial, *, partial_key=None, **_):
+            return 2 + (partial_key is not None and partial_key is not partial)
+
+        def routes_rows(results, sources=(), **_):
+            return len(results) + len(sources)
+
+        modules = [importlib.import_module(f"depthrewrite.passes.{name}") for name, _ in self.SITES]
+        saved = [getattr(module, fn) for module, (_, fn) in zip(modules, self.SITES)]
+        try:
+            for module, (_, fn), merge in zip(modules, self.SITES, saved):
+                setattr(module, fn, self._wrap(merge, partial_rows if fn == "merge_partial" else routes_rows))
+            yield self
+        finally:
+            for module, (_, fn), merge in zip(modules, self.SITES, saved):
+                setattr(module, fn, merge)
+
+
 def count(config: str, width: int) -> RoutingCalls:
     """One eager training step of the end-to-end configuration ``config`` (the benchmark
     model's depth and heads, its launch constants: ``two_phase.FUSED_MERGE`` for ``_fm``) at
@@ -105,7 +150,8 @@ def count(config: str, width: int) -> RoutingCalls:
 
 def count_step(scheme: str, options: dict, width: int, layers: int | None = None, tokens: int = 64) -> RoutingCalls:
     """One eager training step of the bundled GPT ("medium": 24 layers, 16 heads; ``layers``
-    overrides its depth) at ``width`` rewritten with ``scheme``, on ``tokens`` tokens, counted."""
+    overrides its depth) at ``width`` rewritten with ``scheme``, on ``tokens`` tokens, counted;
+    its merges made of torch ops in the counter's ``merges`` (:class:`MergeCalls`)."""
     import depthrewrite
     from depthrewrite.models.gpt import gpt_from_preset
 
@@ -115,9 +161,14 @@ def count_step(scheme: str, options: dict, width: int, layers: int | None = None
     model = depthrewrite.rewrite(model, scheme, **options)
     x = torch.randint(0, model.config.vocab_size, (1, tokens))
     counter = RoutingCalls()
-    with counter:
+    counter.merges = MergeCalls()
+    with counter, counter.merges.counting():
         model(x, x)[1].backward()
     return counter
+
+
+def _floor_ms(rows: int) -> float:
+    return rows * ROW_BYTES / HBM_BYTES_PER_S * 1e3
 
 
 def main() -> int:
@@ -127,16 +178,18 @@ def main() -> int:
     args = ap.parse_args()
     print(f"routing floor per training step at {BATCH} x {SEQ} tokens, d = {E2E_WIDTH}, bf16, "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s (calls counted at d = {args.width})")
-    print("| model | calls: forward / backward | rows moved (32 MiB each) | floor ms/step |")
-    print("| --- | --- | ---: | ---: |")
+    print("| model | calls: forward / backward | rows moved (32 MiB each) | floor ms/step "
+          "| merges of torch ops (Inductor's): calls, rows | their floor ms/step |")
+    print("| --- | --- | ---: | ---: | --- | ---: |")
     for config in args.schemes:
         counter = count(config, args.width)
         forward = sum(n for op, n in counter.calls.items() if "backward" not in op)
         backward = sum(n for op, n in counter.calls.items() if "backward" in op)
         rows = sum(counter.rows.values())
         detail = ", ".join(f"{op} {n}" for op, n in sorted(counter.calls.items()))
-        print(f"| {config} | {forward} / {backward} ({detail}) | {rows} | "
-              f"{rows * ROW_BYTES / HBM_BYTES_PER_S * 1e3:.2f} |")
+        merges = counter.merges
+        print(f"| {config} | {forward} / {backward} ({detail}) | {rows} | {_floor_ms(rows):.2f} | "
+              f"{merges.calls}, {merges.rows} | {_floor_ms(merges.rows):.2f} |")
     return 0
 
 

@@ -81,3 +81,32 @@ def test_configuration_count_sets_its_constants_back_and_adds_the_recomputed_mer
     fused = floor.count("block_attnres_fm", width=32)
     assert fused.calls["route_merge"] == merges and fused.calls["route_merge (recomputed)"] == 0
     assert floor.count("block_attnres", width=32).calls["route_merge"] == 0
+
+
+def test_merges_of_torch_ops_are_counted_per_call():
+    """The second phase's merges that Inductor compiles (``merge_partial``,
+    ``merge_routes``) are counted beside the routing calls, each priced as a fused merge
+    would move its rows: K rows read and one written forward; the result's gradient and
+    the K rows read, K gradients written backward (3K + 2 rows a call)."""
+    floor = _load()
+    # Block AttnRes, 12 layers in blocks of 6: the 5 later sites of each block merge their
+    # block's partial sum into phase 1's result (K = 2)
+    counter = floor.count_step("block_attnres", {"block_size": 6}, width=32, layers=12)
+    assert (counter.merges.calls, counter.merges.rows) == (4 * 5, 4 * 5 * (3 * 2 + 2))
+    # two-phase WAV, the same blocks: a block's first site merges phase 1's three results
+    # alone (block 0's first site has only e: no merge), its later sites add the partial
+    # block's three sources (block 0: one result, e's)
+    counter = floor.count_step("wav", {"block_size": 6, "two_phase": True}, width=32, layers=12)
+    calls = {(1, 3): 5, (3, 0): 3, (3, 3): 3 * 5}
+    assert counter.merges.calls == sum(calls.values())
+    assert counter.merges.rows == sum(n * (3 * (r + s) + 2) for (r, s), n in calls.items())
+
+
+def test_fused_merges_leave_no_merges_of_torch_ops(monkeypatch):
+    from depthrewrite.passes import two_phase
+
+    floor = _load()
+    monkeypatch.setattr(two_phase, "FUSED_MERGE", True)
+    counter = floor.count_step("block_attnres", {"block_size": 6}, width=32, layers=12)
+    assert counter.merges.calls == counter.merges.rows == 0
+    assert counter.calls["route_merge"] == 4 * 5

@@ -18,10 +18,13 @@ With ``two_phase=True`` the sites of a block route as Block AttnRes's two-phase 
 per block (three ``route_many`` calls, one per list: a detail bias is the same for a whole
 list, so it is added in phase 2), phase 2 merges them with the partial block per site
 (``merge_routes``). Same function; off by default because it measured slower (H200, 350M
-GPT, docs/benchmarks.md session 7: 133.8 ms a step against 127.0 site by site): each
-site's merge weighs three phase-1 results and the partial block's three sources, whose
-RMSNorms and softmax Inductor runs as separate kernels (+17 ms a step), more than phase 1
-saves.
+GPT, docs/benchmarks.md session 7: 133.8 ms a step against 127.0 site by site; H100,
+session 69: 131.9 against 119.8): each site's merge weighs three phase-1 results and the
+partial block's three sources, whose RMSNorms and softmax Inductor runs as separate
+kernels (Inductor's kernels +31.6 ms a step against site by site's +4.5), more than phase
+1 saves (the routing kernels 17.0 ms against 31.9). Neither form can meet issue 4's
+throughput goal at this model: the HBM floor of what they move is over its budget
+(docs/benchmarks.md, "What the floors allow").
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class WavOptions(AttnResOptions):
     detail_bias_init: float = -2.0  # initial logit bias of every detail source; -inf: block_attnres
     details: bool = True  # False: exactly block_attnres with the same two_phase (same routers, same parameters)
     # the two-phase computation of Block AttnRes (two_phase.TwoPhasePlan), per source list;
-    # off by default: measured slower for WAV (its merge weighs six terms per site)
+    # off by default: measured slower for WAV (its merge weighs six terms per site; module docstring)
     two_phase: bool = False
     recompute: bool = True  # two-phase: the backward recomputes phase 1
 

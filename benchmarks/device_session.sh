@@ -14,9 +14,9 @@
 #   OUT=... bash benchmarks/device_session.sh ab68b    # the same for block MHAR and DAR block, the layouts inside CUDA graphs (session 68)
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
-#   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's per-token scalars beside (session 69)
+#   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
-#   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside its default (prepared in session 68)
+#   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside the whole sums (prepared in session 68; the default since session 69)
 #   OUT=... bash benchmarks/device_session.sh stats67  # Block AttnRes with its 6-query calls keeping the statistics table, beside its default and the baseline (prepared in session 66, run in session 67: level)
 #   OUT=... bash benchmarks/device_session.sh host61   # host time a step by package, per-block + FSDP2 (session 61)
 #   OUT=... bash benchmarks/device_session.sh fsdp2gpus60  # on 2 GPUs (kind nvidia-h100-x2): torchtitan's stack under FSDP2 against one process (session 60)
@@ -735,37 +735,39 @@ logit68gpu)
 wav69)
   # session 69: DAR block with its scalars as per-token factors (dar.PER_TOKEN_SCALARS,
   # prepared in session 68) and two-phase WAV at HEAD (last timed in session 21), each beside
-  # its default and the baseline; two waves of 3 and 2 (~7 minutes)
-  e2e_run 560 3 14 baseline dar_block dar_block_rowsums wav wav_2p
+  # its default and the baseline; two waves of 3 and 2 (~7 minutes). Run before the per-token
+  # scalars became the default: dar_block then was today's dar_block_wholesums
+  e2e_run 560 3 14 baseline dar_block_wholesums dar_block wav wav_2p
   ;;
 table69)
-  # session 69: every scheme at HEAD with its defaults, and DAR block with its scalars as
-  # per-token factors beside them, in two waves of 4, each model's 30 largest kernels (at
+  # session 69 (not run: no device): every scheme at HEAD with its defaults, and DAR block
+  # with its scalars' whole sums beside them, in two waves of 4, each model's 30 largest kernels (at
   # most 570 s)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block dar_block wav dar_block_rowsums attnres mhar > "$OUT/e2e.txt" 2>&1
+      --schemes baseline block_attnres mhar_block dar_block wav dar_block_wholesums attnres mhar > "$OUT/e2e.txt" 2>&1
   grep "^|" "$OUT/e2e.txt" | tail -22
   ;;
 rowsums69)
   # session 69: DAR with its scalars as per-token factors against eager (the tiny model
   # through aot_eager; the 350M model in bf16 through Inductor at the trained routers' query
-  # scale, as session 26; ~5 minutes). table69 times it end to end
+  # scale, as session 26; ~6 minutes: in session 69 the 350M row needed more than 230 s on a
+  # fresh machine, 179 s on the warm one). wav69 times it end to end
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 100 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes dar dar_fm dar_narrow \
       --patches dar_block_rowsums --detail 3 > "$OUT/scheme_check_rowsums.txt" 2>&1
   grep "scheme-check\|patched" "$OUT/scheme_check_rowsums.txt" | cut -c1-200
-  timeout 230 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor --preset medium --layers 0 \
+  timeout 330 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor --preset medium --layers 0 \
       --batch 2 1024 --query-std 0.0156 --detail 6 --schemes dar --precisions bf16 --patches dar_block_rowsums \
       > "$OUT/scheme_check_rowsums_350m.txt" 2>&1
   grep -v "Warn\|warn" "$OUT/scheme_check_rowsums_350m.txt" | tail -9 | cut -c1-200
   ;;
 rowsums68)
-  # prepared in session 68 (not yet run): DAR block with its scalars as per-token factors
-  # (dar.PER_TOKEN_SCALARS) beside its default and the baseline, then its Inductor kernels
-  # with that form (~7 minutes)
-  e2e_run 330 3 10 baseline dar_block dar_block_rowsums
-  TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary dar_block_rowsums 60 200
+  # prepared in session 68: DAR block with its scalars as per-token factors
+  # (dar.PER_TOKEN_SCALARS, the default since session 69) beside the whole sums and the
+  # baseline, then its Inductor kernels (~7 minutes)
+  e2e_run 330 3 10 baseline dar_block_wholesums dar_block
+  TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary dar_block 60 200
   ;;
 inductorcode)
   # what DAR block's and block MHAR's Inductor kernels read and write, and the bandwidth

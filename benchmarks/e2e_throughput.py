@@ -321,8 +321,10 @@ LAUNCH_VARIANTS = {
     # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
     "parts2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_PARTS": 2}),
     # DAR's gate, transport and beta scalars as per-token factors, their gradients summed
-    # over each row first (dar.PER_TOKEN_SCALARS; prepared in session 68, not yet timed)
+    # over each row first (dar.PER_TOKEN_SCALARS; prepared in session 68, the default since
+    # session 69), and as they were before, each gradient one sum over every element
     "rowsums": (("dar_block",), {"dar.PER_TOKEN_SCALARS": True}),
+    "wholesums": (("dar_block",), {"dar.PER_TOKEN_SCALARS": False}),
     # route_many's per-token backward requesting 3 or 4 sources ahead at every query count, or
     # 2 (before session 35; since, 4 for 5-8 queries: route_many_triton.PER_TOKEN_PREFETCH).
     # Session 35's runs 2-3 ran pf3 and pf4 while 2 was the default at every count

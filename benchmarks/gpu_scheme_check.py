@@ -422,6 +422,22 @@ def _median_summary(row: dict) -> str:
     return f"median {ours:.1e} on {row['worst_kind']} (reference's {theirs:.1e}; allowed {allowed:.1e})"
 
 
+def apply_patches(variant: str) -> list[str]:
+    """Set the module constants of ``e2e_throughput.py``'s ``variant`` (its
+    ``LAUNCH_PATCHES``) for the rest of the process; returns ``module.CONSTANT = value`` for
+    each. A name without patches is refused (ValueError): checking it would check the
+    defaults under another name."""
+    if str(ROOT / "benchmarks") not in sys.path:  # loaded as a module (tests), not run as the script
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from e2e_throughput import LAUNCH_PATCHES, apply_launch_patches
+
+    if not LAUNCH_PATCHES.get(variant):
+        raise ValueError(f"--patches: {variant!r} is not one of e2e_throughput.py's variants with patches "
+                         "(LAUNCH_PATCHES)")
+    return [f"{module.__name__}.{constant} = {getattr(module, constant)!r}"
+            for module, constant, _ in apply_launch_patches(variant)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -449,12 +465,12 @@ def main() -> int:
                   query_std=args.query_std)
     set_exact_softmax_grad(args.exact_softmax_grad)
     if args.patches:
-        from e2e_throughput import LAUNCH_PATCHES, apply_launch_patches
-
-        if args.patches not in LAUNCH_PATCHES:
-            ap.error(f"--patches: {args.patches!r} is not one of e2e_throughput.py's variants with patches")
-        for module, constant, _ in apply_launch_patches(args.patches):
-            print(f"patched: {module.__name__}.{constant} = {getattr(module, constant)!r}")
+        try:
+            patched = apply_patches(args.patches)
+        except ValueError as exc:
+            ap.error(str(exc))
+        for line in patched:
+            print(f"patched: {line}")
     rows = run(args.schemes, args.device, setup=setup, detail=args.detail, precisions=tuple(args.precisions),
                json_path=args.json)
     bad = [f"{r['scheme']}/{r['precision']}" for r in rows if not r["ok"]]

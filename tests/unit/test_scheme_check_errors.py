@@ -2,6 +2,7 @@
 reference (a symmetry: DAR's first-site gate) is measured against its kind's scale, so
 rounding passes and a wrong value still fails; every other gradient against its own norm."""
 
+import pytest
 import torch
 
 from tests.benchmark_scripts import load_benchmark
@@ -149,3 +150,16 @@ def test_a_kind_median_below_the_tolerance_passes():
     check = _load()
     medians = check.kind_medians({"a.mix": 1e-5, "b.mix": 2e-5}, {"a.mix": 1e-7, "b.mix": 1e-7}, "fp32")
     assert medians["mix"][2] == check.TOLERANCE["fp32"]
+
+
+def test_patches_set_a_variants_constants_and_refuse_a_name_without_any(monkeypatch):
+    """``--patches`` checks the schemes with an end-to-end variant's module constants set
+    (session 69 checked DAR's per-token scalars so before they became the default)."""
+    from depthrewrite.passes import dar
+
+    check = _load()
+    monkeypatch.setattr(dar, "PER_TOKEN_SCALARS", True)  # put back after the test
+    assert check.apply_patches("dar_block_wholesums") == ["depthrewrite.passes.dar.PER_TOKEN_SCALARS = False"]
+    assert dar.PER_TOKEN_SCALARS is False
+    with pytest.raises(ValueError, match=r"'dar_block' is not one of e2e_throughput.py's variants with patches"):
+        check.apply_patches("dar_block")

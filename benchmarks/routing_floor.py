@@ -21,7 +21,9 @@ which the other configurations leave to Inductor's kernels: their merges
 (``merge_partial``, ``merge_routes``) are counted as a column of their own, each call's
 rows as a fused merge would move them (the forward reads each result and source once and
 writes one row; the backward reads the result's gradient and those rows again and writes
-a gradient for each).
+a gradient for each). Per call: DAR's two merges a site read each stream's partial entry
+twice, as one's value and the other's key, and write two rows the gate then mixes, where
+its fused merge (``dar_block_fm``'s ``route_merge``) reads each once and writes one row.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@
 #   OUT=... bash benchmarks/device_session.sh ab68b    # the same for block MHAR and DAR block, the layouts inside CUDA graphs (session 68)
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
+#   OUT=... bash benchmarks/device_session.sh wav2p69  # two-phase WAV with its scaled sources' token sums as products, beside the plain ops and site by site (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside the whole sums (prepared in session 68; the default since session 69)
@@ -738,6 +739,14 @@ wav69)
   # its default and the baseline; two waves of 3 and 2 (~7 minutes). Run before the per-token
   # scalars became the default: dar_block then was today's dar_block_wholesums
   e2e_run 560 3 14 baseline dar_block_wholesums dar_block wav wav_2p
+  ;;
+wav2p69)
+  # prepared in session 69 (not yet run): two-phase WAV, whose merges' scaled partial details
+  # take source_logit's matrix product since session 69, beside its plain-ops form and site
+  # by site (the default), two waves of 2 (an H100's memory; ~7 minutes): how much of its
+  # merges' Inductor time (+27 ms a step over site by site's on an H100, session 69) the
+  # products take off
+  e2e_run 560 2 12 baseline wav wav_2p wav_2p_plainlogit
   ;;
 table69)
   # session 69 (not run: no device): every scheme at HEAD with its defaults, and DAR block

@@ -315,8 +315,9 @@ LAUNCH_VARIANTS = {
     "stats8": (("block_attnres",), {"route_many.STATS_MAX_QUERIES": 8}),
     # the merges' logit differentiated by autograd through plain torch ops, its sum over the
     # tokens one of Inductor's reductions (before session 68; since, a matrix product in its
-    # own backward: source_logit.MATMUL_TOKEN_SUM)
-    "plainlogit": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.MATMUL_TOKEN_SUM": False}),
+    # own backward: source_logit.MATMUL_TOKEN_SUM; two-phase WAV's scaled sources since
+    # session 69)
+    "plainlogit": (("block_attnres", "mhar_block", "dar_block", "wav_2p"), {"source_logit.MATMUL_TOKEN_SUM": False}),
     # the product's per-token weights as two bf16 parts (16 significant bits), the form
     # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
     "parts2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_PARTS": 2}),

@@ -132,6 +132,10 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "mhar_g3": ("mhar", {"group_size": 3, "recompute": False}),
            # grouped full MHAR in pairs of sites, each site's one entry merged by route_merge
            "mhar_g2_fm": ("mhar", {"group_size": 2, "recompute": False, "fused_merge": True}),
+           # two-phase WAV in blocks of 2 sites: the second block's merges weigh three phase-1
+           # results and three partial sources, two of them scaled per token (source_logit's
+           # scaled form, session 69)
+           "wav_2p": ("wav", {"two_phase": True, "block_size": 2}),
            # the backend's recompute_partial_sums (the partial sums recomputed in the backward;
            # WAV in one block of 4 sites: its default blocks of 2 sites have no sums to recompute)
            "wav_recompute": ("wav", {"block_size": 4}), "dar_recompute": ("dar", {}),

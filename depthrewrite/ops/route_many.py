@@ -387,8 +387,9 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
         logits.append(lse.to(dtype) if bias is None else lse.to(dtype) + bias.to(dtype))
         values.append(out.to(dtype))
     for value, bias, scale in sources:
-        v = value.to(dtype) if scale is None else value.to(dtype) * scale.to(dtype).unsqueeze(-1)
-        z = source_logit(v, value if scale is None else None, query, key_norm_weight, heads, eps)
+        factor = None if scale is None else scale.to(dtype)
+        v = value.to(dtype) if factor is None else value.to(dtype) * factor.unsqueeze(-1)
+        z = source_logit(v, value, query, key_norm_weight, heads, eps, scale=factor)
         logits.append(z if bias is None else z + bias.to(dtype))
         values.append(v)
     weights = torch.softmax(torch.stack(logits), dim=0).unsqueeze(-1)  # (K, *batch, H, 1)

@@ -26,9 +26,11 @@ the rest, and of what is left then: 24 significant bits, where one bf16 has 8), 
 product accumulates in float32 (``torch.mm(..., out_dtype=torch.float32)`` on CUDA; float32
 arithmetic on the bf16 values elsewhere, the same numbers).
 
-Used where the source is a bf16 tensor upcast to float32 and nothing else (the merges of
-Block AttnRes, block MHAR, DAR, and full AttnRes's merges of one entry); other dtypes, and
-WAV's scaled detail sources, keep the plain ops. ``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
+Used where the source is a bf16 tensor upcast to float32 (the merges of Block AttnRes,
+block MHAR, DAR, and full AttnRes's merges of one entry), or that upcast times a per-token
+factor that takes no gradient (two-phase WAV's RMS-matched partial details, ``route``'s
+``source_scale``: the factor joins the per-token weights); other dtypes keep the plain ops.
+``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
 """
 
 from __future__ import annotations
@@ -63,14 +65,21 @@ def source_logit_reference(value: Tensor, query: Tensor, key_norm_weight: Tensor
 
 
 def source_logit(value: Tensor, stored: Tensor | None, query: Tensor, key_norm_weight: Tensor, heads: int,
-                 eps: float) -> Tensor:
+                 eps: float, scale: Tensor | None = None) -> Tensor:
     """:func:`source_logit_reference` of ``value``, with the sum over the tokens of its
-    backward as a matrix product where ``stored`` (the tensor ``value`` is the float32
-    upcast of, exactly) is bf16; ``stored`` None, or another dtype: the reference."""
+    backward as a matrix product where ``stored`` is bf16 and ``value`` is its float32
+    upcast, exactly, or with ``scale`` (float32, ``(*batch,)``, no gradient) that upcast
+    times ``scale[..., None]``, exactly; ``stored`` None, another dtype, or a scale that
+    needs a gradient (the product gives it none): the reference."""
     if (MATMUL_TOKEN_SUM and stored is not None and stored.dtype in MATMUL_DTYPES
-            and value.dtype == torch.float32):
-        return _SourceLogit.apply(value, stored, query, key_norm_weight, heads, float(eps))
+            and value.dtype == torch.float32 and _takes_product(scale, value)):
+        return _SourceLogit.apply(value, stored, query, key_norm_weight, heads, float(eps), scale)
     return source_logit_reference(value, query, key_norm_weight, heads, eps)
+
+
+def _takes_product(scale: Tensor | None, value: Tensor) -> bool:
+    return scale is None or (scale.dtype == torch.float32 and not scale.requires_grad
+                             and tuple(scale.shape) == tuple(value.shape[:-1]))
 
 
 def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
@@ -103,37 +112,40 @@ def split_into_parts(weights: Tensor, dtype: torch.dtype, parts: int) -> Tensor:
 
 
 class _SourceLogit(torch.autograd.Function):
-    """The logit of ``value`` (float32, ``stored`` upcast) with a matrix-product backward
-    for the sum over the tokens; ``stored`` gets no gradient (``value`` does)."""
+    """The logit of ``value`` (float32: ``stored`` upcast, times ``scale`` per token if
+    given) with a matrix-product backward for the sum over the tokens; ``stored`` and
+    ``scale`` get no gradient (``value`` does)."""
 
     @staticmethod
-    def forward(ctx, value, stored, query, key_norm_weight, heads, eps):
+    def forward(ctx, value, stored, query, key_norm_weight, heads, eps, scale=None):
         rstd = torch.rsqrt(value.pow(2).mean(-1, keepdim=True) + eps)
-        scale = key_norm_weight.to(value.dtype) * query.to(value.dtype)
-        z = (value * rstd * scale).unflatten(-1, (heads, -1)).sum(-1)
+        qg = key_norm_weight.to(value.dtype) * query.to(value.dtype)
+        z = (value * rstd * qg).unflatten(-1, (heads, -1)).sum(-1)
         # the stored tensor, not its float32 upcast: half the bytes, and the upcast is exact
-        ctx.save_for_backward(stored, rstd, z, query, key_norm_weight)
+        ctx.save_for_backward(stored, rstd, z, query, key_norm_weight, scale)
         ctx.heads = heads
         return z
 
     @staticmethod
     def backward(ctx, grad_z):
-        stored, rstd, z, query, key_norm_weight = ctx.saved_tensors
+        stored, rstd, z, query, key_norm_weight, scale = ctx.saved_tensors
         heads = ctx.heads
+        # value[t, c] = s[t] stored[t, c]: the token sum's weights take s, the row stays as stored
+        factor = rstd if scale is None else rstd * scale.unsqueeze(-1)
         grad_value = grad_query = grad_weight = None
         if ctx.needs_input_grad[0]:
-            value = stored.to(z.dtype)
+            value = stored.to(z.dtype) if scale is None else stored.to(z.dtype) * scale.unsqueeze(-1)
             d = value.shape[-1]
             normed = value * rstd
-            scale = key_norm_weight.to(z.dtype) * query.to(z.dtype)
-            grad_normed = (grad_z.unsqueeze(-1) * scale.unflatten(-1, (heads, -1))).flatten(-2)
+            qg = key_norm_weight.to(z.dtype) * query.to(z.dtype)
+            grad_normed = (grad_z.unsqueeze(-1) * qg.unflatten(-1, (heads, -1))).flatten(-2)
             # RMSNorm's backward; sum_c grad_normed[c] normed[c] = sum_h grad_z[h] z[h]
             projection = (grad_z * z).sum(-1, keepdim=True) / d
             grad_value = rstd * (grad_normed - normed * projection)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            grad_scale = token_weighted_sum(grad_z * rstd, stored, heads)
+            grad_qg = token_weighted_sum(grad_z * factor, stored, heads)
             if ctx.needs_input_grad[2]:
-                grad_query = (grad_scale * key_norm_weight.to(grad_scale.dtype)).to(query.dtype)
+                grad_query = (grad_qg * key_norm_weight.to(grad_qg.dtype)).to(query.dtype)
             if ctx.needs_input_grad[3]:
-                grad_weight = (grad_scale * query.to(grad_scale.dtype)).to(key_norm_weight.dtype)
-        return grad_value, None, grad_query, grad_weight, None, None
+                grad_weight = (grad_qg * query.to(grad_qg.dtype)).to(key_norm_weight.dtype)
+        return grad_value, None, grad_query, grad_weight, None, None, None

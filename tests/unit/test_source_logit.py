@@ -82,6 +82,45 @@ def test_gradients_match_autograd_through_the_plain_ops(heads, batch, device):
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [1, 4])
+def test_a_per_token_scale_joins_the_token_weights(heads, device):
+    """A source scaled per token (two-phase WAV's RMS-matched partial details: the factor
+    takes no gradient) takes the product too; forward and every gradient equal autograd
+    through the plain ops on the same scaled float32 value."""
+    batch, d = (3, 13), 40
+    stored = _stored(batch, d, device=device)
+    g = torch.Generator().manual_seed(11)
+    scale = (0.25 + 2 * torch.rand(*batch, generator=g)).to(device)  # RMS matching: min(rho, ...) > 0
+    query = torch.randn(d, generator=g).to(device).requires_grad_()
+    weight = (1 + 0.2 * torch.randn(d, generator=g)).to(device).requires_grad_()
+    grad_z = torch.randn(*batch, heads, generator=g).to(device)
+    results = []
+    for matmul in (True, False):
+        value = stored.float().requires_grad_()
+        scaled = value * scale.unsqueeze(-1)
+        if matmul:
+            z = sl.source_logit(scaled, stored, query, weight, heads, 1e-6, scale=scale)
+            assert "SourceLogit" in type(z.grad_fn).__name__
+        else:
+            z = sl.source_logit_reference(scaled, query, weight, heads, 1e-6)
+        results.append((z, *torch.autograd.grad(z, (value, query, weight), grad_z)))
+    for name, got, expected in zip(("z", "value", "query", "key_norm_weight"), *results):
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item(), msg=name)
+
+
+def test_a_scale_that_needs_a_gradient_takes_the_plain_ops():
+    """The product gives the scale no gradient: a scale that needs one keeps the plain ops,
+    through which autograd gives it its gradient."""
+    stored = _stored((5,), 8)
+    scale = torch.full((5,), 0.5, requires_grad=True)
+    value = stored.float() * scale.unsqueeze(-1)
+    z = sl.source_logit(value, stored, torch.randn(8), torch.ones(8), 1, 1e-6, scale=scale)
+    assert "SourceLogit" not in type(z.grad_fn).__name__
+    (grad_scale,) = torch.autograd.grad(z.sum(), (scale,))
+    assert grad_scale.abs().sum() > 0
+
+
 def test_the_query_gradient_alone_is_the_plain_ops():
     """The backward's branch where neither the value nor the key-norm weight needs a
     gradient still gives the query's."""
@@ -132,6 +171,41 @@ def test_merge_partial_in_bf16_gives_the_plain_ops_gradients(heads, monkeypatch)
         ulp = 2.0 ** -7 if got.dtype == torch.bfloat16 else 1e-5  # bf16: 8 significant bits
         torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=ulp * expected.abs().max().item(),
                                    msg=name)
+
+
+def test_merge_routes_scaled_sources_in_bf16_give_the_plain_ops_gradients(monkeypatch):
+    """merge_routes as two-phase WAV calls it (three results, three partial sources, two of
+    them biased and scaled per token) with bf16 activations: every gradient with the matrix
+    products equals the plain ops' to within one bf16 rounding, and all three sources took
+    the product."""
+    from depthrewrite.ops import merge_routes
+
+    g = torch.Generator().manual_seed(12)
+    batch, d = (2, 9), 24
+    outs = [_stored(batch, d, seed=20 + k) for k in range(3)]
+    sources = [_stored(batch, d, seed=30 + k) for k in range(3)]
+    lses = [torch.randn(*batch, 1, generator=g) for _ in range(3)]
+    scales = [0.5 + torch.rand(*batch, generator=g) for _ in range(2)]
+    biases = [torch.tensor(-1.5), torch.tensor(-2.5)]
+    query, weight = torch.randn(d, generator=g) * 0.3, 1 + 0.1 * torch.randn(d, generator=g)
+    grad = torch.randn(*batch, d, generator=g).bfloat16()
+    calls = []
+    apply = sl._SourceLogit.apply
+    monkeypatch.setattr(sl._SourceLogit, "apply", lambda *args: calls.append(1) or apply(*args))
+    results = []
+    for matmul in (True, False):
+        monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)
+        leaves = [t.clone().requires_grad_() for t in (*outs, *lses, *sources, *biases, query, weight)]
+        o, l_, v, b = leaves[:3], leaves[3:6], leaves[6:9], leaves[9:11]
+        merged = merge_routes([(o[0], l_[0], None), (o[1], l_[1], b[0]), (o[2], l_[2], b[1])],
+                              [(v[0], None, None), (v[1], b[0], scales[0]), (v[2], b[1], scales[1])],
+                              query=leaves[11], key_norm_weight=leaves[12])
+        results.append((merged, *torch.autograd.grad(merged, leaves, grad)))
+    assert len(calls) == 3
+    for k, (got, expected) in enumerate(zip(*results)):
+        ulp = 2.0 ** -7 if got.dtype == torch.bfloat16 else 1e-5  # bf16: 8 significant bits
+        torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=ulp * expected.abs().max().item(),
+                                   msg=f"output {k}")
 
 
 def _backward_mm_count(matmul: bool, monkeypatch) -> int:

@@ -20,6 +20,14 @@ def plain_ops(monkeypatch):
     monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", False)
 
 
+def _count_products(monkeypatch) -> list:
+    """A list that gets one entry for each source logit taking the matrix product."""
+    calls = []
+    apply = sl._SourceLogit.apply
+    monkeypatch.setattr(sl._SourceLogit, "apply", lambda *args: calls.append(1) or apply(*args))
+    return calls
+
+
 def _stored(batch, d, dtype=torch.bfloat16, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*batch, d, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
@@ -189,9 +197,7 @@ def test_merge_routes_scaled_sources_in_bf16_give_the_plain_ops_gradients(monkey
     biases = [torch.tensor(-1.5), torch.tensor(-2.5)]
     query, weight = torch.randn(d, generator=g) * 0.3, 1 + 0.1 * torch.randn(d, generator=g)
     grad = torch.randn(*batch, d, generator=g).bfloat16()
-    calls = []
-    apply = sl._SourceLogit.apply
-    monkeypatch.setattr(sl._SourceLogit, "apply", lambda *args: calls.append(1) or apply(*args))
+    calls = _count_products(monkeypatch)
     results = []
     for matmul in (True, False):
         monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)
@@ -253,9 +259,7 @@ def test_a_bf16_model_trains_as_with_the_plain_ops(scheme, options, monkeypatch)
     import depthrewrite
     from depthrewrite.models.gpt import gpt_from_preset
 
-    calls = []
-    apply = sl._SourceLogit.apply
-    monkeypatch.setattr(sl._SourceLogit, "apply", lambda *args: calls.append(1) or apply(*args))
+    calls = _count_products(monkeypatch)
     grads = []
     for matmul in (True, False):
         monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)

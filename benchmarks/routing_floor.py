@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import pathlib
 import sys
 
@@ -111,8 +112,6 @@ class MergeCalls:
 
     @contextlib.contextmanager
     def counting(self):
-        import importlib
-
         def partial_rows(out, lse, partial, *, partial_key=None, **_):
             return 2 + (partial_key is not None and partial_key is not partial)
 

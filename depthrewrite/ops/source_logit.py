@@ -131,10 +131,11 @@ class _SourceLogit(torch.autograd.Function):
         stored, rstd, z, query, key_norm_weight, scale = ctx.saved_tensors
         heads = ctx.heads
         # value[t, c] = s[t] stored[t, c]: the token sum's weights take s, the row stays as stored
-        factor = rstd if scale is None else rstd * scale.unsqueeze(-1)
+        column = None if scale is None else scale.unsqueeze(-1)
+        factor = rstd if column is None else rstd * column
         grad_value = grad_query = grad_weight = None
         if ctx.needs_input_grad[0]:
-            value = stored.to(z.dtype) if scale is None else stored.to(z.dtype) * scale.unsqueeze(-1)
+            value = stored.to(z.dtype) if column is None else stored.to(z.dtype) * column
             d = value.shape[-1]
             normed = value * rstd
             qg = key_norm_weight.to(z.dtype) * query.to(z.dtype)

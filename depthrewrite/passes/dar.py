@@ -84,6 +84,11 @@ def _per_token(scalar: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return scalar.reshape((1,) * like.dim()).expand(*like.shape[:-1], 1)
 
 
+def _times(scalar: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``scalar * t``, the scalar as :func:`_per_token` makes it."""
+    return _per_token(scalar, t) * t
+
+
 def _mix(weight: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """``weight first + (1 - weight) second`` in the form :data:`MIX_FORM` names."""
     weight = _per_token(weight, first)
@@ -208,12 +213,12 @@ class DarRouter(DualRoute):
         with recomputable(partial=not self.closes_block), hinted("dar_transport"):
             if partial is None:  # a fresh block: nothing to transport yet (a zero from it, for DDP)
                 beta = self.beta + zero_from(self.transport)
-                p0, p1 = _per_token(beta[0], u) * u, _per_token(beta[1], u) * u
+                p0, p1 = _times(beta[0], u), _times(beta[1], u)
             else:
                 rho = torch.sigmoid(self.transport)
                 q0, q1 = partial
                 p0, p1 = _transport(rho, q0, q1)
-                p0, p1 = p0 + _per_token(self.beta[0], u) * u, p1 + _per_token(self.beta[1], u) * u
+                p0, p1 = p0 + _times(self.beta[0], u), p1 + _times(self.beta[1], u)
             # the scalars are float32 parameters: keep the streams in the sources' dtype
             # (bf16 under autocast), as routing reads all sources in one dtype
             p0, p1 = p0.to(u.dtype), p1.to(u.dtype)

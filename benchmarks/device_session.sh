@@ -15,6 +15,9 @@
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
 #   OUT=... bash benchmarks/device_session.sh wav2p69  # two-phase WAV with its scaled sources' token sums as products, beside the plain ops and site by site (prepared in session 69)
+#   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes (session 70)
+#   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
+#   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums68  # DAR block with its scalars as per-token factors, beside the whole sums (prepared in session 68; the default since session 69)
@@ -747,6 +750,24 @@ wav2p69)
   # merges' Inductor time (+27 ms a step over site by site's on an H100, session 69) the
   # products take off
   e2e_run 560 2 12 baseline wav wav_2p wav_2p_plainlogit
+  ;;
+softmax70)
+  # session 70: merge_routes' softmax term by term (route_many.MERGE_SOFTMAX_BY_TERMS, the
+  # default since) beside the stacked one, for two-phase WAV and full AttnRes, with site-by-site
+  # WAV and the baseline; two waves of 3 (~8 minutes)
+  e2e_run 560 3 14 baseline wav wav_2p_stackedsoftmax wav_2p attnres_stackedsoftmax attnres
+  ;;
+softmax70b)
+  # session 70: softmax70 for two-phase WAV alone, beside the baseline, one wave (~4 minutes)
+  e2e_run 400 3 8 baseline wav_2p_stackedsoftmax wav_2p
+  ;;
+wavcode70)
+  # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code
+  # logged (their 60 largest kernels), to find where their Inductor time over the
+  # baseline's goes (~6 minutes)
+  export PYTHONPATH=$PWD TORCHINDUCTOR_BENCHMARK_KERNEL=1
+  inductor_code_summary wav_2p 60 280
+  inductor_code_summary mhar_block 60 250
   ;;
 table69)
   # session 69 (not run: no device): every scheme at HEAD with its defaults, and DAR block

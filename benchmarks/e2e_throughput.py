@@ -318,6 +318,10 @@ LAUNCH_VARIANTS = {
     # own backward: source_logit.MATMUL_TOKEN_SUM; two-phase WAV's scaled sources since
     # session 69)
     "plainlogit": (("block_attnres", "mhar_block", "dar_block", "wav_2p"), {"source_logit.MATMUL_TOKEN_SUM": False}),
+    # merge_routes' softmax over torch.stack of its logits (before session 70; since, term by
+    # term: route_many.MERGE_SOFTMAX_BY_TERMS): two-phase WAV's merges, full AttnRes's of 2-3
+    # group entries
+    "stackedsoftmax": (("wav_2p", "attnres"), {"route_many.MERGE_SOFTMAX_BY_TERMS": False}),
     # the product's per-token weights as two bf16 parts (16 significant bits), the form
     # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
     "parts2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_PARTS": 2}),

@@ -44,6 +44,15 @@ from .source_logit import source_logit
 
 __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
 
+#: :func:`merge_routes` weighs its terms by a softmax written term by term (elementwise ops
+#: on each term's logit, no stack): as one ``torch.softmax`` over ``torch.stack`` of the
+#: logits, Inductor stores the stacked logits (and, in the backward, the stacked row sums)
+#: as a buffer whose entries its consumers read at other offsets than those written, so it
+#: cannot put the logits' row reductions and the weighted sum of the rows in one kernel: a
+#: merge's rows were read again in the forward and in the backward (session 70; False: the
+#: stacked softmax, the form before it)
+MERGE_SOFTMAX_BY_TERMS = True
+
 ROUTE_MANY_SCHEMA = (
     "(Tensor[] values, Tensor queries, Tensor key_norm_weights, int heads, float eps, Tensor[]? keys) "
     "-> (Tensor[] out, Tensor[] lse, Tensor stats)"
@@ -392,9 +401,26 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
         z = source_logit(v, value, query, key_norm_weight, heads, eps, scale=factor)
         logits.append(z if bias is None else z + bias.to(dtype))
         values.append(v)
-    weights = torch.softmax(torch.stack(logits), dim=0).unsqueeze(-1)  # (K, *batch, H, 1)
-    merged = sum(w * v.unflatten(-1, (heads, -1)) for w, v in zip(weights.unbind(0), values))
+    weights = _softmax_terms(logits) if MERGE_SOFTMAX_BY_TERMS else torch.softmax(torch.stack(logits), dim=0).unbind(0)
+    merged = sum(w.unsqueeze(-1) * v.unflatten(-1, (heads, -1)) for w, v in zip(weights, values))
     return merged.flatten(-2).to(first.dtype)
+
+
+def _softmax_terms(logits: Sequence[Tensor]) -> list[Tensor]:
+    """The softmax over ``logits`` (same-shaped tensors, one a term) as elementwise ops,
+    one weight tensor a term (why: :data:`MERGE_SOFTMAX_BY_TERMS`). The shift by the
+    largest logit is detached: the softmax does not depend on it, so its gradient is zero
+    in exact arithmetic, and autograd need not form it."""
+    top = logits[0]
+    for z in logits[1:]:
+        top = torch.maximum(top, z)
+    top = top.detach()
+    exps = [torch.exp(z - top) for z in logits]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    inverse = 1.0 / total
+    return [e * inverse for e in exps]
 
 
 def _check_bias(bias: object, where: str) -> None:

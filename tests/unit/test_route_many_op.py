@@ -4,6 +4,7 @@ and WAV's, section 5)."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 from depthrewrite.ops import merge_partial, merge_routes, route, route_many, route_many_reference
 from depthrewrite.ops.route import route_logits_reference
+
+route_many_module = importlib.import_module("depthrewrite.ops.route_many")  # the module (the package exports a function)
 
 
 @dataclass
@@ -482,6 +485,41 @@ def test_merge_routes_gradients_match_route(case, groups, group_bias, extras):
     got = torch.autograd.grad(merged, leaves, grads_out)
     want = torch.autograd.grad(routed, leaves, grads_out)
     assert_all_rel(list(got), list(want), 1e-11)
+
+
+@pytest.mark.parametrize("case, groups, group_bias, extras", MERGE_ROUTES_CASES, ids=repr)
+def test_merge_routes_softmax_by_terms_is_the_stacked_softmax(case, groups, group_bias, extras, monkeypatch):
+    """The softmax written term by term (the default, route_many.MERGE_SOFTMAX_BY_TERMS) and
+    torch.softmax over the stacked logits: the same result and gradients in float64."""
+    results = []
+    for by_terms in (True, False):
+        monkeypatch.setattr(route_many_module, "MERGE_SOFTMAX_BY_TERMS", by_terms)
+        merged, _, leaves, _ = _merge_routes_both(case, groups, group_bias, extras, torch.float64, True)
+        grads = torch.autograd.grad(merged, leaves, random_like(merged, seed=24))
+        results.append(list(merged) + list(grads))
+    assert_all_rel(results[0], results[1], 1e-13)
+
+
+@pytest.mark.parametrize("by_terms", [True, False], ids=["by_terms", "stacked"])
+def test_merge_routes_softmax_far_logits_and_a_minus_inf_bias(by_terms, monkeypatch):
+    """Logits hundreds apart (exp of them unshifted overflows float32) and a term whose bias
+    is -inf (WAV's detail_bias_init=-inf): finite weights, the -inf term weighs nothing and
+    its bias gets a zero gradient, not NaN."""
+    monkeypatch.setattr(route_many_module, "MERGE_SOFTMAX_BY_TERMS", by_terms)
+    gen = torch.Generator().manual_seed(25)
+    outs = [torch.randn(5, 8, generator=gen, requires_grad=True) for _ in range(3)]
+    lse = torch.tensor([400.0, 0.0, 399.0]).view(3, 1, 1).expand(3, 5, 1)
+    minus_inf = torch.tensor(float("-inf"), requires_grad=True)
+    results = [(outs[0], lse[0], None), (outs[1], lse[1], None), (outs[2], lse[2], minus_inf)]
+    sources = [(torch.randn(5, 8, generator=gen), torch.tensor(350.0), None)]
+    merged = merge_routes(results, sources, query=torch.randn(8, generator=gen), key_norm_weight=torch.ones(8))
+    assert torch.isfinite(merged).all()
+    # only outs[0] has weight: out[1] is 400 below it, outs[2] and the source are -inf and 50 below
+    assert_rel(merged, outs[0], 1e-6)
+    grads = torch.autograd.grad(merged.sum(), [*outs, minus_inf])
+    assert grads[3].item() == 0.0
+    assert torch.equal(grads[2], torch.zeros_like(outs[2]))
+    assert torch.isfinite(grads[0]).all() and torch.isfinite(grads[1]).all()
 
 
 @pytest.mark.parametrize("arg, change", [

@@ -45,12 +45,13 @@ from .source_logit import source_logit
 __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
 
 #: :func:`merge_routes` weighs its terms by a softmax written term by term (elementwise ops
-#: on each term's logit, no stack): as one ``torch.softmax`` over ``torch.stack`` of the
-#: logits, Inductor stores the stacked logits (and, in the backward, the stacked row sums)
-#: as a buffer whose entries its consumers read at other offsets than those written, so it
-#: cannot put the logits' row reductions and the weighted sum of the rows in one kernel: a
-#: merge's rows were read again in the forward and in the backward (session 70; False: the
-#: stacked softmax, the form before it)
+#: on each term's logit, no stack). As one ``torch.softmax`` over ``torch.stack`` of the
+#: logits, Inductor stores the stacked logits (in the backward, the stacked row sums) in a
+#: buffer that its consumers read at offsets other than those each reduction wrote, so the
+#: logits' row reductions and the weighted sum of the rows go to separate kernels, each
+#: reading the merge's rows. Term by term (H100, 350M GPT, session 70): two-phase WAV's
+#: Inductor kernels 3.8 ms a step less, 361 kernel launches fewer, its step 3.0 % shorter;
+#: full AttnRes (merges of two results) level. False: the stacked softmax, as before
 MERGE_SOFTMAX_BY_TERMS = True
 
 ROUTE_MANY_SCHEMA = (

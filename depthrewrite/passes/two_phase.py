@@ -53,7 +53,9 @@ FUSED_MERGE = False
 #: host's share of full AttnRes's step", session 35). 1 (the default: every call kept): at 3
 #: the host's step was 25 ms shorter but Inductor's merge kernels 5.2 ms longer for 2.3 ms
 #: less of route_many's, the step 1.5 % slower, also as CUDA graphs (H200, 350M GPT,
-#: ``e2e_throughput.py``'s ``attnres_direct3``, docs/benchmarks.md session 36)
+#: ``e2e_throughput.py``'s ``attnres_direct3``, docs/benchmarks.md session 36; then with
+#: ``merge_routes``' stacked softmax, whose kernels session 70's softmax term by term
+#: shortened for two-phase WAV: not measured again)
 DIRECT_MERGE_ENTRIES = 1
 
 

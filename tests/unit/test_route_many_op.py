@@ -514,7 +514,7 @@ def test_merge_routes_softmax_far_logits_and_a_minus_inf_bias(by_terms, monkeypa
     sources = [(torch.randn(5, 8, generator=gen), torch.tensor(350.0), None)]
     merged = merge_routes(results, sources, query=torch.randn(8, generator=gen), key_norm_weight=torch.ones(8))
     assert torch.isfinite(merged).all()
-    # only outs[0] has weight: out[1] is 400 below it, outs[2] and the source are -inf and 50 below
+    # only outs[0] has weight: outs[1] is 400 below it, outs[2] and the source -inf and about 50 below
     assert_rel(merged, outs[0], 1e-6)
     grads = torch.autograd.grad(merged.sum(), [*outs, minus_inf])
     assert grads[3].item() == 0.0

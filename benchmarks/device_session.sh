@@ -15,7 +15,7 @@
 #   OUT=... bash benchmarks/device_session.sh logit68gpu  # source_logit's tests on the GPU; Block AttnRes beside its plain-ops form (session 68)
 #   OUT=... bash benchmarks/device_session.sh wav69  # DAR block's per-token scalars and two-phase WAV at HEAD, each beside its default (session 69)
 #   OUT=... bash benchmarks/device_session.sh wav2p69  # two-phase WAV with its scaled sources' token sums as products, beside the plain ops and site by site (prepared in session 69)
-#   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes (session 70)
+#   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes, its direct merge (prepared in session 70)
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
@@ -752,10 +752,12 @@ wav2p69)
   e2e_run 560 2 12 baseline wav wav_2p wav_2p_plainlogit
   ;;
 softmax70)
-  # session 70: merge_routes' softmax term by term (route_many.MERGE_SOFTMAX_BY_TERMS, the
-  # default since) beside the stacked one, for two-phase WAV and full AttnRes, with site-by-site
-  # WAV and the baseline; two waves of 3 (~8 minutes)
-  e2e_run 560 3 14 baseline wav wav_2p_stackedsoftmax wav_2p attnres_stackedsoftmax attnres
+  # session 70 (prepared; runs 2-3 ran its parts): merge_routes' softmax term by term
+  # (route_many.MERGE_SOFTMAX_BY_TERMS, the default since) beside the stacked one, for
+  # two-phase WAV and full AttnRes, with site-by-site WAV, the baseline, and full AttnRes's
+  # group entries merged by merge_routes' ops with the new softmax (direct3: slower in
+  # session 36 with the stacked one); two waves of 4 (~9 minutes)
+  e2e_run 560 4 16 baseline wav wav_2p_stackedsoftmax wav_2p attnres_stackedsoftmax attnres attnres_direct3
   ;;
 softmax70b)
   # session 70: softmax70 for two-phase WAV alone, beside the baseline, one wave (~4 minutes)

@@ -21,11 +21,11 @@ list, so it is added in phase 2), phase 2 merges them with the partial block per
 GPT, docs/benchmarks.md session 7: 133.8 ms a step against 127.0 site by site; H100,
 session 69: 131.9 against 119.8; session 70, with the merge's softmax term by term: 0.648x
 the baseline against site by site's 0.687x on another H100): each site's merge weighs three
-phase-1 results and the partial block's three sources, whose RMSNorms and softmax Inductor
-runs as separate kernels (Inductor's kernels +24.8 ms a step against site by site's +4.4),
-more than phase 1 saves (the routing kernels 17.1 ms against 32.5). Neither form can meet issue 4's
-throughput goal at this model: the HBM floor of what they move is over its budget
-(docs/benchmarks.md, "What the floors allow").
+phase-1 results and the partial block's three sources in Inductor's kernels, which cost
+more (+24.8 ms a step over the baseline's against site by site's +4.4) than phase 1 saves
+(the routing kernels 17.1 ms against 32.5). Neither form can meet issue 4's throughput goal
+at this model: the HBM floor of what they move is over its budget (docs/benchmarks.md,
+"What the floors allow").
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
 #   OUT=... bash benchmarks/device_session.sh wav2p69  # two-phase WAV with its scaled sources' token sums as products, beside the plain ops and site by site (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes, its direct merge (prepared in session 70)
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
+#   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
@@ -762,6 +763,24 @@ softmax70)
 softmax70b)
   # session 70: softmax70 for two-phase WAV alone, beside the baseline, one wave (~4 minutes)
   e2e_run 400 3 8 baseline wav_2p_stackedsoftmax wav_2p
+  ;;
+first71)
+  # session 71's first call, by the card that comes: on an H200 every scheme at HEAD (the
+  # goals' card; no H200 came in sessions 66-70); on an H100 merge_routes' term-by-term
+  # softmax (session 70) against float64 on the GPU, through aot_eager and through Inductor,
+  # then block MHAR's Inductor kernels with their code (~8 minutes either way)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
+  if [[ $gpu == *H200* ]]; then
+    every_scheme_table
+  else
+    export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+    timeout 100 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes wav_2p attnres attnres_g3 \
+        > "$OUT/scheme_check_softmax.txt" 2>&1
+    timeout 170 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor --schemes wav_2p attnres \
+        >> "$OUT/scheme_check_softmax.txt" 2>&1
+    grep "scheme-check" "$OUT/scheme_check_softmax.txt" | cut -c1-200
+    TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary mhar_block 60 250
+  fi
   ;;
 wavcode70)
   # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code

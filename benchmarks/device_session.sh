@@ -18,7 +18,6 @@
 #   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes, its direct merge (prepared in session 70)
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
 #   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
-#   OUT=... bash benchmarks/device_session.sh heads71  # block MHAR's merges with per-head sums over whole rows: against float64 on the GPU, end to end beside the view form and the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
@@ -782,19 +781,6 @@ first71)
     grep "scheme-check" "$OUT/scheme_check_softmax.txt" | cut -c1-200
     TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary mhar_block 60 250
   fi
-  ;;
-heads71)
-  # session 71: block MHAR's merges with their per-head sums over whole rows
-  # (head_sums.MASKED_HEAD_SUMS, the default since) against float64 on the GPU (through
-  # aot_eager, then through Inductor), then end to end beside the view form, the fused merge
-  # and the baseline, one wave of 4 (~8 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 80 python3 benchmarks/gpu_scheme_check.py --device cuda --schemes mhar_block mhar_g3 \
-      > "$OUT/scheme_check_heads.txt" 2>&1
-  timeout 100 python3 benchmarks/gpu_scheme_check.py --device cuda --inner inductor --schemes mhar_block \
-      >> "$OUT/scheme_check_heads.txt" 2>&1
-  grep "scheme-check" "$OUT/scheme_check_heads.txt" | cut -c1-200
-  e2e_run 330 4 12 baseline mhar_block_viewheads mhar_block mhar_block_fm
   ;;
 wavcode70)
   # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code

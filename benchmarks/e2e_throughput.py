@@ -322,10 +322,6 @@ LAUNCH_VARIANTS = {
     # term: route_many.MERGE_SOFTMAX_BY_TERMS): two-phase WAV's merges, full AttnRes's of 2-3
     # group entries
     "stackedsoftmax": (("wav_2p", "attnres"), {"route_many.MERGE_SOFTMAX_BY_TERMS": False}),
-    # the merges' per-head sums as a view per head and a sum over it, their per-head weights
-    # spread by broadcasting (before session 71; since, whole-row ops that Inductor fuses with
-    # the row reductions around them: head_sums.MASKED_HEAD_SUMS): block MHAR's merges
-    "viewheads": (("mhar_block",), {"head_sums.MASKED_HEAD_SUMS": False}),
     # the product's per-token weights as two bf16 parts (16 significant bits), the form
     # session 68's runs 2-5 timed; since its run 6, three (float32's 24)
     "parts2": (("block_attnres", "mhar_block", "dar_block"), {"source_logit.WEIGHT_PARTS": 2}),
@@ -491,12 +487,12 @@ def apply_launch_patches(name: str) -> list[tuple]:
 
     # the module, not the function depthrewrite.ops exports under its name
     route_many = importlib.import_module("depthrewrite.ops.route_many")
-    from depthrewrite.ops import head_sums, source_logit
+    from depthrewrite.ops import source_logit
 
     modules = {"route_triton": route_triton, "route_many_triton": route_many_triton, "two_phase": two_phase,
                "kernels": kernels, "param_grads": param_grads, "route_merge_triton": route_merge_triton,
                "route_many": route_many, "grad_accumulation": grad_accumulation, "dar": dar,
-               "source_logit": source_logit, "head_sums": head_sums}
+               "source_logit": source_logit}
     previous = []
     for qualified, value in LAUNCH_PATCHES.get(name, {}).items():
         module, _, constant = qualified.rpartition(".")

@@ -130,8 +130,7 @@ CONFIGS = {**{scheme: (scheme, {}) for scheme in sorted(depthrewrite.SCHEMES)},
            "attnres_site": ("attnres", {"group_size": None}),
            "attnres_g3": ("attnres", {"group_size": 3, "recompute": True}),
            "mhar_g3": ("mhar", {"group_size": 3, "recompute": False}),
-           # block MHAR in blocks of 2 sites: 16-head merges by Inductor's ops (the per-head sums
-           # over whole rows since session 71, head_sums.MASKED_HEAD_SUMS)
+           # block MHAR in blocks of 2 sites: its 16-head merges by Inductor's ops (session 71)
            "mhar_block": ("mhar", {"block_size": 2}),
            # grouped full MHAR in pairs of sites, each site's one entry merged by route_merge
            "mhar_g2_fm": ("mhar", {"group_size": 2, "recompute": False, "fused_merge": True}),

@@ -38,10 +38,9 @@ import torch
 from torch import Tensor
 
 from ..recompute import recomputable
-from . import head_sums
 from .flat_autograd import register_autograd
 from .route import _check_acc, _check_eps, _check_sources, _compute_dtype, _describe, _split_fresh
-from .source_logit import source_logit, source_logit_heads
+from .source_logit import source_logit
 
 __all__ = ["route_many", "route_many_reference", "merge_partial", "merge_routes"]
 
@@ -350,28 +349,17 @@ def merge_partial(out: Tensor, lse: Tensor, partial: Tensor, *, query: Tensor, k
         _check_merge_inputs(out, lse, partial_key, query, key_norm_weight, heads, eps, partial_name="partial_key")
     dtype = _compute_dtype(out, partial, query, key_norm_weight)
     p = partial.to(dtype)
-    key, stored = (p, partial) if partial_key is None else (partial_key.to(dtype), partial_key)
+    if partial_key is None:
+        z = source_logit(p, partial, query, key_norm_weight, heads, eps)
+    else:
+        z = source_logit(partial_key.to(dtype), partial_key, query, key_norm_weight, heads, eps)
+    weight = torch.sigmoid(z - lse.to(dtype)).unsqueeze(-1)  # (*batch, H, 1)
     # the float32 copy of `out` made again in the backward from `out` itself (recompute.py,
     # with the backend's recompute_partial_sums): saved, it is twice the bytes (DAR block,
     # CPU saved set at d = 128, 12 layers: 16 activations of 243.9 units)
-    if _by_heads(heads):
-        lse = lse.to(dtype)
-        weights = [torch.sigmoid(z - lse[..., h:h + 1])
-                   for h, z in enumerate(source_logit_heads(key, stored, query, key_norm_weight, heads, eps))]
-        weight = head_sums.spread_heads(weights, p.shape[-1])
-        with recomputable():
-            o = out.to(dtype)
-        return (o + weight * (p - o)).to(out.dtype)
-    z = source_logit(key, stored, query, key_norm_weight, heads, eps)
-    weight = torch.sigmoid(z - lse.to(dtype)).unsqueeze(-1)  # (*batch, H, 1)
     with recomputable():
         o = out.to(dtype).unflatten(-1, (heads, -1))
     return (o + weight * (p.unflatten(-1, (heads, -1)) - o)).flatten(-2).to(out.dtype)
-
-
-def _by_heads(heads: int) -> bool:
-    """The merges' per-head sums and spreads as whole-row ops (:mod:`.head_sums`)."""
-    return heads > 1 and head_sums.MASKED_HEAD_SUMS
 
 
 def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, query: Tensor, key_norm_weight: Tensor,
@@ -404,28 +392,16 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
                              f"found {_describe(scale) if isinstance(scale, Tensor) else type(scale).__name__}")
     first = results[0][0]
     dtype = _compute_dtype(first, query, key_norm_weight)
-    by_heads = _by_heads(heads) and MERGE_SOFTMAX_BY_TERMS
-    logits, values = [], []  # by_heads: each term's logits as a list, one (*batch, 1) a head
+    logits, values = [], []
     for out, lse, bias in results:
-        z = lse.to(dtype) if bias is None else lse.to(dtype) + bias.to(dtype)
-        logits.append([z[..., h:h + 1] for h in range(heads)] if by_heads else z)
+        logits.append(lse.to(dtype) if bias is None else lse.to(dtype) + bias.to(dtype))
         values.append(out.to(dtype))
     for value, bias, scale in sources:
         factor = None if scale is None else scale.to(dtype)
         v = value.to(dtype) if factor is None else value.to(dtype) * factor.unsqueeze(-1)
-        if by_heads:
-            z = source_logit_heads(v, value, query, key_norm_weight, heads, eps, scale=factor)
-            logits.append(z if bias is None else [zh + bias.to(dtype) for zh in z])
-        else:
-            z = source_logit(v, value, query, key_norm_weight, heads, eps, scale=factor)
-            logits.append(z if bias is None else z + bias.to(dtype))
+        z = source_logit(v, value, query, key_norm_weight, heads, eps, scale=factor)
+        logits.append(z if bias is None else z + bias.to(dtype))
         values.append(v)
-    if by_heads:
-        # per head, the softmax over the terms; each term's weights spread over the row
-        per_head = [_softmax_terms([z[h] for z in logits]) for h in range(heads)]
-        d = first.shape[-1]
-        merged = sum(head_sums.spread_heads([w[k] for w in per_head], d) * v for k, v in enumerate(values))
-        return merged.to(first.dtype)
     weights = _softmax_terms(logits) if MERGE_SOFTMAX_BY_TERMS else torch.softmax(torch.stack(logits), dim=0).unbind(0)
     merged = sum(w.unsqueeze(-1) * v.unflatten(-1, (heads, -1)) for w, v in zip(weights, values))
     return merged.flatten(-2).to(first.dtype)

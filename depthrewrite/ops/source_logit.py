@@ -31,10 +31,6 @@ block MHAR, DAR, and full AttnRes's merges of one entry), or that upcast times a
 factor that takes no gradient (two-phase WAV's RMS-matched partial details, ``route``'s
 ``source_scale``: the factor joins the per-token weights); other dtypes keep the plain ops.
 ``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
-
-:func:`source_logit_heads` gives the same logits one tensor a head, each head's sum over
-the whole row (:mod:`.head_sums`), for merges whose per-head sums must fuse with the row
-reductions around them.
 """
 
 from __future__ import annotations
@@ -43,10 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .head_sums import head_sums, spread_heads
-
-__all__ = ["source_logit", "source_logit_heads", "source_logit_reference", "token_weighted_sum", "split_into_parts",
-           "MATMUL_TOKEN_SUM"]
+__all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "split_into_parts", "MATMUL_TOKEN_SUM"]
 
 #: the backward's sum over the tokens as a matrix product (see the module docstring); False:
 #: the logit as plain torch ops, differentiated by autograd
@@ -78,30 +71,13 @@ def source_logit(value: Tensor, stored: Tensor | None, query: Tensor, key_norm_w
     upcast, exactly, or with ``scale`` (float32, ``(*batch,)``, no gradient) that upcast
     times ``scale[..., None]``, exactly; ``stored`` None, another dtype, or a scale that
     needs a gradient (the product gives it none): the reference."""
-    if _takes_product(stored, value, scale):
-        return _SourceLogit.apply(value, stored, query, key_norm_weight, heads, float(eps), scale, False)
+    if (MATMUL_TOKEN_SUM and stored is not None and stored.dtype in MATMUL_DTYPES
+            and value.dtype == torch.float32 and _takes_product(scale, value)):
+        return _SourceLogit.apply(value, stored, query, key_norm_weight, heads, float(eps), scale)
     return source_logit_reference(value, query, key_norm_weight, heads, eps)
 
 
-def source_logit_heads(value: Tensor, stored: Tensor | None, query: Tensor, key_norm_weight: Tensor, heads: int,
-                       eps: float, scale: Tensor | None = None) -> list[Tensor]:
-    """:func:`source_logit` as ``heads`` tensors of shape ``(*batch, 1)``, head ``h``'s
-    logit, each summed over the whole row with the other heads' columns zeroed
-    (:func:`.head_sums.head_sums`); the same matrix-product backward where
-    :func:`source_logit` takes it."""
-    if _takes_product(stored, value, scale):
-        return list(_SourceLogit.apply(value, stored, query, key_norm_weight, heads, float(eps), scale, True))
-    normed = F.rms_norm(value, (value.shape[-1],), eps=float(eps))
-    dtype = value.dtype
-    return head_sums(normed * (key_norm_weight.to(dtype) * query.to(dtype)), heads)
-
-
-def _takes_product(stored: Tensor | None, value: Tensor, scale: Tensor | None) -> bool:
-    """The matrix-product backward applies: ``value`` is ``stored`` (bf16) upcast to
-    float32, times a float32 per-token ``scale`` that takes no gradient, if any."""
-    if not (MATMUL_TOKEN_SUM and stored is not None and stored.dtype in MATMUL_DTYPES
-            and value.dtype == torch.float32):
-        return False
+def _takes_product(scale: Tensor | None, value: Tensor) -> bool:
     return scale is None or (scale.dtype == torch.float32 and not scale.requires_grad
                              and tuple(scale.shape) == tuple(value.shape[:-1]))
 
@@ -138,46 +114,39 @@ def split_into_parts(weights: Tensor, dtype: torch.dtype, parts: int) -> Tensor:
 class _SourceLogit(torch.autograd.Function):
     """The logit of ``value`` (float32: ``stored`` upcast, times ``scale`` per token if
     given) with a matrix-product backward for the sum over the tokens; ``stored`` and
-    ``scale`` get no gradient (``value`` does). ``by_heads``: the logits as one tensor a
-    head, ``(*batch, 1)`` each, summed over the whole row (:func:`source_logit_heads`);
-    else one ``(*batch, H)`` tensor."""
+    ``scale`` get no gradient (``value`` does)."""
 
     @staticmethod
-    def forward(ctx, value, stored, query, key_norm_weight, heads, eps, scale=None, by_heads=False):
+    def forward(ctx, value, stored, query, key_norm_weight, heads, eps, scale=None):
         rstd = torch.rsqrt(value.pow(2).mean(-1, keepdim=True) + eps)
         qg = key_norm_weight.to(value.dtype) * query.to(value.dtype)
-        y = value * rstd * qg
-        z = tuple(head_sums(y, heads)) if by_heads else (y.unflatten(-1, (heads, -1)).sum(-1),)
+        z = (value * rstd * qg).unflatten(-1, (heads, -1)).sum(-1)
         # the stored tensor, not its float32 upcast: half the bytes, and the upcast is exact
-        ctx.save_for_backward(stored, rstd, query, key_norm_weight, scale, *z)
-        ctx.heads, ctx.by_heads = heads, by_heads
-        return z if by_heads else z[0]
+        ctx.save_for_backward(stored, rstd, z, query, key_norm_weight, scale)
+        ctx.heads = heads
+        return z
 
     @staticmethod
-    def backward(ctx, *grad_z):
-        stored, rstd, query, key_norm_weight, scale, *z = ctx.saved_tensors
-        heads, d = ctx.heads, stored.shape[-1]
+    def backward(ctx, grad_z):
+        stored, rstd, z, query, key_norm_weight, scale = ctx.saved_tensors
+        heads = ctx.heads
         # value[t, c] = s[t] stored[t, c]: the token sum's weights take s, the row stays as stored
         column = None if scale is None else scale.unsqueeze(-1)
         factor = rstd if column is None else rstd * column
         grad_value = grad_query = grad_weight = None
         if ctx.needs_input_grad[0]:
-            value = stored.to(rstd.dtype) if column is None else stored.to(rstd.dtype) * column
+            value = stored.to(z.dtype) if column is None else stored.to(z.dtype) * column
+            d = value.shape[-1]
             normed = value * rstd
-            qg = key_norm_weight.to(rstd.dtype) * query.to(rstd.dtype)
+            qg = key_norm_weight.to(z.dtype) * query.to(z.dtype)
+            grad_normed = (grad_z.unsqueeze(-1) * qg.unflatten(-1, (heads, -1))).flatten(-2)
             # RMSNorm's backward; sum_c grad_normed[c] normed[c] = sum_h grad_z[h] z[h]
-            if ctx.by_heads:
-                grad_normed = spread_heads(grad_z, d) * qg
-                projection = sum(g * zh for g, zh in zip(grad_z, z)) / d
-            else:
-                grad_normed = (grad_z[0].unsqueeze(-1) * qg.unflatten(-1, (heads, -1))).flatten(-2)
-                projection = (grad_z[0] * z[0]).sum(-1, keepdim=True) / d
+            projection = (grad_z * z).sum(-1, keepdim=True) / d
             grad_value = rstd * (grad_normed - normed * projection)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            per_head = torch.cat(grad_z, dim=-1) if ctx.by_heads else grad_z[0]
-            grad_qg = token_weighted_sum(per_head * factor, stored, heads)
+            grad_qg = token_weighted_sum(grad_z * factor, stored, heads)
             if ctx.needs_input_grad[2]:
                 grad_query = (grad_qg * key_norm_weight.to(grad_qg.dtype)).to(query.dtype)
             if ctx.needs_input_grad[3]:
                 grad_weight = (grad_qg * query.to(grad_qg.dtype)).to(key_norm_weight.dtype)
-        return grad_value, None, grad_query, grad_weight, None, None, None, None
+        return grad_value, None, grad_query, grad_weight, None, None, None

@@ -18,6 +18,7 @@
 #   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes, its direct merge (prepared in session 70)
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
 #   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
+#   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
@@ -781,6 +782,19 @@ first71)
     grep "scheme-check" "$OUT/scheme_check_softmax.txt" | cut -c1-200
     TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary mhar_block 60 250
   fi
+  ;;
+host71)
+  # session 71: the launchers' host time a call on the GPU's host, block MHAR's fused merge
+  # (route_merge) among the cases, in parts (the op, the launcher called directly, the
+  # launcher without its launches) with cProfile's 20 costliest functions a case; then block
+  # MHAR with and without the fused merge side by side, one wave of 2, no baseline (~5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 150 python3 benchmarks/launcher_host.py --parts --profile 20 --label head \
+      > "$OUT/launcher_host.jsonl" 2> "$OUT/launcher_host_profile.txt"
+  python3 -c 'import json, sys
+for r in map(json.loads, filter(str.strip, open(sys.argv[1]))):
+    print(r["case"], r["us"], r.get("launcher_us"), r.get("no_launch_us"), r["aten_ops"], sep=" | ")' "$OUT/launcher_host.jsonl"
+  e2e_run 250 2 8 mhar_block mhar_block_fm
   ;;
 wavcode70)
   # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code

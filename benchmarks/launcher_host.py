@@ -16,7 +16,9 @@ Cases (d = 1024, bf16, few tokens so that the host sets the pace):
 - full MHAR's site: 25 sources, 16 heads, no bias, running sums in place;
 - Block AttnRes's block phase (``route_many`` and ``route_many_backward``): 6 completed
   blocks, 6 sites, with the statistics table;
-- full AttnRes's group call (``route_many_backward_into_``): 13 sources, 4 sites, running sums.
+- full AttnRes's group call (``route_many_backward_into_``): 13 sources, 4 sites, running sums;
+- block MHAR's fused merge (``route_merge`` and ``route_merge_backward``; the scheme option
+  ``fused_merge=True``): one result, 16 heads, no keys, no norm (session 71).
 
 With CUDA: us per call, median over ``repeats`` of ``calls`` calls and a synchronisation.
 ``--parts`` adds, per case, the same calls of our launcher directly (``launcher_us``: no
@@ -109,6 +111,11 @@ def cases(tokens: int, device: str, call) -> dict:
                 "route_many_backward_into_", (*backward, rows(n), list(range(n - 1)), [], []))
         else:
             found[f"{name}: route_many_backward, N={n}, S={s}"] = ("route_many_backward", backward)
+    out, lse, value = rows(1)[0], torch.randn(tokens, 16, generator=gen).to(device), rows(1)[0]
+    merge = ([out], [lse], [value], None, vector()[None], (vector() + 1.0)[None], torch.ones(1, device=device), 16,
+             1e-6)
+    found["block MHAR merge: route_merge, J=1, H=16"] = ("route_merge", merge)
+    found["block MHAR merge: route_merge_backward, J=1, H=16"] = ("route_merge_backward", (rows(1)[0], *merge))
     return found
 
 

@@ -10,7 +10,7 @@ import sys
 
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark
 
-CASES = 8
+CASES = 10
 
 
 def test_the_cpu_run_times_every_case_and_the_summary_sets_labels_side_by_side(tmp_path):

@@ -19,6 +19,7 @@
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
 #   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
+#   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
 #   OUT=... bash benchmarks/device_session.sh rowsums69  # DAR's per-token scalars against eager on the GPU: tiny, and 350M in bf16 (session 69)
@@ -795,6 +796,16 @@ host71)
 for r in map(json.loads, filter(str.strip, open(sys.argv[1]))):
     print(r["case"], r["us"], r.get("launcher_us"), r.get("no_launch_us"), r["aten_ops"], sep=" | ")' "$OUT/launcher_host.jsonl"
   e2e_run 250 2 8 mhar_block mhar_block_fm
+  ;;
+table72)
+  # prepared in session 71 (not run): every scheme at HEAD with its defaults, and block MHAR
+  # with the fused merge beside them (2.9-3.1 % faster than its default on two H100s in
+  # session 71), in two waves of 4, each model's 30 largest kernels (at most 570 s); meant
+  # for an H200, the goals' card, which no call has got since session 64
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
+      --schemes baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -22
   ;;
 wavcode70)
   # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code

@@ -273,13 +273,17 @@ host_overhead_each_registration() {
     echo "registration: $registration"; grep "^|" "$OUT/host_overhead_$registration.txt" | tail -12
   done
 }
-# every scheme end to end with the defaults, in waves of 4, each model's 30 largest kernels
-# (at most 570 s); the tables printed
-every_scheme_table() {
+# the e2e table of the schemes "$@" (up to 8), in waves of 4, each model's 30 largest
+# kernels (at most 570 s); the tables printed
+scheme_table() {
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block wav dar_block attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -20
+      --schemes "$@" > "$OUT/e2e.txt" 2>&1
+  grep "^|" "$OUT/e2e.txt" | tail -22
+}
+# every scheme end to end with the defaults (scheme_table)
+every_scheme_table() {
+  scheme_table baseline block_attnres mhar_block wav dar_block attnres mhar
 }
 # route_many's launch variants matching $1 at full AttnRes's call shapes, each one's registers
 # as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
@@ -802,10 +806,7 @@ table72)
   # with the fused merge beside them (2.9-3.1 % faster than its default on two H100s in
   # session 71), in two waves of 4, each model's 30 largest kernels (at most 570 s); meant
   # for an H200, the goals' card, which no call has got since session 64
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -22
+  scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
   ;;
 wavcode70)
   # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code
@@ -819,10 +820,7 @@ table69)
   # session 69 (not run: no device): every scheme at HEAD with its defaults, and DAR block
   # with its scalars' whole sums beside them, in two waves of 4, each model's 30 largest kernels (at
   # most 570 s)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 570 python3 benchmarks/e2e_throughput.py --out "$OUT" --wave 4 --profile 30 \
-      --schemes baseline block_attnres mhar_block dar_block wav dar_block_wholesums attnres mhar > "$OUT/e2e.txt" 2>&1
-  grep "^|" "$OUT/e2e.txt" | tail -22
+  scheme_table baseline block_attnres mhar_block dar_block wav dar_block_wholesums attnres mhar
   ;;
 rowsums69)
   # session 69: DAR with its scalars as per-token factors against eager (the tiny model

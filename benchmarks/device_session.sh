@@ -18,6 +18,8 @@
 #   OUT=... bash benchmarks/device_session.sh softmax70  # merge_routes' softmax term by term against the stacked one: two-phase WAV, full AttnRes, its direct merge (prepared in session 70)
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
 #   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
+#   OUT=... bash benchmarks/device_session.sh final72  # on an H200 every scheme at HEAD (table72); on an H100 the kernel tests and the op table beside FLA (carry [".whl"]; session 72)
+#   OUT=... bash benchmarks/device_session.sh ops72b  # the op table's d = 4096 rows beside FLA at HEAD (session 72; carry [".whl"])
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
@@ -787,6 +789,25 @@ first71)
     grep "scheme-check" "$OUT/scheme_check_softmax.txt" | cut -c1-200
     TORCHINDUCTOR_BENCHMARK_KERNEL=1 inductor_code_summary mhar_block 60 250
   fi
+  ;;
+final72)
+  # session 72's first call, by the card that comes: on an H200 table72 (every scheme at HEAD,
+  # the goals' card; none came in sessions 65-71); on an H100, ops48a's work: every kernel
+  # test at HEAD, then the op table's d = 2048 rows beside FLA (the wheel in .whl/, carried),
+  # which no H100 has run (~8 minutes either way); ops72b has the d = 4096 rows
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
+  if [[ $gpu == *H200* ]]; then
+    scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
+  else
+    with_fla
+    gpu_kernel_tests 200
+    op_table 340 320 2048
+  fi
+  ;;
+ops72b)
+  # session 72: the op table's d = 4096 rows, every column, at HEAD (~9 minutes; carry [".whl"])
+  with_fla
+  op_table 520 470 4096
   ;;
 host71)
   # session 71: the launchers' host time a call on the GPU's host, block MHAR's fused merge

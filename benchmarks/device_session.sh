@@ -19,7 +19,7 @@
 #   OUT=... bash benchmarks/device_session.sh softmax70b  # the same for two-phase WAV alone, one wave of 3 (session 70)
 #   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
 #   OUT=... bash benchmarks/device_session.sh final72  # on an H200 every scheme at HEAD (table72); on an H100 the kernel tests and the op table beside FLA (carry [".whl"]; session 72)
-#   OUT=... bash benchmarks/device_session.sh checks72  # every kernel test, then every scheme against eager, on the GPU at HEAD (session 72)
+#   OUT=... bash benchmarks/device_session.sh checks72  # on an H200 table72; on an H100 every kernel test, then every scheme against eager, on the GPU at HEAD (session 72)
 #   OUT=... bash benchmarks/device_session.sh ops72b  # the op table's d = 4096 rows beside FLA at HEAD (session 72; carry [".whl"])
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
@@ -806,13 +806,19 @@ final72)
   fi
   ;;
 checks72)
-  # session 72: every kernel test at HEAD (final72's 200 s ended them at 86 % on a fresh
-  # machine, none failed), then every scheme compiled with the backend against eager (the
-  # `schemes` phase; ~8 minutes)
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  gpu_kernel_tests 300
-  timeout 270 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
-  grep "scheme-check" "$OUT/scheme_check.txt" | tail -50 | cut -c1-220
+  # session 72, by the card that comes: on an H200 table72 (every scheme at HEAD, block
+  # MHAR's fused merge beside: the goals' card); on an H100 every kernel test at HEAD
+  # (final72's 200 s ended them at 86 % on a fresh machine, none failed), then every scheme
+  # compiled with the backend against eager (the `schemes` phase; ~8 minutes either way)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
+  if [[ $gpu == *H200* ]]; then
+    scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
+  else
+    export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+    gpu_kernel_tests 300
+    timeout 270 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
+    grep "scheme-check" "$OUT/scheme_check.txt" | tail -50 | cut -c1-220
+  fi
   ;;
 ops72b)
   # session 72: the op table's d = 4096 rows, every column, at HEAD (~9 minutes; carry [".whl"])

@@ -902,6 +902,31 @@ def _variant_lines(rows) -> list[str]:
     return lines
 
 
+#: how far a card's measured copy rate may stray from HBM_BPS before the table also gives the
+#: ratios against a floor at the card's own rate (an H100 copies at ~3.0 TB/s: session 72)
+CARD_RATE_TOLERANCE = 0.05
+
+
+def card_floor_lines(rows, bw) -> list[str]:
+    """On a card whose copy rate ``bw`` is not HBM_BPS's (the floor column's, an H200's), the
+    x-floor ratios against a floor at the card's own measured rate: each shown ratio times
+    ``bw / HBM_BPS``. Nothing on a card within CARD_RATE_TOLERANCE of it."""
+    scale = bw / HBM_BPS
+    if abs(scale - 1) <= CARD_RATE_TOLERANCE or not rows:
+        return []
+    lines = ["", f"floor at this card's copy rate ({bw / 1e12:.2f} TB/s: the floor column x {1 / scale:.2f})",
+             "mode   tokens  d    N  | floor  | ours/floor kern/floor FLA/floor"]
+    for r in rows:
+        floor = r["floor"] / scale
+
+        def x(key):
+            v = r.get(key)
+            return f"{v / floor:5.2f}" if isinstance(v, float) else "  -  "
+        lines.append(f"{r['mode']:6s} {r['tokens']:6d} {r['d']:4d} {r['n']:3d} | {floor:6.3f} | {x('ours')}      "
+                     f"{x('ours_kernels')}      {x('fla')}")
+    return lines
+
+
 def table(checks, rows, e2e_rows, bw, phase_rows=()):
     lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s (floor uses {HBM_BPS / 1e12:.1f})", ""]
     bad = [c["name"] for c in checks if not c.get("ok")]
@@ -925,6 +950,7 @@ def table(checks, rows, e2e_rows, bw, phase_rows=()):
                      f"{f('ours')} {f('ours_kernels')} {r['floor']:6.3f} | {ratio(ours, r['floor'])}      "
                      f"{ratio(ours, fla)}    {ratio(r.get('ours_kernels'), fla)}    "
                      f"{ratio(r.get('ours_kernels'), r['floor'])}      {ratio(comp_ref, ours)}")
+    lines += card_floor_lines(rows, bw)
     if phase_rows:
         lines += block_phase_table(phase_rows)
     if e2e_rows:
@@ -975,9 +1001,17 @@ def main() -> int:
                     help="skip the launch-variant timings of route_many (timed alone by --block-phase-only)")
     ap.add_argument("--widths", type=int, nargs="+", default=None,
                     help="time only the DESIGN.md shapes of these widths d (default: all)")
+    ap.add_argument("--table-from", default=None, metavar="RESULTS_JSON",
+                    help="print the summary table of an earlier run's results.json again (no GPU needed)")
     ap.add_argument("--quick", action="store_true",
                     help="a few checks, ours and FLA only, no block phase, no e2e (a short re-run after a kernel change)")
     args = ap.parse_args()
+    if args.table_from:
+        with open(args.table_from) as fh:
+            saved = json.load(fh)
+        print(table(saved.get("checks", []), saved.get("timing", []), saved.get("e2e", []), saved["bandwidth"],
+                    saved.get("block_phase", [])))
+        return 0
     phase_timer = bench_graph if args.graph_timing else bench  # the block phase's clock
     os.makedirs(args.out, exist_ok=True)
     say(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}")

@@ -20,6 +20,7 @@
 #   OUT=... bash benchmarks/device_session.sh first71  # on an H200 every scheme at HEAD; on an H100 the new softmax against float64 on the GPU, then block MHAR's Inductor kernels (session 71)
 #   OUT=... bash benchmarks/device_session.sh final72  # on an H200 every scheme at HEAD (table72); on an H100 the kernel tests and the op table beside FLA (carry [".whl"]; session 72)
 #   OUT=... bash benchmarks/device_session.sh checks72  # on an H200 table72; on an H100 every kernel test, then every scheme against eager, on the GPU at HEAD (session 72)
+#   OUT=... bash benchmarks/device_session.sh last72  # on an H200 the block schemes at HEAD beside the baseline; on an H100 every scheme against eager (session 72)
 #   OUT=... bash benchmarks/device_session.sh ops72b  # the op table's d = 4096 rows beside FLA at HEAD (session 72; carry [".whl"])
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
@@ -818,6 +819,20 @@ checks72)
     gpu_kernel_tests 300
     timeout 270 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
     grep "scheme-check" "$OUT/scheme_check.txt" | tail -50 | cut -c1-220
+  fi
+  ;;
+last72)
+  # session 72's last call (~5 minutes, what its device time left), by the card that comes:
+  # on an H200 the baseline, Block AttnRes and block MHAR with and without the fused merge at
+  # HEAD, one wave of 4 (no H200 has run sessions 65-71's changes); on an H100 every scheme
+  # compiled with the backend against eager (the `schemes` phase)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
+  if [[ $gpu == *H200* ]]; then
+    e2e_run 300 4 12 baseline block_attnres mhar_block mhar_block_fm
+  else
+    export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+    timeout 300 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
+    grep "scheme-check" "$OUT/scheme_check.txt" | tail -60 | cut -c1-200
   fi
   ;;
 ops72b)

@@ -289,6 +289,24 @@ scheme_table() {
 every_scheme_table() {
   scheme_table baseline block_attnres mhar_block wav dar_block attnres mhar
 }
+# every scheme at HEAD with its defaults and block MHAR's fused merge beside (scheme_table)
+table72_schemes() {
+  scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
+}
+# the card's name printed; true where it is an H200 (the goals' card)
+on_h200() {
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  echo "card: $gpu"
+  [[ $gpu == *H200* ]]
+}
+# every scheme compiled with the backend against eager (gpu_scheme_check.py, at most $1 s);
+# its rows printed
+every_scheme_check() {
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout "$1" python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
+  grep "scheme-check" "$OUT/scheme_check.txt" | tail -60 | cut -c1-200
+}
 # route_many's launch variants matching $1 at full AttnRes's call shapes, each one's registers
 # as the device compiles it (at most $2 s); PER_TOKEN_VARIANTS: the per-token backward's
 full_attnres_phase() {
@@ -797,9 +815,8 @@ final72)
   # the goals' card; none came in sessions 65-71); on an H100, ops48a's work: every kernel
   # test at HEAD, then the op table's d = 2048 rows beside FLA (the wheel in .whl/, carried),
   # which no H100 has run (~8 minutes either way); ops72b has the d = 4096 rows
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
-  if [[ $gpu == *H200* ]]; then
-    scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
+  if on_h200; then
+    table72_schemes
   else
     with_fla
     gpu_kernel_tests 200
@@ -811,14 +828,12 @@ checks72)
   # MHAR's fused merge beside: the goals' card); on an H100 every kernel test at HEAD
   # (final72's 200 s ended them at 86 % on a fresh machine, none failed), then every scheme
   # compiled with the backend against eager (the `schemes` phase; ~8 minutes either way)
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
-  if [[ $gpu == *H200* ]]; then
-    scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
+  if on_h200; then
+    table72_schemes
   else
     export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
     gpu_kernel_tests 300
-    timeout 270 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
-    grep "scheme-check" "$OUT/scheme_check.txt" | tail -50 | cut -c1-220
+    every_scheme_check 270
   fi
   ;;
 last72)
@@ -826,13 +841,10 @@ last72)
   # on an H200 the baseline, Block AttnRes and block MHAR with and without the fused merge at
   # HEAD, one wave of 4 (no H200 has run sessions 65-71's changes); on an H100 every scheme
   # compiled with the backend against eager (the `schemes` phase)
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
-  if [[ $gpu == *H200* ]]; then
+  if on_h200; then
     e2e_run 300 4 12 baseline block_attnres mhar_block mhar_block_fm
   else
-    export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-    timeout 300 python3 benchmarks/gpu_scheme_check.py --device cuda > "$OUT/scheme_check.txt" 2>&1
-    grep "scheme-check" "$OUT/scheme_check.txt" | tail -60 | cut -c1-200
+    every_scheme_check 300
   fi
   ;;
 ops72b)
@@ -858,7 +870,7 @@ table72)
   # with the fused merge beside them (2.9-3.1 % faster than its default on two H100s in
   # session 71), in two waves of 4, each model's 30 largest kernels (at most 570 s); meant
   # for an H200, the goals' card, which no call has got since session 64
-  scheme_table baseline block_attnres mhar_block dar_block wav mhar_block_fm attnres mhar
+  table72_schemes
   ;;
 wavcode70)
   # session 70: two-phase WAV and block MHAR compiled and profiled with Inductor's code

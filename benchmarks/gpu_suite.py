@@ -907,6 +907,11 @@ def _variant_lines(rows) -> list[str]:
 CARD_RATE_TOLERANCE = 0.05
 
 
+def _ratio(x, y) -> str:
+    """``x / y`` for the tables, or a dash where either was not measured."""
+    return f"{x / y:5.2f}" if isinstance(x, float) and isinstance(y, float) else "  -  "
+
+
 def card_floor_lines(rows, bw) -> list[str]:
     """On a card whose copy rate ``bw`` is not HBM_BPS's (the floor column's, an H200's), the
     x-floor ratios against a floor at the card's own measured rate: each shown ratio times
@@ -918,12 +923,9 @@ def card_floor_lines(rows, bw) -> list[str]:
              "mode   tokens  d    N  | floor  | ours/floor kern/floor FLA/floor"]
     for r in rows:
         floor = r["floor"] / scale
-
-        def x(key):
-            v = r.get(key)
-            return f"{v / floor:5.2f}" if isinstance(v, float) else "  -  "
-        lines.append(f"{r['mode']:6s} {r['tokens']:6d} {r['d']:4d} {r['n']:3d} | {floor:6.3f} | {x('ours')}      "
-                     f"{x('ours_kernels')}      {x('fla')}")
+        lines.append(f"{r['mode']:6s} {r['tokens']:6d} {r['d']:4d} {r['n']:3d} | {floor:6.3f} | "
+                     f"{_ratio(r.get('ours'), floor)}      {_ratio(r.get('ours_kernels'), floor)}      "
+                     f"{_ratio(r.get('fla'), floor)}")
     return lines
 
 
@@ -944,12 +946,11 @@ def table(checks, rows, e2e_rows, bw, phase_rows=()):
             return f"{v:6.3f}" if isinstance(v, float) else "   -  "
         ours, fla, comp = r.get("ours"), r.get("fla"), r.get("compile")
         a = ANCHORS.get((r["mode"], r["tokens"], r["d"], r["n"]))
-        ratio = lambda x, y: f"{x / y:5.2f}" if isinstance(x, float) and isinstance(y, float) else "  -  "
         comp_ref = comp if isinstance(comp, float) else (a[1] if a else None)
         lines.append(f"{r['mode']:6s} {r['tokens']:6d} {r['d']:4d} {r['n']:3d} | {f('eager')} {f('compile')} {f('fla')} "
-                     f"{f('ours')} {f('ours_kernels')} {r['floor']:6.3f} | {ratio(ours, r['floor'])}      "
-                     f"{ratio(ours, fla)}    {ratio(r.get('ours_kernels'), fla)}    "
-                     f"{ratio(r.get('ours_kernels'), r['floor'])}      {ratio(comp_ref, ours)}")
+                     f"{f('ours')} {f('ours_kernels')} {r['floor']:6.3f} | {_ratio(ours, r['floor'])}      "
+                     f"{_ratio(ours, fla)}    {_ratio(r.get('ours_kernels'), fla)}    "
+                     f"{_ratio(r.get('ours_kernels'), r['floor'])}      {_ratio(comp_ref, ours)}")
     lines += card_floor_lines(rows, bw)
     if phase_rows:
         lines += block_phase_table(phase_rows)

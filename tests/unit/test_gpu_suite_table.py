@@ -1,7 +1,7 @@
 """gpu_suite.py's summary table off the H200: the ratios against a floor at the card's own
 copy rate (an H100's op table, session 72, docs/benchmarks.md)."""
 
-from benchmark_scripts import load_benchmark
+from tests.benchmark_scripts import load_benchmark
 
 ROWS = [dict(mode="fwdbwd", tokens=16384, d=2048, n=9, floor=1.0, ours=3.0, ours_kernels=2.0, fla=4.0),
         dict(mode="fwd", tokens=16384, d=2048, n=9, floor=0.5, ours=1.0, fla=1.5)]

@@ -168,10 +168,11 @@ def test_routed_schemes_match_eager_through_inductor(scheme):
     assert reports[-1].ops == {op: expected}
 
 
-def test_inductor_matches_eager():
-    """Full AttnRes through Inductor, with an Inductor setting scoped to the compilation; at
-    the batch of the tests above, whose kernels of the same shapes it finds in Inductor's
-    caches where they ran first."""
+def test_inductor_matches_eager(monkeypatch):
+    """Full AttnRes through Inductor, with an Inductor setting scoped to the compilation, at
+    the batch of the tests above. Its C++ kernels are Inductor's default vector code, which
+    the other tests leave out to save its build time (tests/conftest.py)."""
+    monkeypatch.setattr(torch._inductor.config.cpp, "simdlen", None)  # None: the CPU's widest
     before = torch._inductor.config.fallback_random
     model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6,
                                           batch=(4, 64))

@@ -168,14 +168,16 @@ def test_routed_schemes_match_eager_through_inductor(scheme):
     assert reports[-1].ops == {op: expected}
 
 
-def test_inductor_matches_eager(monkeypatch):
+def test_inductor_matches_eager():
     """Full AttnRes through Inductor, with an Inductor setting scoped to the compilation, at
     the batch of the tests above. Its C++ kernels are Inductor's default vector code, which
     the other tests leave out to save its build time (tests/conftest.py)."""
-    monkeypatch.setattr(torch._inductor.config.cpp, "simdlen", None)  # None: the CPU's widest
     before = torch._inductor.config.fallback_random
-    model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6,
-                                          batch=(4, 64))
+    # None: the CPU's widest vectors. (Not monkeypatch.setattr: its undo deletes the setting,
+    # and Inductor then finds none)
+    with torch._inductor.config.patch({"cpp.simdlen": None}):
+        model, reports = _compile_and_compare("attnres", {"fallback_random": not before}, rtol=1e-5, atol=1e-6,
+                                              batch=(4, 64))
     report = reports[-1]
     assert report.inner == "inductor"
     op, expected = _expected_routing_calls("attnres", model)

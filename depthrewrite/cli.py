@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import pathlib
 import re
 import signal
@@ -114,8 +115,9 @@ def _add_data_args(d, data) -> None:
 
 def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
     t.add_argument("--steps", type=int, help=f"length of the run and of the LR schedule (default {base.steps})")
-    t.add_argument("--stop-after", type=int, help="stop this invocation after this many steps (schedule unchanged; "
-                   "default: run all --steps)")
+    t.add_argument("--stop-after", type=int, help="end this invocation at this step of the run, counted from its "
+                   "start as --steps is, not from a resumed checkpoint (schedule unchanged; default: run all "
+                   "--steps)")
     t.add_argument("--batch-size", type=int,
                    help=f"global batch size, split across ranks (default {base.batch_size})")
     t.add_argument("--grad-accum", type=int, help="micro-batches each rank's share of a step is run in, the "
@@ -178,6 +180,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args, TrainConfig(), parse_options(args.option, "--option"))
     result = train(config)
     if result.rank != 0:
+        return 0
+    if not result.steps:  # resumed at its end already (the same command run again)
+        step, val_loss = result.val[-1]
+        print(f"{config.model} / {config.scheme}: the run in {config.out} is at step {step} already, where this "
+              f"invocation ends: nothing to train (a larger --steps continues it); val loss {val_loss:.4f}")
         return 0
     print(f"{config.model} / {config.scheme}: {len(result.steps)} steps, final train loss "
           f"{result.final_train_loss:.4f}, val loss {result.final_val_loss:.4f}, "
@@ -280,9 +287,9 @@ def _with_recorded_rewrite(model):
     """``model`` rewritten as its config records (a ``save_pretrained`` of a rewritten model),
     so that inspect shows the scheme and options it was saved with; else as it is."""
     import depthrewrite
-    from depthrewrite.hf import CONFIG_KEY
+    from depthrewrite.hf import recorded_recipe
 
-    recipe = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    recipe = recorded_recipe(model)
     if not recipe:
         return model
     return depthrewrite.rewrite(model, recipe["scheme"], **recipe["options"])
@@ -319,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader went away (`depthrewrite inspect ... | head`): no traceback
+        # Python flushes stdout again at exit: send that flush nowhere, or it raises once more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a program stopped by SIGPIPE exits with (`yes | head`)
     except TrainingInterrupted as exc:  # a checkpoint was saved: not an error, but not a finished run
         resume = " (--resume continues the run)" if args.command == "train" else ""
         print(f"depthrewrite {args.command}: {exc}{resume}", file=sys.stderr)

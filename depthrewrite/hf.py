@@ -36,6 +36,12 @@ def record_recipe(model: nn.Module, scheme: str, options: dict) -> None:
         setattr(config, CONFIG_KEY, {"scheme": scheme, "options": dict(options)})
 
 
+def recorded_recipe(model: nn.Module) -> dict | None:
+    """The rewrite recipe an HF config records (``record_recipe``; saved in config.json), if any."""
+    recipe = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    return recipe if isinstance(recipe, dict) else None
+
+
 def _routing_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -22,7 +22,7 @@ from torch import nn
 from .analysis import Analysis, ResidualStream, analyze
 from .capture import eval_mode, first_tensor
 from .errors import AlreadyRewrittenError, DepthRewriteError
-from .hf import record_recipe
+from .hf import recorded_recipe, record_recipe
 from .meta import has_meta_tensors, keep_initial_values, materialized
 from .passes import scheme_class, scheme_options
 from .passes.base import check_bool
@@ -49,6 +49,13 @@ def inspect(model: nn.Module, example_inputs: Any = None, *, meta_init: Callable
     if runtime is not None:
         return dataclasses.replace(runtime.analysis,
                                    rewritten_with=(runtime.scheme.name, runtime.scheme.resolved_options()))
+    recipe = recorded_recipe(model)
+    if recipe is not None:
+        log.warning("inspect: %s is not rewritten, but its config records a rewrite with %r: loaded from a "
+                    "checkpoint of a rewritten model without depthrewrite.from_pretrained, it has lost its "
+                    "routing parameters (transformers' from_pretrained builds the plain model and leaves them "
+                    "out); load it with depthrewrite.from_pretrained(path)", type(model).__name__,
+                    recipe.get("scheme"))
     with materialized(model, meta_init, "inspect") if has_meta_tensors(model) else contextlib.nullcontext():
         return analyze(model, example_inputs).stream
 

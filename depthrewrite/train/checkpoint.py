@@ -5,7 +5,7 @@ Files are ``<out>/checkpoints/step_XXXXXXXX.pt``, written by rank 0 to a tempora
 flushed to the disk and renamed, so a run killed while saving leaves the previous
 checkpoint intact. A newest checkpoint that cannot be read all the same (a node lost before
 the file reached the disk) is passed over on resume for the next older one, with a
-warning (:func:`load_latest`). Under
+warning, and renamed ``step_XXXXXXXX.pt.unreadable`` (:func:`load_latest`). Under
 FSDP2 every rank takes part in gathering the full (unsharded) state, and every rank reads
 the full state back on resume.
 
@@ -142,15 +142,33 @@ def load_latest(out: str | os.PathLike, model: nn.Module, optimizer, scheduler, 
     found = list_checkpoints(out)
     if not found:
         raise ValueError(f"resume: no checkpoint under {checkpoint_dir(out)}")
-    for path in reversed(found):
+    for newer, path in enumerate(reversed(found)):
         payload = _read(path)
         if payload is None:
             continue
-        if path != found[-1]:
+        if newer:
             log.warning("resume: continuing from %s, the newest checkpoint that can be read", path)
-        return _restore(path, payload, model, optimizer, scheduler, info, check)
+        payload = _restore(path, payload, model, optimizer, scheduler, info, check)
+        _set_aside(found[len(found) - newer:], info)
+        return payload
     raise ValueError(f"resume: no readable checkpoint under {checkpoint_dir(out)}: "
                      f"{', '.join(p.name for p in found)} cannot be read (see the warnings)")
+
+
+def _set_aside(unreadable: list[pathlib.Path], info: DistInfo) -> None:
+    """Rename the unreadable checkpoints a resume passed over to ``<name>.unreadable``: kept
+    for a look, but no longer taken for the newest ones. Left in place, they would count among
+    the ``keep`` newest that ``save`` keeps, and it would delete the readable one this run
+    resumed from in their stead."""
+    if not unreadable:
+        return
+    barrier(info)  # every rank has read the checkpoint it resumed from
+    if info.is_main:
+        for path in unreadable:
+            aside = path.with_name(path.name + ".unreadable")
+            os.replace(path, aside)
+            log.warning("resume: renamed the unreadable %s to %s", path, aside.name)
+    barrier(info)
 
 
 def _restore(path: str | os.PathLike, payload: dict, model: nn.Module, optimizer, scheduler, info: DistInfo,

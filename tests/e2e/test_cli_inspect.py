@@ -1,6 +1,11 @@
 """``depthrewrite inspect MODEL`` prints the residual-stream table of a bundled preset or of
 a local Hugging Face config, and fails with a clear message otherwise."""
 
+import pathlib
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from depthrewrite.cli import main
@@ -62,3 +67,16 @@ def test_inspect_of_nothing_says_what_it_looked_for(name, capsys):
 def test_inspect_of_a_folder_without_a_config(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "holds no config.json" in capsys.readouterr().err
+
+
+def test_a_reader_that_stops_early_ends_inspect_without_a_traceback():
+    """``depthrewrite inspect ... | head -1``: the write to the closed pipe used to end in a
+    BrokenPipeError's traceback; now the exit status of a program stopped by SIGPIPE, and
+    nothing on stderr. (1,500 blocks: a table larger than the pipe's buffer.)"""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "depthrewrite.cli", "inspect", "gpt:tiny", "--layers", "1500"],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"GPT: residual stream of width 64 through 1500 blocks")
+    proc.stdout.close()  # the reader goes away
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 128 + signal.SIGPIPE and err == "", err

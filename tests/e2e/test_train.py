@@ -258,6 +258,11 @@ def test_cli_train_stop_and_resume(tmp_path, shakespeare, capsys):
     assert main(args + ["--resume"]) == 0
     assert "2 steps" in capsys.readouterr().out  # steps 3 and 4
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    # the same command once more: said so, where it printed "0 steps, final train loss nan"
+    assert main(args + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"the run in {tmp_path} is at step 4 already" in out and "nothing to train" in out, out
+    assert "nan" not in out, out
     assert main(args + ["--resume", "--option", "block_size=4"]) == 2  # a different model than the checkpoint's
     assert "block_size: checkpoint 2, now 4" in capsys.readouterr().err
 
@@ -470,16 +475,22 @@ def test_compare_reruns_into_the_same_out(tmp_path, shakespeare):
 def test_resume_passes_over_an_unreadable_newest_checkpoint(tmp_path, shakespeare, caplog, damage):
     """A checkpoint cut short (a node lost before the file reached the disk) used to stop the
     resume with torch.load's error (RuntimeError, EOFError or KeyError, naming no file): the
-    next older one is taken, said with the file named, and the run still ends bit-exactly."""
+    next older one is taken, said with the file named, and the run still ends bit-exactly.
+    The unreadable file is renamed, not left among the checkpoints: there it counted among the
+    newest two kept, and the run's next save deleted the readable one it resumed from."""
     common = dict(scheme="wav", data=DataConfig(source=str(shakespeare)), steps=6, save_every=2, out=str(tmp_path))
     straight = train(_tiny(**{**common, "out": str(tmp_path / "straight")}))
-    train(_tiny(**common, stop_after=4))
+    train(_tiny(**common, stop_after=5))  # saves 2, 4 and 5; keeps 4 and 5
     newest = checkpoint.latest_checkpoint(tmp_path)
-    newest.write_bytes(damage(newest.read_bytes()))
+    damaged = damage(newest.read_bytes())
+    newest.write_bytes(damaged)
     with caplog.at_level("WARNING", logger="depthrewrite.train.checkpoint"):
         resumed = train(_tiny(**common, resume=True))
-    assert f"cannot read {newest}" in caplog.text and "step_00000002.pt" in caplog.text
-    assert resumed.steps == [3, 4, 5, 6] and resumed.losses == straight.losses[2:]
+    assert f"cannot read {newest}" in caplog.text and "step_00000004.pt" in caplog.text
+    assert resumed.steps == [5, 6] and resumed.losses == straight.losses[4:]
+    # the resumed run saved only step 6: the one it resumed from is kept beside it
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000006.pt"]
+    assert newest.with_name("step_00000005.pt.unreadable").read_bytes() == damaged
     for path in checkpoint.list_checkpoints(tmp_path):
         path.write_bytes(b"")
     with pytest.raises(ValueError, match=r"resume: no readable checkpoint under .*step_00000006\.pt"):

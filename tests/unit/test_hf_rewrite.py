@@ -134,6 +134,22 @@ def test_state_dict_round_trip_is_bit_identical():
     assert torch.equal(logits(fresh), logits(model))
 
 
+def test_inspect_says_when_a_rewritten_checkpoint_was_loaded_without_its_rewrite(tmp_path, caplog):
+    """transformers' own from_pretrained of a rewritten model's checkpoint builds the plain
+    model, its routing parameters left out: inspect says so, naming the scheme and the loader
+    to use; depthrewrite.from_pretrained's model, and a plain model, get no warning."""
+    depthrewrite.rewrite(hf_model("llama"), "dar", layers_per_block=1).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="depthrewrite"):
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert depthrewrite.inspect(plain).rewritten_with is None
+        assert "LlamaForCausalLM is not rewritten, but its config records a rewrite with 'dar'" in caplog.text
+        assert "depthrewrite.from_pretrained(path)" in caplog.text
+        caplog.clear()
+        assert depthrewrite.inspect(depthrewrite.from_pretrained(tmp_path)).rewritten_with[0] == "dar"
+        depthrewrite.inspect(hf_model("llama"))
+    assert "not rewritten" not in caplog.text
+
+
 def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
     hf_model("llama").save_pretrained(tmp_path)
     with pytest.raises(depthrewrite.DepthRewriteError, match="no 'depthrewrite' entry"):

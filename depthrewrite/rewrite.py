@@ -22,7 +22,7 @@ from torch import nn
 from .analysis import Analysis, ResidualStream, analyze
 from .capture import eval_mode, first_tensor
 from .errors import AlreadyRewrittenError, DepthRewriteError
-from .hf import recorded_recipe, record_recipe
+from .hf import record_recipe, recorded_recipe
 from .meta import has_meta_tensors, keep_initial_values, materialized
 from .passes import scheme_class, scheme_options
 from .passes.base import check_bool

@@ -25,8 +25,8 @@ torch.set_num_threads(1)
 
 # Inductor's C++ kernels as scalar loops, not vector code: the vectorized kernels take gcc
 # about a fifth longer to build (a DAR block model compiled whole and block by block, 58-62 s
-# against 75-76 s on the 2-core VM, session 73), and building kernels is most of what the
-# Inductor tests cost. What they check is the backend's graphs, which are the same either
+# against 75-76 s on the 2-core VM, session 73; gcc's builds were about two fifths of that
+# test's time, profiled). What they check is the backend's graphs, which are the same either
 # way; test_backend.py's test_inductor_matches_eager builds the vector code, Inductor's
 # default. Processes that import this module (the C++ wrapper test's second process) get
 # the same setting, so they find the first one's graphs in Inductor's caches. (Imported here,

@@ -168,8 +168,10 @@ def zero_from(*params: nn.Parameter) -> torch.Tensor:
     site that opens its block has no partial entry to transport, WAV's first site no
     details. Each then still takes part in the backward, with a zero gradient, which
     ``DistributedDataParallel`` requires of every parameter that needs one (without it, its
-    second step fails with "Expected to have finished reduction in the prior iteration")."""
-    return sum(p.sum() for p in params) * 0.0
+    second step fails with "Expected to have finished reduction in the prior iteration").
+    A parameter may hold -inf on purpose (WAV's ``detail_bias_init=-inf``), and -inf * 0 is
+    NaN, so each sum is made finite first (its gradient is 0 either way)."""
+    return sum(torch.nan_to_num(p.sum(), nan=0.0, posinf=0.0, neginf=0.0) for p in params) * 0.0
 
 
 def _state_dtype(state: State) -> torch.dtype | None:

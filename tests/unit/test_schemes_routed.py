@@ -91,9 +91,11 @@ def test_wav_without_details_equals_block_attnres(cfg, block_size, two_phase):
         assert torch.equal(model(ids), reference(ids))
 
 
-def test_wav_with_detail_biases_at_minus_infinity_equals_block_attnres():
-    reference = rewrite(tiny(), "block_attnres", block_size=2)
-    model = rewrite(tiny(), "wav", block_size=2, detail_bias_init=float("-inf"))
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_wav_with_detail_biases_at_minus_infinity_equals_block_attnres(two_phase):
+    # two-phase once gave NaN here: its first site added 0 * -inf from the detail biases
+    reference = rewrite(tiny(), "block_attnres", block_size=2, two_phase=two_phase)
+    model = rewrite(tiny(), "wav", block_size=2, detail_bias_init=float("-inf"), two_phase=two_phase)
     randomize_routing(reference)
     model.load_state_dict(reference.state_dict(), strict=False)
     missing = set(routing_names(model)) - set(routing_names(reference))
@@ -104,6 +106,9 @@ def test_wav_with_detail_biases_at_minus_infinity_equals_block_attnres():
         finite = rewrite(tiny(), "wav", block_size=2)
         finite.load_state_dict(reference.state_dict(), strict=False)  # details at bias -2: routed in
         assert not torch.allclose(finite(ids), reference(ids), rtol=1e-4, atol=1e-4)
+    model(ids).float().square().mean().backward()  # a training step's gradients stay finite
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(torch.isfinite(g).all() for g in grads.values())
 
 
 TWO_PHASE_CASES = [("block_attnres", {}), ("block_attnres", {"block_size": 1}), ("block_attnres", {"block_size": 3}),

@@ -10,6 +10,7 @@ applies the same rewrite, and loads the routing parameters back.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import pathlib
@@ -33,7 +34,22 @@ def record_recipe(model: nn.Module, scheme: str, options: dict) -> None:
     it was saved (the same computation, not only the same weights)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        setattr(config, CONFIG_KEY, {"scheme": scheme, "options": dict(options)})
+        own = _own_config(model, config)
+        setattr(own, CONFIG_KEY, {"scheme": scheme, "options": dict(options)})
+
+
+def _own_config(model: nn.Module, config: Any) -> Any:
+    """A copy of ``config`` that only ``model`` holds. Models built from one config object
+    share it (transformers keeps the reference), so a recipe written into it would be
+    claimed by every one of them: a plain sibling would save a rewrite it does not have, and
+    rewriting a sibling with another scheme would change what this model saves (its trained
+    routing then dropped on load). Every submodule that held the shared object gets the copy,
+    so the model stays consistent with itself."""
+    own = copy.deepcopy(config)
+    for module in model.modules():
+        if getattr(module, "config", None) is config:
+            module.config = own
+    return own
 
 
 def recorded_recipe(model: nn.Module) -> dict | None:

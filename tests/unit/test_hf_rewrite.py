@@ -150,6 +150,22 @@ def test_inspect_says_when_a_rewritten_checkpoint_was_loaded_without_its_rewrite
     assert "not rewritten" not in caplog.text
 
 
+def test_models_built_from_one_config_object_keep_their_own_recipes(tmp_path):
+    """transformers keeps the config object a model is built from, so models built from one
+    object share it: a recipe recorded there was claimed by all of them, and rewriting a
+    sibling with another scheme changed what this model saved (its routing lost on load)."""
+    cfg = hf_model("llama").config
+    plain, a, b = (transformers.AutoModelForCausalLM.from_config(cfg).eval() for _ in range(3))
+    depthrewrite.rewrite(a, "attnres")
+    depthrewrite.rewrite(b, "residual")
+    perturb_routing(a)
+    assert depthrewrite.hf.recorded_recipe(plain) is None
+    assert depthrewrite.hf.recorded_recipe(a)["scheme"] == "attnres"
+    assert a.model.config is a.config  # the submodules see the model's own copy
+    a.save_pretrained(tmp_path)
+    assert torch.equal(logits(depthrewrite.from_pretrained(tmp_path).eval()), logits(a))
+
+
 def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
     hf_model("llama").save_pretrained(tmp_path)
     with pytest.raises(depthrewrite.DepthRewriteError, match="no 'depthrewrite' entry"):

@@ -64,7 +64,7 @@ def main() -> None:
         model=args.model, scheme=args.scheme, options=dict(parse_option(o) for o in args.option),
         data=DataConfig(source=args.data), steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=3e-4, warmup_steps=10, precision="bf16", compile=args.compile == "on",
-        backend=args.backend, seed=0, device=args.device, eval_every=0, eval_batches=1,
+        backend=args.backend if args.compile == "on" else "inductor", seed=0, device=args.device, eval_every=0, eval_batches=1,
         distributed=args.distributed, progress=False,
     )
     if torch.cuda.is_available():

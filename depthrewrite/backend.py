@@ -78,6 +78,8 @@ import dataclasses
 import difflib
 import logging
 import operator
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -369,22 +371,47 @@ BACKEND_OPTIONS = ("inner", "max_sum_terms", "accumulate_grads", "accumulate_max
                    "recompute_partial_sums", "recompute_branch_outputs", "fuse_output_norms")
 
 
-def _check_inductor_keys(options: dict[str, Any]) -> None:
-    """Refuse keys that are neither the backend's options nor Inductor settings. Inductor
-    would fail on them deep inside the compilation, naming only its own config; a typo of
-    one of ours (``max_sum_term``) deserves a pointer to the option meant."""
+def check_inductor_settings(options: dict[str, Any], owner: str = "depthrewrite_backend: options") -> None:
+    """Refuse keys that are neither the backend's options nor Inductor settings, and values
+    of the wrong type. Inductor would fail on them deep inside the compilation, naming only
+    its own config; a typo of one of ours (``max_sum_term``) deserves a pointer to the
+    option meant. ``owner`` names the caller's argument in the message."""
     from torch._inductor import config as inductor_config
 
     # hasattr: the config module answers dotted names ('triton.cudagraphs') and settings that
     # its copy leaves out ('force_disable_caches')
     unknown = sorted(key for key in options if not hasattr(inductor_config, key))
-    if not unknown:
-        return
-    known = [*BACKEND_OPTIONS, *inductor_config.get_config_copy()]
-    hints = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
-    found = ", ".join(f"{key!r}" + (f" (did you mean {hints[key][0]!r}?)" if hints[key] else "") for key in unknown)
-    raise ValueError(f"depthrewrite_backend: options must be the backend's own {BACKEND_OPTIONS} or Inductor "
-                     f"settings (torch._inductor.config, e.g. 'triton.cudagraphs'); found {found}")
+    if unknown:
+        known = [*BACKEND_OPTIONS, *inductor_config.get_config_copy()]
+        hints = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+        found = ", ".join(f"{key!r}" + (f" (did you mean {hints[key][0]!r}?)" if hints[key] else "")
+                          for key in unknown)
+        raise ValueError(f"{owner} must be the backend's own {BACKEND_OPTIONS} or Inductor settings "
+                         f"(torch._inductor.config, e.g. 'triton.cudagraphs'); found {found}")
+    for key, value in options.items():
+        allowed = _setting_types(inductor_config, key)
+        if allowed and not _is_instance(value, allowed):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{owner}[{key!r}] must be {names} (torch._inductor.config.{key}); found {value!r}")
+
+
+def _setting_types(inductor_config, key: str) -> tuple[type, ...]:
+    """The types an Inductor setting declares, where they are plain (bool, int, float, str,
+    optionally None); () where they are not, or where this torch does not say (the
+    declared types are in the config module's private table)."""
+    entry = getattr(inductor_config, "_config", {}).get(key)
+    declared = getattr(entry, "value_type", None)
+    members = typing.get_args(declared) if isinstance(declared, types.UnionType) else (declared,)
+    plain = (bool, int, float, str, type(None))
+    # a setting declared only as None (a hook left unset, its type not annotated) takes anything
+    known = all(t in plain for t in members) and any(t is not type(None) for t in members)
+    return tuple(members) if known else ()
+
+
+def _is_instance(value: Any, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # a bool is an int to Python, not to a setting
+        return bool in allowed
+    return isinstance(value, allowed) or (float in allowed and isinstance(value, int))
 
 
 def _config_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -426,6 +453,9 @@ def check_options(options: dict[str, Any] | None) -> BackendSettings:
     """``torch.compile(..., backend="depthrewrite", options=...)``'s options, checked as the
     backend checks them on its first call (a ``ValueError`` naming the option), so that a
     caller such as ``depthrewrite train`` can refuse a typo before it trains."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"depthrewrite_backend: options must be a dict such as {{'inner': 'aot_eager'}}; "
+                         f"found {type(options).__name__} {options!r}")
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
     if inner not in _INNER:
@@ -450,7 +480,10 @@ def check_options(options: dict[str, Any] | None) -> BackendSettings:
                          "(the branch outputs are saved for the partial sums' recomputation); found "
                          "recompute_partial_sums=False")
     fuse_norms = _pop_flag(options, "fuse_output_norms", True)
-    _check_inductor_keys(options)
+    check_inductor_settings(options)
+    if options and inner != "inductor":  # kept, not refused: switching inner alone is how one bisects a bug
+        log.warning("depthrewrite_backend: options %s are Inductor settings, which inner=%r does not use",
+                    sorted(options), inner)
     return BackendSettings(inner, max_sum_terms, accumulate_grads, max_heads, in_place, recompute,
                            asked_to_recompute, branch_outputs, fuse_norms, options)
 

@@ -252,6 +252,16 @@ def _warn_single_block(model_name: str, path: str) -> None:
                 "its first floating-point tensor argument", path, model_name)
 
 
+def _refuse_empty_tensors(args: tuple, kwargs: dict) -> None:
+    """A batch of 0 (or 0 tokens) runs no token through the model: the capture would fail in
+    whatever op first reduces over it, in that op's words."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"keyword {k!r}", v) for k, v in kwargs.items()]
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            raise CaptureError(f"example_inputs: {name} is an empty tensor (shape {tuple(value.shape)}); the capture "
+                               "runs the model once and needs at least one sequence of one token")
+
+
 def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
     """Run the model once and locate its block stack, stream argument and final norm."""
     refuse_meta_tensors(model)
@@ -259,6 +269,7 @@ def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
         args, kwargs = default_example_inputs(model)
     else:
         args, kwargs = normalize_example_inputs(example_inputs)
+        _refuse_empty_tensors(args, kwargs)
     with eval_mode(model):
         calls = record_calls(model, args, kwargs)
     names = {m: n for n, m in model.named_modules()}

@@ -178,6 +178,8 @@ def _train_config(args: argparse.Namespace, base: TrainConfig, options: dict) ->
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args, TrainConfig(), parse_options(args.option, "--option"))
+    if args.keep_checkpoints is not None and config.out is None:  # its default is not an error: checked here
+        raise ValueError("--keep-checkpoints needs --out, the folder checkpoints go to; found none")
     result = train(config)
     if result.rank != 0:
         return 0
@@ -271,12 +273,14 @@ def _cmd_inspect(args) -> int:
     import depthrewrite
     from depthrewrite.train.model import FAMILIES
 
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be a positive int, found {args.layers}")
     family, _, size = args.model.partition(":")
     if family in FAMILIES and size:
         presets, factory = FAMILIES[family]
         if size not in presets:
             raise ValueError(f"unknown {family} preset {size!r}; presets: {', '.join(presets)}")
-        model = factory(size, **({"n_layer": args.layers} if args.layers else {}))
+        model = factory(size, **({"n_layer": args.layers} if args.layers is not None else {}))
     else:
         model = _with_recorded_rewrite(_hf_model(args.model, args.layers))
     print(depthrewrite.inspect(model))

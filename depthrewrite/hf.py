@@ -58,6 +58,26 @@ def recorded_recipe(model: nn.Module) -> dict | None:
     return recipe if isinstance(recipe, dict) else None
 
 
+def _saved_recipe(path: pathlib.Path) -> dict:
+    """The recipe in ``path``'s config.json, checked: a local folder (Hub ids are not
+    fetched), written by ``save_pretrained`` of a rewritten model."""
+    if not (path / "config.json").is_file():
+        found = "a file" if path.is_file() else "a folder without config.json" if path.is_dir() else "nothing there"
+        raise DepthRewriteError(f"from_pretrained: path must be a local folder written by save_pretrained of a "
+                                f"rewritten model (Hub ids are not fetched); found {found} at {str(path)!r}")
+    recipe = json.loads((path / "config.json").read_text()).get(CONFIG_KEY)
+    if recipe is None:
+        raise DepthRewriteError(
+            f"from_pretrained: {path / 'config.json'} has no '{CONFIG_KEY}' entry; it was not saved "
+            "from a rewritten model (load it with transformers and call depthrewrite.rewrite)"
+        )
+    if not (isinstance(recipe, dict) and isinstance(recipe.get("scheme"), str)
+            and isinstance(recipe.get("options"), dict)):
+        raise DepthRewriteError(f"from_pretrained: {path / 'config.json'}'s '{CONFIG_KEY}' entry must be "
+                                f"{{'scheme': name, 'options': {{...}}}}, as rewrite records it; found {recipe!r}")
+    return recipe
+
+
 def _routing_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -139,12 +159,7 @@ def from_pretrained(path: str | pathlib.Path, auto_class: Any = None, **kwargs) 
     from .rewrite import rewrite
 
     path = pathlib.Path(path)
-    recipe = json.loads((path / "config.json").read_text()).get(CONFIG_KEY)
-    if recipe is None:
-        raise DepthRewriteError(
-            f"from_pretrained: {path / 'config.json'} has no '{CONFIG_KEY}' entry; it was not saved "
-            "from a rewritten model (load it with transformers and call depthrewrite.rewrite)"
-        )
+    recipe = _saved_recipe(path)
     if auto_class is None:
         from transformers import AutoModelForCausalLM as auto_class
     with _routing_keys_not_reported():

@@ -45,6 +45,11 @@ def inspect(model: nn.Module, example_inputs: Any = None, *, meta_init: Callable
     model, the analysis the rewrite was made from, with the scheme and its options as used
     (``rewritten_with``). A model on the meta device is analysed materialized on the CPU,
     as :func:`rewrite` does (``meta_init``: see there)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"inspect: model must be a torch.nn.Module, found {type(model).__name__}"
+                         + (" (the CLI's `depthrewrite inspect` takes a name)" if isinstance(model, str) else ""))
+    if meta_init is not None and not callable(meta_init):
+        raise ValueError(f"inspect: meta_init must be a function taking the model, found {type(meta_init).__name__}")
     runtime = find_runtime(model)
     if runtime is not None:
         return dataclasses.replace(runtime.analysis,
@@ -171,10 +176,15 @@ def _verify(model: nn.Module, analysis: Analysis, scheme) -> None:
     args, kwargs = cap.example
     with eval_mode(model):
         out = first_tensor(model(*args, **kwargs))
+    reference = first_tensor(cap.model_output) if cap.model_output is not None else None
     if not torch.isfinite(out).all():
+        if reference is not None and not torch.isfinite(reference).all():  # not the rewrite's doing
+            raise DepthRewriteError(
+                f"verification: {type(model).__name__}'s output was non-finite before the rewrite too, on the "
+                "capture input (its weights or its example_inputs?); the rewrite was made, but nothing was checked: "
+                "fix the model, or pass verify=False")
         raise DepthRewriteError(f"verification: the rewritten {type(model).__name__} produced non-finite output")
     identity = scheme.name == "residual" or scheme.delta
-    reference = first_tensor(cap.model_output) if cap.model_output is not None else None
     if identity and reference is not None and not torch.equal(out, reference):
         diff = (out.double() - reference.double()).abs().max().item()
         raise DepthRewriteError(

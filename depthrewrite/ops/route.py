@@ -411,8 +411,9 @@ def _check_param(arg: str, t: object, shape: tuple[int, ...], device: torch.devi
 
 
 def _check_eps(arg: str, eps: object, op: str = "route") -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-        raise _fail(arg, "a finite non-negative float", repr(eps), op)
+    # > 0: an RMSNorm divides by sqrt(mean square + eps), so 0 makes an all-zero row NaN
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
+        raise _fail(arg, "a finite positive float", repr(eps), op)
 
 
 def _check_out_norm(values, out_norm_weight, out_norm_eps) -> None:

@@ -379,6 +379,8 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
     in float32 (Inductor fuses them with their neighbours)."""
     if not results:
         raise ValueError("merge_routes: `results` must hold at least one (out, lse, bias); found none")
+    _check_triples(results, "results", "(out, lse, bias)")
+    _check_triples(sources, "sources", "(value, bias, scale)")
     for k, (out, lse, bias) in enumerate(results):
         _check_merge_inputs(results[0][0], lse, out, query, key_norm_weight, heads, eps, "merge_routes",
                             f"results[{k}] out")
@@ -387,8 +389,10 @@ def merge_routes(results: Sequence[tuple], sources: Sequence[tuple] = (), *, que
         _check_merge_inputs(results[0][0], results[0][1], value, query, key_norm_weight, heads, eps, "merge_routes",
                             f"sources[{k}] value")
         _check_bias(bias, f"sources[{k}]")
-        if scale is not None and (not isinstance(scale, Tensor) or tuple(scale.shape) != tuple(value.shape[:-1])):
-            raise ValueError(f"merge_routes: a source's `scale` must be None or of shape {tuple(value.shape[:-1])}; "
+        if scale is not None and (not isinstance(scale, Tensor) or tuple(scale.shape) != tuple(value.shape[:-1])
+                                  or scale.device != value.device):
+            raise ValueError(f"merge_routes: a source's `scale` must be None or of shape {tuple(value.shape[:-1])} "
+                             f"on {value.device}; "
                              f"found {_describe(scale) if isinstance(scale, Tensor) else type(scale).__name__}")
     first = results[0][0]
     dtype = _compute_dtype(first, query, key_norm_weight)
@@ -424,6 +428,13 @@ def _softmax_terms(logits: Sequence[Tensor]) -> list[Tensor]:
     return [e * inverse for e in exps]
 
 
+def _check_triples(entries: Sequence, arg: str, form: str) -> None:
+    for k, entry in enumerate(entries):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            found = f"{len(entry)} items" if isinstance(entry, (tuple, list)) else type(entry).__name__
+            raise ValueError(f"merge_routes: `{arg}[{k}]` must be a triple {form}; found {found}")
+
+
 def _check_bias(bias: object, where: str) -> None:
     if bias is not None and not (isinstance(bias, Tensor) and bias.dim() == 0 and bias.is_floating_point()):
         found = _describe(bias) if isinstance(bias, Tensor) else type(bias).__name__
@@ -442,6 +453,9 @@ def _check_merge_inputs(out, lse, partial, query, key_norm_weight, heads, eps, o
             raise fail(arg, "a floating-point tensor", type(t).__name__ if not isinstance(t, Tensor) else _describe(t))
     if out.dim() == 0 or partial.shape != out.shape or partial.device != out.device:
         raise fail(partial_name, f"shaped like out ({_describe(out)})", _describe(partial))
+    for arg, t in (("lse", lse), ("query", query), ("key_norm_weight", key_norm_weight)):
+        if t.device != out.device:
+            raise fail(arg, f"on out's device {out.device}", _describe(t))
     d = out.shape[-1]
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads != 0:
         raise fail("heads", f"a positive int dividing the width d={d}", repr(heads))

@@ -38,6 +38,7 @@ def scheme_options(cls: type[Scheme], options: dict) -> SchemeOptions:
         )
     opts = cls.Options(**options)
     _check_types(cls.name, opts)
+    cls.check_options(opts)
     return opts
 
 

@@ -7,6 +7,7 @@ the update ``u_l`` of site ``l`` (the branch output, never the running sum).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -19,6 +20,8 @@ from ..recompute import recomputable
 from .base import PassThrough, Scheme, SchemeOptions, State
 from . import two_phase
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- residual
 class ResidualScheme(Scheme):
@@ -200,6 +203,11 @@ class AttnResScheme(Scheme):
                                       options.fused_merge)
         self.options = two_phase.resolve_fused_merge(options, self.plan)
 
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
+        full_routing_plan(cls.name, options.group_size, options.recompute, options.keep_groups, options.fused_merge)
+
     def init_state(self, e):
         return full_initial_state(e, self.plan)
 
@@ -219,6 +227,25 @@ class BlockAttnResOptions(AttnResOptions):
     # two-phase: the backward recomputes phase 1 instead of keeping its outputs
     # (TwoPhasePlan): 1.06x the baseline's peak memory instead of 1.14x at 350M, ~3 % slower
     recompute: bool = True
+
+
+def check_block_size(scheme: str, size: object, none_means: str = "the default") -> None:
+    """A block size given: a positive int (None: ``none_means``)."""
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"{scheme}: block_size must be None ({none_means}) or a positive int, found {size!r}")
+
+
+def warn_if_block_exceeds(scheme: str, name: str, size: int, count: int, unit: str = "routing sites") -> None:
+    """Say so when a block is larger than the whole model (``count`` sites, or layers): the
+    model is then one block that never closes, routing over its partial sum alone. The math
+    is well defined, and options made for a deeper model are reused on small ones on
+    purpose (a depth sweep, a quick test), so this is reported, not refused; nor is the
+    size clamped: the recipe records what was given. (A full scheme's ``group_size`` is not
+    checked: it groups the computation of the same function.)"""
+    if size > count:
+        log.warning("%s: %s=%d is more than the model's %d %s: the whole model is one block that never closes "
+                    "(its sites route over e and the partial sum only); %d or less makes blocks that close",
+                    scheme, name, size, count, unit, count)
 
 
 def default_block_size(num_sites: int, max_blocks: int = 8) -> int:
@@ -293,12 +320,17 @@ class BlockAttnResScheme(Scheme):
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints)
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"block_attnres: block_size must be a positive integer, found {size!r}")
+        warn_if_block_exceeds(self.name, "block_size", size, stream.num_sites)
         self.block_size = size
         self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
                                    options.fused_merge)
         self.options = two_phase.resolve_fused_merge(options, self.plan)
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
+        check_block_size(cls.name, options.block_size)
+        two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
 
     def init_state(self, e):
         return initial_block_state(e, self.plan)

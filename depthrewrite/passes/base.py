@@ -71,15 +71,30 @@ class Scheme:
     #: whether docs/spec.md section 7's identity-preserving form applies (it does not for the
     #: identity rewrite itself)
     delta_applies: ClassVar[bool] = True
-
     def __init__(self, options: SchemeOptions, stream: ResidualStream, dtype: torch.dtype, device: torch.device,
                  hints: dict | None = None):
+        type(self).check_options(options)
         self.options, self.stream = options, stream
         self.dtype, self.device = dtype, device
         self.d = stream.d_model
         #: facts about the model that the graph does not show, read from its config by
         #: ``rewrite.model_hints`` (e.g. ``kv_heads``, the default MHAR head count); may be empty
         self.hints = dict(hints or {})
+
+    @classmethod
+    def check_options(cls, options: SchemeOptions) -> None:
+        """The checks of the options that need no model; those that need its depth or width
+        are in ``__init__``. ``scheme_options`` runs them, so that a caller such as
+        ``depthrewrite compare`` refuses a bad value before it builds or trains anything.
+
+        A ``gate`` other than the default without ``preserve_identity`` is refused: nothing
+        would read it, yet the recipe would record it. With ``preserve_identity``, schemes
+        that make no gate (the identity, the baselines whose identity is an initial value)
+        take it as they take every common option, so that one set of options can go to
+        several schemes (``depthrewrite compare --option``)."""
+        if options.gate != "scalar" and not options.preserve_identity:
+            raise ValueError(f"{cls.name}: gate={options.gate!r} shapes the gate that preserve_identity=True adds; "
+                             "found preserve_identity=False (add it, or leave gate out)")
 
     @property
     def delta(self) -> bool:

@@ -122,22 +122,25 @@ class _ScaleScheme(_IdentityPreservingByInit):
         super().__init__(options, stream, dtype, device, hints=hints)
         self.init = self._initial_value(options)
 
+    @classmethod
+    def check_options(cls, options: ScaleOptions) -> None:
+        super().check_options(options)
+        init = options.init
+        if init is not None:
+            finite_number(cls.name, "init", init)
+        if options.preserve_identity and init is not None and init != 1.0:
+            raise ValueError(
+                f"{cls.name}: preserve_identity=True starts the scale at 1 (the original model); "
+                f"it cannot be combined with init={init!r}"
+            )
+
     def default_init(self) -> float:
         raise NotImplementedError
 
     def _initial_value(self, options: ScaleOptions) -> float:
-        init = options.init
-        if init is not None:
-            finite_number(self.name, "init", init)
         if options.preserve_identity:
-            # the scale that keeps the original update: 1 * u is u exactly
-            if init is not None and init != 1.0:
-                raise ValueError(
-                    f"{self.name}: preserve_identity=True starts the scale at 1 (the original model); "
-                    f"it cannot be combined with init={init!r}"
-                )
-            return 1.0
-        return float(self.default_init() if init is None else init)
+            return 1.0  # the scale that keeps the original update: 1 * u is u exactly
+        return float(self.default_init() if options.init is None else options.init)
 
     def init_state(self, e):
         return ()

@@ -28,7 +28,7 @@ from ..analysis import Site
 from ..graph_hints import hinted
 from ..ops import merge_partial, route, route_merge
 from ..recompute import recomputable
-from .attnres import AttnResOptions
+from .attnres import AttnResOptions, warn_if_block_exceeds
 from . import two_phase
 from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
 from .base import Scheme, State, finite_number, is_number, zero_from
@@ -265,7 +265,18 @@ class DarScheme(Scheme):
 
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints=hints)
-        if options.variant not in VARIANTS:
+        k = options.layers_per_block
+        self._sites_per_layer = stream.sites_per_block()
+        warn_if_block_exceeds(self.name, "layers_per_block", k, len(self._sites_per_layer), unit="layers")
+        self.layers_per_block = k
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
+                                   options.fused_merge)
+        self.options = two_phase.resolve_fused_merge(options, self.plan)
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
+        if not isinstance(options.variant, str) or options.variant not in VARIANTS:
             raise ValueError(f"dar: variant must be one of {', '.join(VARIANTS)}, found {options.variant!r}")
         k = options.layers_per_block
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -275,11 +286,7 @@ class DarScheme(Scheme):
                 and all(is_number(b) and math.isfinite(b) for b in beta)):
             raise ValueError(f"dar: beta_init must be a pair of finite numbers, found {beta!r}")
         finite_number("dar", "transport_init", options.transport_init)
-        self.layers_per_block = k
-        self._sites_per_layer = stream.sites_per_block()
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
-                                   options.fused_merge)
-        self.options = two_phase.resolve_fused_merge(options, self.plan)
+        two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
 
     def init_state(self, e):
         history = ((e,), (e,))

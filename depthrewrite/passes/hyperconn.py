@@ -117,8 +117,12 @@ class _StreamScheme(Scheme):
 
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints=hints)
-        _check_options(self.name, options, self.min_streams)
         self.n = options.streams
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
+        _check_options(cls.name, options, cls.min_streams)
 
     def init_state(self, e):
         return (e,) * self.n
@@ -278,8 +282,9 @@ class MHCScheme(_StreamScheme):
     Options = MHCOptions
     min_streams = 2  # the other streams share 1 - pre_init of H_pre at init
 
-    def __init__(self, options, stream, dtype, device, hints=None):
-        super().__init__(options, stream, dtype, device, hints=hints)
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
         iters = options.sinkhorn_iters
         if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
             raise ValueError(f"mhc: sinkhorn_iters must be a positive integer, found {iters!r}")

@@ -12,8 +12,8 @@ import dataclasses
 from ..analysis import Site
 from ..ops import route
 from .attnres import (
-    AttnResOptions, BlockRouter, FullRouter, block_place, full_initial_state, full_router, full_routing_plan,
-    initial_block_state,
+    AttnResOptions, BlockRouter, FullRouter, block_place, check_block_size, full_initial_state, full_router,
+    full_routing_plan, initial_block_state, warn_if_block_exceeds,
 )
 from .base import Scheme, check_bool
 from .two_phase import resolve_fused_merge, two_phase_plan
@@ -90,21 +90,33 @@ class MharScheme(Scheme):
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints=hints)
         self.heads = self._resolve_heads(options.heads)
-        check_bool(self.name, "two_phase", options.two_phase)  # the full form does not read it, but takes it
-        size = options.block_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"mhar: block_size must be None (full routing) or a positive int, found {size!r}")
-        self.block_size = size
-        if size is None:
-            self.plan = full_routing_plan(self.name, options.group_size, options.recompute, options.keep_groups,
-                                          options.fused_merge)
-        elif options.group_size is not None:
-            raise ValueError(f"mhar: group_size groups the sites of the full form; with block_size={size} "
-                             f"use two_phase=True instead, found group_size={options.group_size!r}")
-        else:
-            self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
-                                       options.fused_merge)
+        self.block_size = size = options.block_size
+        self.plan = self._plan(options)
+        if size is not None:
+            warn_if_block_exceeds(self.name, "block_size", size, stream.num_sites)
         self.options = resolve_fused_merge(options, self.plan)
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
+        check_bool(cls.name, "two_phase", options.two_phase)  # the full form does not read it, but takes it
+        check_block_size(cls.name, options.block_size, none_means="full routing")
+        heads = options.heads
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"mhar: heads must be a positive int, found {heads!r}")
+        cls._plan(options)
+
+    @classmethod
+    def _plan(cls, options):
+        """The full form's plan (its sites grouped or not), or the block form's (two-phase or not)."""
+        if options.block_size is None:
+            return full_routing_plan(cls.name, options.group_size, options.recompute, options.keep_groups,
+                                     options.fused_merge)
+        if options.group_size is not None:
+            raise ValueError(f"mhar: group_size groups the sites of the full form; with block_size="
+                             f"{options.block_size} use two_phase=True instead, found group_size={options.group_size!r}")
+        return two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups,
+                              options.fused_merge)
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:

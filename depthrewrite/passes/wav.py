@@ -41,8 +41,8 @@ from ..analysis import Site
 from ..ops import merge_routes
 from ..recompute import recomputable
 from .attnres import (
-    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, default_block_size,
-    initial_block_state,
+    AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, check_block_size,
+    default_block_size, warn_if_block_exceeds, initial_block_state,
 )
 from .base import Scheme, State, check_bool, finite_number, is_number, zero_from
 from .two_phase import TwoPhasePlan, join_plan, resolve_fused_merge, two_phase_plan
@@ -233,18 +233,29 @@ class WavScheme(Scheme):
     def __init__(self, options, stream, dtype, device, hints=None):
         super().__init__(options, stream, dtype, device, hints=hints)
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"wav: block_size must be a positive int, found {size!r}")
+        warn_if_block_exceeds(self.name, "block_size", size, stream.num_sites)
+        self.block_size = size
+        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
+                                   options.fused_merge)
+        self.options = resolve_fused_merge(options, self.plan)
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        super().check_options(options)
+        check_block_size("wav", options.block_size)
         finite_number("wav", "rho", options.rho, positive=True)
         bias = options.detail_bias_init
         if bias != -math.inf and not (is_number(bias) and math.isfinite(bias)):  # -inf: the details weigh 0
             raise ValueError(f"wav: detail_bias_init must be a finite number or -inf (the details weighed 0: "
                              f"block_attnres exactly), found {bias!r}")
         check_bool("wav", "details", options.details)
-        self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
-                                   options.fused_merge)
-        self.options = resolve_fused_merge(options, self.plan)
+        defaults = WavOptions()
+        unused = [f"{name}={getattr(options, name)!r}" for name in ("rho", "detail_bias_init")
+                  if getattr(options, name) != getattr(defaults, name)]
+        if not options.details and unused:
+            raise ValueError(f"wav: {', '.join(unused)} shape the detail sources, which details=False leaves out "
+                             "(block_attnres exactly); leave them out or set details=True")
+        two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
 
     def init_state(self, e):
         if not self.options.details:

@@ -56,6 +56,15 @@ class CompareConfig:
             raise ValueError(f"scheme_options names schemes {unknown} that are not in schemes {list(self.schemes)}")
         if self.train.distributed != "none":
             raise ValueError(f"compare runs in one process; found distributed={self.train.distributed!r}")
+        for scheme in self.schemes:  # every run checked before the first trains
+            self.run_config(scheme, pathlib.Path(self.out)).validate()
+
+    def run_config(self, scheme: str, out: pathlib.Path) -> TrainConfig:
+        """The training run of one scheme: the shared options, then the scheme's own. A
+        comparison starts over: a rerun into the same out replaces its runs."""
+        options = {**self.train.options, **self.scheme_options.get(scheme, {})}
+        return dataclasses.replace(self.train, scheme=scheme, options=options, out=str(out / scheme),
+                                   resume=False, overwrite=True)
 
 
 @dataclass
@@ -88,10 +97,7 @@ def compare(config: CompareConfig) -> CompareResult:
     runs: dict[str, TrainResult] = {}
     rows = []
     for scheme in config.schemes:
-        options = {**config.train.options, **config.scheme_options.get(scheme, {})}
-        # a comparison starts over: a rerun into the same out replaces its runs
-        run_config = dataclasses.replace(config.train, scheme=scheme, options=options, out=str(out / scheme),
-                                         resume=False, overwrite=True)
+        run_config = config.run_config(scheme, out)
         log.info("compare: training %s", scheme)
         result = train(run_config, splits=splits)
         runs[scheme] = result

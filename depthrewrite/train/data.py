@@ -120,10 +120,14 @@ def hf_documents(name: str, split: str, text_field: str, max_bytes: int) -> list
         raise ImportError("--hf-dataset needs the optional package `datasets` (pip install datasets)") from exc
     builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     suffix = pathlib.Path(name).suffix
-    if os.path.isfile(name) and suffix in builders:
-        ds = datasets.load_dataset(builders[suffix], data_files={split: name}, split=split)
-    else:
-        ds = datasets.load_dataset(name, split=split)
+    try:
+        if os.path.isfile(name) and suffix in builders:
+            ds = datasets.load_dataset(builders[suffix], data_files={split: name}, split=split)
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # datasets raises many kinds (no network, no such name or split): name the flag
+        raise ValueError(f"hf_dataset {name!r} (split {split!r}) could not be loaded: {type(exc).__name__}: "
+                         f"{exc}") from exc
     if text_field not in ds.column_names:
         raise ValueError(f"hf_text_field: dataset {name!r} has columns {ds.column_names}, found no {text_field!r}")
     docs, total = [], 0

@@ -40,7 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..rewrite import find_runtime
-from . import checkpoint, distributed
+from . import checkpoint, config_checks, distributed
 from .stop_signals import StopRequests
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
 from .model import build_model, parse_model_name
@@ -126,20 +126,15 @@ class TrainConfig:
         if self.threads is not None:
             _positive_int("threads", self.threads)
         for name in ("weight_decay", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, found {getattr(self, name)!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, found {self.lr!r}")
+            config_checks.check_finite(name, getattr(self, name), positive=False)
+        config_checks.check_finite("lr", self.lr, positive=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, found {self.compile_mode!r}")
         if not isinstance(self.compile_options, dict):
             raise ValueError(f"compile_options must be a dict, found {self.compile_options!r}")
-        if self.compile_options and self.backend == "depthrewrite":
-            from ..backend import check_options
-
-            check_options(self.compile_options)  # a typo refused now, not after the model is built
+        config_checks.check_compile(self.compile, self.backend, self.compile_mode, self.compile_options)
         if self.compile_options and self.compile_mode != "default":
             raise ValueError(
                 f"compile_options and compile_mode={self.compile_mode!r} exclude each other (torch.compile takes "
@@ -147,6 +142,9 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, found {self.precision!r}")
         parse_model_name(self.model)
+        config_checks.check_scheme(self.scheme, self.options)
+        config_checks.check_device(self.device)
+        config_checks.check_out(self.out, self.save_every, self.overwrite)
         if self.distributed not in distributed.MODES:
             raise ValueError(f"distributed must be one of {distributed.MODES}, found {self.distributed!r}")
         if self.resume and self.out is None:

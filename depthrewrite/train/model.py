@@ -58,7 +58,5 @@ def build_model(name: str, overrides: dict, scheme: str, options: dict, seq_len:
         import depthrewrite
 
         model = depthrewrite.rewrite(model, scheme, **options)
-    elif options:
-        raise ValueError(f"scheme 'none' (no rewrite) takes no options, found {sorted(options)}")
     params = sum(p.numel() for p in model.parameters())
     return BuiltModel(model, params, params - base)

@@ -105,6 +105,15 @@ def test_hf_dataset_from_a_local_text_file(tmp_path):
     assert docs == [f"row number {i} of the file".encode() for i in range(30)]
 
 
+def test_a_dataset_that_cannot_be_loaded_names_the_flag(tmp_path):
+    """It was the `datasets` package's own exception, with a traceback, from the CLI."""
+    pytest.importorskip("datasets")
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "abc"}\n{broken')
+    with pytest.raises(ValueError, match=rf"^hf_dataset '{path}' \(split 'train'\) could not be loaded: "):
+        load_documents(DataConfig(hf_dataset=str(path), hf_split="train", hf_text_field="text"))
+
+
 # ---------------------------------------------------------------------------- train
 def test_resume_continues_bit_exactly(tmp_path, shakespeare):
     # dropout makes the losses depend on the RNG state too, so it must be restored
@@ -686,3 +695,51 @@ def test_gradient_accumulation_trains_the_same_steps(tmp_path, shakespeare):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match=r"grad_accum=3 must divide each rank's rows \(batch_size 8 over 1 ranks: 8\)"):
         train(_tiny(**common, grad_accum=3))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(lr=math.inf), r"^lr must be a finite number > 0, found inf"),
+    (dict(weight_decay=math.inf), r"^weight_decay must be a finite number >= 0, found inf"),
+    (dict(grad_clip=math.nan), r"^grad_clip must be a finite number >= 0, found nan"),
+    (dict(device="gpu"), r"^device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', found 'gpu'"),
+    (dict(save_every=10), r"^save_every needs out, the folder checkpoints go to \(--out\); found none"),
+    (dict(save_every=10, overwrite=True), r"^save_every and overwrite need out"),
+    (dict(scheme="blockattnres"), r"^unknown scheme 'blockattnres'; valid schemes: "),
+    (dict(scheme="attnres", options={"group_size": 0}), r"^attnres: group_size must be None"),
+    (dict(scheme="none", options={"eps": 1e-6}), r"^scheme 'none' \(no rewrite\) takes no options, found \['eps'\]"),
+])
+def test_settings_are_checked_before_anything_is_built(settings, message):
+    """Each of these trained (inf: to a loss of nan naming no flag; save_every without out:
+    to no checkpoint at all) or failed once the data and model were built."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**settings).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^device 'cuda': CUDA is not available here \(torch "):
+        TrainConfig(device="cuda").validate()
+
+
+def test_out_must_be_a_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"^out must be a folder .*found the file"):
+        TrainConfig(out=str(tmp_path / "notes.txt")).validate()
+
+
+def test_compare_checks_every_scheme_before_it_trains_the_first(tmp_path, capsys):
+    """A typo in the last scheme, or an option it does not take, failed only after the
+    schemes before it had trained (72 s at the defaults), and no results were written."""
+    for args, message in [(["--schemes", "residual,attnres,blockattnres"], "unknown scheme 'blockattnres'"),
+                          (["--schemes", "block_attnres,attnres", "--option", "two_phase=false"],
+                           "scheme 'attnres' has no option 'two_phase'"),
+                          (["--schemes", "residual,attnres", "--option", "attnres:group_size=0"],
+                           "attnres: group_size must be None")]:
+        assert main(["compare", *args, "--out", str(tmp_path), "--no-progress"]) == 2
+        assert message in capsys.readouterr().err
+        assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_cli_checkpoint_flags_need_out(capsys):
+    assert main(["train", "--keep-checkpoints", "3", "--no-progress"]) == 2
+    assert "--keep-checkpoints needs --out" in capsys.readouterr().err

@@ -91,3 +91,40 @@ def test_each_micro_batch_is_a_new_cuda_graph_iteration(monkeypatch):
     train(_tiny(compile=True, backend="depthrewrite", compile_mode="reduce-overhead", scheme="attnres",
                 grad_accum=2))
     assert len(stepped) == 3 * 2
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(backend="depthrewrite"), r"^backend='depthrewrite' applies to torch.compile, which this run does not use"),
+    (dict(compile_options={"max_sum_terms": 4}, backend="depthrewrite"),
+     r"^backend='depthrewrite', compile_options=\{'max_sum_terms': 4\} apply to torch.compile"),
+    (dict(compile=True, backend="nosuchbackend"), r"^backend must be a torch.compile backend \(.*inductor.*\), "
+                                                  r"found 'nosuchbackend'"),
+    (dict(compile=True, compile_options={"recompute_branch_outputs": "narrow"}),
+     r"^compile_options \['recompute_branch_outputs'\] belong to backend 'depthrewrite' \(--backend depthrewrite\); "
+     r"found backend 'inductor'"),
+    (dict(compile=True, compile_options={"max_fusion_size": "big"}),
+     r"^compile_options\['max_fusion_size'\] must be int \(torch._inductor.config.max_fusion_size\); found 'big'"),
+    (dict(compile=True, compile_options={"triton.cudagraphs": 1}),
+     r"^compile_options\['triton.cudagraphs'\] must be bool"),
+])
+def test_compile_settings_are_checked_before_anything_is_built(settings, message):
+    """Without compile they were ignored (the run trained eagerly, silently); an option of
+    the other backend, a backend's wrong name or a setting's wrong type failed after the
+    model was built, in torch's words."""
+    with pytest.raises(ValueError, match=message):
+        _tiny(**settings).validate()
+
+
+def test_the_backends_options_must_be_a_dict_and_inductor_settings_are_typed(caplog):
+    from depthrewrite.backend import check_options
+
+    with pytest.raises(ValueError, match=r"^depthrewrite_backend: options must be a dict such as \{'inner': "
+                                         r"'aot_eager'\}; found str 'inner=aot_eager'"):
+        check_options("inner=aot_eager")
+    with caplog.at_level("WARNING", logger="depthrewrite"):  # said, not refused: switching inner alone bisects
+        check_options({"inner": "aot_eager", "max_fusion_size": 8})
+    assert "options ['max_fusion_size'] are Inductor settings, which inner='aot_eager' does not use" in caplog.text
+    with pytest.raises(ValueError, match=r"^depthrewrite_backend: options\['max_fusion_size'\] must be int"):
+        check_options({"max_fusion_size": 8.5})
+    assert check_options({"max_fusion_size": 8, "triton.cudagraphs": False}).inductor == {
+        "max_fusion_size": 8, "triton.cudagraphs": False}

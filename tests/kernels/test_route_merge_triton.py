@@ -208,7 +208,7 @@ def test_normed_output_is_the_norm_of_the_merge():
     (lambda a: a.update(queries=torch.ones(2, 11)), r"`queries` must be a floating-point tensor of shape \(2, 12\)"),
     (lambda a: a.update(out_norm_weight=torch.ones(11)),
      r"`out_norm_weight` must be None or a floating-point tensor of shape \(12,\)"),
-    (lambda a: a.update(out_norm_eps=-1.0), "`out_norm_eps` must be a finite non-negative float"),
+    (lambda a: a.update(out_norm_eps=-1.0), "`out_norm_eps` must be a finite positive float"),
 ])
 def test_bad_input_is_refused_with_the_argument_named(change, message):
     inp = _make(2, (3,), 12, 1, False, torch.float32, seed=1)

@@ -166,6 +166,27 @@ def test_models_built_from_one_config_object_keep_their_own_recipes(tmp_path):
     assert torch.equal(logits(depthrewrite.from_pretrained(tmp_path).eval()), logits(a))
 
 
+@pytest.mark.parametrize("where", ["hub id", "config.json", "empty folder"])
+def test_from_pretrained_says_it_takes_a_local_folder(tmp_path, where):
+    depthrewrite.rewrite(hf_model("llama"), "attnres").save_pretrained(tmp_path / "saved")
+    path = {"hub id": "meta-llama/Llama-3.2-1B", "config.json": tmp_path / "saved" / "config.json",
+            "empty folder": tmp_path}[where]
+    found = {"hub id": "nothing there", "config.json": "a file", "empty folder": "a folder without config.json"}[where]
+    with pytest.raises(depthrewrite.DepthRewriteError, match=rf"^from_pretrained: path must be a local folder "
+                                                             rf"written by save_pretrained .*; found {found} at"):
+        depthrewrite.from_pretrained(path)
+
+
+def test_from_pretrained_refuses_a_recipe_of_another_form(tmp_path):
+    depthrewrite.rewrite(hf_model("llama"), "attnres").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["depthrewrite"]["options"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(depthrewrite.DepthRewriteError, match=r"'depthrewrite' entry must be \{'scheme': name, "
+                                                             r"'options': \{...\}\}, as rewrite records it"):
+        depthrewrite.from_pretrained(tmp_path)
+
+
 def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
     hf_model("llama").save_pretrained(tmp_path)
     with pytest.raises(depthrewrite.DepthRewriteError, match="no 'depthrewrite' entry"):

@@ -296,3 +296,100 @@ def test_readme_scheme_table_names_each_schemes_options():
         options_column = row.split(" | ")[2]
         own = {f.name for f in dataclasses.fields(cls.Options)} - common
         assert all(f"`{option}`" in options_column for option in own), (name, own)
+
+
+# ------------------------------------------------------------------ checked before a model
+@pytest.mark.parametrize("scheme, options", [
+    ("attnres", {"group_size": 0}), ("block_attnres", {"block_size": 0}), ("block_attnres", {"keep_groups": -1}),
+    ("mhar", {"heads": 0}), ("mhar", {"heads": 2, "block_size": 2, "group_size": 2}), ("wav", {"rho": 0.0}),
+    ("wav", {"block_size": 0}), ("dar", {"layers_per_block": 0}), ("dar", {"variant": ["dar"]}),
+    ("mhc", {"sinkhorn_iters": 0}), ("hyperconn", {"streams": 0}), ("mhc", {"pre_init": 1.0}),
+    ("layerscale", {"preserve_identity": True, "init": 0.5}),
+])
+def test_options_are_checked_without_a_model_as_rewrite_checks_them(scheme, options):
+    """``scheme_options`` runs every check that needs no model, with rewrite's own words, so
+    that ``depthrewrite compare`` refuses a later scheme's bad value before it trains the
+    first (it failed only when that scheme's turn came)."""
+    from depthrewrite.passes import scheme_class, scheme_options
+
+    with pytest.raises(ValueError) as without_model:
+        scheme_options(scheme_class(scheme), options)
+    with pytest.raises(ValueError) as rewritten:
+        rewrite(ToyLM(n_layer=2), scheme, **options)
+    assert str(rewritten.value) == str(without_model.value)
+
+
+@pytest.mark.parametrize("scheme", ["attnres", "block_attnres", "dar", "residual", "rezero", "denseformer"])
+def test_a_gate_without_preserve_identity_is_refused(scheme):
+    """``gate='channel'`` shapes the gate that ``preserve_identity=True`` adds; without it the
+    gate was ignored, yet recorded in the recipe."""
+    with pytest.raises(ValueError, match=rf"^{scheme}: gate='channel' shapes the gate that preserve_identity=True "
+                                         r"adds; found preserve_identity=False"):
+        rewrite(ToyLM(n_layer=2), scheme, gate="channel")
+    model = rewrite(ToyLM(n_layer=2), scheme, gate="channel", preserve_identity=True)
+    assert depthrewrite.inspect(model).rewritten_with[1]["gate"] == "channel"
+
+
+@pytest.mark.parametrize("options", [{"rho": 7.0}, {"detail_bias_init": 3.0}])
+def test_wav_detail_options_without_details_are_refused(options):
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=rf"^wav: {name}=.* shape the detail sources, which details=False leaves out"):
+        rewrite(ToyLM(n_layer=2), "wav", details=False, **options)
+
+
+@pytest.mark.parametrize("scheme, options, message", [
+    ("block_attnres", {"block_size": 5}, "block_attnres: block_size=5 is more than the model's 4 routing sites"),
+    ("mhar", {"heads": 2, "block_size": 5}, "mhar: block_size=5 is more than the model's 4 routing sites"),
+    ("wav", {"block_size": 5}, "wav: block_size=5 is more than the model's 4 routing sites"),
+    ("dar", {"layers_per_block": 3}, "dar: layers_per_block=3 is more than the model's 2 layers"),
+])
+def test_a_block_larger_than_the_model_is_reported_and_kept_as_given(caplog, scheme, options, message):
+    """The model is then one block that never closes: well defined, and options made for a
+    deeper model are reused on small ones on purpose, so it is a warning, not an error; the
+    recipe keeps the value given (not clamped). At the model's size, nothing is said."""
+    with caplog.at_level("WARNING", logger="depthrewrite"):
+        model = rewrite(ToyLM(n_layer=2), scheme, **options)
+    assert message + ": the whole model is one block that never closes" in caplog.text
+    assert all(depthrewrite.inspect(model).rewritten_with[1][k] == v for k, v in options.items())
+    caplog.clear()
+    fits = {k: (2 if k == "layers_per_block" else 4 if k == "block_size" else v) for k, v in options.items()}
+    with caplog.at_level("WARNING", logger="depthrewrite"):
+        rewrite(ToyLM(n_layer=2), scheme, **fits)
+    assert "never closes" not in caplog.text
+
+
+def test_a_full_schemes_default_groups_fit_a_model_smaller_than_a_group():
+    """group_size groups the computation of the same function (default 4): a model of fewer
+    sites is one group, not an error."""
+    model = rewrite(ToyLM(n_layer=1), "attnres")
+    assert depthrewrite.inspect(model).rewritten_with[1]["group_size"] == 4
+
+
+def test_inspect_and_reset_refuse_what_is_not_a_rewritten_module():
+    with pytest.raises(ValueError, match=r"^inspect: model must be a torch.nn.Module, found str \(the CLI's"):
+        depthrewrite.inspect("gpt:tiny")
+    with pytest.raises(ValueError, match=r"^inspect: meta_init must be a function taking the model, found int"):
+        depthrewrite.inspect(ToyLM(), meta_init=3)
+    with pytest.raises(ValueError, match=r"^reset_routing_parameters: model must be a torch.nn.Module, found str"):
+        depthrewrite.reset_routing_parameters("x")
+    original = ToyLM()
+    rewrite(original, "attnres", inplace=False)
+    with pytest.raises(depthrewrite.DepthRewriteError, match=r"^reset_routing_parameters: ToyLM is not rewritten"):
+        depthrewrite.reset_routing_parameters(original)
+    assert depthrewrite.reset_routing_parameters(rewrite(ToyLM(), "residual")) == 0  # rewritten, nothing to reset
+
+
+def test_a_model_whose_own_output_is_not_finite_is_not_blamed_on_the_rewrite():
+    model = ToyLM()
+    with torch.no_grad():
+        model.embed.weight[3] = math.nan
+    with pytest.raises(depthrewrite.DepthRewriteError, match=r"^verification: ToyLM's output was non-finite before "
+                                                             r"the rewrite too"):
+        rewrite(model, "attnres")
+
+
+@pytest.mark.parametrize("example", [(IDS[:0],), {"ids": IDS[:, :0]}])
+def test_an_empty_example_batch_is_refused_by_name(example):
+    with pytest.raises(depthrewrite.CaptureError, match=r"^example_inputs: (argument 0|keyword 'ids') is an empty "
+                                                        r"tensor \(shape \((0, 6|2, 0)\)\)"):
+        depthrewrite.rewrite(ToyLM(), "attnres", example_inputs=example)

@@ -553,7 +553,7 @@ def _bad_inputs():
         "key_norm_weights": [dict(key_norm_weights=w[:1]), dict(key_norm_weights=w[:, :4]),
                              dict(key_norm_weights=w[0])],
         "heads": [dict(heads=3), dict(heads=0), dict(heads=True)],
-        "eps": [dict(eps=-1e-6), dict(eps=float("nan"))],
+        "eps": [dict(eps=-1e-6), dict(eps=0.0), dict(eps=float("nan"))],
         "values": [dict(values=[]), dict(values=[v[0], v[1][..., :4], v[2]]), dict(values=[v[0], v[1][:1], v[2]]),
                    dict(values=[v[0], v[1].double(), v[2]])],
     }
@@ -620,7 +620,11 @@ def test_non_contiguous_sources_get_the_layout_the_op_declares(op):
     ("key_norm_weight", lambda kw: kw.update(key_norm_weight=kw["key_norm_weight"][None])),
     ("heads", lambda kw: kw.update(heads=3)),
     ("eps", lambda kw: kw.update(eps=-1.0)),
+    ("eps", lambda kw: kw.update(eps=0.0)),  # an all-zero partial's key norm would be NaN
     ("out", lambda kw: kw.update(out=[1.0])),
+    ("lse", lambda kw: kw.update(lse=kw["lse"].to("meta"))),
+    ("query", lambda kw: kw.update(query=kw["query"].to("meta"))),
+    ("key_norm_weight", lambda kw: kw.update(key_norm_weight=kw["key_norm_weight"].to("meta"))),
 ])
 def test_merge_partial_bad_inputs_name_the_argument(arg, change):
     kw = dict(out=torch.randn(2, 3, 8), lse=torch.randn(2, 3, 2), partial=torch.randn(2, 3, 8),
@@ -629,6 +633,20 @@ def test_merge_partial_bad_inputs_name_the_argument(arg, change):
     out, lse, partial = kw.pop("out"), kw.pop("lse"), kw.pop("partial")
     with pytest.raises(ValueError, match=rf"^merge_partial: `{arg}` must be"):
         merge_partial(out, lse, partial, **kw)
+
+
+def test_merge_routes_bad_entries_and_scales_name_the_argument():
+    out, lse, query, weight = torch.randn(2, 8), torch.randn(2, 1), torch.randn(8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"^merge_routes: `results\[0\]` must be a triple \(out, lse, bias\); "
+                                         r"found 2 items"):
+        merge_routes([(out, lse)], query=query, key_norm_weight=weight)
+    with pytest.raises(ValueError, match=r"^merge_routes: `sources\[0\]` must be a triple"):
+        merge_routes([(out, lse, None)], [out], query=query, key_norm_weight=weight)
+    with pytest.raises(ValueError, match=r"^merge_routes: a source's `scale` must be None or of shape \(2,\) on cpu"):
+        merge_routes([(out, lse, None)], [(out, None, torch.ones(2, device="meta"))], query=query,
+                     key_norm_weight=weight)
+    with pytest.raises(ValueError, match=r"^merge_routes: `query` must be on out's device cpu"):
+        merge_routes([(out, lse, None)], query=query.to("meta"), key_norm_weight=weight)
 
 
 # ------------------------------------------------------------ the saved statistics

@@ -435,7 +435,7 @@ def _bad_inputs():
         "logit_bias": [dict(logit_bias=torch.zeros(n + 1)), dict(logit_bias=torch.zeros(n, 1))],
         "source_scale": [dict(source_scale=torch.ones(n, 2)), dict(source_scale=torch.ones(n, *batch, 1))],
         "heads": [dict(heads=0), dict(heads=5), dict(heads=True), dict(heads=2.0)],
-        "eps": [dict(eps=-1e-6), dict(eps=float("nan"))],
+        "eps": [dict(eps=-1e-6), dict(eps=0.0), dict(eps=float("nan"))],
     }
     for arg, overrides in cases.items():
         for i, o in enumerate(overrides):

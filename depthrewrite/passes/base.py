@@ -23,6 +23,7 @@ With ``preserve_identity=True`` every router is wrapped in :class:`DeltaSite` /
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, ClassVar
 
@@ -31,6 +32,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..analysis import ResidualStream, Site
+
+log = logging.getLogger(__name__)
 
 State = Any  # a pytree (nested tuples) of tensors
 
@@ -71,9 +74,12 @@ class Scheme:
     #: whether docs/spec.md section 7's identity-preserving form applies (it does not for the
     #: identity rewrite itself)
     delta_applies: ClassVar[bool] = True
+
     def __init__(self, options: SchemeOptions, stream: ResidualStream, dtype: torch.dtype, device: torch.device,
                  hints: dict | None = None):
         type(self).check_options(options)
+        for given, why in self.unused_options(options):
+            log.warning("%s: %s is left unused: %s", self.name, given, why)
         self.options, self.stream = options, stream
         self.dtype, self.device = dtype, device
         self.d = stream.d_model
@@ -85,16 +91,20 @@ class Scheme:
     def check_options(cls, options: SchemeOptions) -> None:
         """The checks of the options that need no model; those that need its depth or width
         are in ``__init__``. ``scheme_options`` runs them, so that a caller such as
-        ``depthrewrite compare`` refuses a bad value before it builds or trains anything.
+        ``depthrewrite compare`` refuses a bad value before it builds or trains anything."""
 
-        A ``gate`` other than the default without ``preserve_identity`` is refused: nothing
-        would read it, yet the recipe would record it. With ``preserve_identity``, schemes
-        that make no gate (the identity, the baselines whose identity is an initial value)
-        take it as they take every common option, so that one set of options can go to
-        several schemes (``depthrewrite compare --option``)."""
+    def unused_options(self, options: SchemeOptions) -> list[tuple[str, str]]:
+        """``(name=value, why)`` for each option given a value that this rewrite will not
+        read: logged as a warning, not refused, since a saved recipe records every option and
+        must load back (a recipe saved before this was said would otherwise be refused).
+        ``gate`` shapes the gate that ``preserve_identity=True`` adds; schemes that make no
+        gate (the identity, the baselines whose identity is an initial value) take it with
+        ``preserve_identity`` as they take every common option, so that one set of options
+        can go to several schemes (``depthrewrite compare --option``)."""
         if options.gate != "scalar" and not options.preserve_identity:
-            raise ValueError(f"{cls.name}: gate={options.gate!r} shapes the gate that preserve_identity=True adds; "
-                             "found preserve_identity=False (add it, or leave gate out)")
+            return [(f"gate={options.gate!r}", "it shapes the gate that preserve_identity=True adds, and "
+                     "preserve_identity is False")]
+        return []
 
     @property
     def delta(self) -> bool:

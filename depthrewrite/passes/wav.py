@@ -42,7 +42,7 @@ from ..ops import merge_routes
 from ..recompute import recomputable
 from .attnres import (
     AttnResOptions, BlockReadout, BlockRouter, DepthQuery, add_group_entries, block_place, check_block_size,
-    default_block_size, warn_if_block_exceeds, initial_block_state,
+    default_block_size, initial_block_state, warn_if_block_exceeds,
 )
 from .base import Scheme, State, check_bool, finite_number, is_number, zero_from
 from .two_phase import TwoPhasePlan, join_plan, resolve_fused_merge, two_phase_plan
@@ -249,13 +249,16 @@ class WavScheme(Scheme):
             raise ValueError(f"wav: detail_bias_init must be a finite number or -inf (the details weighed 0: "
                              f"block_attnres exactly), found {bias!r}")
         check_bool("wav", "details", options.details)
-        defaults = WavOptions()
-        unused = [f"{name}={getattr(options, name)!r}" for name in ("rho", "detail_bias_init")
-                  if getattr(options, name) != getattr(defaults, name)]
-        if not options.details and unused:
-            raise ValueError(f"wav: {', '.join(unused)} shape the detail sources, which details=False leaves out "
-                             "(block_attnres exactly); leave them out or set details=True")
         two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
+
+    def unused_options(self, options) -> list[tuple[str, str]]:
+        unused = super().unused_options(options)
+        if not options.details:
+            defaults = WavOptions()
+            unused += [(f"{name}={getattr(options, name)!r}", "it shapes the detail sources, which details=False "
+                        "leaves out (block_attnres exactly)") for name in ("rho", "detail_bias_init")
+                       if getattr(options, name) != getattr(defaults, name)]
+        return unused
 
     def init_state(self, e):
         if not self.options.details:

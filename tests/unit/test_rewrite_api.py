@@ -320,21 +320,30 @@ def test_options_are_checked_without_a_model_as_rewrite_checks_them(scheme, opti
 
 
 @pytest.mark.parametrize("scheme", ["attnres", "block_attnres", "dar", "residual", "rezero", "denseformer"])
-def test_a_gate_without_preserve_identity_is_refused(scheme):
+def test_a_gate_without_preserve_identity_is_said_to_be_unused(caplog, scheme):
     """``gate='channel'`` shapes the gate that ``preserve_identity=True`` adds; without it the
-    gate was ignored, yet recorded in the recipe."""
-    with pytest.raises(ValueError, match=rf"^{scheme}: gate='channel' shapes the gate that preserve_identity=True "
-                                         r"adds; found preserve_identity=False"):
+    gate was ignored silently, yet recorded in the recipe. A warning, not an error: recipes
+    saved with it must load back."""
+    with caplog.at_level("WARNING", logger="depthrewrite"):
         rewrite(ToyLM(n_layer=2), scheme, gate="channel")
-    model = rewrite(ToyLM(n_layer=2), scheme, gate="channel", preserve_identity=True)
+    assert f"{scheme}: gate='channel' is left unused: it shapes the gate that preserve_identity=True adds" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="depthrewrite"):
+        model = rewrite(ToyLM(n_layer=2), scheme, gate="channel", preserve_identity=True)
+    assert "left unused" not in caplog.text
     assert depthrewrite.inspect(model).rewritten_with[1]["gate"] == "channel"
 
 
 @pytest.mark.parametrize("options", [{"rho": 7.0}, {"detail_bias_init": 3.0}])
-def test_wav_detail_options_without_details_are_refused(options):
-    name = next(iter(options))
-    with pytest.raises(ValueError, match=rf"^wav: {name}=.* shape the detail sources, which details=False leaves out"):
+def test_wav_detail_options_without_details_are_said_to_be_unused(caplog, options):
+    name, value = next(iter(options.items()))
+    with caplog.at_level("WARNING", logger="depthrewrite"):
         rewrite(ToyLM(n_layer=2), "wav", details=False, **options)
+    assert f"wav: {name}={value!r} is left unused: it shapes the detail sources, which details=False" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="depthrewrite"):
+        rewrite(ToyLM(n_layer=2), "wav", details=False)
+    assert "left unused" not in caplog.text
 
 
 @pytest.mark.parametrize("scheme, options, message", [

@@ -64,6 +64,13 @@ def test_inspect_of_nothing_says_what_it_looked_for(name, capsys):
     assert "Repo id" not in err and "internet" not in err
 
 
+@pytest.mark.parametrize("layers", ["0", "-1"])
+def test_inspect_refuses_a_layer_count_below_one(layers, capsys):
+    """`--layers 0` built the preset's own depth silently (0 read as "not given")."""
+    assert main(["inspect", "gpt:tiny", "--layers", layers]) == 2
+    assert f"--layers must be a positive int, found {layers}" in capsys.readouterr().err
+
+
 def test_inspect_of_a_folder_without_a_config(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "holds no config.json" in capsys.readouterr().err

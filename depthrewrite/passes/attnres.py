@@ -19,7 +19,7 @@ from ..ops import merge_partial, merge_routes, route, route_many, route_merge
 from ..recompute import recomputable
 from .base import PassThrough, Scheme, SchemeOptions, State
 from . import two_phase
-from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
+from .two_phase import TwoPhasePlan, block_plan, join_plan, two_phase_plan
 
 log = logging.getLogger(__name__)
 
@@ -322,15 +322,14 @@ class BlockAttnResScheme(Scheme):
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
         warn_if_block_exceeds(self.name, "block_size", size, stream.num_sites)
         self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
-                                   options.fused_merge)
+        self.plan = block_plan(self.name, options)
         self.options = two_phase.resolve_fused_merge(options, self.plan)
 
     @classmethod
     def check_options(cls, options) -> None:
         super().check_options(options)
         check_block_size(cls.name, options.block_size)
-        two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
+        block_plan(cls.name, options)
 
     def init_state(self, e):
         return initial_block_state(e, self.plan)

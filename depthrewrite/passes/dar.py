@@ -30,7 +30,7 @@ from ..ops import merge_partial, route, route_merge
 from ..recompute import recomputable
 from .attnres import AttnResOptions, warn_if_block_exceeds
 from . import two_phase
-from .two_phase import TwoPhasePlan, join_plan, two_phase_plan
+from .two_phase import TwoPhasePlan, block_plan, join_plan
 from .base import Scheme, State, finite_number, is_number, zero_from
 
 #: for each variant and target stream j: (stream giving the values, stream giving the keys)
@@ -269,8 +269,7 @@ class DarScheme(Scheme):
         self._sites_per_layer = stream.sites_per_block()
         warn_if_block_exceeds(self.name, "layers_per_block", k, len(self._sites_per_layer), unit="layers")
         self.layers_per_block = k
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
-                                   options.fused_merge)
+        self.plan = block_plan(self.name, options)
         self.options = two_phase.resolve_fused_merge(options, self.plan)
 
     @classmethod
@@ -286,7 +285,7 @@ class DarScheme(Scheme):
                 and all(is_number(b) and math.isfinite(b) for b in beta)):
             raise ValueError(f"dar: beta_init must be a pair of finite numbers, found {beta!r}")
         finite_number("dar", "transport_init", options.transport_init)
-        two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
+        block_plan(cls.name, options)
 
     def init_state(self, e):
         history = ((e,), (e,))

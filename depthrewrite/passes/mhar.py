@@ -16,7 +16,7 @@ from .attnres import (
     full_routing_plan, initial_block_state, warn_if_block_exceeds,
 )
 from .base import Scheme, check_bool
-from .two_phase import resolve_fused_merge, two_phase_plan
+from .two_phase import block_plan, resolve_fused_merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,7 @@ class MharScheme(Scheme):
         if options.group_size is not None:
             raise ValueError(f"mhar: group_size groups the sites of the full form; with block_size="
                              f"{options.block_size} use two_phase=True instead, found group_size={options.group_size!r}")
-        return two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups,
-                              options.fused_merge)
+        return block_plan(cls.name, options)
 
     def _resolve_heads(self, heads) -> int:
         if heads is None:

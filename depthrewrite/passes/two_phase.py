@@ -289,6 +289,12 @@ def two_phase_plan(scheme: str, two_phase: object, recompute: object, keep_group
     return TwoPhasePlan(recompute, keep_groups) if two_phase else None
 
 
+def block_plan(scheme: str, options) -> "TwoPhasePlan | None":
+    """:func:`two_phase_plan` of a block scheme's options (``two_phase``, ``recompute``,
+    ``keep_groups``, ``fused_merge``)."""
+    return two_phase_plan(scheme, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
+
+
 def _is_sharded(param: torch.Tensor) -> bool:
     # a DTensor (FSDP2, tensor parallel) outside its module's forward holds only a shard
     return fsdp2.is_sharded(param)

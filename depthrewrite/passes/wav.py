@@ -45,7 +45,7 @@ from .attnres import (
     default_block_size, initial_block_state, warn_if_block_exceeds,
 )
 from .base import Scheme, State, check_bool, finite_number, is_number, zero_from
-from .two_phase import TwoPhasePlan, join_plan, resolve_fused_merge, two_phase_plan
+from .two_phase import TwoPhasePlan, block_plan, join_plan, resolve_fused_merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,8 +235,7 @@ class WavScheme(Scheme):
         size = options.block_size if options.block_size is not None else default_block_size(stream.num_sites)
         warn_if_block_exceeds(self.name, "block_size", size, stream.num_sites)
         self.block_size = size
-        self.plan = two_phase_plan(self.name, options.two_phase, options.recompute, options.keep_groups,
-                                   options.fused_merge)
+        self.plan = block_plan(self.name, options)
         self.options = resolve_fused_merge(options, self.plan)
 
     @classmethod
@@ -249,7 +248,7 @@ class WavScheme(Scheme):
             raise ValueError(f"wav: detail_bias_init must be a finite number or -inf (the details weighed 0: "
                              f"block_attnres exactly), found {bias!r}")
         check_bool("wav", "details", options.details)
-        two_phase_plan(cls.name, options.two_phase, options.recompute, options.keep_groups, options.fused_merge)
+        block_plan(cls.name, options)
 
     def unused_options(self, options) -> list[tuple[str, str]]:
         unused = super().unused_options(options)

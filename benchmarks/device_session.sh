@@ -865,6 +865,17 @@ for r in map(json.loads, filter(str.strip, open(sys.argv[1]))):
     print(r["case"], r["us"], r.get("launcher_us"), r.get("no_launch_us"), r["aten_ops"], sep=" | ")' "$OUT/launcher_host.jsonl"
   e2e_run 250 2 8 mhar_block mhar_block_fm
   ;;
+last74)
+  # session 74's last call (what its device time left after failed starts), by the card that
+  # comes: on an H200 one wave of 4 at HEAD (the baseline, Block AttnRes, block MHAR, and
+  # WAV, whose graphs this session changed: zero_from); on an H100 every scheme compiled
+  # with the backend against eager (this session's changes to zero_from and the checks)
+  if on_h200; then
+    e2e_run 420 4 12 baseline block_attnres mhar_block wav
+  else
+    every_scheme_check 400
+  fi
+  ;;
 table72)
   # prepared in session 71 (not run): every scheme at HEAD with its defaults, and block MHAR
   # with the fused merge beside them (2.9-3.1 % faster than its default on two H100s in

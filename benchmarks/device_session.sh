@@ -871,9 +871,9 @@ last74)
   # WAV, whose graphs this session changed: zero_from); on an H100 every scheme compiled
   # with the backend against eager (this session's changes to zero_from and the checks)
   if on_h200; then
-    e2e_run 420 4 12 baseline block_attnres mhar_block wav
+    e2e_run "${LAST_SECONDS:-420}" 4 12 baseline block_attnres mhar_block wav
   else
-    every_scheme_check 400
+    every_scheme_check "${LAST_SECONDS:-400}"
   fi
   ;;
 table72)

@@ -390,8 +390,9 @@ def test_inspect_and_reset_refuse_what_is_not_a_rewritten_module():
 
 def test_a_model_whose_own_output_is_not_finite_is_not_blamed_on_the_rewrite():
     model = ToyLM()
+    token = int(IDS[0, 0])  # a token of the capture input: its embedding row made NaN
     with torch.no_grad():
-        model.embed.weight[3] = math.nan
+        model.embed.weight[token] = math.nan
     with pytest.raises(depthrewrite.DepthRewriteError, match=r"^verification: ToyLM's output was non-finite before "
                                                              r"the rewrite too"):
         rewrite(model, "attnres")

@@ -67,6 +67,11 @@ class MharBlockRouter(_MultiHead, BlockRouter):
         return f"heads={self.heads}, closes_block={self.closes_block}"
 
 
+def _check_heads(heads: object) -> None:
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"mhar: heads must be a positive int, found {heads!r}")
+
+
 class MharScheme(Scheme):
     """``mhar``: Multi-Head Attention Residuals. Each site (and the final readout) routes
     over depth like AttnRes, but its query ``w`` (d,) is read as H heads of d/H channels,
@@ -101,9 +106,8 @@ class MharScheme(Scheme):
         super().check_options(options)
         check_bool(cls.name, "two_phase", options.two_phase)  # the full form does not read it, but takes it
         check_block_size(cls.name, options.block_size, none_means="full routing")
-        heads = options.heads
-        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
-            raise ValueError(f"mhar: heads must be a positive int, found {heads!r}")
+        if options.heads is not None:
+            _check_heads(options.heads)
         cls._plan(options)
 
     @classmethod
@@ -126,8 +130,7 @@ class MharScheme(Scheme):
                     "count; pass heads=<int dividing the width "
                     f"{self.d}>"
                 )
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"mhar: heads must be a positive int, found {heads!r}")
+        _check_heads(heads)  # again: the model's head count, where heads was not given
         if self.d % heads != 0:
             raise ValueError(f"mhar: heads must divide the model width, found width d={self.d} and heads={heads}")
         return heads

@@ -3,7 +3,8 @@
 
 The analysis runs the model and probes its modules, which needs values. So for the rewrite
 the model is materialized on the CPU (``to_empty``, then its ``init_weights()`` or the
-``meta_init`` given), rewritten in place there, and moved back to the meta device, with
+``meta_init`` given, which must write every floating tensor: one left as ``to_empty`` left
+it is named), rewritten in place there, and moved back to the meta device, with
 tied parameters tied again. The global RNG and the module attributes the init set
 (transformers' ``_is_hf_initialized`` marks) are left as they were: the user's own init
 after ``to_empty`` does what it would have done without the rewrite. The CPU needs the
@@ -49,6 +50,7 @@ def materialized(model: nn.Module, meta_init: Callable[[nn.Module], None] | None
     with torch.random.fork_rng(devices=[]):
         model.to_empty(device="cpu")
         _tie(model, ties)
+        _mark_unset(model)
         try:
             before = {module: dict(vars(module)) for module in model.modules()}
             try:
@@ -57,6 +59,7 @@ def materialized(model: nn.Module, meta_init: Callable[[nn.Module], None] | None
             finally:  # only the init's changes: the rewrite's own attributes stay
                 marks = _attributes_changed(before)
             _refuse_left_on_meta(model, caller)
+            _refuse_left_unset(model, caller)
             yield
         finally:
             model.to("meta")
@@ -122,6 +125,35 @@ def _refuse_left_on_meta(model: nn.Module, caller: str) -> None:
         kind, name = found
         raise CaptureError(f"{caller}: {type(model).__name__}'s {kind} '{name}' is still on the meta device "
                            "after to_empty(device='cpu') and the model's init; the analysis needs its value")
+
+
+def _floating_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_floating_point():
+                yield kind, name, tensor
+
+
+@torch.no_grad()
+def _mark_unset(model: nn.Module) -> None:
+    """NaN in every floating tensor ``to_empty`` made: its memory is unset, often zeros or
+    an earlier tensor's values, so an init that misses a tensor would otherwise go unseen
+    (the analysis would run on whatever was there and fail later, blaming the model's
+    structure). Integer buffers have no value to mark them with and are not checked."""
+    for _, _, tensor in _floating_tensors(model):
+        tensor.fill_(float("nan"))
+
+
+def _refuse_left_unset(model: nn.Module, caller: str) -> None:
+    for kind, name, tensor in _floating_tensors(model):
+        unset = int(tensor.isnan().sum())
+        if unset:
+            which = f"any of the {tensor.numel()}" if unset == tensor.numel() else f"{unset} of the {tensor.numel()}"
+            raise CaptureError(
+                f"{caller}: the init did not write {which} values of {type(model).__name__}'s {kind} '{name}' "
+                "(still NaN after to_empty(device='cpu') and the init; depthrewrite fills each floating tensor "
+                "with NaN first, and the analysis needs values in all of them). The init (init_weights() or "
+                "meta_init) must write every parameter and floating buffer")
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -102,6 +102,31 @@ def test_an_init_that_leaves_a_tensor_on_meta_is_named():
         depthrewrite.rewrite(_on_meta(), "dar", meta_init=lambda m: m.embed.to_empty(device="meta"))
 
 
+def test_an_init_that_writes_nothing_is_named_not_blamed_on_the_model():
+    """``to_empty`` leaves memory unset, so without the NaN marks an init that does nothing
+    let the analysis run on stale values and fail as a structure error (NotPreNormError)."""
+    numel = CONFIG.vocab_size * CONFIG.d_model
+    with pytest.raises(CaptureError, match=rf"rewrite: the init did not write any of the {numel} values of "
+                                           r"GPT's parameter 'embed.weight'"):
+        depthrewrite.rewrite(_on_meta(), "dar", meta_init=lambda m: None)
+    with pytest.raises(CaptureError, match=r"inspect: the init did not write any of the"):
+        depthrewrite.inspect(_on_meta(), meta_init=lambda m: None)
+
+
+def test_an_init_that_misses_part_of_a_tensor_is_named_with_the_count():
+    def init_but_the_first_rows(model):
+        model.init_weights()
+        model.blocks[1].attn.qkv.weight.fill_(float("nan"))  # back to what it was before the init
+        torch.nn.init.normal_(model.blocks[1].attn.qkv.weight[2:])
+
+    model = _on_meta()
+    numel = model.blocks[1].attn.qkv.weight.numel()
+    with pytest.raises(CaptureError, match=rf"rewrite: the init did not write {2 * CONFIG.d_model} of the {numel} "
+                                           r"values of GPT's parameter 'blocks.1.attn.qkv.weight'"):
+        depthrewrite.rewrite(model, "dar", meta_init=init_but_the_first_rows)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
 def test_a_direct_capture_of_a_meta_model_says_what_materializes_it():
     from depthrewrite.capture import capture
 

@@ -50,8 +50,8 @@ def materialized(model: nn.Module, meta_init: Callable[[nn.Module], None] | None
     with torch.random.fork_rng(devices=[]):
         model.to_empty(device="cpu")
         _tie(model, ties)
-        _mark_unset(model)
         try:
+            _mark_unset(model)
             before = {module: dict(vars(module)) for module in model.modules()}
             try:
                 with torch.no_grad():
@@ -127,10 +127,14 @@ def _refuse_left_on_meta(model: nn.Module, caller: str) -> None:
                            "after to_empty(device='cpu') and the model's init; the analysis needs its value")
 
 
+#: floating dtypes with no NaN to mark with (packed 4-bit floats)
+_WITHOUT_NAN = {getattr(torch, "float4_e2m1fn_x2", None)} - {None}
+
+
 def _floating_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, tensor in named:
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and tensor.dtype not in _WITHOUT_NAN:
                 yield kind, name, tensor
 
 
@@ -139,7 +143,8 @@ def _mark_unset(model: nn.Module) -> None:
     """NaN in every floating tensor ``to_empty`` made: its memory is unset, often zeros or
     an earlier tensor's values, so an init that misses a tensor would otherwise go unseen
     (the analysis would run on whatever was there and fail later, blaming the model's
-    structure). Integer buffers have no value to mark them with and are not checked."""
+    structure). Integer buffers (and packed 4-bit floats) have no NaN to mark them with and
+    are not checked."""
     for _, _, tensor in _floating_tensors(model):
         tensor.fill_(float("nan"))
 

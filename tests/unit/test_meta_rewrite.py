@@ -127,6 +127,16 @@ def test_an_init_that_misses_part_of_a_tensor_is_named_with_the_count():
     assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="no packed 4-bit float in this torch")
+def test_a_tensor_of_a_dtype_without_nan_is_not_marked():
+    """Packed 4-bit floats have no NaN (and no fill_): such a tensor is left as to_empty left
+    it, not a crash of the rewrite."""
+    model = _on_meta()
+    model.register_buffer("packed", torch.empty(4, dtype=torch.float4_e2m1fn_x2, device="meta"))
+    depthrewrite.rewrite(model, "dar")
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
 def test_a_direct_capture_of_a_meta_model_says_what_materializes_it():
     from depthrewrite.capture import capture
 

@@ -1,7 +1,7 @@
 """``train(config) -> TrainResult``: the training loop the CLI and ``compare`` run.
 
-AdamW (weight decay on matrices and embeddings only: norms and routing vectors keep their
-init scale), linear warmup (a tenth of the steps unless given) then cosine decay to
+AdamW (weight decay on the model's own matrices and embeddings only: norms, biases and every
+parameter the rewrite adds keep their init scale; ``optimizer.py``), linear warmup (a tenth of the steps unless given) then cosine decay to
 ``min_lr_ratio * lr``, gradient clipping,
 optional bf16 autocast and torch.compile, periodic evaluation on the validation split,
 a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from ..rewrite import find_runtime
 from . import checkpoint, config_checks, distributed
+from . import optimizer as optimizer_groups
 from .stop_signals import StopRequests
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
 from .model import build_model, parse_model_name
@@ -200,25 +201,13 @@ class TrainResult:
 
 
 # ------------------------------------------------------------------ optimisation
-def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": params, "weight_decay": wd} for params, wd in zip((decay, other), _weight_decays(config))]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
-
-
-def _weight_decays(config: TrainConfig) -> tuple[float, float]:
-    """Of the two parameter groups: matrices and embeddings, then the rest."""
-    return config.weight_decay, 0.0
-
-
 def _apply_settings(optimizer: torch.optim.Optimizer, scheduler, config: TrainConfig, step: int) -> None:
     """After a resume: the optimizer and scheduler state restore the learning rate and weight
     decay the checkpoint's run had (its ``lr``, and its schedule's value at ``step``); the
     config's apply instead. The same config gives the same floats (LambdaLR multiplies as
     here), so a resume with unchanged settings stays bit-exact."""
     scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
-    for group, decay in zip(optimizer.param_groups, _weight_decays(config), strict=True):
+    for group, decay in zip(optimizer.param_groups, optimizer_groups.weight_decays(config.weight_decay), strict=True):
         group["initial_lr"] = config.lr
         group["lr"] = config.lr * lr_factor(step, config)
         group["weight_decay"] = decay
@@ -507,15 +496,18 @@ def _prepare(config: TrainConfig, info: distributed.DistInfo, device: torch.devi
     if rows % config.grad_accum:
         raise ValueError(f"grad_accum={config.grad_accum} must divide each rank's rows (batch_size "
                          f"{config.batch_size} over {info.world_size} ranks: {rows}) into equal micro-batches")
-    optimizer = make_optimizer(model, config)
+    optimizer = optimizer_groups.make_optimizer(model, config.lr, config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     log.info("schedule: %d steps, %d of linear warmup to lr %g, then cosine to %g", config.steps, config.warmup(),
              config.lr, config.lr * config.min_lr_ratio)
     step = 0
     digest = data_digest(splits)
     if config.resume:
-        payload = checkpoint.load_latest(config.out, model, optimizer, scheduler, info,
-                                         check=lambda p: _check_resume(p, config, _scheme_options(model), digest))
+        def before_restore(payload: dict) -> None:
+            _check_resume(payload, config, _scheme_options(model), digest)
+            optimizer_groups.match_checkpoint(optimizer, model, payload["optimizer"])
+
+        payload = checkpoint.load_latest(config.out, model, optimizer, scheduler, info, check=before_restore)
         step = payload["step"]
         _apply_settings(optimizer, scheduler, config, step)
     elif config.out is not None:

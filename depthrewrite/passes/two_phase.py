@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 #: there either way: the same peak for one ``route_many`` forward per group less (H200, 350M,
 #: docs/benchmarks.md session 15: peaks unchanged, Block AttnRes 0.4 % and DAR block 1.0 %
 #: faster). A model whose peak is at its loss (a large vocabulary over a shallow stack) keeps
-#: those outputs through it: False recomputes every group.
+#: those outputs through it: False recomputes every group but the ``keep_groups`` a
+#: scheme asks to keep.
 KEEP_LAST_PHASE_ONE = True
 
 #: phase 2 of Block AttnRes, block MHAR, WAV's readout and DAR (one new entry merged into a
@@ -94,8 +95,9 @@ class TwoPhasePlan:
     of consecutive sites.
 
     The plan knows each group of routers (the sites of one block, then the readout, in
-    order); the state carries the phase-1 result of the current group as a third entry,
-    ``None`` where phase 1 was skipped, and the routers then route per site:
+    order); the state carries the phase-1 result of the current group as its last entry
+    (Block AttnRes, block MHAR and DAR: the third; grouped full routing: the second; WAV:
+    the fourth), ``None`` where phase 1 was skipped, and the routers then route per site:
     - when a group's routing parameters are shards that phase 1 cannot gather. FSDP2
       gathers a block's parameters only when that block runs, and phase 1 for block
       ``k + 1`` runs inside block ``k``: phase 1 gathers FSDP2's shards itself and reduces

@@ -128,8 +128,8 @@ def _add_training_args(t, base: TrainConfig, out_default: str) -> None:
                    help=f"cosine floor as a fraction of --lr (default {base.min_lr_ratio})")
     t.add_argument("--warmup", type=int, dest="warmup_steps", help="linear warmup steps, fewer than --steps "
                    f"(default: --steps // {WARMUP_DIVISOR}, {base.warmup()} of {base.steps})")
-    t.add_argument("--weight-decay", type=float, help=f"AdamW weight decay of the model's own matrices and embeddings, none on the routing parameters (default "
-                   f"{base.weight_decay})")
+    t.add_argument("--weight-decay", type=float, help="AdamW weight decay of the model's own matrices and "
+                   f"embeddings, none on the routing parameters (default {base.weight_decay})")
     t.add_argument("--grad-clip", type=float, help=f"gradient norm clip, 0: off (default {base.grad_clip})")
     t.add_argument("--precision", choices=PRECISIONS, help=f"(default {base.precision})")
     t.add_argument("--compile", choices=("off", "on"),

@@ -117,9 +117,9 @@ def add_group_entries(router: DepthQuery, result: tuple, entries: tuple) -> torc
     """Phase 2 of a :class:`TwoPhasePlan` for ``router``: its row of the phase-1 ``result``
     ``(outs, lses)``, plus the entries its group made since phase 1 ran (Block AttnRes and
     WAV's readout: the partial block sum; grouped full routing: the group's own entries so
-    far). None: the phase-1 output itself; one: by online softmax (``route_merge`` where the router's ``fused_merge``, or
-    ``two_phase.FUSED_MERGE``, says so, else ``merge_partial``); more:
-    routed together (``route_many``, one query) and the two results merged by their
+    far). None: the phase-1 output itself; one: by online softmax (``route_merge`` where
+    the router's ``fused_merge``, or ``two_phase.FUSED_MERGE``, says so, else
+    ``merge_partial``); more: routed together (``route_many``, one query) and the two results merged by their
     log-sum-exps (``merge_routes``), or, up to ``two_phase.DIRECT_MERGE_ENTRIES`` of them,
     merged as ``merge_routes``' own sources (no routing-op call). The same function as one
     route over all the entries."""

@@ -223,8 +223,8 @@ class WavScheme(Scheme):
     (False: exactly block_attnres with the same ``two_phase``), ``eps`` (key RMSNorm and
     matching, 1e-6), ``two_phase`` (False: measured slower for WAV, see the module docstring),
     ``recompute`` (True), ``keep_groups`` (0) and ``fused_merge`` (None; with details the
-    readout's merge only, with ``details=False`` every merge) as for block_attnres. New parameters: ``2 d (L + 1) + 2 L``
-    (``2 d (L + 1)`` with ``details=False``).
+    readout's merge only, with ``details=False`` every merge) as for block_attnres. New
+    parameters: ``2 d (L + 1) + 2 L`` (``2 d (L + 1)`` with ``details=False``).
     """
 
     name = "wav"

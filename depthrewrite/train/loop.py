@@ -1,8 +1,8 @@
 """``train(config) -> TrainResult``: the training loop the CLI and ``compare`` run.
 
 AdamW (weight decay on the model's own matrices and embeddings only: norms, biases and every
-parameter the rewrite adds keep their init scale; ``optimizer.py``), linear warmup (a tenth of the steps unless given) then cosine decay to
-``min_lr_ratio * lr``, gradient clipping,
+parameter the rewrite adds keep their init scale; ``optimizer.py``), linear warmup (a tenth
+of the steps unless given) then cosine decay to ``min_lr_ratio * lr``, gradient clipping,
 optional bf16 autocast and torch.compile, periodic evaluation on the validation split,
 a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
 A non-finite training loss or gradient norm stops the run (``FloatingPointError``) before

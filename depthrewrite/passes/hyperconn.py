@@ -272,7 +272,9 @@ class MHCScheme(_StreamScheme):
     ``e``; since a doubly stochastic ``H_res`` keeps equal streams equal, the model starts
     close to the original (up to rounding). Sinkhorn converges at a rate set by the spread
     of the logits: 20 rounds give row sums within 1e-3 for trained tiny models, but logits
-    spread over +-2 or more can need ~100 (raise ``sinkhorn_iters``). Options: ``streams``
+    spread over +-2 or more can need ~100, and a 2 x 2 whose log cross ratio
+    ``l00 + l11 - l01 - l10`` is 10.7 needs 300-500 to bring its rows within 1e-3 to 1e-6
+    (raise ``sinkhorn_iters``). Options: ``streams``
     (4, at least 2), ``dynamic`` (True), ``sinkhorn_iters`` (20), ``res_offdiag`` (-2.0),
     ``pre_init`` (0.9), ``readout`` ('learned' or 'sum'), ``eps``. New parameters:
     ``L (n^2 + 2n)`` static, plus ``L (n d (n^2 + 2n) + 3)`` dynamic, plus ``n`` for the

@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings, strategies as st
+from hypothesis import Phase, example, given, settings, strategies as st
 
 import depthrewrite
 from depthrewrite.models.gpt import gpt_from_preset
@@ -347,7 +347,9 @@ def capture_weights(model):
     return seen
 
 
-def assert_doubly_stochastic(model, streams, ids=IDS, varies=1e-3):
+def assert_doubly_stochastic(model, streams, ids=IDS, varies=1e-3, rows_atol=1e-3):
+    """The sites' weights are in range and their ``H_res`` doubly stochastic (rows within
+    ``rows_atol``; None: the caller checks them); returns the ``("write", ...)`` weights."""
     seen = capture_weights(model)
     logits(model, ids)
     reads = [w for kind, w in seen if kind == "read"]
@@ -359,12 +361,14 @@ def assert_doubly_stochastic(model, streams, ids=IDS, varies=1e-3):
         assert res.shape == (*ids.shape, streams, streams)
         assert (res >= 0).all()
         ones = torch.ones(res.shape[:-1], dtype=res.dtype)
-        assert torch.allclose(res.sum(-1), ones, rtol=0, atol=1e-3)  # rows
+        if rows_atol is not None:
+            assert torch.allclose(res.sum(-1), ones, rtol=0, atol=rows_atol)
         assert torch.allclose(res.sum(-2), ones, rtol=0, atol=1e-3)  # columns
         assert ((post > 0) & (post < 2)).all()
     # dynamic: the matrices really depend on the token
     res = writes[-1][0]
     assert (res - res[0, 0]).abs().max() > varies
+    return writes
 
 
 @torch.no_grad()
@@ -382,12 +386,30 @@ def randomize_mhc(model, seed):
 
 @NO_SHRINK
 @given(streams=st.integers(2, 4), seed=st.integers(0, 2**16))
+@example(streams=2, seed=2086)  # the draw whose rows 100 rounds left 1.9e-3 off
 def test_mhc_mixing_matrices_are_doubly_stochastic_on_random_parameters(streams, seed):
-    """Sinkhorn converges at a rate set by the spread of the logits: with these random
-    parameters 20 rounds leave row sums off by up to ~5e-3 (measured), 100 rounds by < 2e-4."""
-    model = rewrite(tiny(), "mhc", streams=streams, sinkhorn_iters=100)
-    randomize_mhc(model, seed)
-    assert_doubly_stochastic(model, streams)
+    """``H_res`` is Sinkhorn's projection of the site's logits, to float32 rounding. Its
+    rows then converge at Sinkhorn's own rate, set by the logits' spread: with these random
+    parameters 100 rounds bring most draws within 1e-3, but not all (a 2 x 2 whose log cross
+    ratio was 10.7 was 1.9e-3 off at 100 rounds and 1e-6 at 500, in float64 as in float32:
+    found by hypothesis). So the rows are held to 1e-3 where float64 Sinkhorn of the same
+    logits converged that far in the same rounds, and to its own residual elsewhere."""
+    import depthrewrite.passes.hyperconn as hyperconn
+
+    logits_seen = []
+    sinkhorn = hyperconn.sinkhorn
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hyperconn, "sinkhorn", lambda lg, iters: (logits_seen.append(lg.detach()), sinkhorn(lg, iters))[1])
+        model = rewrite(tiny(), "mhc", streams=streams, sinkhorn_iters=100)
+        randomize_mhc(model, seed)
+        logits_seen.clear()  # the rewrite's own verification run
+        writes = assert_doubly_stochastic(model, streams, rows_atol=None)
+    assert len(logits_seen) == len(writes) == 6
+    for lg, (res, _) in zip(logits_seen, writes):
+        exact = sinkhorn(lg.double(), 100)
+        torch.testing.assert_close(res.double(), exact, rtol=0, atol=1e-5)
+        residual = (exact.sum(-1) - 1).abs()
+        assert ((res.sum(-1) - 1).abs() <= torch.clamp(residual, min=1e-3) + 1e-5).all()
 
 
 # ---------------------------------------------------------------------------- training

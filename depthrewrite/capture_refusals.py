@@ -16,6 +16,8 @@ does; the capture calls them at the points where it has what they need.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -278,11 +280,15 @@ def refuse_meta_tensors(model: nn.Module) -> None:
             "(with its init_weights() or meta_init=...); call one of them, or capture it once its weights exist")
 
 
+def named_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(kind, name, tensor)`` of the model's parameters, then its buffers; ``kind`` is
+    "parameter" or "buffer", for messages."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            yield kind, name, tensor
+
+
 def first_meta_tensor(model: nn.Module) -> tuple[str, str] | None:
     """The kind ("parameter" or "buffer") and name of the model's first tensor on the meta
     device; None where it has none."""
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        name = next((n for n, t in named if t.is_meta), None)
-        if name is not None:
-            return kind, name
-    return None
+    return next(((kind, name) for kind, name, tensor in named_tensors(model) if tensor.is_meta), None)

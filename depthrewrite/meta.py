@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .capture_refusals import first_meta_tensor
+from .capture_refusals import first_meta_tensor, named_tensors
 from .errors import CaptureError, DepthRewriteError
 from .passes.runtime import ROUTER_ATTR, is_routed
 
@@ -132,10 +132,8 @@ _WITHOUT_NAN = {getattr(torch, "float4_e2m1fn_x2", None)} - {None}
 
 
 def _floating_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, tensor in named:
-            if tensor.is_floating_point() and tensor.dtype not in _WITHOUT_NAN:
-                yield kind, name, tensor
+    return ((kind, name, tensor) for kind, name, tensor in named_tensors(model)
+            if tensor.is_floating_point() and tensor.dtype not in _WITHOUT_NAN)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from .meta import has_meta_tensors, keep_initial_values, materialized
 from .passes import scheme_class, scheme_options
 from .passes.base import check_bool
 from .passes.runtime import (
-    ROUTER_ATTR, DepthRuntime, install_block, install_readout, is_routed, prepare_programs,
+    DepthRuntime, install_block, install_readout, is_routed, prepare_programs, routing_parameters,
 )
 
 log = logging.getLogger(__name__)
@@ -161,8 +161,7 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
         install_block(plan.module, plan, runtime, routers)
         prepare_programs(plan.module, plan.traced.spec, plan)
     install_readout(cap.final_norm, cap.final_norm_path, runtime, scheme.make_readout_router())
-    new_params = sum(p.numel() for m in model.modules() if is_routed(m)
-                     for p in getattr(m, ROUTER_ATTR).parameters())
+    new_params = sum(p.numel() for p in routing_parameters(model))
     runtime.report.update(scheme.describe())
     runtime.report.update(sites_rewritten=analysis.stream.num_sites, blocks=len(analysis.blocks),
                           new_parameters=new_params)

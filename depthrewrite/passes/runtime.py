@@ -339,6 +339,11 @@ def is_routed(module: nn.Module) -> bool:
     return isinstance(module, (RoutedBlock, RoutedReadout))
 
 
+def routing_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the rewrite added: those under each routed module's ``depth_route``."""
+    return [p for module in model.modules() if is_routed(module) for p in getattr(module, ROUTER_ATTR).parameters()]
+
+
 def original_class(module: nn.Module) -> type:
     if not is_routed(module):
         return type(module)

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from ..passes.runtime import ROUTER_ATTR, is_routed
+from ..passes.runtime import routing_parameters
 
 log = logging.getLogger(__name__)
 
@@ -34,24 +34,16 @@ RULES = (DECAY_RULE, LEGACY_RULE)
 BETAS = (0.9, 0.95)
 
 
-def routing_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters the rewrite added: those under each routed module's ``depth_route``."""
-    found: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        if is_routed(module):
-            found.update((id(p), p) for p in getattr(module, ROUTER_ATTR).parameters())
-    return list(found.values())
-
-
 def decay_groups(model: nn.Module, rule: str = DECAY_RULE) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """The trainable parameters with weight decay and those without, each in the model's order."""
     if rule not in RULES:
         raise ValueError(f"decay_groups: rule must be one of {RULES}, found {rule!r}")
     routing = {id(p) for p in routing_parameters(model)} if rule == DECAY_RULE else set()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.dim() >= 2 and id(p) not in routing]
-    chosen = {id(p) for p in decay}
-    return decay, [p for p in trainable if id(p) not in chosen]
+    decay, other = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 and id(p) not in routing else other).append(p)
+    return decay, other
 
 
 def weight_decays(weight_decay: float) -> tuple[float, float]:
@@ -83,8 +75,7 @@ def match_checkpoint(optimizer: torch.optim.Optimizer, model: nn.Module, optimiz
     legacy = decay_groups(model, rule)
     moved = len(legacy[0]) - len(optimizer.param_groups[0]["params"])
     for group, params in zip(optimizer.param_groups, legacy, strict=True):
-        group["params"] = params
-        group["decay_rule"] = rule
+        group["params"] = params  # the rest of each group comes from the checkpoint's
     if moved:
         log.warning("resume: the checkpoint's run gave weight decay to every parameter of two or more dimensions, "
                     "%d routing matrices included; this run keeps that grouping to go on as it started (a new "

@@ -29,6 +29,7 @@ flipped) are built at rewrite time; any other spec is traced and rewritten on fi
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
 import weakref
@@ -46,6 +47,7 @@ from .. import fsdp2, tensor_parallel
 from ..capture import Capture
 from ..errors import DepthRewriteError, RuntimeOrderError
 from .base import Scheme
+from .program_source import function_from_source, source_with_imports
 from .route_graph import route_block_graph_pass
 
 log = logging.getLogger(__name__)
@@ -90,11 +92,26 @@ class DepthRuntime:
 
 @dataclass
 class BlockProgram:
-    """A block's rewritten graph, compiled to Python, for one call spec."""
+    """A block's rewritten graph, compiled to Python, for one call spec. It pickles as its
+    source (:mod:`.program_source`); a deep copy shares the code, which is pure."""
 
     code: Any  # forward(self, *inputs, depth_state) -> (output, state)
     spec: Any
     sites: int
+    source: str = field(repr=False, default="")  # the code's text, as fx generated it
+    block_path: str = ""  # for errors
+
+    def __reduce__(self):
+        text = source_with_imports(self.code, self.source, self.block_path)
+        return _program_from_source, (text, self.spec, self.sites, self.block_path)
+
+    def __deepcopy__(self, memo):
+        return BlockProgram(self.code, copy.deepcopy(self.spec, memo), self.sites, self.source, self.block_path)
+
+
+def _program_from_source(text: str, spec, sites: int, block_path: str) -> BlockProgram:
+    """A pickled :class:`BlockProgram` made again (``BlockProgram.__reduce__``)."""
+    return BlockProgram(function_from_source(text), spec, sites, text, block_path)
 
 
 class DepthCall:
@@ -222,6 +239,11 @@ class RoutedBlock(fsdp2.Keyed):
         state = super().__getstate__()
         return {k: v for k, v in state.items() if k != "_depth_pending"}
 
+    def __reduce_ex__(self, protocol):
+        # the block's class is made at run time and cannot be found by name: a copy or a
+        # pickle makes one again from the original class (a class of its own, see block_class)
+        return _new_routed, (RoutedBlock, original_class(self)), self.__getstate__()
+
     def _depth_program(self, args: tuple, kwargs: dict) -> BlockProgram:
         spec = call_spec(args, kwargs, self.training, self._depth_int_inputs)
         program = self._depth_programs.get(spec.key)
@@ -281,6 +303,9 @@ class RoutedReadout:
         rt.state, rt.last_block = None, None  # release the sources as soon as they are read
         return super().__call__(x, *args, **kwargs)
 
+    def __reduce_ex__(self, protocol):
+        return _new_routed, (RoutedReadout, original_class(self)), self.__getstate__()
+
 
 #: stands for the block's stream argument in a depth state kept for a replay
 _STREAM = object()
@@ -313,7 +338,8 @@ def routed_class(mixin: type, cls: type) -> type:
     """One subclass per original class, so that ``isinstance`` and class attributes hold."""
     key = (mixin, cls)
     if key not in _ROUTED_CLASSES:
-        _ROUTED_CLASSES[key] = type(f"Routed{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+        _ROUTED_CLASSES[key] = type(f"Routed{cls.__name__}", (mixin, cls),
+                                    {"__module__": cls.__module__, "_depth_original_class": cls})
     return _ROUTED_CLASSES[key]
 
 
@@ -326,6 +352,13 @@ def block_class(cls: type) -> type:
     return type(shared.__name__, (shared,), {"__module__": shared.__module__, "__qualname__": shared.__qualname__,
                                              "__call__": _own_code(RoutedBlock.__call__),
                                              "forward": _own_code(RoutedBlock.forward)})
+
+
+def _new_routed(mixin: type, cls: type) -> nn.Module:
+    """An empty routed module of original class ``cls``, its class made again (a pickled or
+    copied routed module's ``__reduce_ex__``); pickle then sets its state."""
+    routed = block_class(cls) if mixin is RoutedBlock else routed_class(mixin, cls)
+    return routed.__new__(routed)
 
 
 def _own_code(fn: types.FunctionType) -> types.FunctionType:
@@ -345,10 +378,8 @@ def routing_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def original_class(module: nn.Module) -> type:
-    if not is_routed(module):
-        return type(module)
-    mro = type(module).__mro__
-    return mro[mro.index(RoutedBlock if isinstance(module, RoutedBlock) else RoutedReadout) + 1]
+    """The class a routed module had before the rewrite (its own class otherwise)."""
+    return type(module)._depth_original_class if is_routed(module) else type(module)
 
 
 def _describe_spec(spec) -> str:
@@ -404,7 +435,8 @@ def build_program(block: nn.Module, spec, plan: BlockPlan | None = None) -> Bloc
     # the block is the root: the generated code reads ``self.<child>`` and runs with the block as self
     gm = fx.GraphModule(block, result.graph, class_name=f"Routed{original_class(block).__name__}Graph")
     gm.graph.lint()
-    return BlockProgram(code=type(gm).forward, spec=plan.traced.spec, sites=result.sites_rewritten)
+    return BlockProgram(code=type(gm).forward, spec=plan.traced.spec, sites=result.sites_rewritten, source=gm.code,
+                        block_path=block._depth_path)
 
 
 def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, routers: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import socket
 
 import pytest
@@ -98,10 +99,31 @@ def corpus_bytes(name: str = "tinyshakespeare.txt", limit: int | None = None) ->
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now, for a process group's store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this machine now, for a process group's store, taken below the
+    kernel's ephemeral range. The ranks bind it seconds later, once spawned, and a port of
+    that range may meanwhile become the local end of any process's outgoing connection: in
+    session 76 a CI run's rank 0 found the port that the kernel had given it (bind to port
+    0) in use ("EADDRINUSE"), while the other pytest worker's ranks were connecting."""
+    pick = random.Random()  # not the global RNG, which tests seed
+    low = _ephemeral_ports_start()
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still closing (TIME_WAIT)
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free TCP port among 200 tries below {low}")
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port the kernel hands out for outgoing connections (Linux's default
+    where the file is missing)."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def rank_environment(rank: int, port: int, ranks: int) -> None:

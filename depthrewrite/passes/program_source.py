@@ -17,10 +17,10 @@ from torch.package.importer import ObjNotFoundError
 from ..errors import DepthRewriteError
 
 
-def source_with_imports(code, source: str, block_path: str) -> str:
-    """``source`` (``code``'s own, as fx generated it) preceded by the imports of the names
-    ``code`` reads from its globals. Raises a DepthRewriteError naming the block and the
-    object where one of them cannot be imported."""
+def imports_of(code, block_path: str) -> str:
+    """The import statements of the names ``code`` (a function fx generated) reads from its
+    globals. Raises a DepthRewriteError naming the block and the object where one of them
+    cannot be imported."""
     imports = set()
     for name, obj in code.__globals__.items():
         if name == "__builtins__":
@@ -34,9 +34,10 @@ def source_with_imports(code, source: str, block_path: str) -> str:
                 "imported by name; save the weights instead (model.state_dict(), or save_pretrained) and "
                 "rewrite the loaded model the same way"
             ) from exc
-    return "\n".join(sorted(imports)) + "\n" + source
+    return "\n".join(sorted(imports))
 
 
-def function_from_source(source: str):
-    """The ``forward`` function that :func:`source_with_imports`' text defines."""
-    return _forward_from_src(source, {})
+def function_from_source(imports: str, source: str):
+    """The ``forward`` function that ``source`` (fx's text of it) defines, its names
+    imported by ``imports`` (:func:`imports_of`)."""
+    return _forward_from_src(imports + "\n" + source, {})

@@ -47,7 +47,7 @@ from .. import fsdp2, tensor_parallel
 from ..capture import Capture
 from ..errors import DepthRewriteError, RuntimeOrderError
 from .base import Scheme
-from .program_source import function_from_source, source_with_imports
+from .program_source import function_from_source, imports_of
 from .route_graph import route_block_graph_pass
 
 log = logging.getLogger(__name__)
@@ -102,16 +102,16 @@ class BlockProgram:
     block_path: str = ""  # for errors
 
     def __reduce__(self):
-        text = source_with_imports(self.code, self.source, self.block_path)
-        return _program_from_source, (text, self.spec, self.sites, self.block_path)
+        imports = imports_of(self.code, self.block_path)
+        return _program_from_source, (imports, self.source, self.spec, self.sites, self.block_path)
 
     def __deepcopy__(self, memo):
         return BlockProgram(self.code, copy.deepcopy(self.spec, memo), self.sites, self.source, self.block_path)
 
 
-def _program_from_source(text: str, spec, sites: int, block_path: str) -> BlockProgram:
+def _program_from_source(imports: str, source: str, spec, sites: int, block_path: str) -> BlockProgram:
     """A pickled :class:`BlockProgram` made again (``BlockProgram.__reduce__``)."""
-    return BlockProgram(function_from_source(text), spec, sites, text, block_path)
+    return BlockProgram(function_from_source(imports, source), spec, sites, source, block_path)
 
 
 class DepthCall:
@@ -240,9 +240,7 @@ class RoutedBlock(fsdp2.Keyed):
         return {k: v for k, v in state.items() if k != "_depth_pending"}
 
     def __reduce_ex__(self, protocol):
-        # the block's class is made at run time and cannot be found by name: a copy or a
-        # pickle makes one again from the original class (a class of its own, see block_class)
-        return _new_routed, (RoutedBlock, original_class(self)), self.__getstate__()
+        return _reduce_routed(self, RoutedBlock, protocol)
 
     def _depth_program(self, args: tuple, kwargs: dict) -> BlockProgram:
         spec = call_spec(args, kwargs, self.training, self._depth_int_inputs)
@@ -304,7 +302,7 @@ class RoutedReadout:
         return super().__call__(x, *args, **kwargs)
 
     def __reduce_ex__(self, protocol):
-        return _new_routed, (RoutedReadout, original_class(self)), self.__getstate__()
+        return _reduce_routed(self, RoutedReadout, protocol)
 
 
 #: stands for the block's stream argument in a depth state kept for a replay
@@ -339,7 +337,8 @@ def routed_class(mixin: type, cls: type) -> type:
     key = (mixin, cls)
     if key not in _ROUTED_CLASSES:
         _ROUTED_CLASSES[key] = type(f"Routed{cls.__name__}", (mixin, cls),
-                                    {"__module__": cls.__module__, "_depth_original_class": cls})
+                                    {"__module__": cls.__module__, "_depth_original_class": cls,
+                                     "_depth_made_here": True})
     return _ROUTED_CLASSES[key]
 
 
@@ -351,7 +350,19 @@ def block_class(cls: type) -> type:
     shared = routed_class(RoutedBlock, cls)
     return type(shared.__name__, (shared,), {"__module__": shared.__module__, "__qualname__": shared.__qualname__,
                                              "__call__": _own_code(RoutedBlock.__call__),
-                                             "forward": _own_code(RoutedBlock.forward)})
+                                             "forward": _own_code(RoutedBlock.forward),
+                                             "_depth_made_here": True})
+
+
+def _reduce_routed(module: nn.Module, mixin: type, protocol: int):
+    """A routed module's ``__reduce_ex__``. Its class was made at run time and cannot be found
+    by name, so a copy or a pickle makes it again from the original class (for a block, a
+    class of its own: :func:`block_class`). A class made on top of ours by someone else
+    (FSDP2's ``FSDPRouted...``) keeps Python's default: a copy refers to the class, and a
+    pickle cannot find it, as without depthrewrite."""
+    if not type(module).__dict__.get("_depth_made_here"):
+        return super(mixin, module).__reduce_ex__(protocol)
+    return _new_routed, (mixin, original_class(module)), module.__getstate__()
 
 
 def _new_routed(mixin: type, cls: type) -> nn.Module:

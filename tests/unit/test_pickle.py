@@ -46,7 +46,7 @@ def loss_and_grads(model):
 @pytest.mark.parametrize("scheme", list(depthrewrite.SCHEMES))
 def test_a_pickled_model_loads_back_and_computes_the_same_bit_for_bit(scheme):
     model = tiny_gpt(scheme)
-    loaded = saved_and_loaded(model)
+    loaded = saved_and_loaded(saved_and_loaded(model))  # a loaded model pickles again
     with torch.no_grad():
         assert torch.equal(loaded.eval()(IDS), model.eval()(IDS))
     loss, grads = loss_and_grads(model)
@@ -127,3 +127,19 @@ def test_a_program_calling_what_pickle_cannot_name_is_refused_by_block():
     with pytest.raises(DepthRewriteError, match=refusal):
         torch.save(model, io.BytesIO())
     copy.deepcopy(model)  # a copy shares the programs' code: no source needed
+
+
+def test_a_class_made_on_top_of_a_routed_block_is_kept_by_a_copy():
+    """FSDP2's ``fully_shard`` swaps a module's class for one made on top of it at run time;
+    a copy keeps that class (Python's default) rather than the routed class alone."""
+    model = tiny_gpt("attnres")
+
+    class Wrapped:
+        pass
+
+    block = model.blocks[1]
+    block.__class__ = type("Wrapped" + type(block).__name__, (Wrapped, type(block)), {})
+    copied = copy.deepcopy(model)
+    assert type(copied.blocks[1]) is type(block) and type(copied.blocks[0]) is not type(model.blocks[0])
+    with torch.no_grad():
+        assert torch.equal(copied.eval()(IDS), model.eval()(IDS))

@@ -136,6 +136,28 @@ def varying_ints(spec: CallSpec, seen: list[CallSpec]) -> frozenset:
     return frozenset()
 
 
+def spec_differences(spec: CallSpec, seen: list[CallSpec], positional_names: list[str]) -> list[str]:
+    """How ``spec`` differs from the spec in ``seen`` (same mode, same arguments) that it
+    differs from least, one phrase per argument (``positional_names`` names the positions);
+    empty where none is comparable."""
+    best = None
+    for other in seen:
+        if other.training != spec.training or len(other.positional) != len(spec.positional) \
+                or [k for k, _ in other.keywords] != [k for k, _ in spec.keywords]:
+            continue
+        pairs = [(positional_names[i] if i < len(positional_names) else f"argument {i}", a, b)
+                 for i, (a, b) in enumerate(zip(spec.positional, other.positional))]
+        pairs += [(k, a, b) for (k, a), (_, b) in zip(spec.keywords, other.keywords)]
+        differ = [f"{name} is {_describe_kind(a)} here, {_describe_kind(b)} there" for name, a, b in pairs if a != b]
+        if best is None or len(differ) < len(best):
+            best = differ
+    return best or []
+
+
+def _describe_kind(kind: tuple) -> str:
+    return "a tensor or object" if kind[0] == "input" else repr(kind[1])
+
+
 def _identifier(name: str) -> str:
     name = re.sub(r"\W", "_", name)
     if not name or name[0].isdigit() or keyword.iskeyword(name):

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..analysis import BlockPlan, analyze_block_call
-from ..analysis.trace import call_spec, varying_ints
+from ..analysis.trace import call_spec, forward_param_names, spec_differences, varying_ints
 from .. import fsdp2, tensor_parallel
 from ..capture import Capture
 from ..errors import DepthRewriteError, RuntimeOrderError
@@ -250,11 +250,7 @@ class RoutedBlock(fsdp2.Keyed):
             program = self._depth_programs.get(call_spec(args, kwargs, self.training).key)
         if program is None:
             if torch.compiler.is_compiling():
-                raise DepthRewriteError(
-                    f"block {self._depth_path!r} is called inside torch.compile with arguments it was "
-                    f"not prepared for ({_describe_spec(spec)}); run the model once eagerly with the "
-                    "same arguments before compiling"
-                )
+                raise _unprepared_call(self, spec)
             program = self._depth_int_program(spec, args, kwargs) or build_program(self, spec)
             self._depth_programs[program.spec.key] = program
         return program
@@ -391,6 +387,21 @@ def routing_parameters(model: nn.Module) -> list[nn.Parameter]:
 def original_class(module: nn.Module) -> type:
     """The class a routed module had before the rewrite (its own class otherwise)."""
     return type(module)._depth_original_class if is_routed(module) else type(module)
+
+
+def _unprepared_call(block: nn.Module, spec) -> DepthRewriteError:
+    """The error for a call, under torch.compile or torch.export, of a spec that no program
+    of ``block`` was built for (tracing cannot run inside Dynamo). It names what differs
+    from the nearest prepared call: an argument that the model passes only when compiled
+    (GPT-2's ``cache_position`` under torch.export) is not among the rewrite's variants."""
+    names = forward_param_names(original_class(block).forward)
+    differences = spec_differences(spec, [p.spec for p in block._depth_programs.values()], names)
+    nearest = f"; unlike the nearest prepared call, {'; '.join(differences)}" if differences else ""
+    return DepthRewriteError(
+        f"block {block._depth_path!r} is called inside torch.compile or torch.export with arguments it was "
+        f"not prepared for ({_describe_spec(spec)}){nearest}; run the model once eagerly with the same "
+        "arguments (passing yourself any that the model makes only when compiled) before compiling or exporting"
+    )
 
 
 def _describe_spec(spec) -> str:

@@ -125,12 +125,7 @@ def varying_ints(spec: CallSpec, seen: list[CallSpec]) -> frozenset:
     """The arguments (positions, keywords) of ``spec`` holding an int that differs from the
     one of a spec in ``seen`` that is otherwise the same; empty if there is none."""
     for other in seen:
-        if other.training != spec.training or len(other.positional) != len(spec.positional) \
-                or [k for k, _ in other.keywords] != [k for k, _ in spec.keywords]:
-            continue
-        pairs = list(enumerate(zip(spec.positional, other.positional)))
-        pairs += [(k, (a, b)) for (k, a), (_, b) in zip(spec.keywords, other.keywords)]
-        differ = [(name, a, b) for name, (a, b) in pairs if a != b]
+        differ = [(name, a, b) for name, a, b in _argument_pairs(spec, other) or () if a != b]
         if differ and all(a[0] == b[0] == "const" and _is_int(a[1]) and _is_int(b[1]) for _, a, b in differ):
             return frozenset(name for name, _, _ in differ)
     return frozenset()
@@ -142,16 +137,30 @@ def spec_differences(spec: CallSpec, seen: list[CallSpec], positional_names: lis
     empty where none is comparable."""
     best = None
     for other in seen:
-        if other.training != spec.training or len(other.positional) != len(spec.positional) \
-                or [k for k, _ in other.keywords] != [k for k, _ in spec.keywords]:
+        pairs = _argument_pairs(spec, other)
+        if pairs is None:
             continue
-        pairs = [(positional_names[i] if i < len(positional_names) else f"argument {i}", a, b)
-                 for i, (a, b) in enumerate(zip(spec.positional, other.positional))]
-        pairs += [(k, a, b) for (k, a), (_, b) in zip(spec.keywords, other.keywords)]
-        differ = [f"{name} is {_describe_kind(a)} here, {_describe_kind(b)} there" for name, a, b in pairs if a != b]
+        differ = [f"{_argument_name(name, positional_names)} is {_describe_kind(a)} here, "
+                  f"{_describe_kind(b)} there" for name, a, b in pairs if a != b]
         if best is None or len(differ) < len(best):
             best = differ
     return best or []
+
+
+def _argument_pairs(spec: CallSpec, other: CallSpec) -> list[tuple] | None:
+    """``(position or keyword, kind in spec, kind in other)`` for every argument; None where
+    the two differ in mode or in which arguments they have."""
+    if other.training != spec.training or len(other.positional) != len(spec.positional) \
+            or [k for k, _ in other.keywords] != [k for k, _ in spec.keywords]:
+        return None
+    pairs = [(i, a, b) for i, (a, b) in enumerate(zip(spec.positional, other.positional))]
+    return pairs + [(k, a, b) for (k, a), (_, b) in zip(spec.keywords, other.keywords)]
+
+
+def _argument_name(name, positional_names: list[str]) -> str:
+    if isinstance(name, str):
+        return name
+    return positional_names[name] if name < len(positional_names) else f"argument {name}"
 
 
 def _describe_kind(kind: tuple) -> str:

@@ -393,7 +393,8 @@ def _unprepared_call(block: nn.Module, spec) -> DepthRewriteError:
     """The error for a call, under torch.compile or torch.export, of a spec that no program
     of ``block`` was built for (tracing cannot run inside Dynamo). It names what differs
     from the nearest prepared call: an argument that the model passes only when compiled
-    (GPT-2's ``cache_position`` under torch.export) is not among the rewrite's variants."""
+    or exported (GPT-2's attention mask under torch.export, a positional argument) is not
+    among the variants :func:`prepare_programs` builds."""
     names = forward_param_names(original_class(block).forward)
     differences = spec_differences(spec, [p.spec for p in block._depth_programs.values()], names)
     nearest = f"; unlike the nearest prepared call, {'; '.join(differences)}" if differences else ""

@@ -83,8 +83,8 @@ def test_a_loaded_model_compiles_with_the_backend_and_matches_eager():
 
 def test_a_copy_has_block_classes_of_its_own():
     """Dynamo keeps compiled graphs, and counts recompilations, per code object (see
-    depthrewrite/passes/runtime.py): a copy compiled beside its original (an EMA model)
-    must not spend the original's budget."""
+    depthrewrite/passes/runtime.py): a copy's blocks (an EMA model's), compiled one by one,
+    must not count against the original's limit."""
     model = tiny_gpt("block_attnres")
     copied = copy.deepcopy(model)
     for a, b in zip(model.blocks, copied.blocks):

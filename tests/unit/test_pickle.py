@@ -73,6 +73,21 @@ def test_a_pickled_hugging_face_model_loads_back_with_its_interface(family):
     assert torch.equal(loaded.generate(IDS[:, :3] % 97, **kw), model.generate(IDS[:, :3] % 97, **kw))
 
 
+def test_a_model_passes_through_the_pickler_of_torch_multiprocessing():
+    """torch.multiprocessing sends a model to another process with its ForkingPickler, its
+    tensors in shared memory (loaded here in the same process, as the receiver would)."""
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  registers the shared-memory reductions
+    from multiprocessing.reduction import ForkingPickler
+
+    model = tiny_gpt("wav").eval()
+    received = pickle.loads(ForkingPickler.dumps(model))
+    assert received.blocks[0].depth_route["site1"].query.is_shared()
+    with torch.no_grad():
+        assert torch.equal(received(IDS), model(IDS))
+
+
 def test_a_loaded_model_compiles_with_the_backend_and_matches_eager():
     loaded = saved_and_loaded(tiny_gpt("dar")).eval()
     with torch.no_grad():

@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.set_defaults(func=_cmd_compare)
     p_ins = sub.add_parser("inspect", help="print the residual-stream table of a model")
     p_ins.add_argument("model", help="a bundled preset (gpt:tiny, moe:small, ...), a Hugging Face config.json, "
-                       "a folder holding one, or a model id in the local cache (random weights, no download)")
+                       "a folder holding one, or a model id in the local cache (random weights, no download); "
+                       "or a file of a model saved whole with torch.save (unpickled: only a file you trust)")
     p_ins.add_argument("--layers", type=int, help="build the model with this many layers")
     p_ins.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p_ins.set_defaults(func=_cmd_inspect)
@@ -281,10 +282,35 @@ def _cmd_inspect(args) -> int:
         if size not in presets:
             raise ValueError(f"unknown {family} preset {size!r}; presets: {', '.join(presets)}")
         model = factory(size, **({"n_layer": args.layers} if args.layers is not None else {}))
+    elif _is_torch_save_file(args.model):
+        model = _saved_whole_model(args.model, args.layers)
     else:
         model = _with_recorded_rewrite(_hf_model(args.model, args.layers))
     print(depthrewrite.inspect(model))
     return 0
+
+
+def _is_torch_save_file(name: str) -> bool:
+    """A file ``torch.save`` wrote (a zip archive since torch 1.6), not a config."""
+    import zipfile
+
+    return pathlib.Path(name).is_file() and zipfile.is_zipfile(name)
+
+
+def _saved_whole_model(name: str, layers: int | None):
+    """The model ``torch.save(model, name)`` wrote. Unpickling runs code from the file, as
+    ``torch.load(weights_only=False)`` does: the command is given the file by its user."""
+    import torch
+    from torch import nn
+
+    if layers is not None:
+        raise ValueError(f"--layers cannot change a model saved whole ({name!r}); found --layers {layers}")
+    saved = torch.load(name, map_location="cpu", weights_only=False)
+    if not isinstance(saved, nn.Module):
+        raise ValueError(f"{name!r} holds an object of type {type(saved).__name__}, not a model saved whole "
+                         "(torch.save(model)): "
+                         "a state_dict has no architecture to inspect")
+    return saved
 
 
 def _with_recorded_rewrite(model):

@@ -45,6 +45,32 @@ def test_inspect_of_a_rewritten_checkpoint_names_its_scheme(tmp_path, capsys):
     assert "rewritten with 'dar' (" in out and "layers_per_block=1" in out and "4 sites" in out
 
 
+def test_inspect_of_a_model_saved_whole_names_its_scheme(tmp_path, capsys):
+    import torch
+
+    import depthrewrite
+    from depthrewrite.models import GPT, GPTConfig
+
+    model = depthrewrite.rewrite(GPT(GPTConfig(d_model=32, n_head=4, n_layer=3, max_seq_len=32)), "wav")
+    torch.save(model, tmp_path / "model.pt")
+    assert main(["inspect", str(tmp_path / "model.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "rewritten with 'wav' (" in out and "through 3 blocks of 'blocks'" in out
+    assert main(["inspect", str(tmp_path / "model.pt"), "--layers", "2"]) == 2
+    assert "--layers cannot change a model saved whole" in capsys.readouterr().err
+
+
+def test_inspect_of_a_state_dict_says_it_has_no_architecture(tmp_path, capsys):
+    import torch
+
+    from depthrewrite.models import GPT, GPTConfig
+
+    torch.save(GPT(GPTConfig(d_model=32, n_head=4, n_layer=2, max_seq_len=32)).state_dict(), tmp_path / "sd.pt")
+    assert main(["inspect", str(tmp_path / "sd.pt")]) == 2
+    assert "holds an object of type OrderedDict, not a model saved whole (torch.save(model)): a state_dict " \
+           "has no architecture" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model, message", [("gpt:huge", "unknown gpt preset 'huge'"),
                                             ("/no/such/folder", "no such file or folder: '/no/such/folder'"),
                                             ("./config.json", "no such file or folder: './config.json'")])

@@ -28,8 +28,8 @@ def saved_and_loaded(model):
 
 
 def tiny_gpt(scheme):
-    model = GPT(GPTConfig(d_model=32, n_head=4, n_layer=4, max_seq_len=32))
     torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=32, n_head=4, n_layer=4, max_seq_len=32))
     depthrewrite.rewrite(model, scheme)
     perturb_routing(model)
     return model

@@ -308,8 +308,7 @@ def _saved_whole_model(name: str, layers: int | None):
     saved = torch.load(name, map_location="cpu", weights_only=False)
     if not isinstance(saved, nn.Module):
         raise ValueError(f"{name!r} holds an object of type {type(saved).__name__}, not a model saved whole "
-                         "(torch.save(model)): "
-                         "a state_dict has no architecture to inspect")
+                         "(torch.save(model)): a state_dict has no architecture to inspect")
     return saved
 
 

@@ -395,7 +395,7 @@ def _unprepared_call(block: nn.Module, spec) -> DepthRewriteError:
     from the nearest prepared call: an argument that the model passes only when compiled
     or exported (GPT-2's attention mask under torch.export, a positional argument) is not
     among the variants :func:`prepare_programs` builds."""
-    names = forward_param_names(original_class(block).forward)
+    names = forward_param_names(block._depth_forward)  # the function traced, as the tracer names them
     differences = spec_differences(spec, [p.spec for p in block._depth_programs.values()], names)
     nearest = f"; unlike the nearest prepared call, {'; '.join(differences)}" if differences else ""
     return DepthRewriteError(

@@ -23,6 +23,7 @@
 #   OUT=... bash benchmarks/device_session.sh last72  # on an H200 the block schemes at HEAD beside the baseline; on an H100 every scheme against eager (session 72)
 #   OUT=... bash benchmarks/device_session.sh ops72b  # the op table's d = 4096 rows beside FLA at HEAD (session 72; carry [".whl"])
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
+#   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
@@ -874,6 +875,14 @@ last74)
     e2e_run "${LAST_SECONDS:-420}" 4 12 baseline block_attnres mhar_block wav
   else
     every_scheme_check "${LAST_SECONDS:-400}"
+  fi
+  ;;
+h200table77)
+  # session 77's first call: on an H200 (the goals' card; sessions 65-76 got only H100s)
+  # table72 (every scheme at HEAD, block MHAR's fused merge beside); on an H100 nothing but
+  # the card's name, since session 76 ran the same code's table and checks on an H100
+  if on_h200; then
+    table72_schemes
   fi
   ;;
 table72)

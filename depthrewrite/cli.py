@@ -227,7 +227,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(f"\nresults: {result.results_path}")
     print(f"loss curves: {result.curves_path}")
     for row in result.rows:
-        where = row.heatmap or "(no heatmap: routing weights are recorded for attnres, block_attnres and mhar only)"
+        where = row.heatmap or "(no heatmap: this scheme weighs no depth sources)"
         print(f"routing weights {row.scheme}: {where}")
         if row.streams:
             mean = "n/a" if row.stream_cka is None else f"{row.stream_cka:.4f}"

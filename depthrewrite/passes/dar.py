@@ -156,10 +156,14 @@ class DualRoute(fsdp2.Keyed, nn.Module):
         return _mix(torch.sigmoid(self.mix), r0, r1)
 
     def _route(self, streams, j: int) -> torch.Tensor:
+        values, keys = self.route_inputs(streams, j)
+        return route(values, keys, query=self.query[j], key_norm_weight=self.key_norm_weight[j], eps=self.eps)
+
+    def route_inputs(self, streams, j: int) -> tuple[tuple, tuple | None]:
+        """Target stream j's ``(values, keys)`` among ``streams`` (each a stream's entries),
+        as the variant names them; keys None where they are the values."""
         value_stream, key_stream = VARIANTS[self.variant](j)
-        keys = None if key_stream == value_stream else streams[key_stream]
-        return route(streams[value_stream], keys, query=self.query[j], key_norm_weight=self.key_norm_weight[j],
-                     eps=self.eps)
+        return streams[value_stream], (None if key_stream == value_stream else streams[key_stream])
 
     def _merge(self, first: tuple, partial, j: int) -> torch.Tensor:
         """Two-phase: stream j's phase-1 result for this router, plus the partial entries."""

@@ -19,7 +19,7 @@ import torch
 from .data import VAL_STREAM, batch_at, load_splits
 from .loop import TrainConfig, TrainResult, train
 from .plots import loss_curves, routing_heatmap
-from .routing_weights import record_routing_weights
+from ..routing_weights import has_routing_weights, record_routing_weights
 from .stream_similarity import stream_similarity, stream_similarity_plot
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,11 @@ def _val_batch(result: TrainResult) -> torch.Tensor:
 
 
 def _heatmap(result: TrainResult, path: pathlib.Path) -> pathlib.Path | None:
-    weights = record_routing_weights(result.model, _val_batch(result), result.config.scheme)
-    return None if weights is None else routing_heatmap(weights, path)
+    if not has_routing_weights(result.model):
+        log.info("routing weights: scheme %r has none (no depth sources weighed); heatmap skipped",
+                 result.config.scheme)
+        return None
+    return routing_heatmap(record_routing_weights(result.model, _val_batch(result)), path)
 
 
 def _stream_similarity(result: TrainResult, path: pathlib.Path) -> tuple[pathlib.Path | None, float | None]:

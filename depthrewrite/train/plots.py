@@ -12,7 +12,7 @@ import pathlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .routing_weights import RoutingWeights
+from ..routing_weights import RoutingWeights
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -57,19 +57,30 @@ def routing_heatmap(weights: RoutingWeights, path: str | pathlib.Path) -> pathli
     fig = Figure(figsize=(max(4.0, 0.45 * len(cols) + 2.5), max(3.0, 0.35 * rows + 1.5)), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    image = ax.imshow(matrix.numpy(), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    if weights.static:  # DenseFormer's scalars: any sign and size, so a scale centred on 0
+        top = max(1.0, float(matrix.nan_to_num(0.0).abs().max()))
+        image = ax.imshow(matrix.numpy(), vmin=-top, vmax=top, cmap="RdBu_r", aspect="auto")
+
+        def dark(v):  # the scale's ends are dark
+            return abs(v) > 0.6 * top
+    else:
+        image = ax.imshow(matrix.numpy(), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+
+        def dark(v):  # viridis is dark at its low end
+            return v <= 0.6
     ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(rows), weights.labels, fontsize=8)
     ax.set_xlabel("source")
     ax.set_ylabel("site (F: final readout)")
-    ax.set_title(f"{weights.scheme}: depth-routing weights (mean over tokens)", fontsize=9)
+    what = "static weights" if weights.static else "mean over tokens"
+    ax.set_title(f"{weights.scheme}: depth-routing weights ({what})", fontsize=9)
     if rows * len(cols) <= 400:  # numbers stay legible up to about 20x20
         for r in range(rows):
             for c in range(len(cols)):
                 v = matrix[r, c].item()
                 if not math.isnan(v):
                     ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6,
-                            color="black" if v > 0.6 else "white")
+                            color="white" if dark(v) else "black")
     fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path)

@@ -5,7 +5,7 @@ DAR (docs/spec.md section 6, ``passes/dar.py``) keeps two histories ``H^0``, ``H
 The ``selfkv`` variant with symmetric ``beta`` keeps them identical (CKA 1 everywhere).
 
 :func:`record_dar_streams` runs one forward pass with the final readout's ``read`` shadowed
-by an instance attribute (removed afterwards, as ``routing_weights`` does for its routers):
+by an instance attribute (removed afterwards, as ``depthrewrite.routing_weights`` does for its routers):
 the readout sees the state after the whole stack, so its histories hold every completed
 entry. The forward pass itself is unchanged and ``passes/dar.py`` is not touched.
 :func:`linear_cka` is the linear CKA of Kornblith et al. (2019) over tokens::

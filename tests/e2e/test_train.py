@@ -18,7 +18,7 @@ from depthrewrite.models import gpt_from_preset
 from depthrewrite.train import DataConfig, TrainConfig, batch_at, load_documents, read_metrics, split_documents, train
 from depthrewrite.train import checkpoint, loop
 from depthrewrite.train.data import EOT_MARKER, split_text, stdlib_documents, stdlib_files, to_tokens
-from depthrewrite.train.routing_weights import record_routing_weights, softmax_weights, token_weights
+from depthrewrite.routing_weights import record_routing_weights, softmax_weights, token_weights
 from tests.conftest import corpus_bytes
 
 
@@ -183,7 +183,7 @@ def test_recorded_weights_are_the_ones_the_router_mixes_with():
 
     torch.manual_seed(0)
     model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "attnres")
-    weights = record_routing_weights(model, torch.randint(0, 256, (2, 16)), "attnres")
+    weights = record_routing_weights(model, torch.randint(0, 256, (2, 16)))
     # at init the queries are zero: uniform over the l sources of site l, and L+1 at the readout
     assert weights.labels == ["1", "2", "3", "4", "F"]
     for k, w in enumerate(weights.weights):
@@ -212,7 +212,7 @@ def test_mhar_weights_are_per_head_softmaxes_of_the_router():
         assert a.shape == (4, 3, 4)
         mixed = (a.unsqueeze(-1) * torch.stack(sources).unflatten(-1, (4, 16))).sum(0).flatten(-2)
         assert torch.allclose(mixed, router.route(sources), atol=1e-5)
-    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)), "mhar")
+    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)))
     assert weights is not None and len(weights.labels) == 5
 
 
@@ -220,13 +220,15 @@ def test_block_attnres_weights_name_blocks_and_partial_and_unknown_schemes_are_s
     import depthrewrite
 
     model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "block_attnres", block_size=2)
-    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)), "block_attnres")
+    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)))
     assert weights.source_labels == [["b0"], ["b0", "partial"], ["b0", "b1"], ["b0", "b1", "partial"],
                                      ["b0", "b1", "b2"]]
     assert weights.columns() == ["b0", "b1", "b2", "partial"]
     assert torch.isnan(weights.matrix()[0, 1:]).all()
     plain = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), "residual")
-    assert record_routing_weights(plain, torch.randint(0, 256, (1, 8)), "residual") is None
+    with pytest.raises(ValueError, match=r"GPT's scheme has no depth-routing weights \(found only routers that keep "
+                                         r"the plain residual stream \(PassThrough\)\)"):
+        record_routing_weights(plain, torch.randint(0, 256, (1, 8)))
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -235,6 +237,22 @@ def _png_size(path: pathlib.Path) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
     return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.parametrize("scheme", ["dar", "wav", "denseformer"])
+def test_heatmaps_of_the_newer_schemes(tmp_path, scheme):
+    """DAR's and WAV's sources, and DenseFormer's signed static weights, drawn as for AttnRes."""
+    import depthrewrite
+    from depthrewrite.train.plots import routing_heatmap
+
+    model = depthrewrite.rewrite(gpt_from_preset("tiny", n_layer=2), scheme)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "depth_route" in name:
+                p.add_(torch.randn_like(p))  # DenseFormer's weights then leave [0, 1]
+    weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)))
+    width, height = _png_size(routing_heatmap(weights, tmp_path / "w.png"))
+    assert width >= 300 and height >= 200 and (tmp_path / "w.png").stat().st_size > 5_000
 
 
 def test_compare_writes_table_and_figures(tmp_path, shakespeare, capsys):

@@ -181,7 +181,7 @@ def test_grouped_routing_is_skipped_for_shards_it_cannot_gather(monkeypatch):
 def test_routing_weights_are_recorded_per_site_with_groups():
     """The routing-weight recorder switches the plan off: every site routes over all its
     entries, and the weights are the site-by-site model's."""
-    from depthrewrite.train.routing_weights import record_routing_weights
+    from depthrewrite.routing_weights import record_routing_weights
 
     model = rewrite(tiny(), "attnres", group_size=2)
     reference = rewrite(tiny(), "attnres", group_size=None)  # site by site

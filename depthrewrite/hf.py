@@ -9,11 +9,13 @@ applies the same rewrite, and loads the routing parameters back.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import json
 import logging
 import pathlib
+import re
 from typing import Any
 
 import torch
@@ -114,16 +116,28 @@ def model_from_config(path_or_id: str | pathlib.Path, layers: int | None = None)
 _LOAD_REPORT_LOGGER = "transformers.modeling_utils"
 
 
+#: transformers 4.x's warning of unused checkpoint weights: the list of their keys
+_UNUSED_WEIGHTS = re.compile(r"were not used when initializing \S+: (\[[^\]]*\])")
+
+
 class _RoutingKeyReportFilter(logging.Filter):
-    """Drops the rows of transformers' load report that name routing parameters: the
-    original architecture does not have them, and :func:`from_pretrained` loads them right
-    after. Any other row (missing, mismatched, other unexpected keys) is kept; a report left
-    with none is dropped. A report whose format is not recognised passes unchanged."""
+    """Drops what transformers' load report says of the routing parameters: the original
+    architecture does not have them, and :func:`from_pretrained` loads them right after.
+    Any other key (missing, mismatched, other unexpected keys) is kept; a report left with
+    none is dropped. A report whose format is not recognised passes unchanged. Two formats:
+    transformers 5's table (``LOAD REPORT``), 4.x's "Some weights ... were not used" list."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "LOAD REPORT" not in message:
-            return True
+        if "LOAD REPORT" in message:
+            return self._table(record, message)
+        unused = _UNUSED_WEIGHTS.search(message)
+        if unused is not None:
+            return self._unused_list(record, message, unused)
+        return True
+
+    @staticmethod
+    def _table(record: logging.LogRecord, message: str) -> bool:
         lines = message.split("\n")
         rows = [ln for ln in lines if "|" in ln and not set(ln) <= set("-+| ")][1:]  # without the header
         routing = [ln for ln in rows if ROUTING_KEY_PART in ln.split("|")[0]]
@@ -135,6 +149,20 @@ class _RoutingKeyReportFilter(logging.Filter):
         if not any("UNEXPECTED" in ln for ln in rows if ln not in routing):
             kept = [ln for ln in kept if "UNEXPECTED:" not in ln]  # its note, now without a row
         record.msg, record.args = "\n".join(kept), ()
+        return True
+
+    @staticmethod
+    def _unused_list(record: logging.LogRecord, message: str, unused: re.Match) -> bool:
+        try:
+            keys = ast.literal_eval(unused.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        kept = [k for k in keys if ROUTING_KEY_PART not in str(k)]
+        if len(kept) == len(keys):
+            return True
+        if not kept:
+            return False
+        record.msg, record.args = message[:unused.start(1)] + repr(kept) + message[unused.end(1):], ()
         return True
 
 

@@ -27,7 +27,8 @@ from .meta import has_meta_tensors, keep_initial_values, materialized
 from .passes import scheme_class, scheme_options
 from .passes.base import check_bool
 from .passes.runtime import (
-    DepthRuntime, install_block, install_readout, is_routed, prepare_programs, routing_parameters,
+    DepthRuntime, drop_instance_forward, install_block, install_readout, is_routed, prepare_programs,
+    routing_parameters,
 )
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,9 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
     cap = analysis.capture
     runtime = DepthRuntime(scheme=scheme, capture=cap, block_paths=tuple(plan.path for plan in analysis.blocks),
                            analysis=analysis.stream)
+    for plan in analysis.blocks:  # every module checked before the first is changed
+        drop_instance_forward(plan.module, plan.path)
+    drop_instance_forward(cap.final_norm, cap.final_norm_path)
     sites = iter(analysis.stream.sites)
     for plan in analysis.blocks:
         # named by position, not by kind: HF checkpoint converters rename keys such as '.mlp.'

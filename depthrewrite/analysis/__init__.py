@@ -179,8 +179,9 @@ def _sized_arguments(cap: Capture, spec: CallSpec, forward, values: list) -> tup
 def _retrace_with_leaf_outputs(cap: Capture, index: int, block: nn.Module, forward, spec: CallSpec,
                                norm_cache: dict, probe_values: list, hints: TraceHints, sized: tuple[str, ...],
                                error: Exception):
-    """The traced graph failed on the recorded inputs. A leaf child that returned ``None``
-    in a tuple (read as a tensor by the trace) is the one cause fixed here; any other is
+    """The traced graph failed on the recorded inputs. A leaf child that returned a tuple
+    (read as one tensor by the trace, or with ``None`` entries read as tensors) is the one
+    cause fixed here; any other is
     reported with the recorded inputs that are objects (a KV cache the capture run filled
     makes the recorded call unrepeatable)."""
     try:
@@ -193,7 +194,7 @@ def _retrace_with_leaf_outputs(cap: Capture, index: int, block: nn.Module, forwa
         sites = finder.find()
         try:
             finder.classify_parts(probe_values, sites, sized)
-            log.info("block %r: traced again knowing which child outputs are None: %s",
+            log.info("block %r: traced again knowing which children return tuples: %s",
                      cap.block_paths[index], [p for p, _ in patterns])
             return traced, finder, sites
         except DepthRewriteError:

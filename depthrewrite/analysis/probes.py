@@ -148,7 +148,7 @@ def _as_stream(value: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def leaf_output_patterns(block: nn.Module, forward, spec, inputs: list) -> tuple:
     """Run the block once on a copy of its recorded inputs and note, for every submodule
-    that returns a tuple with ``None`` entries, where those are (see ``TraceHints``)."""
+    that returns a tuple, its length and where its ``None`` entries are (see ``TraceHints``)."""
     import copy
 
     try:
@@ -159,7 +159,7 @@ def leaf_output_patterns(block: nn.Module, forward, spec, inputs: list) -> tuple
     patterns: dict[str, tuple] = {}
 
     def hook(module, args, output):
-        if isinstance(output, tuple) and any(o is None for o in output) and names[module] not in patterns:
+        if isinstance(output, tuple) and names[module] not in patterns:
             patterns[names[module]] = tuple(None if o is None else True for o in output)
 
     handles = [m.register_forward_hook(hook) for m in names]

@@ -191,10 +191,12 @@ class TraceHints:
 
     - ``inline``: children (paths relative to the block) traced through instead of kept as
       leaves, because the residual add lives inside them (BLOOM, BERT-style ``*Output``);
-    - ``leaf_outputs``: ``(path, pattern)`` pairs for leaf children that return a tuple with
-      ``None`` entries (``pattern`` has ``None`` there, ``True`` elsewhere): a leaf's output
-      is opaque to the tracer, so code such as ``bias if bias is not None else ...`` would
-      otherwise be traced down the wrong branch.
+    - ``leaf_outputs``: ``(path, pattern)`` pairs for leaf children that return a tuple
+      (``pattern`` has ``None`` where an entry is ``None``, ``True`` elsewhere): a leaf's
+      output is opaque to the tracer, so code such as ``bias if bias is not None else ...``
+      or ``if isinstance(out, tuple)`` (Qwen2-MoE's sparse MLP in transformers 4.x, which
+      returns its router logits beside its output) would otherwise be traced down the
+      wrong branch. Found only for blocks whose first trace failed on the recorded call.
     """
 
     inline: frozenset = frozenset()

@@ -45,7 +45,7 @@ from ..analysis import BlockPlan, analyze_block_call
 from ..analysis.trace import call_spec, forward_param_names, spec_differences, varying_ints
 from .. import fsdp2, tensor_parallel
 from ..capture import Capture
-from ..errors import DepthRewriteError, RuntimeOrderError
+from ..errors import DepthRewriteError, RuntimeOrderError, UnsupportedStructureError
 from .base import Scheme
 from .program_source import function_from_source, imports_of
 from .route_graph import route_block_graph_pass
@@ -460,6 +460,40 @@ def build_program(block: nn.Module, spec, plan: BlockPlan | None = None) -> Bloc
     gm.graph.lint()
     return BlockProgram(code=type(gm).forward, spec=plan.traced.spec, sites=result.sites_rewritten, source=gm.code,
                         block_path=block._depth_path)
+
+
+def drop_instance_forward(module: nn.Module, path: str) -> None:
+    """Make ``module``'s class's ``forward`` the one its calls run, before its class is
+    swapped: an instance attribute ``forward`` would shadow the routed class's and run the
+    original block with the depth state's extra arguments (or none of the routing).
+
+    A bound method of the module's own class ``forward`` is what transformers 4.x leaves
+    behind after a call with ``output_hidden_states`` or ``output_attentions`` (it wraps
+    ``module.forward`` in an instance attribute and puts the bound method back as one): it
+    runs what the class runs, so it is dropped. Anything else (accelerate's hooks of a
+    ``device_map`` load, a user's patch) wraps the forward in code the rewrite cannot see
+    through, and is refused."""
+    found = module.__dict__.get("forward")
+    if found is None:
+        return
+    if isinstance(found, types.MethodType) and found.__self__ is module and found.__func__ is type(module).forward:
+        log.debug("%s: dropped an instance attribute 'forward' bound to its class's own forward", path)
+        del module.__dict__["forward"]
+        return
+    raise UnsupportedStructureError(
+        f"module {path!r} ({type(module).__name__}) has an instance attribute 'forward' ({_callable_name(found)}) "
+        f"in place of "
+        f"its class's forward: the rewrite replaces the class's forward, which this attribute would bypass. "
+        f"Remove it before the rewrite (accelerate's hooks of a device_map load: "
+        f"accelerate.hooks.remove_hook_from_module(model, recurse=True); then move the model with .to())"
+    )
+
+
+def _callable_name(obj: Any) -> str:
+    """``obj``'s kind and the function it calls, without the bound module's repr."""
+    func = getattr(obj, "func", None) or getattr(obj, "__func__", None) or obj
+    name = getattr(func, "__qualname__", None)
+    return type(obj).__name__ + ("" if name is None else f" of {getattr(func, '__module__', '?')}.{name}")
 
 
 def install_block(block: nn.Module, plan: BlockPlan, runtime: DepthRuntime, routers: dict) -> None:

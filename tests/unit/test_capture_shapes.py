@@ -15,7 +15,7 @@ from torch import nn
 import depthrewrite
 from depthrewrite import NotAdditiveStreamError, NotPreNormError, UnsupportedStructureError
 from depthrewrite.capture import _warn_single_block, default_example_inputs
-from tests.conftest import hf_model
+from tests.conftest import hf_model, skip_before_transformers_5, transformers_major
 from tests.toy_models import ToyBlock, ToyLM
 
 IDS = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -206,6 +206,50 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _unused_weights_message(keys: list[str]) -> str:
+    """transformers 4.x's warning of checkpoint weights the architecture does not have."""
+    return (f"Some weights of the model checkpoint at /ckpt were not used when initializing LlamaForCausalLM: "
+            f"{keys}\n- This IS expected if you are initializing LlamaForCausalLM from the checkpoint of a model "
+            f"trained on another task or with another architecture.")
+
+
+def test_the_4x_unused_weights_warning_loses_the_routing_keys_only():
+    from depthrewrite.hf import _RoutingKeyReportFilter
+
+    def filtered(keys):
+        record = logging.LogRecord("transformers.modeling_utils", logging.WARNING, __file__, 1,
+                                   _unused_weights_message(keys), (), None)
+        return record.getMessage() if _RoutingKeyReportFilter().filter(record) else None
+
+    routing = ["model.layers.0.depth_route.site1.query", "model.norm.depth_route.readout.key_norm_weight"]
+    assert filtered(routing) is None
+    assert filtered(routing + ["model.extra.weight"]) == _unused_weights_message(["model.extra.weight"])
+    assert filtered(["model.extra.weight"]) == _unused_weights_message(["model.extra.weight"])
+
+
+@pytest.mark.skipif(transformers_major() is None or transformers_major() >= 5,
+                    reason="transformers 4.x's warning (5.x: the LOAD REPORT test below)")
+def test_from_pretrained_on_transformers_4_warns_of_no_routing_key(tmp_path):
+    model = depthrewrite.rewrite(hf_model("llama"), "attnres", preserve_identity=True)
+    model.save_pretrained(tmp_path)
+    records = _Records()
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    level = report_logger.level
+    report_logger.setLevel(logging.WARNING)
+    report_logger.addHandler(records)
+    try:
+        depthrewrite.from_pretrained(tmp_path)
+        import transformers
+
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)  # the plain load still warns
+    finally:
+        report_logger.removeHandler(records)
+        report_logger.setLevel(level)
+    unused = [m for m in records.messages if "were not used" in m]
+    assert len(unused) == 1 and "depth_route" in unused[0]
+
+
+@skip_before_transformers_5("no LOAD REPORT: it names unexpected keys in another warning")
 def test_load_report_drops_the_routing_keys_and_keeps_the_others(tmp_path):
     from safetensors.torch import load_file, save_file
 

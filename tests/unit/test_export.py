@@ -8,7 +8,7 @@ from torch.export import Dim
 import depthrewrite
 from depthrewrite.errors import DepthRewriteError
 from depthrewrite.models import GPT, GPTConfig
-from tests.conftest import HF_FAMILIES, hf_model, perturb_routing
+from tests.conftest import HF_FAMILIES, hf_model, perturb_routing, skip_before_transformers_5
 
 IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 OTHER = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(1))
@@ -25,7 +25,10 @@ def test_an_exported_model_with_dynamic_batch_and_length_computes_what_the_model
         assert torch.equal(exported.module()(OTHER), model(OTHER))
 
 
-@pytest.mark.parametrize("family", [f for f in HF_FAMILIES if f != "gpt2"])
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=skip_before_transformers_5("its plain Mixtral does not export (data-dependent expert "
+                                                     "routing)") if f == "mixtral" else ())
+    for f in HF_FAMILIES if f != "gpt2"])
 def test_an_exported_hugging_face_model_computes_what_the_model_does(family):
     model = depthrewrite.rewrite(hf_model(family), "dar")
     perturb_routing(model)
@@ -35,6 +38,7 @@ def test_an_exported_hugging_face_model_computes_what_the_model_does(family):
         assert torch.equal(exported.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
 
 
+@skip_before_transformers_5("its GPT-2 builds no attention mask when exported: no call to refuse")
 def test_a_call_made_only_when_exported_names_what_differs_and_exports_once_run_eagerly():
     """GPT-2 builds an explicit attention mask when exported, where its eager call passed
     none: the rewrite prepared no program for that call, and tracing cannot run inside the

@@ -403,3 +403,39 @@ def test_an_empty_example_batch_is_refused_by_name(example):
     with pytest.raises(depthrewrite.CaptureError, match=r"^example_inputs: (argument 0|keyword 'ids') is an empty "
                                                         r"tensor \(shape \((0, 6|2, 0)\)\)"):
         depthrewrite.rewrite(ToyLM(), "attnres", example_inputs=example)
+
+
+def test_a_forward_left_on_the_instance_by_transformers_4_is_dropped():
+    """transformers 4.x, after a call with output_hidden_states, leaves each decoder layer
+    an instance attribute ``forward`` bound to its class's own forward; kept, it would
+    shadow the routed class's forward and run the original block with the depth state's
+    extra arguments."""
+    model, reference = ToyLM(), ToyLM()
+    reference.load_state_dict(model.state_dict())
+    for block in model.blocks:
+        block.forward = block.forward  # what transformers 4.57's check_model_inputs puts back
+    rewrite(model, "block_attnres", block_size=2)
+    rewrite(reference, "block_attnres", block_size=2)
+    assert not any("forward" in block.__dict__ for block in model.blocks)
+    with torch.no_grad():
+        for router_params in (model, reference):  # routing away from its init, the same in both
+            torch.manual_seed(3)
+            for name, p in router_params.named_parameters():
+                if "depth_route" in name:
+                    p.normal_()
+        assert torch.equal(model(IDS), reference(IDS))
+
+
+def test_a_foreign_forward_on_the_instance_is_refused_before_any_change():
+    """A wrapper such as accelerate's hooks would bypass the rewrite: refused, the model untouched."""
+    import functools
+
+    model = ToyLM()
+    block = model.blocks[1]
+    block.forward = functools.partial(type(block).forward, block)
+    with pytest.raises(depthrewrite.UnsupportedStructureError,
+                       match=r"module 'blocks.1' \(ToyBlock\) has an instance attribute 'forward' \(partial of "
+                             r"tests.toy_models.ToyBlock.forward\) in place of its class's forward: the rewrite replaces the class's forward, "
+                             r"which this attribute would bypass. Remove it before the rewrite \(accelerate's hooks"):
+        rewrite(model, "attnres")
+    assert not any(hasattr(m, "depth_route") for m in model.modules())

@@ -19,8 +19,11 @@ import os
 import pytest
 
 from tests.benchmark_scripts import load_benchmark
+from tests.conftest import skip_before_transformers_5
 
 pytest.importorskip("transformers")
+pytestmark = skip_before_transformers_5("the sample's families and verdicts are transformers 5.25's survey "
+                                        "(docs/coverage.md); some families are not in 4.x")
 
 
 def _load_survey():

@@ -27,7 +27,7 @@ from .meta import has_meta_tensors, keep_initial_values, materialized
 from .passes import scheme_class, scheme_options
 from .passes.base import check_bool
 from .passes.runtime import (
-    DepthRuntime, drop_instance_forward, install_block, install_readout, is_routed, prepare_programs,
+    DepthRuntime, drop_instance_forwards, install_block, install_readout, is_routed, prepare_programs,
     routing_parameters,
 )
 
@@ -154,9 +154,8 @@ def _install(model: nn.Module, analysis: Analysis, scheme) -> DepthRuntime:
     cap = analysis.capture
     runtime = DepthRuntime(scheme=scheme, capture=cap, block_paths=tuple(plan.path for plan in analysis.blocks),
                            analysis=analysis.stream)
-    for plan in analysis.blocks:  # every module checked before the first is changed
-        drop_instance_forward(plan.module, plan.path)
-    drop_instance_forward(cap.final_norm, cap.final_norm_path)
+    drop_instance_forwards([(plan.module, plan.path) for plan in analysis.blocks]
+                           + [(cap.final_norm, cap.final_norm_path)])
     sites = iter(analysis.stream.sites)
     for plan in analysis.blocks:
         # named by position, not by kind: HF checkpoint converters rename keys such as '.mlp.'

@@ -181,9 +181,8 @@ def _retrace_with_leaf_outputs(cap: Capture, index: int, block: nn.Module, forwa
                                error: Exception):
     """The traced graph failed on the recorded inputs. A leaf child that returned a tuple
     (read as one tensor by the trace, or with ``None`` entries read as tensors) is the one
-    cause fixed here; any other is
-    reported with the recorded inputs that are objects (a KV cache the capture run filled
-    makes the recorded call unrepeatable)."""
+    cause fixed here; any other is reported with the recorded inputs that are objects (a
+    KV cache the capture run filled makes the recorded call unrepeatable)."""
     try:
         patterns = leaf_output_patterns(block, forward, spec, probe_values)
     except Exception:  # noqa: BLE001 - the block itself does not replay either: report the graph's error

@@ -462,31 +462,34 @@ def build_program(block: nn.Module, spec, plan: BlockPlan | None = None) -> Bloc
                         block_path=block._depth_path)
 
 
-def drop_instance_forward(module: nn.Module, path: str) -> None:
-    """Make ``module``'s class's ``forward`` the one its calls run, before its class is
+def drop_instance_forwards(modules: list[tuple[nn.Module, str]]) -> None:
+    """Make each module's class's ``forward`` the one its calls run, before its class is
     swapped: an instance attribute ``forward`` would shadow the routed class's and run the
     original block with the depth state's extra arguments (or none of the routing).
 
-    A bound method of the module's own class ``forward`` is what transformers 4.x leaves
+    A bound method of the module's own class's ``forward`` is what transformers 4.x leaves
     behind after a call with ``output_hidden_states`` or ``output_attentions`` (it wraps
     ``module.forward`` in an instance attribute and puts the bound method back as one): it
     runs what the class runs, so it is dropped. Anything else (accelerate's hooks of a
     ``device_map`` load, a user's patch) wraps the forward in code the rewrite cannot see
-    through, and is refused."""
-    found = module.__dict__.get("forward")
-    if found is None:
-        return
-    if isinstance(found, types.MethodType) and found.__self__ is module and found.__func__ is type(module).forward:
+    through, and is refused; every module is checked before any is changed."""
+    found = [(module, path, module.__dict__["forward"]) for module, path in modules if "forward" in module.__dict__]
+    for module, path, forward in found:
+        if not _is_own_forward(module, forward):
+            raise UnsupportedStructureError(
+                f"module {path!r} ({type(module).__name__}) has an instance attribute 'forward' "
+                f"({_callable_name(forward)}) in place of its class's forward: the rewrite replaces the class's "
+                f"forward, which this attribute would bypass. Remove it before the rewrite (for accelerate's hooks "
+                f"of a device_map load: accelerate.hooks.remove_hook_from_module(model, recurse=True))"
+            )
+    for module, path, _ in found:
         log.debug("%s: dropped an instance attribute 'forward' bound to its class's own forward", path)
         del module.__dict__["forward"]
-        return
-    raise UnsupportedStructureError(
-        f"module {path!r} ({type(module).__name__}) has an instance attribute 'forward' ({_callable_name(found)}) "
-        f"in place of "
-        f"its class's forward: the rewrite replaces the class's forward, which this attribute would bypass. "
-        f"Remove it before the rewrite (accelerate's hooks of a device_map load: "
-        f"accelerate.hooks.remove_hook_from_module(model, recurse=True); then move the model with .to())"
-    )
+
+
+def _is_own_forward(module: nn.Module, forward: Any) -> bool:
+    return (isinstance(forward, types.MethodType) and forward.__self__ is module
+            and forward.__func__ is type(module).forward)
 
 
 def _callable_name(obj: Any) -> str:

@@ -4,6 +4,7 @@ post-LN stacks, built-in depth routing and stacked streams (Inkling 2, Gemma 3n'
 a norm of the stream in block 0 only (RWKV), the load report of a rewritten checkpoint
 and the single-block warning; the default example call turns a KV cache off."""
 
+import contextlib
 import logging
 import pathlib
 import types
@@ -206,6 +207,22 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@contextlib.contextmanager
+def _load_report_records():
+    """transformers' load-report logger's messages, at WARNING whatever verbosity other tests
+    left behind."""
+    records = _Records()
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    level = report_logger.level
+    report_logger.setLevel(logging.WARNING)
+    report_logger.addHandler(records)
+    try:
+        yield records
+    finally:
+        report_logger.removeHandler(records)
+        report_logger.setLevel(level)
+
+
 def _unused_weights_message(keys: list[str]) -> str:
     """transformers 4.x's warning of checkpoint weights the architecture does not have."""
     return (f"Some weights of the model checkpoint at /ckpt were not used when initializing LlamaForCausalLM: "
@@ -230,21 +247,13 @@ def test_the_4x_unused_weights_warning_loses_the_routing_keys_only():
 @pytest.mark.skipif(transformers_major() is None or transformers_major() >= 5,
                     reason="transformers 4.x's warning (5.x: the LOAD REPORT test below)")
 def test_from_pretrained_on_transformers_4_warns_of_no_routing_key(tmp_path):
+    import transformers
+
     model = depthrewrite.rewrite(hf_model("llama"), "attnres", preserve_identity=True)
     model.save_pretrained(tmp_path)
-    records = _Records()
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    level = report_logger.level
-    report_logger.setLevel(logging.WARNING)
-    report_logger.addHandler(records)
-    try:
+    with _load_report_records() as records:
         depthrewrite.from_pretrained(tmp_path)
-        import transformers
-
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)  # the plain load still warns
-    finally:
-        report_logger.removeHandler(records)
-        report_logger.setLevel(level)
     unused = [m for m in records.messages if "were not used" in m]
     assert len(unused) == 1 and "depth_route" in unused[0]
 
@@ -255,12 +264,7 @@ def test_load_report_drops_the_routing_keys_and_keeps_the_others(tmp_path):
 
     model = depthrewrite.rewrite(hf_model("llama"), "attnres", preserve_identity=True)
     model.save_pretrained(tmp_path)
-    records = _Records()
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    level = report_logger.level
-    report_logger.setLevel(logging.WARNING)  # whatever verbosity other tests left behind
-    report_logger.addHandler(records)
-    try:
+    with _load_report_records() as records:
         depthrewrite.from_pretrained(tmp_path)
         assert not any("LOAD REPORT" in m for m in records.messages)
         weights = next(pathlib.Path(tmp_path).glob("*.safetensors"))
@@ -268,9 +272,6 @@ def test_load_report_drops_the_routing_keys_and_keeps_the_others(tmp_path):
         tensors["model.not_a_parameter.weight"] = torch.zeros(3)
         save_file(tensors, str(weights), metadata={"format": "pt"})
         depthrewrite.from_pretrained(tmp_path)
-    finally:
-        report_logger.removeHandler(records)
-        report_logger.setLevel(level)
     reports = [m for m in records.messages if "LOAD REPORT" in m]
     assert len(reports) == 1
     assert "model.not_a_parameter.weight" in reports[0] and "UNEXPECTED" in reports[0]

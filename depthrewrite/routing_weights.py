@@ -47,6 +47,7 @@ from .passes.baselines import DepthWeightedAverage
 from .passes.dar import VARIANTS, DualRoute
 from .passes.runtime import ROUTER_ATTR
 from .passes.wav import WavReadout, WavRouter
+from .rewrite import find_runtime
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +312,6 @@ def _recording(routers: list[tuple[str, nn.Module]], records: dict[str, _SiteRec
 
 
 def _scheme_name(model: nn.Module) -> str:
-    from .rewrite import find_runtime  # rewrite imports the passes this module reads; import when called
-
     runtime = find_runtime(model)
     return runtime.scheme.name if runtime is not None else ""
 

@@ -56,7 +56,7 @@ class ToyBlock(nn.Module):
         self.n1, self.n2 = make(), make()
         self.post1, self.post2 = make(), make()
         self.mix = TokenMixer(d)
-        self.mlp = TupleMoE(d) if shape == "moe_tuple" else Mlp(d)
+        self.mlp = TupleMoE(d) if shape.startswith("moe_tuple") else Mlp(d)
 
     def forward(self, h):
         s = self.shape
@@ -78,6 +78,12 @@ class ToyBlock(nn.Module):
         elif s == "moe_tuple":
             h = h + self.mix(self.n1(h))
             out, _ = self.mlp(self.n2(h))
+            h = h + out
+        elif s == "moe_tuple_checked":  # Qwen2-MoE in transformers 4.x: branches on the MLP's output type
+            h = h + self.mix(self.n1(h))
+            out = self.mlp(self.n2(h))
+            if isinstance(out, tuple):
+                out, _ = out
             h = h + out
         elif s == "scaled":  # Granite: h + c * f(h), c belongs to the branch
             h = h + 0.5 * self.mix(self.n1(h))

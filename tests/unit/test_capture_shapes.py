@@ -207,6 +207,19 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def test_a_child_whose_tuple_output_the_block_branches_on_is_traced_as_a_tuple():
+    """Qwen2-MoE in transformers 4.57: ``out = self.mlp(x); if isinstance(out, tuple): out, _
+    = out``. A leaf's output is one proxy to the tracer, so the graph took the other branch
+    and added the tuple to the stream; the block is traced again with the MLP returning a
+    tuple, as it did in the recorded call."""
+    model = ToyLM(shape="moe_tuple_checked")
+    ref = logits(model)
+    stream = depthrewrite.inspect(model, example_inputs=(IDS,))
+    assert [s.kind for s in stream.sites] == ["attention", "mlp"] * 3
+    depthrewrite.rewrite(model, "attnres", preserve_identity=True, example_inputs=(IDS,))
+    assert torch.equal(logits(model), ref)
+
+
 @contextlib.contextmanager
 def _load_report_records():
     """transformers' load-report logger's messages, at WARNING whatever verbosity other tests

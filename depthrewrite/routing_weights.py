@@ -99,12 +99,8 @@ def token_weights(router: DepthQuery, sources, logit_bias=None, source_scale=Non
     return torch.softmax(logits, dim=0)
 
 
-def softmax_weights(router: DepthQuery, sources) -> torch.Tensor:
-    """The router's weights averaged over tokens (and over heads for MHAR): shape (N,)."""
-    return _token_mean(token_weights(router, sources))
-
-
 def _token_mean(per_token: torch.Tensor) -> torch.Tensor:
+    """Per-token weights ``(N, *batch, heads)`` averaged over the tokens and heads: ``(N,)``."""
     return per_token.flatten(1).mean(1).cpu()
 
 

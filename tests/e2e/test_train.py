@@ -18,7 +18,7 @@ from depthrewrite.models import gpt_from_preset
 from depthrewrite.train import DataConfig, TrainConfig, batch_at, load_documents, read_metrics, split_documents, train
 from depthrewrite.train import checkpoint, loop
 from depthrewrite.train.data import EOT_MARKER, split_text, stdlib_documents, stdlib_files, to_tokens
-from depthrewrite.routing_weights import record_routing_weights, softmax_weights, token_weights
+from depthrewrite.routing_weights import record_routing_weights, token_weights
 from tests.conftest import corpus_bytes
 
 
@@ -193,7 +193,7 @@ def test_recorded_weights_are_the_ones_the_router_mixes_with():
         router.query.normal_()
         router.key_norm_weight.uniform_(0.5, 1.5)
         sources = [torch.randn(1, 64) * (i + 1) for i in range(4)]
-        a = softmax_weights(router, sources)  # one token: the mean is that token's weights
+        a = token_weights(router, sources).flatten()  # one token, one head: (4, 1, 1)
         mixed = sum(a[i] * sources[i] for i in range(4))
         assert torch.allclose(mixed, router.route(sources), atol=1e-5)
         assert not torch.allclose(a, torch.full((4,), 0.25), atol=1e-3)

@@ -1,10 +1,11 @@
-"""The ``depthrewrite`` command: ``inspect``, ``train`` and ``compare``. Parses and prints;
+"""The ``depthrewrite`` command: ``inspect``, ``train``, ``compare`` and ``routing``. Parses and prints;
 the work is done by ``depthrewrite.inspect`` and ``depthrewrite.train``.
 
     depthrewrite inspect gpt:small            # the residual-stream table of a preset or HF config
     depthrewrite compare                      # residual vs attnres vs block_attnres, tiny GPT, stdlib text, CPU
     depthrewrite train --model gpt:tiny --scheme attnres --steps 300 --out runs/attnres
     depthrewrite train --out runs/attnres --steps 300 --resume
+    depthrewrite routing runs/attnres          # the routing weights its latest evaluation recorded
     torchrun --nproc-per-node 2 -m depthrewrite.cli train --distributed ddp --scheme attnres
 """
 
@@ -235,6 +236,35 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_routing(args: argparse.Namespace) -> int:
+    from .train.plots import routing_heatmap
+    from .train.routing_log import read_routing
+
+    evaluations = read_routing(args.run)
+    if not evaluations:
+        raise ValueError(f"{args.run!r}: no evaluation in its metrics file recorded routing weights (its scheme has "
+                         "none, no evaluation has run yet, or the run was written before they were recorded)")
+    step, weights = evaluations[-1] if args.step is None else _evaluation_at(evaluations, args.step)
+    print(f"{weights.scheme}: depth-routing weights at step {step}, mean over the first validation batch's tokens "
+          f"(rows: sites, F: the final readout; columns: the sources they read)")
+    print(weights.table())
+    run_dir = pathlib.Path(args.run) if pathlib.Path(args.run).is_dir() else pathlib.Path(args.run).parent
+    plot = routing_heatmap(weights, args.plot or run_dir / f"routing_step_{step}.png")
+    print(f"heatmap: {plot}")
+    return 0
+
+
+def _evaluation_at(evaluations: list, step: int):
+    for at, weights in reversed(evaluations):  # a resumed run's file has each step once; the last wins anyway
+        if at == step:
+            return at, weights
+    steps = [at for at, _ in evaluations]
+    shown = ", ".join(map(str, steps)) if len(steps) <= 8 else (
+        f"{', '.join(map(str, steps[:4]))}, ..., {', '.join(map(str, steps[-3:]))}")
+    raise ValueError(f"--step {step}: no evaluation at that step recorded routing weights; the {len(steps)} that "
+                     f"did are at steps {shown}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="depthrewrite", description="Inspect residual streams; train and compare depth-routing rewrites of "
@@ -267,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_ins.add_argument("--layers", type=int, help="build the model with this many layers")
     p_ins.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p_ins.set_defaults(func=_cmd_inspect)
+    p_rt = sub.add_parser("routing", help="print and draw the depth-routing weights a training run recorded at an "
+                          "evaluation (a live run too)")
+    p_rt.add_argument("run", help="a run's --out folder, or its metrics.jsonl")
+    p_rt.add_argument("--step", type=int, help="the evaluation's step (default: the latest)")
+    p_rt.add_argument("--plot", help="where the heatmap goes (default: routing_step_<STEP>.png in the run's folder)")
+    p_rt.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p_rt.set_defaults(func=_cmd_routing)
     return parser
 
 

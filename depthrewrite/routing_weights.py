@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,44 @@ class RoutingWeights:
             for value, name in zip(w.tolist(), names):
                 out[k, cols[name]] = value
         return out
+
+    def table(self, digits: int = 2) -> str:
+        """A text table of :meth:`matrix`: a row per site (``F``: the final readout), a
+        column per source, blank where a site does not read that source."""
+        cols = self.columns()
+        cells = [[""] + cols] + [[label] + ["" if math.isnan(v) else f"{v:.{digits}f}" for v in row.tolist()]
+                                 for label, row in zip(self.labels, self.matrix())]
+        widths = [max(len(row[j]) for row in cells) for j in range(len(cells[0]))]
+        return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in cells)
+
+    def to_record(self) -> dict:
+        """The token-averaged weights as plain JSON data (the training harness writes one
+        into ``metrics.jsonl`` at each evaluation); ``per_token`` is left out. Weights keep
+        ``RECORD_DIGITS`` significant digits."""
+        return {"scheme": self.scheme, "sites": list(self.labels), "sources": [list(n) for n in self.source_labels],
+                "weights": [[float(f"{v:.{RECORD_DIGITS}g}") for v in w.tolist()] for w in self.weights],
+                "static": self.static}
+
+    @classmethod
+    def from_record(cls, record: dict) -> RoutingWeights:
+        """The inverse of :meth:`to_record`; a record that is not one is a ``ValueError``
+        naming what is missing or does not match."""
+        missing = [key for key in ("scheme", "sites", "sources", "weights", "static") if key not in record]
+        if missing:
+            raise ValueError(f"RoutingWeights.from_record: the record lacks {missing}; found keys {sorted(record)}")
+        sites, sources, weights = record["sites"], record["sources"], record["weights"]
+        lengths = (len(sites), len(sources), len(weights))
+        if len(set(lengths)) != 1 or any(len(w) != len(n) for w, n in zip(weights, sources)):
+            raise ValueError(f"RoutingWeights.from_record: sites, sources and weights must match one to one, "
+                             f"found {lengths[0]} sites, {lengths[1]} source lists, {lengths[2]} weight lists "
+                             f"(entries per site: {[len(n) for n in sources]} names, {[len(w) for w in weights]} "
+                             "weights)")
+        return cls(record["scheme"], list(sites), [torch.tensor(w, dtype=torch.float32) for w in weights],
+                   [list(n) for n in sources], static=bool(record["static"]))
+
+
+#: significant digits a weight keeps in :meth:`RoutingWeights.to_record`
+RECORD_DIGITS = 6
 
 
 def token_weights(router: DepthQuery, sources, logit_bias=None, source_scale=None) -> torch.Tensor:

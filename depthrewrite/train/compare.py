@@ -19,7 +19,6 @@ import torch
 from .data import VAL_STREAM, batch_at, load_splits
 from .loop import TrainConfig, TrainResult, train
 from .plots import loss_curves, routing_heatmap
-from ..routing_weights import has_routing_weights, record_routing_weights
 from .stream_similarity import stream_similarity, stream_similarity_plot
 
 log = logging.getLogger(__name__)
@@ -121,11 +120,12 @@ def _val_batch(result: TrainResult) -> torch.Tensor:
 
 
 def _heatmap(result: TrainResult, path: pathlib.Path) -> pathlib.Path | None:
-    if not has_routing_weights(result.model):
+    """The final evaluation's routing weights (recorded by the run on its first validation batch)."""
+    if result.routing is None:
         log.info("routing weights: scheme %r has none (no depth sources weighed); heatmap skipped",
                  result.config.scheme)
         return None
-    return routing_heatmap(record_routing_weights(result.model, _val_batch(result)), path)
+    return routing_heatmap(result.routing, path)
 
 
 def _stream_similarity(result: TrainResult, path: pathlib.Path) -> tuple[pathlib.Path | None, float | None]:

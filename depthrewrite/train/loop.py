@@ -3,8 +3,8 @@
 AdamW (weight decay on the model's own matrices and embeddings only: norms, biases and every
 parameter the rewrite adds keep their init scale; ``optimizer.py``), linear warmup (a tenth
 of the steps unless given) then cosine decay to ``min_lr_ratio * lr``, gradient clipping,
-optional bf16 autocast and torch.compile, periodic evaluation on the validation split,
-a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
+optional bf16 autocast and torch.compile, periodic evaluation on the validation split
+(with the routing weights of schemes that have them: ``routing_log.py``), a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
 A non-finite training loss or gradient norm stops the run (``FloatingPointError``) before
 anything is saved, so that the checkpoints keep the last finite state. With ``out`` set, a
 SIGTERM or SIGINT stops it after the current step, with a checkpoint
@@ -40,7 +40,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..rewrite import find_runtime
-from . import checkpoint, config_checks, distributed
+from ..routing_weights import RoutingWeights
+from . import checkpoint, config_checks, distributed, routing_log
 from . import optimizer as optimizer_groups
 from .stop_signals import StopRequests
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
@@ -198,6 +199,8 @@ class TrainResult:
     rank: int  # this process's rank (0 when not distributed): the CLI prints on rank 0 only
     model: nn.Module = field(repr=False)  # the trained model, unwrapped (no DDP / compile wrapper)
     splits: Splits = field(repr=False)
+    #: the final evaluation's routing weights (``routing_log``); None for a scheme without them
+    routing: RoutingWeights | None = field(default=None, repr=False)
 
 
 # ------------------------------------------------------------------ optimisation
@@ -265,11 +268,15 @@ class Metrics:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def write_val(self, step: int, loss: float) -> None:
-        """The validation loss of ``step``, unless the file has it (a finished run resumed)."""
+    def write_val(self, step: int, loss: float, routing: RoutingWeights | None) -> None:
+        """The validation loss of ``step`` and its routing weights (``routing_log``), unless
+        the file has them (a finished run resumed)."""
         if step not in self._val_steps:
             self._val_steps.add(step)
-            self.write({"step": step, "val_loss": loss})
+            record = {"step": step, "val_loss": loss}
+            if routing is not None:
+                record[routing_log.ROUTING_FIELD] = routing.to_record()
+            self.write(record)
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
@@ -309,6 +316,13 @@ def evaluate(model: nn.Module, tokens: torch.Tensor, config: TrainConfig, info: 
         total += loss.float()
     model.train(was_training)
     return distributed.mean_across_ranks(total / config.eval_batches, info).item()
+
+
+def _evaluation(run: _Run) -> tuple[float, RoutingWeights | None]:
+    """The validation loss, and the routing weights (``routing_log``) of the unwrapped model."""
+    loss = evaluate(run.runner, run.splits.val, run.config, run.info, run.device)
+    with _autocast(run.config, run.device):
+        return loss, routing_log.routing_at_evaluation(run.model, run.splits.val, run.config, run.info, run.device)
 
 
 def _scheme_options(model: nn.Module) -> dict | None:
@@ -459,10 +473,10 @@ def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInf
     if stop.requested is not None and run.step < _end(config):
         # no final evaluation: a preempted job has seconds to save before it is killed
         raise TrainingInterrupted(stop.requested, run.step, _save(run))
-    final_val = evaluate(run.runner, splits.val, config, info, device)
+    final_val, routing = _evaluation(run)
     if not val or val[-1][0] != run.step:
         val.append((run.step, final_val))
-        run.metrics.write_val(run.step, final_val)
+        run.metrics.write_val(run.step, final_val, routing)
     if config.out is not None and steps:  # no steps: the checkpoint resumed from is this state
         _save(run)
     tail = losses[-10:]
@@ -471,7 +485,7 @@ def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInf
         final_train_loss=sum(tail) / len(tail) if tail else float("nan"), final_val_loss=final_val,
         tokens_per_s=tokens_per_s, params=built.params, new_params=built.new_params,
         seconds=time.perf_counter() - start_time, metrics_path=run.metrics.path if run.metrics.enabled else None,
-        rank=info.rank, model=run.model, splits=splits,
+        rank=info.rank, model=run.model, splits=splits, routing=routing,
     )
     log.info("trained %s/%s for %d steps: train loss %.4f, val loss %.4f, %.0f tokens/s",
              config.model, config.scheme, len(steps), result.final_train_loss, final_val, result.tokens_per_s)
@@ -571,8 +585,9 @@ def _run_steps(run: _Run, stop: StopRequests) -> tuple[list[int], list[float], l
             stop.requested = stop.requested or "a stop signal to another rank"
             break
         if run.step < end and _every(config.eval_every, run.step):
-            val.append((run.step, evaluate(run.runner, run.splits.val, config, info, run.device)))
-            run.metrics.write_val(run.step, val[-1][1])
+            loss, routing = _evaluation(run)
+            val.append((run.step, loss))
+            run.metrics.write_val(run.step, loss, routing)
         if run.step < end and config.out is not None and _every(config.save_every, run.step):
             _save(run)
     bar.close()

@@ -26,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
+from depthrewrite.train.routing_log import read_routing
 from tests.conftest import corpus_bytes, free_port, join_group, leave_together, perturb_routing, rank_environment
 
 WORLD = 2
@@ -89,6 +90,17 @@ def test_ddp_and_fsdp2_with_resume_match_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0, msg=named)
         torch.testing.assert_close(torch.tensor(val), torch.tensor(want_val), rtol=RTOL, atol=0, msg=named)
         assert (tmp_path / mode / "checkpoints" / "step_00000006.pt").exists(), mode  # rank 0 saved
+        _assert_same_routing(tmp_path / mode, tmp_path / reference, named)
+
+
+def _assert_same_routing(run, reference, named) -> None:
+    """The routing weights each evaluation recorded: the ranks' shares averaged are the one
+    process's batch (routing_log), so they match it as the losses do."""
+    got, want = read_routing(run), read_routing(reference)
+    assert [step for step, _ in got] == [step for step, _ in want] == [3, 6], named("routing steps")
+    for (_, g), (_, w) in zip(got, want):
+        assert g.source_labels == w.source_labels, named("routing sources")
+        torch.testing.assert_close(torch.cat(g.weights), torch.cat(w.weights), rtol=RTOL, atol=1e-7, msg=named)
 
 
 def test_torchrun_cli_ddp_prints_once_and_matches_one_process(tmp_path):

@@ -24,6 +24,7 @@
 #   OUT=... bash benchmarks/device_session.sh ops72b  # the op table's d = 4096 rows beside FLA at HEAD (session 72; carry [".whl"])
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
+#   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
@@ -884,6 +885,16 @@ h200table77)
   if on_h200; then
     table72_schemes
   fi
+  ;;
+h200table78)
+  # session 78: on an H200 table72 (no H200 has run sessions 65-77's code), then the harness's
+  # routing record on the GPU; on an H100 only the latter (the kernels and compiled graphs are
+  # session 77's, which its H100s checked): tests/e2e/test_routing_log.py, the CUDA test among them
+  if on_h200; then
+    table72_schemes
+  fi
+  export PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata  # carry [".whl", ".devdata"]: tinyshakespeare.txt
+  timeout 240 python -m pytest -q -rs -p no:cacheprovider tests/e2e/test_routing_log.py 2>&1 | tee "$OUT/pytest_routing_log.txt" | tail -15
   ;;
 table72)
   # prepared in session 71 (not run): every scheme at HEAD with its defaults, and block MHAR

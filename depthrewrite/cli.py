@@ -255,7 +255,7 @@ def _cmd_routing(args: argparse.Namespace) -> int:
 
 
 def _evaluation_at(evaluations: list, step: int):
-    for at, weights in reversed(evaluations):  # a resumed run's file has each step once; the last wins anyway
+    for at, weights in evaluations:
         if at == step:
             return at, weights
     steps = [at for at, _ in evaluations]

@@ -4,11 +4,12 @@ and compare schemes (``depthrewrite train`` / ``depthrewrite compare``)."""
 from .data import DataConfig, Splits, batch_at, load_documents, load_splits, split_documents
 from .loop import TrainConfig, TrainingInterrupted, TrainResult, evaluate, read_metrics, train
 from .compare import CompareConfig, CompareResult, compare, default_compare_train_config
+from .routing_log import read_routing
 from ..routing_weights import RoutingWeights, record_routing_weights
 
 __all__ = [
     "TrainConfig", "TrainResult", "TrainingInterrupted", "train", "evaluate", "read_metrics",
     "CompareConfig", "CompareResult", "compare", "default_compare_train_config",
-    "RoutingWeights", "record_routing_weights",
+    "RoutingWeights", "record_routing_weights", "read_routing",
     "DataConfig", "Splits", "load_documents", "load_splits", "split_documents", "batch_at",
 ]

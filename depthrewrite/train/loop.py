@@ -4,7 +4,8 @@ AdamW (weight decay on the model's own matrices and embeddings only: norms, bias
 parameter the rewrite adds keep their init scale; ``optimizer.py``), linear warmup (a tenth
 of the steps unless given) then cosine decay to ``min_lr_ratio * lr``, gradient clipping,
 optional bf16 autocast and torch.compile, periodic evaluation on the validation split
-(with the routing weights of schemes that have them: ``routing_log.py``), a JSONL metrics file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
+(with the routing weights of schemes that have them: ``routing_log.py``), a JSONL metrics
+file and checkpoints that resume bit-exactly (see ``checkpoint.py``).
 A non-finite training loss or gradient norm stops the run (``FloatingPointError``) before
 anything is saved, so that the checkpoints keep the last finite state. With ``out`` set, a
 SIGTERM or SIGINT stops it after the current step, with a checkpoint

@@ -578,8 +578,10 @@ def _run_steps(run: _Run, stop: StopRequests) -> tuple[list[int], list[float], l
             train_time, timed_steps = train_time + dt, timed_steps + 1
         steps.append(run.step)
         losses.append(loss)
-        run.metrics.write({"step": run.step, "loss": loss, "lr": lr,
-                           "tokens_per_s": tokens_per_step / dt})
+        record = {"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+        if grad_norm is not None:  # measured where the gradients are clipped (grad_clip above 0)
+            record["grad_norm"] = grad_norm
+        run.metrics.write(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if stopping:  # agreed by every rank in the step's loss reduction: they all stop here

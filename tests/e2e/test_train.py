@@ -410,6 +410,28 @@ def test_the_logged_lr_is_the_one_each_step_used(tmp_path, shakespeare):
     assert logged == [(s, config.lr * lr_factor(s - 1, config)) for s in range(1, 7)]
 
 
+def test_the_logged_gradient_norm_is_the_first_steps_before_clipping(tmp_path, shakespeare):
+    """Step 1's record: the norm of the whole gradient of the initial model on step 1's batch,
+    computed here from a model built the same way; none logged where nothing is clipped."""
+    from depthrewrite.train.model import build_model
+
+    config = _tiny(scheme="dar", data=DataConfig(source=str(shakespeare)), steps=2, warmup_steps=1, grad_clip=0.5,
+                   out=str(tmp_path))
+    result = train(config)
+    logged = [r["grad_norm"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    model = build_model(config.model, {"n_layer": config.layers}, config.scheme, config.options, config.seq_len,
+                        config.seed, torch.device("cpu")).model.train()
+    x, y = batch_at(result.splits.train, seed=config.seed, step=0, batch_size=config.batch_size,
+                    seq_len=config.seq_len)
+    model(x, y)[1].backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    assert len(logged) == 2 and logged[0] > config.grad_clip  # clipped: the norm before, not after
+    assert logged[0] == pytest.approx(want.item(), rel=1e-6)
+    train(_tiny(data=DataConfig(source=str(shakespeare)), steps=2, warmup_steps=1, grad_clip=0.0,
+                out=str(tmp_path / "none")))
+    assert not any("grad_norm" in r for r in read_metrics(tmp_path / "none" / "metrics.jsonl"))
+
+
 def test_resume_applies_the_given_optimizer_settings_and_says_which_changed(tmp_path, shakespeare, caplog):
     """``lr`` and ``weight_decay`` given on resume used to be overwritten by the
     checkpoint's (its optimizer and scheduler state), while ``min_lr_ratio``, ``grad_clip``

@@ -2,7 +2,8 @@
 and compare schemes (``depthrewrite train`` / ``depthrewrite compare``)."""
 
 from .data import DataConfig, Splits, batch_at, load_documents, load_splits, split_documents
-from .loop import TrainConfig, TrainingInterrupted, TrainResult, evaluate, read_metrics, train
+from .loop import TrainConfig, TrainingInterrupted, TrainResult, evaluate, train
+from .metrics import read_metrics
 from .compare import CompareConfig, CompareResult, compare, default_compare_train_config
 from .routing_log import read_routing
 from ..routing_weights import RoutingWeights, record_routing_weights

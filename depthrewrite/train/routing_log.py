@@ -25,9 +25,7 @@ from torch import nn
 from ..routing_weights import RoutingWeights, has_routing_weights, record_routing_weights
 from . import distributed
 from .data import VAL_STREAM, batch_at
-
-#: the field of an evaluation's record in metrics.jsonl
-ROUTING_FIELD = "routing"
+from .metrics import METRICS_FILE, ROUTING_FIELD, read_metrics
 
 
 def routing_at_evaluation(model: nn.Module, tokens: torch.Tensor, config, info: distributed.DistInfo,
@@ -53,8 +51,6 @@ def _mean_across_ranks(weights: RoutingWeights, info: distributed.DistInfo, devi
 def read_routing(path: str | pathlib.Path) -> list[tuple[int, RoutingWeights]]:
     """``(step, weights)`` of every evaluation that recorded routing weights, in the file's
     order; ``path``: a metrics file or the run's folder holding one."""
-    from .loop import METRICS_FILE, read_metrics  # loop imports this module
-
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / METRICS_FILE

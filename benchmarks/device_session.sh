@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh routing78  # the harness's routing record on the GPU: tests/e2e/test_routing_log.py (session 78)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
 #   OUT=... bash benchmarks/device_session.sh table69  # every scheme at HEAD, DAR block's whole scalar sums beside (prepared in session 69)
@@ -301,6 +302,12 @@ on_h200() {
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   echo "card: $gpu"
   [[ $gpu == *H200* ]]
+}
+# tests/e2e/test_routing_log.py, its CUDA test among them (carry [".whl", ".devdata"]: the
+# tests read .devdata/tinyshakespeare.txt)
+routing_log_tests() {
+  PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata timeout 240 python -m pytest -q -rs -p no:cacheprovider \
+    tests/e2e/test_routing_log.py 2>&1 | tee "$OUT/pytest_routing_log.txt" | tail -15
 }
 # every scheme compiled with the backend against eager (gpu_scheme_check.py, at most $1 s);
 # its rows printed
@@ -887,14 +894,17 @@ h200table77)
   fi
   ;;
 h200table78)
-  # session 78: on an H200 table72 (no H200 has run sessions 65-77's code), then the harness's
-  # routing record on the GPU; on an H100 only the latter (the kernels and compiled graphs are
-  # session 77's, which its H100s checked): tests/e2e/test_routing_log.py, the CUDA test among them
+  # session 78: on an H200 table72 (no H200 has run sessions 65-77's code), then routing78; on
+  # an H100 only routing78 (the kernels and compiled graphs are session 77's, which its H100s checked)
   if on_h200; then
     table72_schemes
   fi
-  export PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata  # carry [".whl", ".devdata"]: tinyshakespeare.txt
-  timeout 240 python -m pytest -q -rs -p no:cacheprovider tests/e2e/test_routing_log.py 2>&1 | tee "$OUT/pytest_routing_log.txt" | tail -15
+  routing_log_tests
+  ;;
+routing78)
+  # session 78's last device time: the harness's routing record on the GPU, any card
+  on_h200
+  routing_log_tests
   ;;
 table72)
   # prepared in session 71 (not run): every scheme at HEAD with its defaults, and block MHAR

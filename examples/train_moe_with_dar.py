@@ -23,8 +23,13 @@ from depthrewrite.models import moe_from_preset
 from depthrewrite.train.data import DataConfig, batch_at, load_splits
 
 
-def routing_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if ".depth_route." in n)
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on the model's own matrices only: DAR's routing queries and key-norm
+    weights are ``(2, d)`` matrices too, so a rule by shape alone would decay them."""
+    routing = {id(p) for p in depthrewrite.routing_parameters(model)}
+    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in routing]
+    rest = [p for p in model.parameters() if p.dim() < 2 or id(p) in routing]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
 def main(argv=None) -> None:
@@ -39,6 +44,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="on the model's own matrices only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="a few-second run: 2 layers, 4 steps, batch 2 x 32")
@@ -53,10 +59,11 @@ def main(argv=None) -> None:
     cfg = model.config
     print(f"moe:{args.preset} with {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_experts} experts (top {cfg.top_k}); "
           f"rewritten with dar (variant {args.variant}, layers_per_block {args.layers_per_block})")
-    print(f"routing parameters: {routing_parameters(model)}")
+    print(f"routing parameters: {sum(p.numel() for p in depthrewrite.routing_parameters(model))}")
 
-    tokens = load_splits(DataConfig(source=args.data, max_bytes=args.max_bytes), seed=args.seed).train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    splits = load_splits(DataConfig(source=args.data, max_bytes=args.max_bytes), seed=args.seed)
+    tokens = splits.train
+    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.lr)
     model.train()
     for step in range(args.steps):
         x, y = batch_at(tokens, seed=args.seed, step=step, batch_size=args.batch_size, seq_len=args.seq_len)
@@ -70,6 +77,11 @@ def main(argv=None) -> None:
             ce = F.cross_entropy(logits.detach().flatten(0, 1), y.flatten())
             print(f"step {step + 1:4d}  loss {loss.item():.6f}  cross-entropy {ce.item():.6f}  "
                   f"load-balancing {balance.item():.6f} ({balance.item() / cfg.n_layer:.4f} per layer)")
+    # what each site learned to read: DAR's value entries weighed by the gate times each
+    # stream's softmax, averaged over the tokens of a held-out batch
+    x, _ = batch_at(splits.val, seed=args.seed, step=0, batch_size=args.batch_size, seq_len=args.seq_len)
+    print("depth-routing weights (rows: sites, F: the final readout):")
+    print(depthrewrite.record_routing_weights(model, x).table())
 
 
 if __name__ == "__main__":

@@ -68,6 +68,12 @@ def test_train_moe_with_dar():
         assert total == pytest.approx(ce + coef * balance, abs=2e-6)  # the loss is CE + coef * LB
         assert 0 < balance <= layers * n_experts  # E * sum f P lies in (0, E] per layer
     assert float(rows[-1][1]) < float(rows[0][1])
+    table = out.split("depth-routing weights (rows: sites, F: the final readout):\n")[1].splitlines()
+    assert table[0].split() == ["e", "H0_1", "H1_1", "P0", "P1"]
+    assert [row.split()[0] for row in table[1:]] == ["1", "2", "3", "4", "F"]
+    for row in table[1:]:  # each site's weights sum to 1, each printed to 2 decimals
+        values = [float(v) for v in row.split()[1:]]
+        assert sum(values) == pytest.approx(1, abs=0.005 * len(values) + 1e-9), row
 
 
 def test_property_test_your_model():

@@ -240,10 +240,15 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     from .train.plots import routing_heatmap
     from .train.routing_log import read_routing
 
+    if args.site is not None and (args.step is not None or args.plot is not None):
+        raise ValueError("--site prints one site at every evaluation, as a table; --step and --plot are for one "
+                         "evaluation's heatmap: give one or the other")
     evaluations = read_routing(args.run)
     if not evaluations:
         raise ValueError(f"{args.run!r}: no evaluation in its metrics file recorded routing weights (its scheme has "
                          "none, no evaluation has run yet, or the run was written before they were recorded)")
+    if args.site is not None:
+        return _print_site_over_steps(evaluations, args.site)
     step, weights = evaluations[-1] if args.step is None else _evaluation_at(evaluations, args.step)
     print(f"{weights.scheme}: depth-routing weights at step {step}, mean over the first validation batch's tokens "
           f"(rows: sites, F: the final readout; columns: the sources they read)")
@@ -251,6 +256,23 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     run_dir = pathlib.Path(args.run) if pathlib.Path(args.run).is_dir() else pathlib.Path(args.run).parent
     plot = routing_heatmap(weights, args.plot or run_dir / f"routing_step_{step}.png")
     print(f"heatmap: {plot}")
+    return 0
+
+
+def _print_site_over_steps(evaluations: list, site: str) -> int:
+    """One site's weights at every evaluation: a row per step (``RoutingWeights.table``'s
+    layout, the steps as its row labels)."""
+    from .routing_weights import RoutingWeights
+
+    labels = evaluations[-1][1].labels
+    if site not in labels:
+        raise ValueError(f"--site {site!r}: the run's sites are {', '.join(labels)} (F: the final readout)")
+    rows = [(step, w.labels.index(site), w) for step, w in evaluations]
+    over_steps = RoutingWeights(evaluations[-1][1].scheme, [str(step) for step, _, _ in rows],
+                                [w.weights[k] for _, k, w in rows], [w.source_labels[k] for _, k, w in rows])
+    print(f"{over_steps.scheme}: site {site}'s depth-routing weights at each evaluation, mean over the first "
+          "validation batch's tokens (rows: steps; columns: the sources it reads)")
+    print(over_steps.table())
     return 0
 
 
@@ -302,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_rt.add_argument("run", help="a run's --out folder, or its metrics.jsonl")
     p_rt.add_argument("--step", type=int, help="the evaluation's step (default: the latest)")
     p_rt.add_argument("--plot", help="where the heatmap goes (default: routing_step_<STEP>.png in the run's folder)")
+    p_rt.add_argument("--site", help="instead, one site's weights at every evaluation, a row per step: the site's "
+                      "label, 1..L or F (the final readout)")
     p_rt.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p_rt.set_defaults(func=_cmd_routing)
     return parser

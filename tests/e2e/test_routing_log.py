@@ -164,6 +164,20 @@ def test_cli_routing_prints_and_draws_an_evaluation(tmp_path, text, capsys):
     assert rows[0].split()[:2] == ["e", "H0_1"] and [r.split()[0] for r in rows[1:]] == ["1", "2", "3", "4", "F"]
     assert main(["routing", str(tmp_path / "metrics.jsonl"), "--step", "3", "--plot", str(tmp_path / "s3.png")]) == 0
     assert "at step 3" in capsys.readouterr().out and (tmp_path / "s3.png").exists()
+    assert main(["routing", str(tmp_path), "--site", "2"]) == 0  # one site over the evaluations
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("dar: site 2's depth-routing weights at each evaluation")
+    logged = {step: w.weights[1] for step, w in read_routing(tmp_path)}
+    names = read_routing(tmp_path)[0][1].source_labels[1]
+    assert lines[1].split() == names  # site 2 reads e and the two streams' partial entries
+    for line in lines[2:]:
+        step, *values = line.split()
+        assert values == [f"{v:.2f}" for v in logged[int(step)].tolist()]
+    assert [line.split()[0] for line in lines[2:]] == ["3", "6"]
+    assert main(["routing", str(tmp_path), "--site", "9"]) == 2
+    assert "--site '9': the run's sites are 1, 2, 3, 4, F" in capsys.readouterr().err
+    assert main(["routing", str(tmp_path), "--site", "2", "--step", "3"]) == 2
+    assert "give one or the other" in capsys.readouterr().err
     assert main(["routing", str(tmp_path), "--step", "4"]) == 2
     assert "--step 4: no evaluation at that step recorded routing weights; the 2 that did are at steps 3, 6" in \
         capsys.readouterr().err

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .errors import DepthRewriteError
-from .passes.runtime import is_routed, routing_parameters as _routers_parameters
+from .passes.runtime import routed_modules, routing_parameters as _routers_parameters
 
 
 def named_routing_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -25,11 +24,7 @@ def named_routing_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]
     Empty for schemes without parameters (``residual``). Raises ``DepthRewriteError`` for a
     model that is not rewritten: an optimizer built from it would miss the parameters a
     later rewrite adds."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"named_routing_parameters: model must be a torch.nn.Module, found {type(model).__name__}")
-    if not any(is_routed(module) for module in model.modules()):
-        raise DepthRewriteError(f"named_routing_parameters: {type(model).__name__} is not rewritten (no routed "
-                                "block); pass the model depthrewrite.rewrite returned")
+    routed_modules(model, "named_routing_parameters")
     added = {id(p) for p in _routers_parameters(model)}
     return [(name, p) for name, p in model.named_parameters() if id(p) in added]
 

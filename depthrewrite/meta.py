@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .capture_refusals import first_meta_tensor, named_tensors
-from .errors import CaptureError, DepthRewriteError
-from .passes.runtime import ROUTER_ATTR, is_routed
+from .errors import CaptureError
+from .passes.runtime import ROUTER_ATTR, is_routed, routed_modules
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +192,8 @@ def reset_routing_parameters(model: nn.Module) -> int:
     after ``to_empty`` and the model's own init, for a model rewritten on the meta device.
     Works through wrappers and on sharded parameters (DTensor, as FSDP2 makes them). Returns
     the number of parameters written."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"reset_routing_parameters: model must be a torch.nn.Module, found {type(model).__name__}")
-    routed = [module for module in model.modules() if is_routed(module)]
-    if not routed:  # a slip such as passing the original after rewrite(..., inplace=False)
-        raise DepthRewriteError(f"reset_routing_parameters: {type(model).__name__} is not rewritten (no routed "
-                                "block); pass the model depthrewrite.rewrite returned")
     written = 0
-    for module in routed:
+    for module in routed_modules(model, "reset_routing_parameters"):
         initial = getattr(module, INITIAL_VALUES_ATTR, None)
         if initial is None:
             raise CaptureError(f"reset_routing_parameters: the routed module {module._depth_path!r} keeps no initial "

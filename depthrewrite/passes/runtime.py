@@ -379,6 +379,19 @@ def is_routed(module: nn.Module) -> bool:
     return isinstance(module, (RoutedBlock, RoutedReadout))
 
 
+def routed_modules(model: nn.Module, caller: str) -> list[nn.Module]:
+    """The routed modules of ``model``, for a public function that needs a rewritten model:
+    one that is not (a slip such as passing the original after ``rewrite(..., inplace=False)``)
+    is refused, naming ``caller``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{caller}: model must be a torch.nn.Module, found {type(model).__name__}")
+    routed = [module for module in model.modules() if is_routed(module)]
+    if not routed:
+        raise DepthRewriteError(f"{caller}: {type(model).__name__} is not rewritten (no routed block); pass the "
+                                "model depthrewrite.rewrite returned")
+    return routed
+
+
 def routing_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the rewrite added: those under each routed module's ``depth_route``."""
     return [p for module in model.modules() if is_routed(module) for p in getattr(module, ROUTER_ATTR).parameters()]

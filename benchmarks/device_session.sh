@@ -25,6 +25,8 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh h200table79  # on an H200 table72; on an H100 the trained-model tests (session 79)
+#   OUT=... bash benchmarks/device_session.sh trained79  # a trained run's model loaded back and sampled on the GPU (session 79)
 #   OUT=... bash benchmarks/device_session.sh routing78  # the harness's routing record on the GPU: tests/e2e/test_routing_log.py (session 78)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
 #   OUT=... bash benchmarks/device_session.sh wavcode70  # what two-phase WAV's and block MHAR's Inductor kernels read and write, with their code (session 70)
@@ -308,6 +310,12 @@ on_h200() {
 routing_log_tests() {
   PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata timeout 240 python -m pytest -q -rs -p no:cacheprovider \
     tests/e2e/test_routing_log.py 2>&1 | tee "$OUT/pytest_routing_log.txt" | tail -15
+}
+# tests/e2e/test_trained_model.py, its CUDA test among them (carry [".whl", ".devdata"], as
+# routing_log_tests)
+trained_model_tests() {
+  PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata timeout 240 python -m pytest -q -rs -p no:cacheprovider \
+    tests/e2e/test_trained_model.py 2>&1 | tee "$OUT/pytest_trained_model.txt" | tail -15
 }
 # every scheme compiled with the backend against eager (gpu_scheme_check.py, at most $1 s);
 # its rows printed
@@ -900,6 +908,20 @@ h200table78)
     table72_schemes
   fi
   routing_log_tests
+  ;;
+h200table79)
+  # session 79: on an H200 table72 (no H200 has run sessions 65-78's code end to end); on an
+  # H100 the trained-model tests (trained79)
+  if on_h200; then
+    table72_schemes
+  else
+    trained_model_tests
+  fi
+  ;;
+trained79)
+  # session 79: a trained run's model loaded back and sampled on the GPU, any card
+  on_h200
+  trained_model_tests
   ;;
 routing78)
   # session 78's last device time: the harness's routing record on the GPU, any card

@@ -1,4 +1,4 @@
-"""The ``depthrewrite`` command: ``inspect``, ``train``, ``compare`` and ``routing``. Parses and prints;
+"""The ``depthrewrite`` command: ``inspect``, ``train``, ``compare``, ``routing`` and ``sample``. Parses and prints;
 the work is done by ``depthrewrite.inspect`` and ``depthrewrite.train``.
 
     depthrewrite inspect gpt:small            # the residual-stream table of a preset or HF config
@@ -6,6 +6,7 @@ the work is done by ``depthrewrite.inspect`` and ``depthrewrite.train``.
     depthrewrite train --model gpt:tiny --scheme attnres --steps 300 --out runs/attnres
     depthrewrite train --out runs/attnres --steps 300 --resume
     depthrewrite routing runs/attnres          # the routing weights its latest evaluation recorded
+    depthrewrite sample runs/attnres --prompt "ROMEO:"  # text from its newest checkpoint
     torchrun --nproc-per-node 2 -m depthrewrite.cli train --distributed ddp --scheme attnres
 """
 
@@ -287,6 +288,28 @@ def _evaluation_at(evaluations: list, step: int):
                      f"did are at steps {shown}")
 
 
+def _cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from .train.sampling import BYTE_TOKENS, decode, encode, generate
+    from .train.trained_model import load_trained
+
+    if not pathlib.Path(args.run).is_dir():
+        raise FileNotFoundError(f"{args.run!r}: no such folder (a run's --out folder, holding checkpoints/)")
+    trained = load_trained(args.run, step=args.step, device=args.device)
+    context = trained.seq_len if args.context is None else args.context
+    prompt = encode(args.prompt)
+    vocab = trained.model.config.vocab_size
+    ids = generate(trained.model, prompt.to(args.device), args.tokens, temperature=args.temperature,
+                   top_k=args.top_k, context=context, token_limit=BYTE_TOKENS if vocab > BYTE_TOKENS else None,
+                   generator=torch.Generator().manual_seed(args.seed))
+    print(f"{trained.config['model']} / {trained.config['scheme']} at step {trained.step} ({trained.checkpoint}); "
+          f"temperature {args.temperature}, top-k {args.top_k or 'all'}, context {context}, seed {args.seed}:",
+          file=sys.stderr)
+    sys.stdout.write(decode(ids.cpu()) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="depthrewrite", description="Inspect residual streams; train and compare depth-routing rewrites of "
@@ -328,6 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
                       "label, 1..L or F (the final readout)")
     p_rt.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p_rt.set_defaults(func=_cmd_routing)
+    p_smp = sub.add_parser("sample", help="continue a prompt with a trained run's model (byte-level text)")
+    p_smp.add_argument("run", help="a run's --out folder (of train, or compare's runs/compare/<scheme>)")
+    p_smp.add_argument("--prompt", default="\n", help="the text to continue (default: a newline, the separator "
+                       "between the training documents; in bash, $'ROMEO:\\n' ends with one)")
+    p_smp.add_argument("--tokens", type=int, default=500, help="bytes to generate (default 500)")
+    p_smp.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest byte each time (default 0.8)")
+    p_smp.add_argument("--top-k", type=int, help="sample among the k likeliest bytes (default: all)")
+    p_smp.add_argument("--context", type=int, help="bytes the model sees (default: the run's --seq-len, the window "
+                       "it trained on)")
+    p_smp.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
+    p_smp.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    p_smp.add_argument("--device", default="cpu", help="default cpu")
+    p_smp.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p_smp.set_defaults(func=_cmd_sample)
     return parser
 
 

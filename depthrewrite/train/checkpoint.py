@@ -120,18 +120,23 @@ _UNREADABLE = (RuntimeError, EOFError, KeyError, pickle.UnpicklingError)
 _PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "rng")
 
 
-def _read(path: pathlib.Path) -> dict | None:
-    """The payload at ``path``, or None (said) when the file is not a whole checkpoint."""
+def _try_read(path: pathlib.Path) -> tuple[dict | None, str]:
+    """``(payload, "")``, or ``(None, why)`` when the file at ``path`` is not a whole checkpoint."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except _UNREADABLE as exc:
-        log.warning("resume: cannot read %s (%s: %s); trying the next older checkpoint", path,
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return None
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if not isinstance(payload, dict) or any(key not in payload for key in _PAYLOAD_KEYS):
-        log.warning("resume: cannot read %s (not a checkpoint of depthrewrite train: no %s); trying the next "
-                    "older checkpoint", path, ", ".join(_PAYLOAD_KEYS))
-        return None
+        return None, f"not a checkpoint of depthrewrite train: no {', '.join(_PAYLOAD_KEYS)}"
+    return payload, ""
+
+
+def _read(path: pathlib.Path, purpose: str) -> dict | None:
+    """The payload at ``path``, or None (said, with ``purpose`` first) when the file is not a
+    whole checkpoint and the caller goes on to the next older one."""
+    payload, why = _try_read(path)
+    if payload is None:
+        log.warning("%s: cannot read %s (%s); trying the next older checkpoint", purpose, path, why)
     return payload
 
 
@@ -143,7 +148,7 @@ def load_latest(out: str | os.PathLike, model: nn.Module, optimizer, scheduler, 
     if not found:
         raise ValueError(f"resume: no checkpoint under {checkpoint_dir(out)}")
     for newer, path in enumerate(reversed(found)):
-        payload = _read(path)
+        payload = _read(path, "resume")
         if payload is None:
             continue
         if newer:
@@ -152,6 +157,33 @@ def load_latest(out: str | os.PathLike, model: nn.Module, optimizer, scheduler, 
         _set_aside(found[len(found) - newer:], info)
         return payload
     raise ValueError(f"resume: no readable checkpoint under {checkpoint_dir(out)}: "
+                     f"{', '.join(p.name for p in found)} cannot be read (see the warnings)")
+
+
+def read_checkpoint(out: str | os.PathLike, step: int | None = None) -> tuple[pathlib.Path, dict]:
+    """``(path, payload)`` of the checkpoint of ``step`` under ``out``, or of the newest one
+    that can be read (one that cannot is passed over with a warning, and left in place:
+    reading changes nothing in the run's folder). For a look at a run; ``load_latest``
+    resumes one."""
+    found = list_checkpoints(out)
+    if not found:
+        raise ValueError(f"no checkpoint under {str(checkpoint_dir(out))!r} (a run's --out folder holds "
+                         "checkpoints/ once it has saved: at its end, or every --save-every steps)")
+    if step is not None:
+        path = checkpoint_path(out, step)
+        if path not in found:
+            steps = ", ".join(str(int(_NAME.search(p.name).group(1))) for p in found)
+            raise ValueError(f"step {step}: no checkpoint of that step under {str(checkpoint_dir(out))!r}; it holds "
+                             f"steps {steps}")
+        payload, why = _try_read(path)
+        if payload is None:
+            raise ValueError(f"step {step}: cannot read {str(path)!r} ({why})")
+        return path, payload
+    for path in reversed(found):
+        payload = _read(path, "checkpoint")
+        if payload is not None:
+            return path, payload
+    raise ValueError(f"no readable checkpoint under {str(checkpoint_dir(out))!r}: "
                      f"{', '.join(p.name for p in found)} cannot be read (see the warnings)")
 
 

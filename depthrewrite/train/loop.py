@@ -45,7 +45,7 @@ from .metrics import Metrics
 from . import optimizer as optimizer_groups
 from .stop_signals import StopRequests
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
-from .model import build_model, parse_model_name
+from .model import build_model, model_overrides, parse_model_name
 
 log = logging.getLogger(__name__)
 
@@ -424,8 +424,7 @@ def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInf
 
 
 def _build(config: TrainConfig, info: distributed.DistInfo, device: torch.device):
-    overrides = dict(config.model_options)
-    overrides.update({k: v for k, v in (("n_layer", config.layers), ("d_model", config.d_model)) if v is not None})
+    overrides = model_overrides(config.model_options, config.layers, config.d_model)
     built = build_model(config.model, overrides, config.scheme, config.options, config.seq_len, config.seed, device)
     built.model.train()
     if info.mode == "fsdp2":

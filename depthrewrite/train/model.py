@@ -33,6 +33,14 @@ def parse_model_name(name: str) -> tuple[str, str]:
     return family, size
 
 
+def model_overrides(model_options: dict, layers: int | None, d_model: int | None) -> dict:
+    """The preset's config fields a run changes: its ``model_options`` with ``layers`` and
+    ``d_model`` (``TrainConfig``'s shortcuts) on top where given."""
+    overrides = dict(model_options)
+    overrides.update({k: v for k, v in (("n_layer", layers), ("d_model", d_model)) if v is not None})
+    return overrides
+
+
 @dataclass
 class BuiltModel:
     model: nn.Module

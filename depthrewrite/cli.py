@@ -298,6 +298,9 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.run!r}: no such folder (a run's --out folder, holding checkpoints/)")
     trained = load_trained(args.run, step=args.step, device=args.device)
     context = trained.seq_len if args.context is None else args.context
+    longest = trained.model.config.max_seq_len
+    if context > longest:
+        raise ValueError(f"--context {context}: the model reads at most {longest} positions (its max_seq_len)")
     prompt = encode(args.prompt)
     vocab = trained.model.config.vocab_size
     ids = generate(trained.model, prompt.to(args.device), args.tokens, temperature=args.temperature,

@@ -13,8 +13,8 @@ import depthrewrite
 from depthrewrite.cli import main
 from depthrewrite.passes import two_phase
 from depthrewrite.train import DataConfig, TrainConfig, checkpoint, train
-from depthrewrite.train.sampling import decode, encode, generate
-from depthrewrite.train.trained_model import load_trained
+from depthrewrite.train import generate, load_trained
+from depthrewrite.train.sampling import decode, encode
 from tests.conftest import corpus_bytes
 
 
@@ -104,6 +104,8 @@ def test_sample_prints_what_generate_gives_the_loaded_model(tmp_path, text, caps
     assert "sample: error: " in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--temperature", "-1"]) == 2
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+    assert main(["sample", str(tmp_path), "--context", "257"]) == 2  # gpt:tiny's max_seq_len is 256
+    assert "--context 257: the model reads at most 256 positions" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the run and the loaded model on the GPU")

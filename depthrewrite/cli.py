@@ -296,6 +296,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
     if not pathlib.Path(args.run).is_dir():
         raise FileNotFoundError(f"{args.run!r}: no such folder (a run's --out folder, holding checkpoints/)")
+    if args.tokens < 0:
+        raise ValueError(f"--tokens must be >= 0, found {args.tokens}")
     trained = load_trained(args.run, step=args.step, device=args.device)
     context = trained.seq_len if args.context is None else args.context
     longest = trained.model.config.max_seq_len

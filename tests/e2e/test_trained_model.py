@@ -104,6 +104,8 @@ def test_sample_prints_what_generate_gives_the_loaded_model(tmp_path, text, caps
     assert "sample: error: " in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--temperature", "-1"]) == 2
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+    assert main(["sample", str(tmp_path), "--tokens", "-3"]) == 2
+    assert "--tokens must be >= 0, found -3" in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--context", "257"]) == 2  # gpt:tiny's max_seq_len is 256
     assert "--context 257: the model reads at most 256 positions" in capsys.readouterr().err
 

@@ -234,6 +234,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if row.streams:
             mean = "n/a" if row.stream_cka is None else f"{row.stream_cka:.4f}"
             print(f"cross-stream CKA {row.scheme}: mean {mean}, {row.streams}")
+    print(f"text from a scheme's trained model: depthrewrite sample {pathlib.Path(args.out) / '<scheme>'}")
     return 0
 
 

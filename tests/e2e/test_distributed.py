@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from depthrewrite.train import DataConfig, TrainConfig, TrainingInterrupted, checkpoint, loop, read_metrics, train
+from depthrewrite.train import (DataConfig, TrainConfig, TrainingInterrupted, checkpoint, load_trained, loop,
+                                read_metrics, train)
 from depthrewrite.train.routing_log import read_routing
 from tests.conftest import corpus_bytes, free_port, join_group, leave_together, perturb_routing, rank_environment
 
@@ -91,6 +92,16 @@ def test_ddp_and_fsdp2_with_resume_match_one_process(tmp_path):
         torch.testing.assert_close(torch.tensor(val), torch.tensor(want_val), rtol=RTOL, atol=0, msg=named)
         assert (tmp_path / mode / "checkpoints" / "step_00000006.pt").exists(), mode  # rank 0 saved
         _assert_same_routing(tmp_path / mode, tmp_path / reference, named)
+        _assert_loads_like(tmp_path / mode, tmp_path / reference, named)
+
+
+def _assert_loads_like(run, reference, named) -> None:
+    """``load_trained`` reads rank 0's checkpoint (FSDP2's gathered from the shards) into a
+    model that computes what the one process's does, as the losses match."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = (load_trained(path).model(ids) for path in (run, reference))
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5, msg=named)
 
 
 def _assert_same_routing(run, reference, named) -> None:

@@ -274,6 +274,9 @@ def test_compare_writes_table_and_figures(tmp_path, shakespeare, capsys):
     assert not (out / "routing_residual.png").exists()
     assert str(out / "loss_curves.png") in printed
     assert len([r for r in read_metrics(out / "attnres" / "metrics.jsonl") if "loss" in r]) == 4
+    assert f"depthrewrite sample {out / '<scheme>'}" in printed  # and each scheme's folder samples
+    assert main(["sample", str(out / "block_attnres"), "--tokens", "5", "--prompt", "to be"]) == 0
+    assert "block_attnres at step 4" in capsys.readouterr().err
 
 
 def test_cli_train_stop_and_resume(tmp_path, shakespeare, capsys):

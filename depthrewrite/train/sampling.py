@@ -4,9 +4,8 @@ or taking the likeliest at temperature 0. ``depthrewrite sample RUN_DIR`` runs i
 trained run (``trained_model.load_trained``) with the run's bytes as tokens.
 
 The model is called on the whole window of the last ``context`` tokens for each new token
-(no KV cache: the routing state of every layer would have to be cached too), so a token
-costs one forward pass over the window: fine for the bundled models, slow for long texts
-from large ones.
+(the bundled models keep no KV cache), so a token costs one forward pass over the window:
+fine for the bundled models, slow for long texts from large ones.
 """
 
 from __future__ import annotations
@@ -64,8 +63,8 @@ def _check_arguments(prompt, max_new_tokens, temperature, top_k, context, token_
     for name, value, least in (("max_new_tokens", max_new_tokens, 0), ("top_k", top_k, 1),
                                ("context", context, 1), ("token_limit", token_limit, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise ValueError(f"generate: {name} must be an int >= {least}{'' if name == 'max_new_tokens' else ' or None'}"
-                             f", found {value!r}")
+            or_none = "" if name == "max_new_tokens" else " or None"
+            raise ValueError(f"generate: {name} must be an int >= {least}{or_none}, found {value!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"generate: temperature must be a finite number >= 0 (0: the likeliest token), "

@@ -289,6 +289,10 @@ def _evaluation_at(evaluations: list, step: int):
                      f"did are at steps {shown}")
 
 
+#: between the texts of ``depthrewrite sample --samples N``
+SAMPLE_SEPARATOR = "\n" + "-" * 40 + "\n"
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
@@ -297,14 +301,15 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
     if not pathlib.Path(args.run).is_dir():
         raise FileNotFoundError(f"{args.run!r}: no such folder (a run's --out folder, holding checkpoints/)")
-    if args.tokens < 0:
-        raise ValueError(f"--tokens must be >= 0, found {args.tokens}")
+    for flag, value, least in (("--tokens", args.tokens, 0), ("--samples", args.samples, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, found {value}")
     trained = load_trained(args.run, step=args.step, device=args.device)
     context = trained.seq_len if args.context is None else args.context
     longest = trained.model.config.max_seq_len
     if context > longest:
         raise ValueError(f"--context {context}: the model reads at most {longest} positions (its max_seq_len)")
-    prompt = encode(args.prompt)
+    prompt = encode(args.prompt).expand(args.samples, -1)  # one row a sample, drawn side by side
     vocab = trained.model.config.vocab_size
     ids = generate(trained.model, prompt.to(args.device), args.tokens, temperature=args.temperature,
                    top_k=args.top_k, context=context, token_limit=BYTE_TOKENS if vocab > BYTE_TOKENS else None,
@@ -312,7 +317,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     print(f"{trained.config['model']} / {trained.config['scheme']} at step {trained.step} ({trained.checkpoint}); "
           f"temperature {args.temperature}, top-k {args.top_k or 'all'}, context {context}, seed {args.seed}:",
           file=sys.stderr)
-    sys.stdout.write(decode(ids.cpu()) + "\n")
+    sys.stdout.write(SAMPLE_SEPARATOR.join(decode(row) for row in ids.cpu()) + "\n")
     return 0
 
 
@@ -362,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_smp.add_argument("--prompt", default="\n", help="the text to continue (default: a newline, the separator "
                        "between the training documents; in bash, $'ROMEO:\\n' ends with one)")
     p_smp.add_argument("--tokens", type=int, default=500, help="bytes to generate (default 500)")
+    p_smp.add_argument("--samples", type=int, default=1, help="continuations of the prompt, drawn side by side and "
+                       f"printed apart by a line of dashes (default 1)")
     p_smp.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest byte each time (default 0.8)")
     p_smp.add_argument("--top-k", type=int, help="sample among the k likeliest bytes (default: all)")
     p_smp.add_argument("--context", type=int, help="bytes the model sees (default: the run's --seq-len, the window "

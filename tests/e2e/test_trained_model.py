@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import depthrewrite
-from depthrewrite.cli import main
+from depthrewrite.cli import SAMPLE_SEPARATOR, main
 from depthrewrite.passes import two_phase
 from depthrewrite.train import DataConfig, TrainConfig, checkpoint, train
 from depthrewrite.train import generate, load_trained
@@ -104,6 +104,13 @@ def test_sample_prints_what_generate_gives_the_loaded_model(tmp_path, text, caps
     assert "sample: error: " in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--temperature", "-1"]) == 2
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+    assert main(["sample", str(tmp_path), "--prompt", "a", "--tokens", "8", "--samples", "3", "--seed", "2"]) == 0
+    rows = generate(loaded.model, encode("a").expand(3, -1), 8, temperature=0.8, context=32,
+                    generator=torch.Generator().manual_seed(2))
+    texts = capsys.readouterr().out[:-1].split(SAMPLE_SEPARATOR)
+    assert texts == [decode(row) for row in rows] and len(set(texts)) > 1
+    assert main(["sample", str(tmp_path), "--samples", "0"]) == 2
+    assert "--samples must be >= 1, found 0" in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--tokens", "-3"]) == 2
     assert "--tokens must be >= 0, found -3" in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--context", "257"]) == 2  # gpt:tiny's max_seq_len is 256

@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "between the training documents; in bash, $'ROMEO:\\n' ends with one)")
     p_smp.add_argument("--tokens", type=int, default=500, help="bytes to generate (default 500)")
     p_smp.add_argument("--samples", type=int, default=1, help="continuations of the prompt, drawn side by side and "
-                       f"printed apart by a line of dashes (default 1)")
+                       "printed apart by a line of dashes (default 1)")
     p_smp.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest byte each time (default 0.8)")
     p_smp.add_argument("--top-k", type=int, help="sample among the k likeliest bytes (default: all)")
     p_smp.add_argument("--context", type=int, help="bytes the model sees (default: the run's --seq-len, the window "

@@ -1,11 +1,12 @@
-"""The ``depthrewrite`` command: ``inspect``, ``train``, ``compare``, ``routing`` and ``sample``. Parses and prints;
-the work is done by ``depthrewrite.inspect`` and ``depthrewrite.train``.
+"""The ``depthrewrite`` command: ``inspect``, ``train``, ``compare``, ``routing``, ``curves`` and
+``sample``. Parses and prints; the work is done by ``depthrewrite.inspect`` and ``depthrewrite.train``.
 
     depthrewrite inspect gpt:small            # the residual-stream table of a preset or HF config
     depthrewrite compare                      # residual vs attnres vs block_attnres, tiny GPT, stdlib text, CPU
     depthrewrite train --model gpt:tiny --scheme attnres --steps 300 --out runs/attnres
     depthrewrite train --out runs/attnres --steps 300 --resume
     depthrewrite routing runs/attnres          # the routing weights its latest evaluation recorded
+    depthrewrite curves runs/attnres runs/dar  # their loss curves in one figure, and a table
     depthrewrite sample runs/attnres --prompt "ROMEO:"  # text from its newest checkpoint
     torchrun --nproc-per-node 2 -m depthrewrite.cli train --distributed ddp --scheme attnres
 """
@@ -289,6 +290,35 @@ def _evaluation_at(evaluations: list, step: int):
                      f"did are at steps {shown}")
 
 
+def _cmd_curves(args: argparse.Namespace) -> int:
+    from .train.metrics import read_history
+    from .train.plots import loss_curves
+
+    histories = dict(zip(_run_labels(args.runs), (read_history(run) for run in args.runs), strict=True))
+    print(curves_table(histories))
+    print(f"\nloss curves: {loss_curves({k: (h.steps, h.losses, h.val) for k, h in histories.items()}, args.out)}")
+    return 0
+
+
+def _run_labels(runs: list[str]) -> list[str]:
+    """Each run's folder name (a metrics file's folder's), or the paths as given where two names agree."""
+    names = [(pathlib.Path(r).parent if pathlib.Path(r).is_file() else pathlib.Path(r)).resolve().name for r in runs]
+    return names if len(set(names)) == len(names) else list(runs)
+
+
+def curves_table(histories: dict) -> str:
+    """A markdown row per run: steps logged, the final train loss (mean of the last 10 steps),
+    the last and the best validation loss with their steps."""
+    def at(found):
+        return "-" if found is None else f"{found[1]:.4f} (step {found[0]})"
+
+    lines = ["| run | steps | final train loss | last val loss | best val loss |", "| --- | ---: | ---: | ---: | ---: |"]
+    for label, h in histories.items():
+        lines.append(f"| {label} | {h.steps[-1] if h.steps else 0} | {h.final_train_loss():.4f} | "
+                     f"{at(h.val[-1] if h.val else None)} | {at(h.best_val())} |")
+    return "\n".join(lines)
+
+
 #: between the texts of ``depthrewrite sample --samples N``
 SAMPLE_SEPARATOR = "\n" + "-" * 40 + "\n"
 
@@ -362,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "label, 1..L or F (the final readout)")
     p_rt.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p_rt.set_defaults(func=_cmd_routing)
+    p_cur = sub.add_parser("curves", help="the loss curves of several training runs in one figure, and a table "
+                           "(live runs too)")
+    p_cur.add_argument("runs", nargs="+", help="runs' --out folders, or their metrics.jsonl files")
+    p_cur.add_argument("--out", default="loss_curves.png", help="where the figure goes (default loss_curves.png)")
+    p_cur.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p_cur.set_defaults(func=_cmd_curves)
     p_smp = sub.add_parser("sample", help="continue a prompt with a trained run's model (byte-level text)")
     p_smp.add_argument("run", help="a run's --out folder (of train, or compare's runs/compare/<scheme>)")
     p_smp.add_argument("--prompt", default="\n", help="the text to continue (default: a newline, the separator "

@@ -4,7 +4,7 @@ back, and text from it (``depthrewrite sample``)."""
 
 from .data import DataConfig, Splits, batch_at, load_documents, load_splits, split_documents
 from .loop import TrainConfig, TrainingInterrupted, TrainResult, evaluate, train
-from .metrics import read_metrics
+from .metrics import RunHistory, read_history, read_metrics
 from .compare import CompareConfig, CompareResult, compare, default_compare_train_config
 from .routing_log import read_routing
 from .sampling import generate
@@ -12,7 +12,8 @@ from .trained_model import TrainedModel, load_trained
 from ..routing_weights import RoutingWeights, record_routing_weights
 
 __all__ = [
-    "TrainConfig", "TrainResult", "TrainingInterrupted", "train", "evaluate", "read_metrics",
+    "TrainConfig", "TrainResult", "TrainingInterrupted", "train", "evaluate", "read_metrics", "read_history",
+    "RunHistory",
     "CompareConfig", "CompareResult", "compare", "default_compare_train_config",
     "RoutingWeights", "record_routing_weights", "read_routing", "TrainedModel", "load_trained", "generate",
     "DataConfig", "Splits", "load_documents", "load_splits", "split_documents", "batch_at",

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pathlib
+from dataclasses import dataclass
 
 from ..routing_weights import RoutingWeights
 
@@ -64,6 +66,43 @@ class Metrics:
             if routing is not None:
                 record[ROUTING_FIELD] = routing.to_record()
             self.write(record)
+
+
+def metrics_file(path: str | pathlib.Path, caller: str) -> pathlib.Path:
+    """The metrics file ``path`` names: itself, or the one in the run's folder it names."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{caller}: no metrics file at {str(path)!r} (a run's --out folder holds "
+                                f"{METRICS_FILE})")
+    return path
+
+
+@dataclass
+class RunHistory:
+    """What a run's metrics file holds of its losses, in step order."""
+
+    steps: list[int]  # the training steps logged
+    losses: list[float]  # their training losses
+    val: list[tuple[int, float]]  # (step, validation loss) of each evaluation
+
+    def final_train_loss(self) -> float:
+        """Mean of the last 10 steps' losses (``TrainResult.final_train_loss``'s rule), NaN with none."""
+        tail = self.losses[-10:]
+        return sum(tail) / len(tail) if tail else math.nan
+
+    def best_val(self) -> tuple[int, float] | None:
+        """The evaluation with the lowest validation loss (the earliest of equals)."""
+        return min(self.val, key=lambda sv: sv[1]) if self.val else None
+
+
+def read_history(path: str | pathlib.Path) -> RunHistory:
+    """The losses of a run (its folder or its metrics file; a live run too)."""
+    records = read_metrics(metrics_file(path, "read_history"))
+    steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    return RunHistory([s for s, _ in steps], [v for _, v in steps],
+                      [(r["step"], r["val_loss"]) for r in records if "val_loss" in r])
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:

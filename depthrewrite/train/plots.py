@@ -1,4 +1,5 @@
-"""PNG figures for ``compare``: loss curves and routing-weight heatmaps.
+"""PNG figures for ``compare``, ``depthrewrite curves`` and ``depthrewrite routing``: loss
+curves and routing-weight heatmaps.
 
 Drawn on matplotlib ``Figure`` objects with the Agg canvas directly, not through pyplot,
 so that importing this module never changes the user's global matplotlib backend.

@@ -25,7 +25,7 @@ from torch import nn
 from ..routing_weights import RoutingWeights, has_routing_weights, record_routing_weights
 from . import distributed
 from .data import VAL_STREAM, batch_at
-from .metrics import METRICS_FILE, ROUTING_FIELD, read_metrics
+from .metrics import ROUTING_FIELD, metrics_file, read_metrics
 
 
 def routing_at_evaluation(model: nn.Module, tokens: torch.Tensor, config, info: distributed.DistInfo,
@@ -51,11 +51,5 @@ def _mean_across_ranks(weights: RoutingWeights, info: distributed.DistInfo, devi
 def read_routing(path: str | pathlib.Path) -> list[tuple[int, RoutingWeights]]:
     """``(step, weights)`` of every evaluation that recorded routing weights, in the file's
     order; ``path``: a metrics file or the run's folder holding one."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"read_routing: no metrics file at {str(path)!r} (a run's --out folder holds "
-                                f"{METRICS_FILE})")
-    return [(r["step"], RoutingWeights.from_record(r[ROUTING_FIELD])) for r in read_metrics(path)
-            if ROUTING_FIELD in r]
+    return [(r["step"], RoutingWeights.from_record(r[ROUTING_FIELD]))
+            for r in read_metrics(metrics_file(path, "read_routing")) if ROUTING_FIELD in r]

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from ..rewrite import find_runtime
 from ..routing_weights import RoutingWeights
 from . import checkpoint, config_checks, distributed, routing_log
-from .metrics import Metrics
+from .metrics import Metrics, final_train_loss
 from . import optimizer as optimizer_groups
 from .stop_signals import StopRequests
 from .data import TRAIN_STREAM, VAL_STREAM, DataConfig, Splits, batch_at, load_splits
@@ -410,10 +410,9 @@ def _train(config: TrainConfig, splits: Splits | None, info: distributed.DistInf
         run.metrics.write_val(run.step, final_val, routing)
     if config.out is not None and steps:  # no steps: the checkpoint resumed from is this state
         _save(run)
-    tail = losses[-10:]
     result = TrainResult(
         config=config, steps=steps, losses=losses, val=val,
-        final_train_loss=sum(tail) / len(tail) if tail else float("nan"), final_val_loss=final_val,
+        final_train_loss=final_train_loss(losses), final_val_loss=final_val,
         tokens_per_s=tokens_per_s, params=built.params, new_params=built.new_params,
         seconds=time.perf_counter() - start_time, metrics_path=run.metrics.path if run.metrics.enabled else None,
         rank=info.rank, model=run.model, splits=splits, routing=routing,

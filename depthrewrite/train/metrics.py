@@ -79,6 +79,12 @@ def metrics_file(path: str | pathlib.Path, caller: str) -> pathlib.Path:
     return path
 
 
+def final_train_loss(losses: list[float]) -> float:
+    """Mean of the last 10 steps' losses (one step's is noisy); NaN with none."""
+    tail = losses[-10:]
+    return sum(tail) / len(tail) if tail else math.nan
+
+
 @dataclass
 class RunHistory:
     """What a run's metrics file holds of its losses, in step order."""
@@ -88,9 +94,8 @@ class RunHistory:
     val: list[tuple[int, float]]  # (step, validation loss) of each evaluation
 
     def final_train_loss(self) -> float:
-        """Mean of the last 10 steps' losses (``TrainResult.final_train_loss``'s rule), NaN with none."""
-        tail = self.losses[-10:]
-        return sum(tail) / len(tail) if tail else math.nan
+        """:func:`final_train_loss` of the run's logged losses."""
+        return final_train_loss(self.losses)
 
     def best_val(self) -> tuple[int, float] | None:
         """The evaluation with the lowest validation loss (the earliest of equals)."""

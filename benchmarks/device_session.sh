@@ -26,6 +26,7 @@
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
 #   OUT=... bash benchmarks/device_session.sh h200table79  # on an H200 table72; on an H100 the trained-model tests (session 79)
+#   OUT=... bash benchmarks/device_session.sh h200last79  # on an H200 the block schemes beside the baseline; on an H100 the trained-model tests (session 79)
 #   OUT=... bash benchmarks/device_session.sh trained79  # a trained run's model loaded back and sampled on the GPU (session 79)
 #   OUT=... bash benchmarks/device_session.sh routing78  # the harness's routing record on the GPU: tests/e2e/test_routing_log.py (session 78)
 #   OUT=... bash benchmarks/device_session.sh table72  # every scheme at HEAD, block MHAR's fused merge beside (prepared in session 71)
@@ -911,7 +912,17 @@ h200table78)
   ;;
 h200table79)
   # session 79: on an H200 table72 (no H200 has run sessions 65-78's code end to end); on an
-  # H100 the trained-model tests (trained79)
+  # H100 the trained-model tests (h200last79)
+  # session 79's last device time (too little left for table72): on an H200 the block
+  # schemes at HEAD beside the baseline, one wave of 4 (sessions 66-69 changed their graphs
+  # and kernels; no H200 has run them); on an H100 the trained-model tests (trained79)
+  if on_h200; then
+    e2e_run "${LAST_SECONDS:-380}" 4 12 baseline block_attnres mhar_block dar_block
+  else
+    trained_model_tests
+  fi
+  ;;
+trained79)
   if on_h200; then
     table72_schemes
   else

@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_cur.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p_cur.set_defaults(func=_cmd_curves)
     p_smp = sub.add_parser("sample", help="continue a prompt with a trained run's model (byte-level text)")
-    p_smp.add_argument("run", help="a run's --out folder (of train, or compare's runs/compare/<scheme>)")
+    p_smp.add_argument("run", help="a run's --out folder (of train, or compare's runs/compare/<scheme>); its "
+                       "checkpoint is unpickled, as --resume does: only a run you trust")
     p_smp.add_argument("--prompt", default="\n", help="the text to continue (default: a newline, the separator "
                        "between the training documents; in bash, $'ROMEO:\\n' ends with one)")
     p_smp.add_argument("--tokens", type=int, default=500, help="bytes to generate (default 500)")

@@ -4,7 +4,8 @@
 trained from what its checkpoint records: the preset and its overrides, the scheme and
 every scheme option as the run used it (defaults and automatic choices filled in, so that a
 later version with other defaults rebuilds the same computation), then loads the weights.
-The folder is only read.
+The folder is only read. The checkpoint is unpickled (``torch.load(weights_only=False)``,
+as a resume reads it: it holds the run's config): load only runs you trust.
 """
 
 from __future__ import annotations

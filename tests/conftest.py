@@ -115,6 +115,32 @@ def corpus_bytes(name: str = "tinyshakespeare.txt", limit: int | None = None) ->
     return data[:limit] if limit else data
 
 
+def _corpus_file(tmp_path_factory, limit: int | None) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
+    path.write_bytes(corpus_bytes("tinyshakespeare.txt", limit))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory) -> pathlib.Path:
+    """tinyshakespeare in a file of the test module's own (a source for ``DataConfig``)."""
+    return _corpus_file(tmp_path_factory, None)
+
+
+@pytest.fixture(scope="module")
+def shakespeare_200k(tmp_path_factory) -> pathlib.Path:
+    """Its first 200,000 bytes, enough for the tiny runs' windows and quicker to load."""
+    return _corpus_file(tmp_path_factory, 200_000)
+
+
+def png_size(path: pathlib.Path) -> tuple[int, int]:
+    """(width, height) of a whole PNG file (its header and its end checked)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
 def free_port() -> int:
     """A TCP port free on this machine now, for a process group's store, taken below the
     kernel's ephemeral range. The ranks bind it seconds later, once spawned, and a port of

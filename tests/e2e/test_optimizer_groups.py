@@ -5,7 +5,6 @@ resumed from a checkpoint grouped the older way goes on as it started."""
 from __future__ import annotations
 
 import logging
-import pathlib
 
 import pytest
 import torch
@@ -14,14 +13,6 @@ import depthrewrite
 from depthrewrite.models import gpt_from_preset
 from depthrewrite.train import DataConfig, TrainConfig, train
 from depthrewrite.train import optimizer as optimizer_groups
-from tests.conftest import corpus_bytes
-
-
-@pytest.fixture(scope="module")
-def shakespeare(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
-    path.write_bytes(corpus_bytes("tinyshakespeare.txt"))
-    return path
 
 
 def _names(model, params) -> set[str]:

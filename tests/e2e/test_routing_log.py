@@ -5,7 +5,6 @@ what it records, that recording changes nothing the run trains, resume, and
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 import torch
@@ -17,18 +16,10 @@ from depthrewrite.train import DataConfig, TrainConfig, batch_at, read_metrics, 
 from depthrewrite.train import routing_log
 from depthrewrite.train.data import VAL_STREAM
 from depthrewrite.train.routing_log import read_routing
-from tests.conftest import corpus_bytes
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
-    path.write_bytes(corpus_bytes("tinyshakespeare.txt", 200_000))
-    return path
-
-
-def _config(text, **kw) -> TrainConfig:
-    base = dict(model="gpt:tiny", layers=2, scheme="attnres", data=DataConfig(source=str(text)), steps=6,
+def _config(shakespeare_200k, **kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, scheme="attnres", data=DataConfig(source=str(shakespeare_200k)), steps=6,
                 batch_size=4, seq_len=32, warmup_steps=1, eval_every=3, eval_batches=1, progress=False)
     base.update(kw)
     return TrainConfig(**base)
@@ -48,24 +39,24 @@ def _assert_same_weights(got: RoutingWeights, want: RoutingWeights) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)  # the record keeps 6 significant digits
 
 
-def test_each_evaluation_records_the_weights_of_the_model_at_its_step_and_a_resume_keeps_them(tmp_path, text):
-    straight = train(_config(text, out=str(tmp_path / "a")))
-    first = train(_config(text, out=str(tmp_path / "b"), stop_after=3))
+def test_each_evaluation_records_the_weights_of_the_model_at_its_step_and_a_resume_keeps_them(tmp_path, shakespeare_200k):
+    straight = train(_config(shakespeare_200k, out=str(tmp_path / "a")))
+    first = train(_config(shakespeare_200k, out=str(tmp_path / "b"), stop_after=3))
     logged = read_routing(tmp_path / "a")
     assert [step for step, _ in logged] == [3, 6]
     _assert_same_weights(logged[0][1], record_routing_weights(first.model, _first_val_batch(first)))
     _assert_same_weights(logged[1][1], record_routing_weights(straight.model, _first_val_batch(straight)))
     _assert_same_weights(straight.routing, logged[1][1])
     assert not torch.equal(logged[0][1].weights[-1], logged[1][1].weights[-1])  # the routing trained meanwhile
-    train(_config(text, out=str(tmp_path / "b"), resume=True))
+    train(_config(shakespeare_200k, out=str(tmp_path / "b"), resume=True))
     val = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "val_loss" in r]
     assert val == [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "val_loss" in r]
 
 
 @pytest.mark.parametrize("scheme", ["attnres", "block_attnres", "mhar", "wav", "dar", "denseformer", "residual",
                                     "hyperconn"])
-def test_a_record_for_every_scheme_with_weights_and_none_for_the_others(tmp_path, text, scheme):
-    result = train(_config(text, scheme=scheme, out=str(tmp_path)))
+def test_a_record_for_every_scheme_with_weights_and_none_for_the_others(tmp_path, shakespeare_200k, scheme):
+    result = train(_config(shakespeare_200k, scheme=scheme, out=str(tmp_path)))
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r]
     assert len(records) == 2
     if not depthrewrite.has_routing_weights(result.model):
@@ -80,12 +71,12 @@ def test_a_record_for_every_scheme_with_weights_and_none_for_the_others(tmp_path
                 assert abs(w.sum().item() - 1) < 1e-5
 
 
-def test_the_moe_model_records_them_too(tmp_path, text):
-    result = train(_config(text, model="moe:tiny", scheme="dar", out=str(tmp_path)))
+def test_the_moe_model_records_them_too(tmp_path, shakespeare_200k):
+    result = train(_config(shakespeare_200k, model="moe:tiny", scheme="dar", out=str(tmp_path)))
     _assert_same_weights(read_routing(tmp_path)[-1][1], record_routing_weights(result.model, _first_val_batch(result)))
 
 
-def _with_and_without_recording(text, tmp_path, monkeypatch, **settings):
+def _with_and_without_recording(shakespeare_200k, tmp_path, monkeypatch, **settings):
     """The same run twice, into ``tmp_path / "True"`` with the routing recorded and into
     ``"False"`` without; their results and the graphs Dynamo compiled for each."""
     from torch._dynamo.utils import counters
@@ -96,19 +87,19 @@ def _with_and_without_recording(text, tmp_path, monkeypatch, **settings):
             monkeypatch.setattr(routing_log, "routing_at_evaluation", lambda *args: None)
         torch._dynamo.reset()
         before = counters["stats"]["unique_graphs"]
-        results.append(train(_config(text, out=str(tmp_path / str(record)), **settings)))
+        results.append(train(_config(shakespeare_200k, out=str(tmp_path / str(record)), **settings)))
         graphs.append(counters["stats"]["unique_graphs"] - before)
     return results, graphs
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_recording_changes_nothing_the_run_trains(tmp_path, text, monkeypatch, compiled):
+def test_recording_changes_nothing_the_run_trains(tmp_path, shakespeare_200k, monkeypatch, compiled):
     """Dropout draws from the RNG and a compiled model's guards see the routers: a recording
     that consumed random numbers, or left anything Dynamo guards on changed, would show."""
     settings = dict(scheme="block_attnres", model_options={"dropout": 0.1}, steps=7, eval_every=2)
     if compiled:
         settings.update(compile=True, backend="eager")
-    (recorded, plain), graphs = _with_and_without_recording(text, tmp_path, monkeypatch, **settings)
+    (recorded, plain), graphs = _with_and_without_recording(shakespeare_200k, tmp_path, monkeypatch, **settings)
     assert len(read_routing(tmp_path / "True")) == 4 and not read_routing(tmp_path / "False")
     assert torch.equal(torch.tensor(recorded.losses), torch.tensor(plain.losses))
     assert [v for _, v in recorded.val] == [v for _, v in plain.val]
@@ -118,11 +109,11 @@ def test_recording_changes_nothing_the_run_trains(tmp_path, text, monkeypatch, c
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the device machine)")
-def test_on_cuda_compiled_with_the_backend_a_recording_compiles_nothing_again(tmp_path, text, monkeypatch):
+def test_on_cuda_compiled_with_the_backend_a_recording_compiles_nothing_again(tmp_path, shakespeare_200k, monkeypatch):
     """On the GPU only the recompilation and the records are checked: two runs agreeing bit
     for bit would need every kernel of the step to be deterministic, which is not asked here."""
     (recorded, _), graphs = _with_and_without_recording(
-        text, tmp_path, monkeypatch, scheme="dar", steps=5, eval_every=2, device="cuda", precision="bf16",
+        shakespeare_200k, tmp_path, monkeypatch, scheme="dar", steps=5, eval_every=2, device="cuda", precision="bf16",
         compile=True, backend="depthrewrite")
     logged = read_routing(tmp_path / "True")
     assert [step for step, _ in logged] == [2, 4, 5]
@@ -153,8 +144,8 @@ def test_the_table_leaves_sources_a_site_does_not_read_blank():
                                             "F  0.50  0.50"]
 
 
-def test_cli_routing_prints_and_draws_an_evaluation(tmp_path, text, capsys):
-    train(_config(text, scheme="dar", out=str(tmp_path)))
+def test_cli_routing_prints_and_draws_an_evaluation(tmp_path, shakespeare_200k, capsys):
+    train(_config(shakespeare_200k, scheme="dar", out=str(tmp_path)))
     capsys.readouterr()
     assert main(["routing", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -185,7 +176,7 @@ def test_cli_routing_prints_and_draws_an_evaluation(tmp_path, text, capsys):
     assert "no metrics file at" in capsys.readouterr().err
 
 
-def test_cli_routing_of_a_run_without_weights_says_why(tmp_path, text, capsys):
-    train(_config(text, scheme="residual", out=str(tmp_path)))
+def test_cli_routing_of_a_run_without_weights_says_why(tmp_path, shakespeare_200k, capsys):
+    train(_config(shakespeare_200k, scheme="residual", out=str(tmp_path)))
     assert main(["routing", str(tmp_path)]) == 2
     assert "no evaluation in its metrics file recorded routing weights (its scheme has none" in capsys.readouterr().err

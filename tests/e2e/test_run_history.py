@@ -3,45 +3,28 @@
 
 from __future__ import annotations
 
-import pathlib
-
-import pytest
-
 from depthrewrite.cli import main
 from depthrewrite.train import DataConfig, TrainConfig, train
 from depthrewrite.train.metrics import METRICS_FILE, read_history
-from tests.conftest import corpus_bytes
+from tests.conftest import png_size
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
-    path.write_bytes(corpus_bytes("tinyshakespeare.txt", 200_000))
-    return path
-
-
-def _config(text, out, **kw) -> TrainConfig:
-    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(text)), steps=12, batch_size=4, seq_len=32,
+def _config(shakespeare_200k, out, **kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(shakespeare_200k)), steps=12, batch_size=4, seq_len=32,
                 warmup_steps=1, eval_every=4, eval_batches=1, save_every=6, progress=False, out=str(out))
     base.update(kw)
     return TrainConfig(**base)
 
 
-def _png_size(path: pathlib.Path) -> tuple[int, int]:
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n"
-    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
-
-
-def test_the_history_is_what_the_run_returned_a_resumed_run_included(tmp_path, text):
-    straight = train(_config(text, tmp_path / "a", scheme="dar"))
+def test_the_history_is_what_the_run_returned_a_resumed_run_included(tmp_path, shakespeare_200k):
+    straight = train(_config(shakespeare_200k, tmp_path / "a", scheme="dar"))
     history = read_history(tmp_path / "a")
     assert history.steps == straight.steps == list(range(1, 13))
     assert history.losses == straight.losses and history.val == straight.val
     assert history.final_train_loss() == straight.final_train_loss
     assert history.best_val() == min(straight.val, key=lambda sv: sv[1])
-    train(_config(text, tmp_path / "b", scheme="dar", stop_after=6))
-    train(_config(text, tmp_path / "b", scheme="dar", resume=True))
+    train(_config(shakespeare_200k, tmp_path / "b", scheme="dar", stop_after=6))
+    train(_config(shakespeare_200k, tmp_path / "b", scheme="dar", resume=True))
     resumed = read_history(tmp_path / "b" / METRICS_FILE)
     assert (resumed.steps, resumed.losses) == (history.steps, history.losses)
     assert [sv for sv in resumed.val if sv[0] != 6] == history.val  # the first invocation evaluated as it ended
@@ -51,8 +34,8 @@ def test_the_history_is_what_the_run_returned_a_resumed_run_included(tmp_path, t
     assert read_history(tmp_path / "b").steps == history.steps
 
 
-def test_curves_prints_a_row_per_run_and_draws_them(tmp_path, text, capsys):
-    runs = {scheme: train(_config(text, tmp_path / scheme, scheme=scheme)) for scheme in ("attnres", "wav")}
+def test_curves_prints_a_row_per_run_and_draws_them(tmp_path, shakespeare_200k, capsys):
+    runs = {scheme: train(_config(shakespeare_200k, tmp_path / scheme, scheme=scheme)) for scheme in ("attnres", "wav")}
     figure = tmp_path / "curves.png"
     assert main(["curves", str(tmp_path / "attnres"), str(tmp_path / "wav" / METRICS_FILE), "--out",
                  str(figure)]) == 0
@@ -61,7 +44,7 @@ def test_curves_prints_a_row_per_run_and_draws_them(tmp_path, text, capsys):
         (last_step, last), (best_step, best) = result.val[-1], min(result.val, key=lambda sv: sv[1])
         assert (f"| {scheme} | 12 | {result.final_train_loss:.4f} | {last:.4f} (step {last_step}) | "
                 f"{best:.4f} (step {best_step}) |") in printed
-    width, height = _png_size(figure)
+    width, height = png_size(figure)
     assert width >= 300 and height >= 200 and figure.stat().st_size > 5_000 and str(figure) in printed
     # two runs of one name are told apart by their paths
     (tmp_path / "other").mkdir()

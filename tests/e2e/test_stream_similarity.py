@@ -6,7 +6,6 @@ identical through training (CKA 1) while dar's asymmetric init separates them, a
 from __future__ import annotations
 
 import math
-import pathlib
 
 import pytest
 import torch
@@ -16,9 +15,7 @@ from depthrewrite.models import gpt_from_preset
 from depthrewrite.train import DataConfig, TrainConfig
 from depthrewrite.train.compare import CompareConfig, compare
 from depthrewrite.train.stream_similarity import linear_cka, record_dar_streams, stream_similarity
-from tests.conftest import corpus_bytes
-
-
+from tests.conftest import corpus_bytes, png_size
 
 
 # ------------------------------------------------------------------------- linear CKA
@@ -138,13 +135,6 @@ def test_selfkv_symmetric_streams_stay_identical_and_dar_separates_them():
 
 
 # -------------------------------------------------------------------------- compare
-def _png_size(path: pathlib.Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
-    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-
-
 def test_compare_writes_streams_figure_for_dar_only(tmp_path):
     text = tmp_path / "shakespeare.txt"
     text.write_bytes(corpus_bytes("tinyshakespeare.txt", 200_000))
@@ -152,7 +142,7 @@ def test_compare_writes_streams_figure_for_dar_only(tmp_path):
                         seq_len=16, warmup_steps=1, eval_every=0, eval_batches=1, progress=False, threads=1)
     out = tmp_path / "cmp"
     result = compare(CompareConfig(schemes=("attnres", "dar"), train=train, out=str(out)))
-    width, height = _png_size(out / "streams_dar.png")
+    width, height = png_size(out / "streams_dar.png")
     assert width >= 300 and height >= 200
     assert not (out / "streams_attnres.png").exists()
     rows = {r.scheme: r for r in result.rows}

@@ -8,7 +8,6 @@ import collections
 import math
 import pathlib
 import signal
-import struct
 
 import pytest
 import torch
@@ -19,16 +18,7 @@ from depthrewrite.train import DataConfig, TrainConfig, batch_at, load_documents
 from depthrewrite.train import checkpoint, loop
 from depthrewrite.train.data import EOT_MARKER, split_text, stdlib_documents, stdlib_files, to_tokens
 from depthrewrite.routing_weights import record_routing_weights, token_weights
-from tests.conftest import corpus_bytes
-
-
-
-
-@pytest.fixture(scope="module")
-def shakespeare(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
-    path.write_bytes(corpus_bytes("tinyshakespeare.txt"))
-    return path
+from tests.conftest import png_size
 
 
 def _tiny(**kw) -> TrainConfig:
@@ -232,13 +222,6 @@ def test_block_attnres_weights_name_blocks_and_partial_and_unknown_schemes_are_s
 
 
 # --------------------------------------------------------------------------------- CLI
-def _png_size(path: pathlib.Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
-    return struct.unpack(">II", data[16:24])
-
-
 @pytest.mark.parametrize("scheme", ["dar", "wav", "denseformer"])
 def test_heatmaps_of_the_newer_schemes(tmp_path, scheme):
     """DAR's and WAV's sources, and DenseFormer's signed static weights, drawn as for AttnRes."""
@@ -251,7 +234,7 @@ def test_heatmaps_of_the_newer_schemes(tmp_path, scheme):
             if "depth_route" in name:
                 p.add_(torch.randn_like(p))  # DenseFormer's weights then leave [0, 1]
     weights = record_routing_weights(model, torch.randint(0, 256, (1, 8)))
-    width, height = _png_size(routing_heatmap(weights, tmp_path / "w.png"))
+    width, height = png_size(routing_heatmap(weights, tmp_path / "w.png"))
     assert width >= 300 and height >= 200 and (tmp_path / "w.png").stat().st_size > 5_000
 
 
@@ -269,7 +252,7 @@ def test_compare_writes_table_and_figures(tmp_path, shakespeare, capsys):
         assert row.split("|")[3].strip() == new
         assert row in printed
     for name in ("loss_curves.png", "routing_attnres.png", "routing_block_attnres.png"):
-        width, height = _png_size(out / name)
+        width, height = png_size(out / name)
         assert width >= 300 and height >= 200 and (out / name).stat().st_size > 5_000
     assert not (out / "routing_residual.png").exists()
     assert str(out / "loss_curves.png") in printed

@@ -4,8 +4,6 @@ checkpoints, with the scheme options the run used."""
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 import torch
 
@@ -15,18 +13,10 @@ from depthrewrite.passes import two_phase
 from depthrewrite.train import DataConfig, TrainConfig, checkpoint, train
 from depthrewrite.train import generate, load_trained
 from depthrewrite.train.sampling import decode, encode
-from tests.conftest import corpus_bytes
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("data") / "tinyshakespeare.txt"
-    path.write_bytes(corpus_bytes("tinyshakespeare.txt", 200_000))
-    return path
-
-
-def _config(text, out, **kw) -> TrainConfig:
-    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(text)), steps=6, batch_size=4, seq_len=32,
+def _config(shakespeare_200k, out, **kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(shakespeare_200k)), steps=6, batch_size=4, seq_len=32,
                 warmup_steps=1, eval_every=0, eval_batches=1, save_every=3, progress=False, out=str(out))
     base.update(kw)
     return TrainConfig(**base)
@@ -39,9 +29,9 @@ def _logits(model, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("scheme, options", [("dar", {"layers_per_block": 1}), ("block_attnres", {}),
                                              ("none", {}), ("wav", {"model_overrides": True})])
-def test_the_loaded_model_is_the_trained_one_bit_for_bit(tmp_path, text, scheme, options):
+def test_the_loaded_model_is_the_trained_one_bit_for_bit(tmp_path, shakespeare_200k, scheme, options):
     model_options = {"parallel_block": True} if options.pop("model_overrides", False) else {}
-    result = train(_config(text, tmp_path, scheme=scheme, options=options, model_options=model_options))
+    result = train(_config(shakespeare_200k, tmp_path, scheme=scheme, options=options, model_options=model_options))
     torch.manual_seed(123)  # not the run's seed: building the model seeds the generator with that one
     rng = torch.get_rng_state()
     loaded = load_trained(tmp_path)
@@ -56,8 +46,8 @@ def test_the_loaded_model_is_the_trained_one_bit_for_bit(tmp_path, text, scheme,
         assert depthrewrite.inspect(loaded.model).rewritten_with == depthrewrite.inspect(result.model).rewritten_with
 
 
-def test_an_earlier_step_and_the_options_the_run_used_whatever_the_default_now(tmp_path, text, monkeypatch):
-    result = train(_config(text, tmp_path, scheme="block_attnres"))
+def test_an_earlier_step_and_the_options_the_run_used_whatever_the_default_now(tmp_path, shakespeare_200k, monkeypatch):
+    result = train(_config(shakespeare_200k, tmp_path, scheme="block_attnres"))
     earlier = torch.load(checkpoint.checkpoint_path(tmp_path, 3), weights_only=False)["model"]
     loaded = load_trained(tmp_path, step=3)
     assert loaded.step == 3 and all(torch.equal(v, earlier[k]) for k, v in loaded.model.state_dict().items())
@@ -70,10 +60,10 @@ def test_an_earlier_step_and_the_options_the_run_used_whatever_the_default_now(t
     assert torch.equal(_logits(again.model, ids), _logits(result.model.eval(), ids))
 
 
-def test_missing_and_unreadable_checkpoints_are_named(tmp_path, text, caplog):
+def test_missing_and_unreadable_checkpoints_are_named(tmp_path, shakespeare_200k, caplog):
     with pytest.raises(ValueError, match="no checkpoint under .*checkpoints'.*--save-every"):
         load_trained(tmp_path)
-    train(_config(text, tmp_path, scheme="attnres"))
+    train(_config(shakespeare_200k, tmp_path, scheme="attnres"))
     with pytest.raises(ValueError, match="step 4: no checkpoint of that step under .* it holds steps 3, 6"):
         load_trained(tmp_path, step=4)
     newest = checkpoint.checkpoint_path(tmp_path, 6)
@@ -90,8 +80,8 @@ def test_missing_and_unreadable_checkpoints_are_named(tmp_path, text, caplog):
         load_trained(tmp_path, device="cuda")
 
 
-def test_sample_prints_what_generate_gives_the_loaded_model(tmp_path, text, capsys):
-    train(_config(text, tmp_path, scheme="dar"))
+def test_sample_prints_what_generate_gives_the_loaded_model(tmp_path, shakespeare_200k, capsys):
+    train(_config(shakespeare_200k, tmp_path, scheme="dar"))
     assert main(["sample", str(tmp_path), "--prompt", "ROMEO:", "--tokens", "40", "--seed", "7",
                  "--top-k", "20"]) == 0
     out, err = capsys.readouterr()
@@ -118,10 +108,10 @@ def test_sample_prints_what_generate_gives_the_loaded_model(tmp_path, text, caps
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the run and the loaded model on the GPU")
-def test_on_cuda_the_loaded_model_is_the_trained_one_and_samples(tmp_path, text, capsys):
+def test_on_cuda_the_loaded_model_is_the_trained_one_and_samples(tmp_path, shakespeare_200k, capsys):
     """On the GPU the routing runs the fused Triton kernels; the loaded model runs the same
     ones on the same weights (a run trained in bf16 autocast keeps float32 weights)."""
-    result = train(_config(text, tmp_path, scheme="dar", device="cuda", precision="bf16"))
+    result = train(_config(shakespeare_200k, tmp_path, scheme="dar", device="cuda", precision="bf16"))
     loaded = load_trained(tmp_path, device="cuda")
     ids = torch.randint(0, 256, (2, 32), device="cuda")
     assert torch.equal(_logits(loaded.model, ids), _logits(result.model.eval(), ids))

@@ -312,7 +312,8 @@ def curves_table(histories: dict) -> str:
     def at(found):
         return "-" if found is None else f"{found[1]:.4f} (step {found[0]})"
 
-    lines = ["| run | steps | final train loss | last val loss | best val loss |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| run | steps | final train loss | last val loss | best val loss |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for label, h in histories.items():
         lines.append(f"| {label} | {h.steps[-1] if h.steps else 0} | {h.final_train_loss():.4f} | "
                      f"{at(h.val[-1] if h.val else None)} | {at(h.best_val())} |")

@@ -18,8 +18,8 @@ from depthrewrite.train.data import VAL_STREAM
 from depthrewrite.train.routing_log import read_routing
 
 
-def _config(shakespeare_200k, **kw) -> TrainConfig:
-    base = dict(model="gpt:tiny", layers=2, scheme="attnres", data=DataConfig(source=str(shakespeare_200k)), steps=6,
+def _config(text, **kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, scheme="attnres", data=DataConfig(source=str(text)), steps=6,
                 batch_size=4, seq_len=32, warmup_steps=1, eval_every=3, eval_batches=1, progress=False)
     base.update(kw)
     return TrainConfig(**base)
@@ -39,7 +39,8 @@ def _assert_same_weights(got: RoutingWeights, want: RoutingWeights) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)  # the record keeps 6 significant digits
 
 
-def test_each_evaluation_records_the_weights_of_the_model_at_its_step_and_a_resume_keeps_them(tmp_path, shakespeare_200k):
+def test_each_evaluation_records_the_weights_of_the_model_at_its_step_and_a_resume_keeps_them(tmp_path,
+                                                                                          shakespeare_200k):
     straight = train(_config(shakespeare_200k, out=str(tmp_path / "a")))
     first = train(_config(shakespeare_200k, out=str(tmp_path / "b"), stop_after=3))
     logged = read_routing(tmp_path / "a")

@@ -9,8 +9,8 @@ from depthrewrite.train.metrics import METRICS_FILE, read_history
 from tests.conftest import png_size
 
 
-def _config(shakespeare_200k, out, **kw) -> TrainConfig:
-    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(shakespeare_200k)), steps=12, batch_size=4, seq_len=32,
+def _config(text, out, **kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(text)), steps=12, batch_size=4, seq_len=32,
                 warmup_steps=1, eval_every=4, eval_batches=1, save_every=6, progress=False, out=str(out))
     base.update(kw)
     return TrainConfig(**base)

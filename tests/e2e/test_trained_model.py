@@ -15,8 +15,8 @@ from depthrewrite.train import generate, load_trained
 from depthrewrite.train.sampling import decode, encode
 
 
-def _config(shakespeare_200k, out, **kw) -> TrainConfig:
-    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(shakespeare_200k)), steps=6, batch_size=4, seq_len=32,
+def _config(text, out, **kw) -> TrainConfig:
+    base = dict(model="gpt:tiny", layers=2, data=DataConfig(source=str(text)), steps=6, batch_size=4, seq_len=32,
                 warmup_steps=1, eval_every=0, eval_batches=1, save_every=3, progress=False, out=str(out))
     base.update(kw)
     return TrainConfig(**base)

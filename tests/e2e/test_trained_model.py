@@ -60,6 +60,21 @@ def test_an_earlier_step_and_the_options_the_run_used_whatever_the_default_now(t
     assert torch.equal(_logits(again.model, ids), _logits(result.model.eval(), ids))
 
 
+def test_a_checkpoint_from_before_the_options_were_recorded_loads_on_the_options_given(tmp_path, shakespeare_200k,
+                                                                                     caplog):
+    result = train(_config(shakespeare_200k, tmp_path, scheme="attnres", options={"group_size": 2}))
+    path = checkpoint.checkpoint_path(tmp_path, 6)
+    payload = torch.load(path, weights_only=False)
+    del payload["scheme_options"]  # as checkpoints written before it was recorded are
+    torch.save(payload, path)
+    with caplog.at_level("WARNING", logger="depthrewrite.train.trained_model"):
+        loaded = load_trained(tmp_path)
+    assert "does not record its scheme options" in caplog.text
+    assert depthrewrite.inspect(loaded.model).rewritten_with == depthrewrite.inspect(result.model).rewritten_with
+    ids = torch.randint(0, 256, (1, 32))
+    assert torch.equal(_logits(loaded.model, ids), _logits(result.model.eval(), ids))
+
+
 def test_missing_and_unreadable_checkpoints_are_named(tmp_path, shakespeare_200k, caplog):
     with pytest.raises(ValueError, match="no checkpoint under .*checkpoints'.*--save-every"):
         load_trained(tmp_path)

@@ -306,18 +306,14 @@ on_h200() {
   echo "card: $gpu"
   [[ $gpu == *H200* ]]
 }
-# tests/e2e/test_routing_log.py, its CUDA test among them (carry [".whl", ".devdata"]: the
-# tests read .devdata/tinyshakespeare.txt)
-routing_log_tests() {
+# the tests of tests/e2e/test_$1.py, its CUDA tests among them, into $OUT/pytest_$1.txt
+# (carry [".whl", ".devdata"]: the tests read .devdata/tinyshakespeare.txt)
+e2e_test_file() {
   PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata timeout 240 python -m pytest -q -rs -p no:cacheprovider \
-    tests/e2e/test_routing_log.py 2>&1 | tee "$OUT/pytest_routing_log.txt" | tail -15
+    "tests/e2e/test_$1.py" 2>&1 | tee "$OUT/pytest_$1.txt" | tail -15
 }
-# tests/e2e/test_trained_model.py, its CUDA test among them (carry [".whl", ".devdata"], as
-# routing_log_tests)
-trained_model_tests() {
-  PYTHONPATH=$PWD DEPTHREWRITE_DATA=$PWD/.devdata timeout 240 python -m pytest -q -rs -p no:cacheprovider \
-    tests/e2e/test_trained_model.py 2>&1 | tee "$OUT/pytest_trained_model.txt" | tail -15
-}
+routing_log_tests() { e2e_test_file routing_log; }
+trained_model_tests() { e2e_test_file trained_model; }
 # every scheme compiled with the backend against eager (gpu_scheme_check.py, at most $1 s);
 # its rows printed
 every_scheme_check() {

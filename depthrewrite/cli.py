@@ -240,6 +240,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_routing(args: argparse.Namespace) -> int:
+    from .train.metrics import metrics_file
     from .train.plots import routing_heatmap
     from .train.routing_log import read_routing
 
@@ -256,8 +257,7 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     print(f"{weights.scheme}: depth-routing weights at step {step}, mean over the first validation batch's tokens "
           f"(rows: sites, F: the final readout; columns: the sources they read)")
     print(weights.table())
-    run_dir = pathlib.Path(args.run) if pathlib.Path(args.run).is_dir() else pathlib.Path(args.run).parent
-    plot = routing_heatmap(weights, args.plot or run_dir / f"routing_step_{step}.png")
+    plot = routing_heatmap(weights, args.plot or metrics_file(args.run, "routing").parent / f"routing_step_{step}.png")
     print(f"heatmap: {plot}")
     return 0
 
@@ -294,15 +294,18 @@ def _cmd_curves(args: argparse.Namespace) -> int:
     from .train.metrics import read_history
     from .train.plots import loss_curves
 
-    histories = dict(zip(_run_labels(args.runs), (read_history(run) for run in args.runs), strict=True))
+    read = [read_history(run) for run in args.runs]
+    histories = dict(zip(_run_labels(args.runs), read, strict=True))
     print(curves_table(histories))
     print(f"\nloss curves: {loss_curves({k: (h.steps, h.losses, h.val) for k, h in histories.items()}, args.out)}")
     return 0
 
 
 def _run_labels(runs: list[str]) -> list[str]:
-    """Each run's folder name (a metrics file's folder's), or the paths as given where two names agree."""
-    names = [(pathlib.Path(r).parent if pathlib.Path(r).is_file() else pathlib.Path(r)).resolve().name for r in runs]
+    """Each run's folder name (its metrics file's folder's), or the paths as given where two names agree."""
+    from .train.metrics import metrics_file
+
+    names = [metrics_file(run, "curves").parent.resolve().name for run in runs]
     return names if len(set(names)) == len(names) else list(runs)
 
 

@@ -95,7 +95,7 @@ def test_token_limit_keeps_ids_below_it():
     assert generate(fixed, torch.zeros(1, 1, dtype=torch.long), 1, temperature=0)[0, 1] >= BYTE_TOKENS
 
 
-def test_one_dimensional_prompts_mode_and_gradients(model):
+def test_one_dimensional_prompts_and_the_models_mode_given_back(model):
     model.train()
     prompt = torch.tensor([1, 2, 3])
     got = generate(model, prompt, 4, temperature=0)

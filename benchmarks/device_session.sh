@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh h200table80  # on an H200 table72; on an H100 only the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200table79  # on an H200 table72; on an H100 the trained-model tests (session 79)
 #   OUT=... bash benchmarks/device_session.sh h200last79  # on an H200 the block schemes beside the baseline; on an H100 the trained-model tests (session 79)
 #   OUT=... bash benchmarks/device_session.sh trained79  # a trained run's model loaded back and sampled on the GPU (session 79)
@@ -906,21 +907,30 @@ h200table78)
   fi
   routing_log_tests
   ;;
-h200table79)
-  # session 79: on an H200 table72 (no H200 has run sessions 65-78's code end to end); on an
-  # H100 the trained-model tests (h200last79)
-  # session 79's last device time (too little left for table72): on an H200 the block
-  # schemes at HEAD beside the baseline, one wave of 4 (sessions 66-69 changed their graphs
-  # and kernels; no H200 has run them); on an H100 the trained-model tests (trained79)
+h200table80)
+  # session 80: on an H200 table72 (no H200 has run sessions 65-79's code end to end); on an
+  # H100 only the card's name (sessions 76-77 ran this code's table and checks on H100s;
+  # sessions 78-80 changed no kernel and no compiled graph)
   if on_h200; then
-    e2e_run "${LAST_SECONDS:-380}" 4 12 baseline block_attnres mhar_block dar_block
+    table72_schemes
+  fi
+  ;;
+h200table79)
+  # session 79 (repaired in session 80, where its labels had been crossed; none of its calls
+  # got an H200): on an H200 table72 (no H200 has run sessions 65-79's code end to end); on
+  # an H100 the trained-model tests
+  if on_h200; then
+    table72_schemes
   else
     trained_model_tests
   fi
   ;;
-trained79)
+h200last79)
+  # session 79's last device time (too little left for table72): on an H200 the block
+  # schemes at HEAD beside the baseline, one wave of 4 (sessions 66-69 changed their graphs
+  # and kernels; no H200 has run them); on an H100 the trained-model tests
   if on_h200; then
-    table72_schemes
+    e2e_run "${LAST_SECONDS:-380}" 4 12 baseline block_attnres mhar_block dar_block
   else
     trained_model_tests
   fi

@@ -91,7 +91,10 @@ def test_the_ops_run_the_flat_kernel():
 def test_same_gradients_as_custom_ops_own_kernel(tmp_path):
     saved = tmp_path / "custom_op.pt"
     env = {**os.environ, flat_autograd.AUTOGRAD_ENV: "custom_op"}
-    subprocess.run([sys.executable, __file__, str(saved)], env=env, check=True, cwd=ROOT)
+    # the other process runs on this one's thread count: CPU kernels may round otherwise with
+    # another (on an AVX2-only host 2 threads against conftest's 1 moved the outputs' last bits)
+    threads = str(torch.get_num_threads())
+    subprocess.run([sys.executable, __file__, str(saved), threads], env=env, check=True, cwd=ROOT)
     theirs = torch.load(saved)
     ours = gradient_cases()
     assert set(ours) == set(theirs)
@@ -115,5 +118,6 @@ def test_import_does_not_warn_about_the_replaced_kernel():
 
 
 if __name__ == "__main__":  # the other process of test_same_gradients_as_custom_ops_own_kernel
+    torch.set_num_threads(int(sys.argv[2]))
     torch.save({case: [None if t is None else t.detach() for t in ts] for case, ts in gradient_cases().items()},
                sys.argv[1])

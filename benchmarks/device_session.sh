@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh h200ops80b  # on an H200 the op table's d = 2048 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200ops80  # on an H200 the op table's d = 4096 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200table80  # on an H200 table72; on an H100 only the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200table79  # on an H200 table72; on an H100 the trained-model tests (session 79)
@@ -907,6 +908,14 @@ h200table78)
     table72_schemes
   fi
   routing_log_tests
+  ;;
+h200ops80b)
+  # session 80's last device time (too little for h200ops80): on an H200 the op table's
+  # d = 2048 rows beside FLA at HEAD, at most 300 s (carry [".whl"]); on an H100 the card's name
+  if on_h200; then
+    with_fla
+    op_table 300 260 2048
+  fi
   ;;
 h200ops80)
   # session 80's device time after its H200 table: on an H200 the op table's d = 4096 rows

@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh h200logit80  # on an H200 Block AttnRes's logit as plain ops beside its default and the baseline; on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200ops80b  # on an H200 the op table's d = 2048 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200ops80  # on an H200 the op table's d = 4096 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200table80  # on an H200 table72; on an H100 only the card's name (session 80)
@@ -908,6 +909,15 @@ h200table78)
     table72_schemes
   fi
   routing_log_tests
+  ;;
+h200logit80)
+  # session 80's last device time: on an H200 Block AttnRes with its merges' logit as plain
+  # ops (MATMUL_TOKEN_SUM off, the form before session 68) beside its default and the
+  # baseline, one wave of 3 (its step was 0.6-0.8 points under session 64's in this session's
+  # H200 table, its host slower to issue it); on an H100 the card's name
+  if on_h200; then
+    e2e_run "${LAST_SECONDS:-300}" 3 10 baseline block_attnres block_attnres_plainlogit
+  fi
   ;;
 h200ops80b)
   # session 80's last device time (too little for h200ops80): on an H200 the op table's

@@ -30,7 +30,7 @@ def test_the_script_parses():
 
 def test_every_listed_mode_is_a_label_and_no_label_is_there_twice():
     labels = _case_labels()
-    assert len(labels) > 100  # the parse found the case (160 labels in session 80)
+    assert len(labels) > 100  # the parse found the case (166 labels at session 80's end)
     repeated = sorted(name for name, count in collections.Counter(labels).items() if count > 1)
     assert repeated == [], f"labels that bash reaches only once: {repeated}"
     missing = sorted(set(_modes_listed()) - set(labels))

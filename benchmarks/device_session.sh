@@ -894,10 +894,12 @@ last74)
     every_scheme_check "${LAST_SECONDS:-400}"
   fi
   ;;
-h200table77)
+h200table77|h200table80)
   # session 77's first call: on an H200 (the goals' card; sessions 65-76 got only H100s)
   # table72 (every scheme at HEAD, block MHAR's fused merge beside); on an H100 nothing but
-  # the card's name, since session 76 ran the same code's table and checks on an H100
+  # the card's name, since session 76 ran the same code's table and checks on an H100.
+  # Session 80's first calls the same (h200table80: no H200 had run sessions 65-79's code;
+  # sessions 78-80 changed no kernel and no compiled graph)
   if on_h200; then
     table72_schemes
   fi
@@ -934,14 +936,6 @@ h200ops80)
   if on_h200; then
     with_fla
     op_table 480 420 4096
-  fi
-  ;;
-h200table80)
-  # session 80: on an H200 table72 (no H200 has run sessions 65-79's code end to end); on an
-  # H100 only the card's name (sessions 76-77 ran this code's table and checks on H100s;
-  # sessions 78-80 changed no kernel and no compiled graph)
-  if on_h200; then
-    table72_schemes
   fi
   ;;
 h200table79)

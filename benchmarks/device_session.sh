@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh logit81  # the merges' logit as plain ops beside the products: on an H200 Block AttnRes, on an H100 block MHAR, each beside its default and the baseline (session 81)
 #   OUT=... bash benchmarks/device_session.sh h200logit80  # on an H200 Block AttnRes's logit as plain ops beside its default and the baseline; on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200ops80b  # on an H200 the op table's d = 2048 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200ops80  # on an H200 the op table's d = 4096 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
@@ -911,6 +912,17 @@ h200table78)
     table72_schemes
   fi
   routing_log_tests
+  ;;
+logit81)
+  # session 81: the merges' logit as plain ops (MATMUL_TOKEN_SUM off) beside the products
+  # and the baseline, one wave of 3 on whichever card comes: on an H200 Block AttnRes (an
+  # H100 had it 1.1 % faster with plain ops in session 80), on an H100 block MHAR (not
+  # measured since session 68)
+  if on_h200; then
+    e2e_run "${LAST_SECONDS:-300}" 3 10 baseline block_attnres block_attnres_plainlogit
+  else
+    e2e_run "${LAST_SECONDS:-330}" 3 10 baseline mhar_block mhar_block_plainlogit
+  fi
   ;;
 h200logit80)
   # session 80's last device time: on an H200 Block AttnRes with its merges' logit as plain

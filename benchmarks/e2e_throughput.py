@@ -317,7 +317,7 @@ LAUNCH_VARIANTS = {
     # tokens one of Inductor's reductions (before session 68; since, a matrix product in its
     # own backward: source_logit.MATMUL_TOKEN_SUM; two-phase WAV's scaled sources since
     # session 69)
-    "plainlogit": (("block_attnres", "mhar_block", "dar_block", "wav_2p"), {"source_logit.MATMUL_TOKEN_SUM": False}),
+    "plainlogit": (("block_attnres", "mhar_block", "dar_block", "wav_2p", "attnres"), {"source_logit.MATMUL_TOKEN_SUM": False}),
     # merge_routes' softmax over torch.stack of its logits (before session 70; since, term by
     # term: route_many.MERGE_SOFTMAX_BY_TERMS): two-phase WAV's merges, full AttnRes's of 2-3
     # group entries

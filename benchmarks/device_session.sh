@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh tokensum81  # the token sum's Triton kernel: its GPU tests, its speed beside the products and Inductor's reduction, Block AttnRes with it beside its default and the baseline (prepared in session 81)
 #   OUT=... bash benchmarks/device_session.sh logit81  # the merges' logit as plain ops beside the products: on an H200 Block AttnRes, on an H100 block MHAR, each beside its default and the baseline (session 81)
 #   OUT=... bash benchmarks/device_session.sh h200logit80  # on an H200 Block AttnRes's logit as plain ops beside its default and the baseline; on an H100 the card's name (session 80)
 #   OUT=... bash benchmarks/device_session.sh h200ops80b  # on an H200 the op table's d = 2048 rows beside FLA (carry [".whl"]); on an H100 the card's name (session 80)
@@ -912,6 +913,18 @@ h200table78)
     table72_schemes
   fi
   routing_log_tests
+  ;;
+tokensum81)
+  # prepared in session 81 (no device machine lent): the merges' logit backward's sum over
+  # the tokens as the op token_weighted_sum's Triton kernel (source_logit.TRITON_TOKEN_SUM)
+  # on whichever card comes: its tests on the GPU, its speed beside cuBLAS's product layouts
+  # and Inductor's reduction (token_sum_speed.py), then Block AttnRes with it beside its
+  # default and the baseline, one wave of 3 (~7.5 minutes)
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_sum_triton.py \
+      tests/unit/test_source_logit.py 2>&1 | tee "$OUT/pytest_token_sum.txt" | tail -3
+  timeout 90 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -14
+  e2e_run "${LAST_SECONDS:-270}" 3 10 baseline block_attnres block_attnres_tritonsum
   ;;
 logit81)
   # session 81: the merges' logit as plain ops (MATMUL_TOKEN_SUM off) beside the products

@@ -318,6 +318,11 @@ LAUNCH_VARIANTS = {
     # own backward: source_logit.MATMUL_TOKEN_SUM; two-phase WAV's scaled sources since
     # session 69)
     "plainlogit": (("block_attnres", "mhar_block", "dar_block", "wav_2p", "attnres"), {"source_logit.MATMUL_TOKEN_SUM": False}),
+    # the merges' logit backward's sum over the tokens as the op token_weighted_sum, a Triton
+    # kernel reading the source once (source_logit.TRITON_TOKEN_SUM; session 81, off until
+    # timed), not cuBLAS's product of the weights' bf16 parts
+    "tritonsum": (("block_attnres", "mhar_block", "dar_block", "wav_2p", "attnres"),
+                  {"source_logit.TRITON_TOKEN_SUM": True}),
     # merge_routes' softmax over torch.stack of its logits (before session 70; since, term by
     # term: route_many.MERGE_SOFTMAX_BY_TERMS): two-phase WAV's merges, full AttnRes's of 2-3
     # group entries

@@ -1,5 +1,6 @@
 """The merges' sum over the tokens (``source_logit.token_weighted_sum``) as one matrix
-product, in each operand layout, beside Inductor's reduction of the same sum (session 68):
+product, in each operand layout, beside Inductor's reduction of the same sum (session 68)
+and the op's Triton kernel (``kernels/token_sum_triton.py``, session 81):
 
     python3 benchmarks/token_sum_speed.py [--tokens 16384] [--width 1024] [--repeats 50] [--parts 3]
 
@@ -56,6 +57,12 @@ def _inductor_sum(heads: int):
     return torch.compile(plain)
 
 
+def _triton_sum(heads: int):
+    from depthrewrite.kernels.token_sum_triton import token_weighted_sum_triton
+
+    return lambda w, s: token_weighted_sum_triton(w, s, heads)
+
+
 def _time(fn, inputs, repeats: int) -> float:
     """Median ms of one ``fn`` call: a CUDA graph that calls it once on every input in turn
     (no host time between the kernels), replayed ``repeats`` times, over the inputs' count."""
@@ -84,7 +91,8 @@ def main(argv=None) -> None:
     for heads in (1, 16):
         inputs = [(torch.randn(args.tokens, heads, device="cuda"),
                    torch.randn(args.tokens, args.width, device="cuda").to(torch.bfloat16)) for _ in range(POOL)]
-        cases = dict(layouts(args.parts), **{"Inductor's reduction": _inductor_sum(heads)})
+        cases = dict(layouts(args.parts), **{"Inductor's reduction": _inductor_sum(heads),
+                                             "Triton kernel (token_sum_triton)": _triton_sum(heads)})
         for name, fn in cases.items():
             ms = _time(fn, inputs, args.repeats)
             print(f"| {heads} | {name} | {ms * 1e3:.1f} | {gb / ms:.2f} |")

@@ -6,7 +6,8 @@ form ``depthrewrite::route_backward_into_`` (:mod:`depthrewrite.ops.route_into`)
 ``depthrewrite::route_many`` and ``depthrewrite::route_many_backward`` (several queries,
 :mod:`.route_many_triton`; its in-place form ``depthrewrite::route_many_backward_into_``),
 ``depthrewrite::route_merge`` and its backward (the second
-phase, :mod:`.route_merge_triton`) for the "cuda" device with
+phase, :mod:`.route_merge_triton`) and ``depthrewrite::token_weighted_sum`` (the merges'
+logit backward's sum over the tokens, :mod:`.token_sum_triton`) for the "cuda" device with
 ``torch.library.register_kernel`` (or with the dispatcher directly: ``_register``); the CPU
 (and any other device) keeps the pure-PyTorch implementation of :mod:`depthrewrite.ops.route`.
 Eager CUDA calls and compiled graphs (Inductor calls custom ops through the dispatcher) both
@@ -32,6 +33,7 @@ from ..ops.route import _route_backward_op, _route_op
 from ..ops.route_into import _route_backward_into_op, _route_many_backward_into_op, running_sum_lists
 from ..ops.route_many import _route_many_backward_op, _route_many_op, stats_shape
 from ..ops.route_merge import _route_merge_backward_op, _route_merge_op
+from ..ops.source_logit import _token_weighted_sum_op
 
 __all__ = ["triton_available", "implementation_for", "set_fused_enabled", "set_exact_softmax_grad", "FUSED_DTYPES"]
 
@@ -208,12 +210,21 @@ def _fused_merge(outs, lses, values, keys, queries, key_norm_weights, mix, out_n
             and len(outs) <= 2 and all(t.dtype == torch.float32 for t in lses))
 
 
+def _token_weighted_sum_cuda(weights, stored, heads):
+    if not (_enabled and stored.dtype in FUSED_DTYPES and weights.dtype == torch.float32):
+        return _token_weighted_sum_op._init_fn(weights, stored, heads)
+    from .token_sum_triton import token_weighted_sum_triton
+
+    return token_weighted_sum_triton(weights, stored, heads)
+
+
 #: op name -> its CUDA kernel (the functions above)
 CUDA_KERNELS = {
     "route": _route_cuda, "route_backward": _route_backward_cuda, "route_backward_into_": _route_backward_into_cuda,
     "route_many": _route_many_cuda, "route_many_backward": _route_many_backward_cuda,
     "route_many_backward_into_": _route_many_backward_into_cuda,
     "route_merge": _route_merge_cuda, "route_merge_backward": _route_merge_backward_cuda,
+    "token_weighted_sum": _token_weighted_sum_cuda,
 }
 
 #: environment variable choosing how the kernels are registered (read once, at import)

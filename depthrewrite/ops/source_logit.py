@@ -31,6 +31,12 @@ block MHAR, DAR, and full AttnRes's merges of one entry), or that upcast times a
 factor that takes no gradient (two-phase WAV's RMS-matched partial details, ``route``'s
 ``source_scale``: the factor joins the per-token weights); other dtypes keep the plain ops.
 ``MATMUL_TOKEN_SUM = False`` uses the plain ops everywhere (the form before session 68).
+
+The sum over the tokens itself is the op ``depthrewrite::token_weighted_sum`` where
+``TRITON_TOKEN_SUM`` is on: on CUDA a Triton kernel that reads ``stored`` once with the
+weights in float32 (:mod:`depthrewrite.kernels.token_sum_triton`); elsewhere, and with the
+fused kernels off, the product above. Off by default until timed on a GPU (session 81 wrote
+it while no device machine was lent).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "split_into_parts", "MATMUL_TOKEN_SUM"]
+__all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "token_weighted_sum_product",
+           "split_into_parts", "MATMUL_TOKEN_SUM", "TRITON_TOKEN_SUM"]
 
 #: the backward's sum over the tokens as a matrix product (see the module docstring); False:
 #: the logit as plain torch ops, differentiated by autograd. DAR block's step is 2.2 % shorter
@@ -47,6 +54,12 @@ __all__ = ["source_logit", "source_logit_reference", "token_weighted_sum", "spli
 #: it on an H100 at session 80's code (one run; the products run at ~1 TB/s: docs/benchmarks.md,
 #: "Session 80")
 MATMUL_TOKEN_SUM = True
+
+#: the backward's sum over the tokens through the op ``depthrewrite::token_weighted_sum``
+#: (its CUDA kernel: :mod:`depthrewrite.kernels.token_sum_triton`), not the product inline.
+#: Off until an end-to-end run on a GPU says which is faster (the kernel was written and
+#: tested in Triton's interpreter in session 81, no GPU lent then)
+TRITON_TOKEN_SUM = False
 
 #: the stored dtypes whose sources take the matrix-product backward: bf16's exponent range is
 #: float32's, so no weight of a gradient's size overflows or flushes to zero in its parts, as
@@ -88,8 +101,17 @@ def _takes_product(scale: Tensor | None, value: Tensor) -> bool:
 def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
     """``out[c] = sum_t weights[t, c // (d / heads)] * stored[t, c]`` in float32, over every
     token ``t`` (all leading dimensions): ``weights`` float32 of shape ``(*batch, heads)``,
-    ``stored`` bf16 of shape ``(*batch, d)``. One matrix product reading ``stored`` once,
-    the weights as :data:`WEIGHT_PARTS` bf16 parts each, the sums in float32."""
+    ``stored`` bf16 of shape ``(*batch, d)``. :func:`token_weighted_sum_product`, or with
+    :data:`TRITON_TOKEN_SUM` the op ``depthrewrite::token_weighted_sum`` (the same sum; on
+    CUDA a Triton kernel)."""
+    if TRITON_TOKEN_SUM:
+        return torch.ops.depthrewrite.token_weighted_sum(weights, stored, heads)
+    return token_weighted_sum_product(weights, stored, heads)
+
+
+def token_weighted_sum_product(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
+    """:func:`token_weighted_sum` as one matrix product reading ``stored`` once, the weights
+    as :data:`WEIGHT_PARTS` bf16 parts each, the sums in float32."""
     d, parts = stored.shape[-1], WEIGHT_PARTS
     rows = split_into_parts(weights.reshape(-1, heads), stored.dtype, parts)  # (T, parts * H)
     flat = stored.reshape(-1, d)
@@ -100,6 +122,18 @@ def token_weighted_sum(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
     sums = sums.view(parts, heads, heads, d // heads)
     # head h's columns take head h's weights: the diagonal blocks, the parts added
     return torch.diagonal(sums, dim1=1, dim2=2).sum(0).transpose(0, 1).reshape(d)
+
+
+@torch.library.custom_op("depthrewrite::token_weighted_sum", mutates_args=())
+def _token_weighted_sum_op(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
+    """The op's implementation off CUDA (and on CUDA with the fused kernels off): the
+    product. Its CUDA kernel is registered by :mod:`depthrewrite.kernels`."""
+    return token_weighted_sum_product(weights, stored, heads)
+
+
+@_token_weighted_sum_op.register_fake
+def _(weights: Tensor, stored: Tensor, heads: int) -> Tensor:
+    return stored.new_empty((stored.shape[-1],), dtype=torch.float32)
 
 
 def split_into_parts(weights: Tensor, dtype: torch.dtype, parts: int) -> Tensor:

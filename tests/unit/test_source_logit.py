@@ -214,23 +214,26 @@ def test_merge_routes_scaled_sources_in_bf16_give_the_plain_ops_gradients(monkey
                                    msg=f"output {k}")
 
 
-def _backward_mm_count(matmul: bool, monkeypatch) -> int:
-    """aten.mm nodes in the backward graph AOTAutograd makes of merge_partial (bf16)."""
+def _backward_targets(monkeypatch, matmul: bool, triton_sum: bool = False) -> dict:
+    """Matrix products and ``depthrewrite::token_weighted_sum`` calls in the backward graph
+    AOTAutograd makes of merge_partial (bf16), and the gradients it gave."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)
-    counts = []
+    monkeypatch.setattr(sl, "TRITON_TOKEN_SUM", triton_sum)
+    counts = {}
 
     def count_backward(gm, _inputs):
-        counts.append(sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype)
-                          for n in gm.graph.nodes))
+        targets = [n.target for n in gm.graph.nodes]
+        counts["mm"] = sum(t in (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype) for t in targets)
+        counts["token_sum"] = targets.count(torch.ops.depthrewrite.token_weighted_sum.default)
         return make_boxed_func(gm)
 
     backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=count_backward)
     out, partial = _stored((4, 6), 16, seed=6), _stored((4, 6), 16, seed=7)
-    lse = torch.randn(4, 6, 1)
-    query = torch.randn(16, requires_grad=True)
+    lse = torch.randn(4, 6, 1, generator=torch.Generator().manual_seed(8))
+    query = torch.randn(16, generator=torch.Generator().manual_seed(9), requires_grad=True)
     weight = torch.ones(16, requires_grad=True)
 
     def merge(o, p, q, w):
@@ -239,16 +242,27 @@ def _backward_mm_count(matmul: bool, monkeypatch) -> int:
     torch._dynamo.reset()
     loss = torch.compile(merge, backend=backend, fullgraph=True)(out.requires_grad_(), partial.requires_grad_(),
                                                                   query, weight)
-    loss.backward()
+    counts["grads"] = torch.autograd.grad(loss, (query, weight))
     torch._dynamo.reset()
-    return counts[0]
+    return counts
 
 
 def test_a_compiled_backward_forms_the_token_sum_as_one_product(monkeypatch):
     """Traced by Dynamo and AOTAutograd (fullgraph), the backward holds one matrix product
     (the query and key-norm-weight gradients' sum over the tokens); the plain ops' holds none."""
-    assert _backward_mm_count(True, monkeypatch) == 1
-    assert _backward_mm_count(False, monkeypatch) == 0
+    assert _backward_targets(monkeypatch, True)["mm"] == 1
+    assert _backward_targets(monkeypatch, False)["mm"] == 0
+
+
+def test_with_triton_token_sum_a_compiled_backward_calls_the_op(monkeypatch):
+    """With ``TRITON_TOKEN_SUM`` the backward's sum over the tokens is one call of
+    ``depthrewrite::token_weighted_sum`` (its fake gives AOTAutograd the shape), no product;
+    off the GPU the op is the product, so the gradients are the product's bit for bit."""
+    product = _backward_targets(monkeypatch, True)
+    op = _backward_targets(monkeypatch, True, triton_sum=True)
+    assert (op["mm"], op["token_sum"]) == (0, 1) and product["token_sum"] == 0
+    for got, expected in zip(op["grads"], product["grads"]):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("scheme, options", [("block_attnres", {}), ("mhar", {"block_size": 2}),

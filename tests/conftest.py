@@ -37,6 +37,31 @@ import torch._inductor.config  # noqa: E402
 torch._inductor.config.cpp.simdlen = 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`tests.slow_tests.SLOW_TESTS` ``slow`` (CI runs ``-m "not
+    slow"``); stop the run if an entry names no test of a file collected whole."""
+    from tests.slow_tests import is_slow, stale_entries
+
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    root = pathlib.Path(config.rootpath)
+    whole = [_relative(arg, root) for arg in config.args if "::" not in arg]
+    stale = stale_entries([item.nodeid for item in items], [path for path in whole if path is not None])
+    if stale:
+        raise pytest.UsageError(f"tests/slow_tests.py names tests that were not collected (renamed?): {stale}")
+
+
+def _relative(arg: str, root: pathlib.Path) -> str | None:
+    """A command-line path as the node ids write it (relative to the root; "" for the root)."""
+    try:
+        relative = pathlib.Path(arg).resolve().relative_to(root)
+    except ValueError:
+        return None
+    return "" if str(relative) == "." else relative.as_posix()
+
+
 @pytest.fixture(autouse=True)
 def _seeded_global_generator():
     """Every test starts from the same state of torch's global generator, whatever ran

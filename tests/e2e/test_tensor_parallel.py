@@ -18,7 +18,6 @@ missing a rank's share is off by tens of percent (43-108 % here).
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -268,7 +267,6 @@ def _fsdp_tp_worker(rank: int, port: int, out: str) -> None:
         torch.save(found, out)
 
 
-@pytest.mark.slow
 def test_sequence_parallelism_under_fsdp2_matches_one_process(tmp_path):
     out = tmp_path / "fsdp_tp.pt"
     mp.spawn(_fsdp_tp_worker, args=(free_port(), str(out)), nprocs=2 * WORLD, join=True)

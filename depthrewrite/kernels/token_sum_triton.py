@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .grid import cdiv
+from .route_triton import _multiprocessors
 
 __all__ = ["token_weighted_sum_triton", "BLOCK_T", "BLOCK_D", "PROGRAMS_PER_SM", "SUPPORTED_DTYPES"]
 
@@ -83,12 +84,13 @@ def _programs(device: torch.device) -> int:
     off the GPU: Triton's interpreter)."""
     if device.type != "cuda":
         return PROGRAMS_PER_SM
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * _multiprocessors(device)
 
 
 def _check_inputs(weights: Tensor, stored: Tensor, heads: int) -> None:
-    """The op's contract, checked again at launch: a compiled graph calls the kernel
-    without :func:`depthrewrite.ops.source_logit.token_weighted_sum`'s wrapper."""
+    """The op's contract, checked at each launch: the op is internal (the merges' logit
+    backward calls it), but a caller of ``torch.ops.depthrewrite.token_weighted_sum`` with
+    another dtype or shape would otherwise get a misread sum, not an error."""
     op = "token_weighted_sum (Triton)"
     if stored.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{op}: `stored` must be one of {SUPPORTED_DTYPES}; found {stored.dtype}")

@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from depthrewrite.kernels import route_many_triton, route_merge_triton, route_triton, shared_memory  # noqa: E402
+from depthrewrite.kernels import token_sum_triton  # noqa: E402
 
 #: shared memory a program may take on an H200 (``shared_memory_per_block_optin``: 227 KiB)
 H200_SHARED = 232448
@@ -147,12 +148,18 @@ def route_merge(d: int, heads: int, dtype, keys: bool, norm: bool, config: dict 
     route_merge_triton.route_merge_backward(torch.randn(tokens, d).to(dtype), *args, config=config)
 
 
+def token_sum(d: int, heads: int, dtype, tokens: int = 67):
+    stored = torch.randn(tokens, d).to(dtype)
+    token_sum_triton.token_weighted_sum_triton(torch.randn(tokens, heads), stored, heads)
+
+
 OPS = {"route": route, "route_many": route_many, "route_merge": route_merge}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def run_case(case: str) -> list[dict]:
-    """``case``: ``op:d:heads:dtype:flag,flag...:stages`` (flags ``keys``, ``acc``: running
+    """``case``: ``op:d:heads:dtype:flag,flag...:stages`` (op ``token_sum`` takes neither
+    flags nor stages; flags ``keys``, ``acc``: running
     sums, ``norm``: the output norm, ``fused``: route's in its kernels; stages ``default`` or
     a number for the launch config)."""
     op, d, heads, dtype, flags, stages = case.split(":")
@@ -161,7 +168,9 @@ def run_case(case: str) -> list[dict]:
     if "fused" in flags:
         config = {**(config or {}), "fuse_norm": True}
     LAUNCHES.clear()
-    if op == "route_merge":
+    if op == "token_sum":
+        token_sum(int(d), int(heads), DTYPES[dtype])
+    elif op == "route_merge":
         route_merge(int(d), int(heads), DTYPES[dtype], "keys" in flags, "norm" in flags, config)
     else:
         extra = {"norm": "norm" in flags} if op == "route" else {}

@@ -292,3 +292,33 @@ def test_a_bf16_model_trains_as_with_the_plain_ops(scheme, options, monkeypatch)
     for name, expected in grads[1].items():
         ulp = 2.0 ** -7 * expected.abs().max().item()
         torch.testing.assert_close(grads[0][name], expected, rtol=0, atol=ulp, msg=name)
+
+
+def test_a_bf16_model_compiled_with_the_triton_token_sum_trains_as_with_the_products(monkeypatch):
+    """Block AttnRes's bf16 GPT compiled whole through the backend (fullgraph) with
+    ``TRITON_TOKEN_SUM``: the op passes the backend's graph passes and Inductor, and the
+    loss and every gradient are the products' (off the GPU the op is the product; Inductor
+    fuses the step around it differently, so the gradients to within one bf16 rounding)."""
+    import depthrewrite
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    results = []
+    for triton_sum in (False, True):
+        monkeypatch.setattr(sl, "TRITON_TOKEN_SUM", triton_sum)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = depthrewrite.rewrite(gpt_from_preset("tiny"), "block_attnres").to(torch.bfloat16)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("query"):
+                    p.normal_(0, 0.5)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = torch.compile(model, backend="depthrewrite", fullgraph=True)(tokens, tokens)[1]
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.float() for name, p in model.named_parameters()}))
+    torch._dynamo.reset()
+    (loss, grads), (expected_loss, expected_grads) = results[1], results[0]
+    assert torch.equal(loss, expected_loss)
+    for name, expected in expected_grads.items():
+        ulp = 2.0 ** -7 * expected.abs().max().item()
+        torch.testing.assert_close(grads[name], expected, rtol=0, atol=ulp, msg=name)

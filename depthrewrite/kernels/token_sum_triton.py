@@ -69,7 +69,7 @@ def token_weighted_sum_triton(weights: Tensor, stored: Tensor, heads: int) -> Te
     if tokens == 0:
         return rows.new_zeros((d,), dtype=torch.float32)
     column_blocks = cdiv(d, BLOCK_D)
-    runs = max(1, min(cdiv(tokens, BLOCK_T), cdiv(_programs(rows.device), column_blocks)))
+    runs = min(cdiv(tokens, BLOCK_T), cdiv(_programs(rows.device), column_blocks))  # >= 1: tokens > 0
     # each run a whole number of BLOCK_T rows, so a program's steps are full tiles but its last
     tokens_per_run = cdiv(cdiv(tokens, runs), BLOCK_T) * BLOCK_T
     runs = cdiv(tokens, tokens_per_run)

@@ -270,28 +270,44 @@ def test_with_triton_token_sum_a_compiled_backward_calls_the_op(monkeypatch):
 def test_a_bf16_model_trains_as_with_the_plain_ops(scheme, options, monkeypatch):
     """A rewritten bf16 GPT's every parameter gradient (eager) with the matrix products
     equals the plain ops' to within one bf16 rounding, and the products did run."""
-    import depthrewrite
-    from depthrewrite.models.gpt import gpt_from_preset
-
     calls = _count_products(monkeypatch)
     grads = []
     for matmul in (True, False):
         monkeypatch.setattr(sl, "MATMUL_TOKEN_SUM", matmul)
-        torch.manual_seed(0)
-        model = depthrewrite.rewrite(gpt_from_preset("tiny"), scheme, **options).to(torch.bfloat16)
-        with torch.no_grad():  # queries away from zero, so that the merges' weights differ per token
-            for name, p in model.named_parameters():
-                if name.endswith("query"):
-                    p.normal_(0, 0.5)
-        tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        model, tokens = _bf16_gpt(scheme, **options)
         model(tokens, tokens)[1].backward()
-        grads.append({name: p.grad.float() for name, p in model.named_parameters()})
+        grads.append(_float_grads(model))
         if matmul:
             assert calls, f"{scheme}: no merge took the matrix product"
-    assert grads[0].keys() == grads[1].keys()
-    for name, expected in grads[1].items():
+    _assert_within_one_bf16_rounding(grads[0], grads[1])
+
+
+def _bf16_gpt(scheme: str, **options):
+    """The tiny GPT rewritten with ``scheme``, in bf16, its queries away from zero (so that
+    the merges' weights differ per token), and a batch of tokens for it."""
+    import depthrewrite
+    from depthrewrite.models.gpt import gpt_from_preset
+
+    torch.manual_seed(0)
+    model = depthrewrite.rewrite(gpt_from_preset("tiny"), scheme, **options).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(0, 0.5)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, tokens
+
+
+def _float_grads(model) -> dict:
+    return {name: p.grad.float() for name, p in model.named_parameters()}
+
+
+def _assert_within_one_bf16_rounding(grads: dict, expected_grads: dict) -> None:
+    """Every gradient within one bf16 rounding of the largest of its expected values."""
+    assert grads.keys() == expected_grads.keys()
+    for name, expected in expected_grads.items():
         ulp = 2.0 ** -7 * expected.abs().max().item()
-        torch.testing.assert_close(grads[0][name], expected, rtol=0, atol=ulp, msg=name)
+        torch.testing.assert_close(grads[name], expected, rtol=0, atol=ulp, msg=name)
 
 
 def test_a_bf16_model_compiled_with_the_triton_token_sum_trains_as_with_the_products(monkeypatch):
@@ -299,26 +315,15 @@ def test_a_bf16_model_compiled_with_the_triton_token_sum_trains_as_with_the_prod
     ``TRITON_TOKEN_SUM``: the op passes the backend's graph passes and Inductor, and the
     loss and every gradient are the products' (off the GPU the op is the product; Inductor
     fuses the step around it differently, so the gradients to within one bf16 rounding)."""
-    import depthrewrite
-    from depthrewrite.models.gpt import gpt_from_preset
-
     results = []
     for triton_sum in (False, True):
         monkeypatch.setattr(sl, "TRITON_TOKEN_SUM", triton_sum)
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = depthrewrite.rewrite(gpt_from_preset("tiny"), "block_attnres").to(torch.bfloat16)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("query"):
-                    p.normal_(0, 0.5)
-        tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        model, tokens = _bf16_gpt("block_attnres")
         loss = torch.compile(model, backend="depthrewrite", fullgraph=True)(tokens, tokens)[1]
         loss.backward()
-        results.append((loss.detach(), {name: p.grad.float() for name, p in model.named_parameters()}))
+        results.append((loss.detach(), _float_grads(model)))
     torch._dynamo.reset()
     (loss, grads), (expected_loss, expected_grads) = results[1], results[0]
     assert torch.equal(loss, expected_loss)
-    for name, expected in expected_grads.items():
-        ulp = 2.0 ** -7 * expected.abs().max().item()
-        torch.testing.assert_close(grads[name], expected, rtol=0, atol=ulp, msg=name)
+    _assert_within_one_bf16_rounding(grads, expected_grads)

@@ -1,6 +1,7 @@
 """The merges' sum over the tokens (``source_logit.token_weighted_sum``) as one matrix
 product, in each operand layout, beside Inductor's reduction of the same sum (session 68)
-and the op's Triton kernel (``kernels/token_sum_triton.py``, session 81):
+and the op's Triton kernel (``kernels/token_sum_triton.py``, session 81) at its defaults and
+other launch settings (session 82):
 
     python3 benchmarks/token_sum_speed.py [--tokens 16384] [--width 1024] [--repeats 50] [--parts 3]
 
@@ -57,10 +58,37 @@ def _inductor_sum(heads: int):
     return torch.compile(plain)
 
 
-def _triton_sum(heads: int):
-    from depthrewrite.kernels.token_sum_triton import token_weighted_sum_triton
+#: the kernel's launch settings timed beside its defaults (session 82): module constant ->
+#: value; "gathered" is the session-81 form, a weight loaded per column at any head width
+TRITON_SETTINGS = {
+    "defaults": {},
+    "gathered": {"MIN_ONE_HEAD_BLOCK_D": 1 << 30},
+    "8 warps": {"NUM_WARPS": 8},
+    "8 warps, 2 programs/SM": {"NUM_WARPS": 8, "PROGRAMS_PER_SM": 2},
+    "2 programs/SM": {"PROGRAMS_PER_SM": 2},
+    "tile 4096": {"TILE": 4096},
+    "tile 4096, 8 programs/SM": {"TILE": 4096, "PROGRAMS_PER_SM": 8},
+    "tile 16384, 8 warps, 2 programs/SM": {"TILE": 16384, "NUM_WARPS": 8, "PROGRAMS_PER_SM": 2},
+    "tile 16384, 8 warps, 1 program/SM": {"TILE": 16384, "NUM_WARPS": 8, "PROGRAMS_PER_SM": 1},
+}
 
-    return lambda w, s: token_weighted_sum_triton(w, s, heads)
+
+def _triton_sum(heads: int, settings: dict):
+    """The kernel with ``settings`` (module constants) in force for each call, the CUDA
+    graph's capture included; restored after."""
+    from depthrewrite.kernels import token_sum_triton
+
+    def call(w, s):
+        saved = {name: getattr(token_sum_triton, name) for name in settings}
+        for name, value in settings.items():
+            setattr(token_sum_triton, name, value)
+        try:
+            return token_sum_triton.token_weighted_sum_triton(w, s, heads)
+        finally:
+            for name, value in saved.items():
+                setattr(token_sum_triton, name, value)
+
+    return call
 
 
 def _time(fn, inputs, repeats: int) -> float:
@@ -91,8 +119,9 @@ def main(argv=None) -> None:
     for heads in (1, 16):
         inputs = [(torch.randn(args.tokens, heads, device="cuda"),
                    torch.randn(args.tokens, args.width, device="cuda").to(torch.bfloat16)) for _ in range(POOL)]
-        cases = dict(layouts(args.parts), **{"Inductor's reduction": _inductor_sum(heads),
-                                             "Triton kernel (token_sum_triton)": _triton_sum(heads)})
+        cases = dict(layouts(args.parts), **{"Inductor's reduction": _inductor_sum(heads)})
+        cases.update({f"Triton kernel, {name}": _triton_sum(heads, settings)
+                      for name, settings in TRITON_SETTINGS.items()})
         for name, fn in cases.items():
             ms = _time(fn, inputs, args.repeats)
             print(f"| {heads} | {name} | {ms * 1e3:.1f} | {gb / ms:.2f} |")

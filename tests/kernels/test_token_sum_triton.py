@@ -49,16 +49,24 @@ CASES = [
     ((1,), 7186, 2),
     ((5, 33), 1024, 16),
     ((129,), 96, 4),
+    # heads of 96 columns: blocks of 32, three to a head
+    ((2, 41), 384, 4),
 ]
 
+#: the paths a case can take: as the launcher picks them, and with every program gathering
+#: a weight per column (no head width gives the broadcast path a block this wide)
+PATHS = {"picked": ts.MIN_ONE_HEAD_BLOCK_D, "gathered": 1 << 30}
 
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("programs_per_sm", [ts.PROGRAMS_PER_SM, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("batch,d,heads", CASES)
-def test_matches_float64(batch, d, heads, dtype, programs_per_sm, monkeypatch):
-    """Within the float32 sums' rounding of the exact sum; 64 programs an SM gives runs of 32
-    tokens, so the larger cases have several runs and a last one cut short."""
+def test_matches_float64(batch, d, heads, dtype, programs_per_sm, path, monkeypatch):
+    """Within the float32 sums' rounding of the exact sum; 64 programs an SM gives runs of one
+    tile, so the larger cases have several runs and a last one cut short."""
     monkeypatch.setattr(ts, "PROGRAMS_PER_SM", programs_per_sm)
+    monkeypatch.setattr(ts, "MIN_ONE_HEAD_BLOCK_D", PATHS[path])
     weights, stored = _inputs(batch, d, heads, dtype)
     got = ts.token_weighted_sum_triton(weights, stored, heads)
     assert got.dtype == torch.float32 and got.shape == (d,) and got.device == stored.device
@@ -66,17 +74,31 @@ def test_matches_float64(batch, d, heads, dtype, programs_per_sm, monkeypatch):
             <= _bound(weights, stored, heads)).all()
 
 
-def test_each_column_takes_its_heads_weights():
+@pytest.mark.parametrize("d,heads,block", [(96, 4, (256, False)), (384, 4, (32, True)), (1024, 16, (64, True)),
+                                           (1024, 2, (256, True))])
+def test_each_column_takes_its_heads_weights(d, heads, block):
     """A weight of one head reaches that head's columns only (a wrong head index shows here
-    where random weights could hide it in the sums' rounding)."""
-    heads, d = 4, 96
+    where random weights could hide it in the sums' rounding), on both paths: a weight per
+    column, and one a row for blocks within a head (three blocks a head, one, and one of two
+    halves)."""
+    assert ts.column_blocks(d, heads) == block
     stored = torch.ones(7, d, device=DEVICE)
     weights = torch.zeros(7, heads, device=DEVICE)
-    weights[:, 2] = 1.0
+    weights[:, 2 % heads] = 1.0
     got = ts.token_weighted_sum_triton(weights, stored, heads).cpu()
     expected = torch.zeros(d)
-    expected[2 * 24:3 * 24] = 7.0
+    head_width = d // heads
+    expected[(2 % heads) * head_width:(2 % heads + 1) * head_width] = 7.0
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("width,heads,block", [
+    (1024, 1, (256, True)), (48, 1, (256, True)), (7186, 1, (256, True)),  # one head: any block lies in it
+    (1024, 16, (64, True)), (2048, 4, (256, True)), (384, 4, (32, True)),  # the largest power of two, capped
+    (7186, 2, (256, False)), (96, 4, (256, False)), (256, 16, (256, False)),  # under 32: a weight per column
+])
+def test_column_blocks(width, heads, block):
+    assert ts.column_blocks(width, heads) == block
 
 
 def test_is_deterministic_and_matches_the_product_form():

@@ -25,6 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
+#   OUT=... bash benchmarks/device_session.sh token82  # tokensum82's speed and tests, then blocke2e82, in one call (session 82)
 #   OUT=... bash benchmarks/device_session.sh tokensum82  # the token sum's Triton kernel with a weight a row where a block lies in one head: its GPU tests, its speed at several launch settings (session 82)
 #   OUT=... bash benchmarks/device_session.sh blocke2e82  # Block AttnRes beside the baseline: its default, the logit as plain ops, the Triton token sum (session 82)
 #   OUT=... bash benchmarks/device_session.sh tokensum81  # the token sum's Triton kernel: its GPU tests, its speed beside the products and Inductor's reduction, Block AttnRes with it beside its default and the baseline (prepared in session 81)
@@ -313,6 +314,14 @@ on_h200() {
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   echo "card: $gpu"
   [[ $gpu == *H200* ]]
+}
+# the token sum's kernel: its speed (token_sum_speed.py, at most 90 s), then its tests and
+# source_logit's on the GPU (at most $1 s)
+token_sum_speed_and_tests() {
+  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
+  timeout 90 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -24
+  timeout "$1" python3 -m pytest -q -rs --durations=5 -p no:cacheprovider tests/kernels/test_token_sum_triton.py \
+      tests/unit/test_source_logit.py 2>&1 | tee "$OUT/pytest_token_sum.txt" | tail -12
 }
 # the tests of tests/e2e/test_$1.py, its CUDA tests among them, into $OUT/pytest_$1.txt
 # (carry [".whl", ".devdata"]: the tests read .devdata/tinyshakespeare.txt)
@@ -919,19 +928,22 @@ h200table78)
 tokensum82)
   # session 82: session 81's token-sum kernel ran at 1.35 TB/s (one head) and 0.60 (16 heads)
   # on an H100, under Inductor's reduction; now a row's weight is loaded once where a
-  # program's columns lie in one head. Its GPU tests (session 81's run was cut at 120 s,
-  # so 270 s and the slowest durations), then its speed at the launch settings of
-  # token_sum_speed.py's TRITON_SETTINGS
-  export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 270 python3 -m pytest -q -rs --durations=5 -p no:cacheprovider tests/kernels/test_token_sum_triton.py \
-      tests/unit/test_source_logit.py 2>&1 | tee "$OUT/pytest_token_sum.txt" | tail -12
-  timeout 150 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -24
+  # program's columns lie in one head. Its speed at the launch settings of
+  # token_sum_speed.py's TRITON_SETTINGS, then its GPU tests (session 81's run was cut at
+  # 120 s: the slowest durations shown)
+  token_sum_speed_and_tests "${TESTS_SECONDS:-270}"
   ;;
 blocke2e82)
   # session 82: Block AttnRes at its default (the logit's token sums as products), with them
   # as plain ops (Inductor's reduction), and as the Triton kernel, beside the baseline: one
   # wave of 4 on whichever card comes
   e2e_run "${LAST_SECONDS:-420}" 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
+  ;;
+token82)
+  # session 82's one device call where machines came seldom: tokensum82 (tests cut at 180 s),
+  # then blocke2e82 (at most 300 s)
+  token_sum_speed_and_tests 180
+  e2e_run 300 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
   ;;
 tokensum81)
   # prepared in session 81 (no device machine lent): the merges' logit backward's sum over

@@ -315,11 +315,11 @@ on_h200() {
   echo "card: $gpu"
   [[ $gpu == *H200* ]]
 }
-# the token sum's kernel: its speed (token_sum_speed.py, at most 90 s), then its tests and
+# the token sum's kernel: its speed (token_sum_speed.py, at most 75 s), then its tests and
 # source_logit's on the GPU (at most $1 s)
 token_sum_speed_and_tests() {
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
-  timeout 90 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -24
+  timeout 75 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -24
   timeout "$1" python3 -m pytest -q -rs --durations=5 -p no:cacheprovider tests/kernels/test_token_sum_triton.py \
       tests/unit/test_source_logit.py 2>&1 | tee "$OUT/pytest_token_sum.txt" | tail -12
 }
@@ -778,7 +778,7 @@ ab68)
   # (_plainlogit) and the baseline (~6 minutes; runs 3 and 5 ran two parts a weight: add
   # block_attnres_parts2 for that form)
   export PYTHONPATH=$PWD
-  timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
+  timeout 75 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   e2e_run 400 3 10 baseline block_attnres block_attnres_plainlogit
   ;;
 ab68b)
@@ -786,7 +786,7 @@ ab68b)
   # block with the merges' logit backward as a matrix product beside the plain ops' form
   # and the baseline (~7 minutes; run 4 ran two parts a weight: the _parts2 variants)
   export PYTHONPATH=$PWD
-  timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
+  timeout 75 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   e2e_run 420 3 14 baseline mhar_block mhar_block_plainlogit dar_block dar_block_plainlogit
   ;;
 logit68gpu)
@@ -940,10 +940,10 @@ blocke2e82)
   e2e_run "${LAST_SECONDS:-420}" 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
   ;;
 token82)
-  # session 82's one device call where machines came seldom: tokensum82 (tests cut at 180 s),
-  # then blocke2e82 (at most 300 s)
-  token_sum_speed_and_tests 180
-  e2e_run 300 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
+  # session 82's one device call where machines came seldom (under 10 minutes of device time
+  # left): tokensum82 (tests cut at 150 s), then blocke2e82 (at most 250 s)
+  token_sum_speed_and_tests 150
+  e2e_run 250 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
   ;;
 tokensum81)
   # prepared in session 81 (no device machine lent): the merges' logit backward's sum over
@@ -954,7 +954,7 @@ tokensum81)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_sum_triton.py \
       tests/unit/test_source_logit.py 2>&1 | tee "$OUT/pytest_token_sum.txt" | tail -3
-  timeout 90 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -14
+  timeout 75 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -14
   e2e_run "${LAST_SECONDS:-270}" 3 10 baseline block_attnres block_attnres_tritonsum
   ;;
 logit81)

@@ -25,7 +25,7 @@
 #   OUT=... bash benchmarks/device_session.sh host71  # the launchers' host time in parts with block MHAR's fused merge among the cases; block MHAR with and without the fused merge (session 71)
 #   OUT=... bash benchmarks/device_session.sh h200table77  # on an H200 table72; on an H100 only the card's name (session 77)
 #   OUT=... bash benchmarks/device_session.sh h200table78  # on an H200 table72; on any card the harness's routing record on the GPU (session 78)
-#   OUT=... bash benchmarks/device_session.sh token82  # tokensum82's speed and tests, then blocke2e82, in one call (session 82)
+#   OUT=... bash benchmarks/device_session.sh token82  # tokensum82's speed and tests, then Block AttnRes with the Triton token sum beside its default and the baseline, in one call (session 82)
 #   OUT=... bash benchmarks/device_session.sh tokensum82  # the token sum's Triton kernel with a weight a row where a block lies in one head: its GPU tests, its speed at several launch settings (session 82)
 #   OUT=... bash benchmarks/device_session.sh blocke2e82  # Block AttnRes beside the baseline: its default, the logit as plain ops, the Triton token sum (session 82)
 #   OUT=... bash benchmarks/device_session.sh tokensum81  # the token sum's Triton kernel: its GPU tests, its speed beside the products and Inductor's reduction, Block AttnRes with it beside its default and the baseline (prepared in session 81)
@@ -940,10 +940,11 @@ blocke2e82)
   e2e_run "${LAST_SECONDS:-420}" 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
   ;;
 token82)
-  # session 82's one device call where machines came seldom (under 10 minutes of device time
-  # left): tokensum82 (tests cut at 150 s), then blocke2e82 (at most 250 s)
-  token_sum_speed_and_tests 150
-  e2e_run 250 4 11 baseline block_attnres block_attnres_plainlogit block_attnres_tritonsum
+  # session 82's one device call where machines came seldom (under 9 minutes of device time
+  # left): tokensum82 (tests cut at 120 s), then Block AttnRes with the Triton token sum
+  # beside its default and the baseline (at most 220 s)
+  token_sum_speed_and_tests 120
+  e2e_run 220 3 10 baseline block_attnres block_attnres_tritonsum
   ;;
 tokensum81)
   # prepared in session 81 (no device machine lent): the merges' logit backward's sum over

@@ -57,8 +57,9 @@ MATMUL_TOKEN_SUM = True
 
 #: the backward's sum over the tokens through the op ``depthrewrite::token_weighted_sum``
 #: (its CUDA kernel: :mod:`depthrewrite.kernels.token_sum_triton`), not the product inline.
-#: Off until an end-to-end run on a GPU says which is faster (the kernel was written and
-#: tested in Triton's interpreter in session 81, no GPU lent then)
+#: Off until an end-to-end run on a GPU says which is faster: the kernel's first form (session
+#: 81) made Block AttnRes's H100 step 0.9 % shorter than the products in one run, but was
+#: slower than Inductor's reduction of the sum; its second (session 82) is not yet timed
 TRITON_TOKEN_SUM = False
 
 #: the stored dtypes whose sources take the matrix-product backward: bf16's exponent range is

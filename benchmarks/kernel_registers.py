@@ -12,8 +12,10 @@ scale / fused-norm combination; with ``--forward-caps`` also under those registe
 none), ``_route_many_fwd_kernel`` at ``route_many_forward``'s (2 queries per program; 1 with
 several heads), the per-token ``_route_many_bwd_kernel`` at ``route_many_backward``'s (6
 queries, or ``--many-queries``; also with its row sums one by one and in its ``param="table"``
-form), each without and with separate keys, and ``route_merge``'s forward and backward (J = 1
-and 2, with and without the fused output norm) at their launchers' choices; runs ``ptxas -v``
+form), each without and with separate keys, ``token_weighted_sum_triton``'s kernel as launched
+(also at 8 warps) and in its session-81 form (a weight gathered per term), and
+``route_merge``'s forward and backward (J = 1 and 2, with and without the fused output norm)
+at their launchers' choices; runs ``ptxas -v``
 on the PTX, and ``nvdisasm`` (beside that ``ptxas``) on its machine code to count the SASS
 instructions and the ``BAR.SYNC`` barriers, where a program's warps wait for each other.
 Registers per thread set how many programs an SM holds (65,536 registers per SM on
@@ -86,10 +88,11 @@ def sass_summary(cubin: pathlib.Path, ptxas: str) -> str:
     return f"{len(lines)} SASS instructions, {sum('BAR.SYNC' in line for line in lines)} barriers"
 
 
-def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | None = None) -> str:
+def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | None = None,
+             divisible: tuple[str, ...] = ("D", "C")) -> str:
     """PTX of ``kernel`` for sm_90 with what a launch specializes: 16-byte aligned pointers,
-    widths ``D`` and ``C`` divisible by 16. ``types``: Triton types of the runtime arguments;
-    ``maxnreg``: the launch's register cap, if any."""
+    the integer arguments ``divisible`` (the widths) divisible by 16. ``types``: Triton types of
+    the runtime arguments; ``maxnreg``: the launch's register cap, if any."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -97,7 +100,7 @@ def _compile(kernel, types: dict, constexprs: dict, warps: int, maxnreg: int | N
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: types.get(n, "constexpr") for n in names}
     attrs = {(k,): [["tt.divisibility", 16]] for k, n in enumerate(names)
-             if signature[n].startswith("*") or n in ("D", "C")}
+             if signature[n].startswith("*") or n in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
@@ -242,6 +245,26 @@ def compile_merge(d: int, heads: int, results: int, has_keys: bool, has_norm: bo
     return _compile(kernel, MERGE_TYPES, constexprs, launch["num_warps"]), launch
 
 
+TOKEN_SUM_TYPES = dict(weights_ptr="*fp32", stored_ptr="*bf16", partials_ptr="*fp32", tokens="i32", width="i32",
+                       head_width="i32", heads="i32", tokens_per_run="i32")
+
+
+def compile_token_sum(d: int, heads: int, gathered: bool, warps: int | None = None):
+    """``token_weighted_sum_triton``'s kernel at its launcher's blocks for ``d`` and ``heads``
+    (bf16 source), or with every term's weight gathered (``gathered``: the session-81 form);
+    ``warps`` None: its NUM_WARPS. Returns (PTX, block rows, block columns, warps)."""
+    from depthrewrite.kernels import token_sum_triton as ts
+
+    block_d, one_head = ts.column_blocks(d, heads)
+    if gathered:
+        block_d, one_head = ts.MAX_BLOCK_D, False
+    warps = warps or ts.NUM_WARPS
+    constexprs = dict(BLOCK_T=ts.TILE // block_d, BLOCK_D=block_d, ONE_HEAD=one_head)
+    ptx = _compile(ts._token_sum_partials, TOKEN_SUM_TYPES, constexprs, warps,
+                   divisible=("width", "head_width", "tokens_per_run"))
+    return ptx, ts.TILE // block_d, block_d, warps
+
+
 def main() -> int:
     import triton
 
@@ -292,6 +315,12 @@ def main() -> int:
                 ptx, warps = compile_fn(args.width, heads, has_keys)
                 print(f"route_many {name} heads={heads:3d} keys={str(has_keys):5s} warps={warps}: "
                       + describe(ptx, args.ptxas, warps))
+    for heads in args.heads:
+        for gathered, warps in ((False, None), (False, 8), (True, None)):
+            ptx, block_t, block_d, warps = compile_token_sum(args.width, heads, gathered, warps)
+            form = "a weight per term" if gathered else "as launched"
+            print(f"token_sum {form} heads={heads:3d} block_t={block_t} block_d={block_d} warps={warps}: "
+                  + describe(ptx, args.ptxas, warps))
     for backward in (False, True):
         for heads in args.heads:
             for results, has_keys, has_norm in ((1, False, False), (1, False, True), (2, True, False), (2, True, True)):

@@ -778,7 +778,7 @@ ab68)
   # (_plainlogit) and the baseline (~6 minutes; runs 3 and 5 ran two parts a weight: add
   # block_attnres_parts2 for that form)
   export PYTHONPATH=$PWD
-  timeout 75 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
+  timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   e2e_run 400 3 10 baseline block_attnres block_attnres_plainlogit
   ;;
 ab68b)
@@ -786,7 +786,7 @@ ab68b)
   # block with the merges' logit backward as a matrix product beside the plain ops' form
   # and the baseline (~7 minutes; run 4 ran two parts a weight: the _parts2 variants)
   export PYTHONPATH=$PWD
-  timeout 75 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
+  timeout 90 python3 benchmarks/token_sum_speed.py --parts 2 | tee "$OUT/token_sum_speed.txt"
   e2e_run 420 3 14 baseline mhar_block mhar_block_plainlogit dar_block dar_block_plainlogit
   ;;
 logit68gpu)
@@ -955,7 +955,7 @@ tokensum81)
   export PYTHONPATH=$PWD TRITON_DEFAULT_FP_FUSION=1
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_sum_triton.py \
       tests/unit/test_source_logit.py 2>&1 | tee "$OUT/pytest_token_sum.txt" | tail -3
-  timeout 75 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -14
+  timeout 90 python3 benchmarks/token_sum_speed.py 2>&1 | tee "$OUT/token_sum_speed.txt" | tail -14
   e2e_run "${LAST_SECONDS:-270}" 3 10 baseline block_attnres block_attnres_tritonsum
   ;;
 logit81)

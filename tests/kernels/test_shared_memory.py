@@ -34,8 +34,8 @@ WIDEST = ["route:32768:1:fp32:keys,acc:default", "route:32768:1:bf16:keys:defaul
           "route:32768:16:bf16:norm,fused:default"]
 #: the token sum's kernel (no pipeline of ours) at the widest row in float32 and at block
 #: MHAR's 16 heads in bf16: it compiles for sm_90 off the GPU (none was lent when it was
-#: written), and within an H200's shared memory (Triton 3.9 gives it none: its sum over a
-#: tile's rows stays within each warp)
+#: written), and within an H200's shared memory (Triton 3.9 gives it none at one head, and
+#: 512 bytes at 16 heads, whose 128-row tiles sum their rows across warps)
 TOKEN_SUM = ["token_sum:32768:1:fp32::default", "token_sum:1024:16:bf16::default"]
 #: pipelines asked for by the launch config at rows where they fit: the bound against the compiler
 PIPELINED = ["route:1024:1:fp32:keys,acc:3", "route:2048:16:bf16:keys:3", "route_many:1024:1:fp32:keys,acc:3",

@@ -60,6 +60,9 @@ def _token_sum_partials(weights_ptr, stored_ptr, partials_ptr, tokens, width, he
     block = tl.program_id(1)
     cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < width
+    # both paths' head indices before the loop (the compiler drops the one a path does not
+    # use): computed in the ONE_HEAD branch, one head took 126 registers a thread, not 96
+    # (benchmarks/kernel_registers.py, Triton 3.9, session 82)
     head_of_col = cols // head_width
     head = (block * BLOCK_D) // head_width  # with ONE_HEAD, the head of every column
     first = run.to(tl.int64) * tokens_per_run
